@@ -1,0 +1,48 @@
+# Evenflow. `make demo` and `make test` set everything up themselves.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# GPU hosts: make setup TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.evenflow-installed
+
+.PHONY: setup demo test lint typecheck pytest bench browser-deps clean
+
+setup: $(STAMP)
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# Reinstall only when the project's metadata changes; torch first so a CPU machine never pulls CUDA wheels.
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q $(TORCH_SPEC)
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/evenflow demo
+
+# Debian's chromium (for the browser tests) and docker-compose (to validate docker-compose.yml
+# without an engine). Installed when missing and when we are root; otherwise those tests say why they skip.
+browser-deps:
+	@command -v chromium >/dev/null && command -v docker-compose >/dev/null || \
+	  { [ "$$(id -u)" = 0 ] && (apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium docker-compose >/dev/null) || echo "note: could not install chromium/docker-compose"; }
+
+lint: setup
+	$(BIN)/ruff check server agent frontend migrations tests bench
+	$(BIN)/ruff format --check server agent frontend migrations tests bench
+
+typecheck: setup
+	$(BIN)/mypy server agent
+
+pytest: setup browser-deps
+	$(BIN)/pytest -q
+
+test: lint typecheck pytest
+
+bench: setup
+	$(BIN)/python bench/planner.py
+	$(BIN)/python bench/ingest.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

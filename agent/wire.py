@@ -1,0 +1,496 @@
+"""The wire contract between the control plane, agents, training workers and API clients.
+
+This module imports only pydantic (and the standard library), so an agent host or a training
+worker needs none of the server's dependencies. The server imports these types; it never
+defines its own copies of them.
+
+Every request model refuses unknown fields and coerces nothing (``strict``): ``"5"`` is not an
+integer here. Bounds on sizes and lengths are part of the contract, so a bad request is answered
+with a 422 that names the field.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+PROTOCOL_VERSION = 1
+"""Bumped on any incompatible change; an agent with another version is refused at registration."""
+
+MAX_TELEMETRY_RECORDS = 5000
+"""Largest telemetry batch one request may carry."""
+
+MAX_WORKERS = 10_000
+MAX_MS = 1e7
+"""No timing above ~2.8 hours per iteration phase is plausible; larger values are input errors."""
+
+Name = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")]
+Ms = Annotated[float, Field(ge=0, le=MAX_MS, allow_inf_nan=False)]
+
+
+class Request(BaseModel):
+    """Base of everything a client sends: strict types, no unknown fields."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class Response(BaseModel):
+    """Base of everything the server answers; lenient so older clients read newer servers."""
+
+    model_config = ConfigDict(extra="ignore", from_attributes=True)
+
+
+# --------------------------------------------------------------------------- enums
+
+
+class Role(StrEnum):
+    """Token roles, each including the rights of those before it except ``agent``.
+
+    viewer < operator < admin. ``agent`` is separate: it reads like a viewer and writes only for
+    its own host and the jobs placed there.
+    """
+
+    VIEWER = "viewer"
+    OPERATOR = "operator"
+    ADMIN = "admin"
+    AGENT = "agent"
+
+
+class HostStatus(StrEnum):
+    ACTIVE = "active"
+    LOST = "lost"
+
+
+class DeviceKind(StrEnum):
+    CUDA = "cuda"
+    CPU = "cpu"
+
+
+class DeviceStatus(StrEnum):
+    FREE = "free"
+    BUSY = "busy"
+    OFFLINE = "offline"
+
+
+class JobStatus(StrEnum):
+    """Job lifecycle.
+
+    ::
+
+        PENDING --placed--> STARTING --all workers running--> RUNNING --> SUCCEEDED
+           |                   |                                 |
+           |                   +--------> FAILED <---------------+
+           +-------------------+---------> CANCELLED <-----------+
+
+    PENDING waits for free devices. STARTING has devices and waits for its agents to launch the
+    workers. SUCCEEDED, FAILED and CANCELLED are terminal and free the devices.
+    """
+
+    PENDING = "pending"
+    STARTING = "starting"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED)
+
+
+JOB_TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {
+    JobStatus.PENDING: frozenset({JobStatus.STARTING, JobStatus.CANCELLED, JobStatus.FAILED}),
+    JobStatus.STARTING: frozenset({JobStatus.RUNNING, JobStatus.FAILED, JobStatus.CANCELLED}),
+    JobStatus.RUNNING: frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED}),
+    JobStatus.SUCCEEDED: frozenset(),
+    JobStatus.FAILED: frozenset(),
+    JobStatus.CANCELLED: frozenset(),
+}
+
+
+class WorkerState(StrEnum):
+    """State of one rank of a job, as its agent reports it.
+
+    ::
+
+        ASSIGNED --agent picks it up--> LAUNCHING --process started--> RUNNING --> SUCCEEDED
+           |                               |                             |
+           +-------------------------------+--> FAILED (exit != 0) <-----+
+           +-------------------------------+--> STOPPED (job cancelled) <+
+    """
+
+    ASSIGNED = "assigned"
+    LAUNCHING = "launching"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (WorkerState.SUCCEEDED, WorkerState.FAILED, WorkerState.STOPPED)
+
+
+WORKER_TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
+    WorkerState.ASSIGNED: frozenset(
+        {WorkerState.LAUNCHING, WorkerState.RUNNING, WorkerState.FAILED, WorkerState.STOPPED}
+    ),
+    WorkerState.LAUNCHING: frozenset(
+        {WorkerState.RUNNING, WorkerState.FAILED, WorkerState.STOPPED}
+    ),
+    WorkerState.RUNNING: frozenset(
+        {WorkerState.SUCCEEDED, WorkerState.FAILED, WorkerState.STOPPED}
+    ),
+    WorkerState.SUCCEEDED: frozenset(),
+    WorkerState.FAILED: frozenset(),
+    WorkerState.STOPPED: frozenset(),
+}
+
+
+class PlanSource(StrEnum):
+    INITIAL = "initial"
+    AUTOMATIC = "automatic"
+    MANUAL = "manual"
+
+
+class PolicyName(StrEnum):
+    EQUAL = "equal"
+    PROPORTIONAL = "proportional"
+    MINMAX = "minmax"
+
+
+class OverrideKind(StrEnum):
+    SET_BATCHES = "set_batches"
+    PIN = "pin"
+    EXCLUDE = "exclude"
+    READMIT = "readmit"
+    FREEZE = "freeze"
+    UNFREEZE = "unfreeze"
+    REBALANCE_NOW = "rebalance_now"
+
+
+# --------------------------------------------------------------------------- hosts
+
+
+class DeviceInfo(Request):
+    index: int = Field(ge=0, le=1023)
+    kind: DeviceKind
+    model: str = Field(min_length=1, max_length=128)
+    memory_mb: int = Field(ge=0, le=10_000_000)
+
+
+class HostRegister(Request):
+    protocol_version: int
+    name: Name
+    address: str = Field(min_length=1, max_length=255)
+    devices: list[DeviceInfo] = Field(min_length=1, max_length=256)
+
+    @field_validator("devices")
+    @classmethod
+    def _unique_indices(cls, devices: list[DeviceInfo]) -> list[DeviceInfo]:
+        seen: set[tuple[DeviceKind, int]] = set()
+        for d in devices:
+            key = (d.kind, d.index)
+            if key in seen:
+                raise ValueError(f"device {d.kind}:{d.index} listed twice")
+            seen.add(key)
+        return devices
+
+
+class WorkerReport(Request):
+    """What an agent says about one of its workers."""
+
+    job_id: int = Field(ge=1)
+    rank: int = Field(ge=0, lt=MAX_WORKERS)
+    state: WorkerState
+    exit_code: int | None = None
+    error: str | None = Field(default=None, max_length=65_536)
+
+
+class Heartbeat(Request):
+    workers: list[WorkerReport] = Field(default_factory=list, max_length=1024)
+
+
+class DeviceOut(Response):
+    id: int
+    index: int
+    kind: DeviceKind
+    model: str
+    memory_mb: int
+    status: DeviceStatus
+    job_id: int | None = None
+
+
+class HostOut(Response):
+    id: int
+    name: str
+    address: str
+    status: HostStatus
+    protocol_version: int
+    registered_at: datetime
+    last_heartbeat: datetime
+    devices: list[DeviceOut] = []
+
+
+# --------------------------------------------------------------------------- jobs
+
+
+class Slowdown(Request):
+    """Multiply a worker's emulated compute time by ``factor`` on iterations [from, to)."""
+
+    from_iteration: int = Field(ge=0)
+    to_iteration: int = Field(ge=1)
+    factor: float = Field(gt=0, le=1000, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Slowdown:
+        if self.to_iteration <= self.from_iteration:
+            raise ValueError("to_iteration must be greater than from_iteration")
+        return self
+
+
+class EmulatedWorker(Request):
+    """Emulated speed: pad real compute to factor * (intercept + per_sample * b)."""
+
+    per_sample_ms: float = Field(ge=0, le=1e5, allow_inf_nan=False)
+    intercept_ms: float = Field(default=0.0, ge=0, le=1e5, allow_inf_nan=False)
+    slowdowns: list[Slowdown] = Field(default_factory=list, max_length=64)
+    name: Name | None = None
+
+
+ENTRYPOINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+class WorkloadSpec(Request):
+    """What to train: a built-in workload or a user entrypoint ``module:function``."""
+
+    builtin: Literal["mlp", "cnn-digits"] | None = None
+    entrypoint: str | None = Field(default=None, max_length=255)
+    learning_rate: float = Field(default=0.05, gt=0, le=10, allow_inf_nan=False)
+    seed: int = Field(default=0, ge=0, le=2**31 - 1)
+    args: dict[str, str | int | float | bool] = Field(default_factory=dict, max_length=64)
+
+    @model_validator(mode="after")
+    def _one_of(self) -> WorkloadSpec:
+        if (self.builtin is None) == (self.entrypoint is None):
+            raise ValueError("give exactly one of builtin or entrypoint")
+        if self.entrypoint is not None and not ENTRYPOINT.match(self.entrypoint):
+            raise ValueError("entrypoint must look like 'package.module:function'")
+        return self
+
+
+class PolicySpec(Request):
+    name: PolicyName = PolicyName.MINMAX
+    rebalance_every: int = Field(default=20, ge=1, le=1_000_000)
+    """Re-plan cadence in iterations."""
+    min_gain: float = Field(default=0.03, ge=0, le=1, allow_inf_nan=False)
+    """Issue a new plan only if it predicts at least this fractional cut in iteration time."""
+    explore_iterations: int = Field(default=10, ge=0, le=10_000)
+    """Iterations at the start that perturb batch sizes so each worker's model is identifiable."""
+    granularity: int = Field(default=1, ge=1, le=4096)
+
+
+class JobSpec(Request):
+    name: Name
+    workload: WorkloadSpec
+    global_batch: int = Field(ge=1, le=10_000_000)
+    iterations: int | None = Field(default=None, ge=1, le=100_000_000)
+    epochs: int | None = Field(default=None, ge=1, le=100_000)
+    workers: int | None = Field(default=None, ge=1, le=1024)
+    devices: list[int] | None = Field(default=None, min_length=1, max_length=1024)
+    """Explicit device ids (from GET /hosts); instead of ``workers``."""
+    policy: PolicySpec = Field(default_factory=PolicySpec)
+    emulation: list[EmulatedWorker] | None = Field(default=None, max_length=1024)
+    """One entry per rank; labels the job as emulated everywhere it shows."""
+    max_batch_per_worker: int | None = Field(default=None, ge=1, le=10_000_000)
+    priority: int = Field(default=0, ge=-100, le=100)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> JobSpec:
+        if (self.iterations is None) == (self.epochs is None):
+            raise ValueError("give exactly one of iterations or epochs")
+        if (self.workers is None) == (self.devices is None):
+            raise ValueError("give exactly one of workers or devices")
+        if self.devices is not None and len(set(self.devices)) != len(self.devices):
+            raise ValueError("devices lists a device twice")
+        n = self.world_size
+        if self.emulation is not None and len(self.emulation) != n:
+            raise ValueError(f"emulation has {len(self.emulation)} entries for {n} workers")
+        if (
+            self.max_batch_per_worker is not None
+            and self.max_batch_per_worker * n < self.global_batch
+        ):
+            raise ValueError("global_batch exceeds workers * max_batch_per_worker")
+        if self.global_batch % self.policy.granularity:
+            raise ValueError("global_batch must be a multiple of policy.granularity")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.workers if self.workers is not None else len(self.devices or [])
+
+
+class WorkerOut(Response):
+    rank: int
+    device_id: int | None
+    host_id: int | None
+    state: WorkerState
+    exit_code: int | None = None
+    error: str | None = None
+
+
+class JobOut(Response):
+    id: int
+    name: str
+    status: JobStatus
+    owner: str
+    spec: dict[str, Any]
+    emulated: bool
+    created_at: datetime
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    error: str | None = None
+    plan_version: int | None = None
+    frozen: bool = False
+    workers: list[WorkerOut] = []
+
+
+class JobList(Response):
+    items: list[JobOut]
+    total: int
+
+
+# --------------------------------------------------------------------------- plans
+
+
+class PlanOut(Response):
+    job_id: int
+    version: int
+    batch_sizes: list[int]
+    """Local batch size per rank; sums to ``global_batch``."""
+    global_batch: int
+    source: PlanSource
+    reason: str
+    predicted_ms: float | None = None
+    created_at: datetime
+    created_by: str | None = None
+
+
+# --------------------------------------------------------------------------- telemetry
+
+
+class TelemetryRecord(Request):
+    """One rank's timing of one iteration."""
+
+    rank: int = Field(ge=0, lt=MAX_WORKERS)
+    iteration: int = Field(ge=0, le=10**12)
+    plan_version: int = Field(ge=1)
+    batch_size: int = Field(ge=0, le=10_000_000)
+    data_ms: Ms
+    compute_ms: Ms
+    sync_ms: Ms
+    ts: float = Field(ge=0, le=1e11, allow_inf_nan=False)
+    """Unix time (seconds) at the end of the iteration on the worker."""
+
+
+class TelemetryBatch(Request):
+    records: list[TelemetryRecord] = Field(min_length=1, max_length=MAX_TELEMETRY_RECORDS)
+
+
+class TelemetryAck(Response):
+    accepted: int
+    duplicates: int
+
+
+class TelemetryOut(Response):
+    rank: int
+    iteration: int
+    plan_version: int
+    batch_size: int
+    data_ms: float
+    compute_ms: float
+    sync_ms: float
+    ts: float
+
+
+# ----------------------------------------------------------------- events, overrides, audit
+
+
+class EventOut(Response):
+    id: int
+    job_id: int
+    rank: int | None
+    kind: str
+    severity: float
+    start_iteration: int
+    end_iteration: int | None
+    action: str
+    detail: dict[str, Any] = {}
+    created_at: datetime
+
+
+class OverrideCreate(Request):
+    kind: OverrideKind
+    reason: str = Field(min_length=1, max_length=1000)
+    batch_sizes: list[int] | None = Field(default=None, max_length=MAX_WORKERS)
+    rank: int | None = Field(default=None, ge=0, lt=MAX_WORKERS)
+    batch_size: int | None = Field(default=None, ge=0, le=10_000_000)
+    preview: bool = False
+    """Compute and return the resulting plan without applying it."""
+
+
+class OverrideOut(Response):
+    id: int | None
+    job_id: int
+    kind: OverrideKind
+    reason: str
+    payload: dict[str, Any]
+    created_by: str
+    created_at: datetime | None
+    applied: bool
+    plan: PlanOut | None = None
+    current_predicted_ms: float | None = None
+
+
+class AuditOut(Response):
+    id: int
+    at: datetime
+    actor: str
+    action: str
+    target: str
+    detail: dict[str, Any] = {}
+
+
+# --------------------------------------------------------------------------- tokens
+
+
+class TokenCreate(Request):
+    name: Name
+    role: Role
+    host: Name | None = None
+    """For agent tokens: the host name this token may register and write for."""
+
+
+class TokenOut(Response):
+    id: int
+    name: str
+    role: Role
+    prefix: str
+    host: str | None = None
+    created_at: datetime
+    created_by: str
+    revoked_at: datetime | None = None
+
+
+class TokenCreated(TokenOut):
+    token: str
+    """The secret, shown once."""
+
+
+class ErrorOut(Response):
+    detail: str
+    field: str | None = None

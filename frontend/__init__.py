@@ -1,0 +1,1 @@
+"""Static web UI served by the control plane (no build step)."""

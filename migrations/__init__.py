@@ -1,0 +1,1 @@
+"""Alembic migrations, applied on server start."""

@@ -1,0 +1,1 @@
+"""Evenflow control plane (FastAPI)."""
