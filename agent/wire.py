@@ -33,7 +33,10 @@ Ms = Annotated[float, Field(ge=0, le=MAX_MS, allow_inf_nan=False)]
 
 
 class Request(BaseModel):
-    """Base of everything a client sends: strict types, no unknown fields."""
+    """Base of everything a client sends: strict types, no unknown fields.
+
+    Enum fields opt out of strictness so they accept their JSON string values.
+    """
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
@@ -178,7 +181,7 @@ class OverrideKind(StrEnum):
 
 class DeviceInfo(Request):
     index: int = Field(ge=0, le=1023)
-    kind: DeviceKind
+    kind: DeviceKind = Field(strict=False)
     model: str = Field(min_length=1, max_length=128)
     memory_mb: int = Field(ge=0, le=10_000_000)
 
@@ -206,13 +209,35 @@ class WorkerReport(Request):
 
     job_id: int = Field(ge=1)
     rank: int = Field(ge=0, lt=MAX_WORKERS)
-    state: WorkerState
+    state: WorkerState = Field(strict=False)
     exit_code: int | None = None
     error: str | None = Field(default=None, max_length=65_536)
 
 
 class Heartbeat(Request):
     workers: list[WorkerReport] = Field(default_factory=list, max_length=1024)
+
+
+class Assignment(Response):
+    """One rank an agent must run (``desired='run'``) or stop (``desired='stop'``)."""
+
+    job_id: int
+    rank: int
+    world_size: int
+    device_index: int
+    device_kind: DeviceKind
+    master_addr: str
+    master_port: int
+    backend: Literal["nccl", "gloo"]
+    desired: Literal["run", "stop"]
+    spec: dict[str, Any]
+    """The job's JobSpec as JSON."""
+
+
+class HeartbeatAck(Response):
+    host_id: int
+    status: HostStatus
+    assignments: list[Assignment] = []
 
 
 class DeviceOut(Response):
@@ -284,7 +309,7 @@ class WorkloadSpec(Request):
 
 
 class PolicySpec(Request):
-    name: PolicyName = PolicyName.MINMAX
+    name: PolicyName = Field(default=PolicyName.MINMAX, strict=False)
     rebalance_every: int = Field(default=20, ge=1, le=1_000_000)
     """Re-plan cadence in iterations."""
     min_gain: float = Field(default=0.03, ge=0, le=1, allow_inf_nan=False)
@@ -434,7 +459,7 @@ class EventOut(Response):
 
 
 class OverrideCreate(Request):
-    kind: OverrideKind
+    kind: OverrideKind = Field(strict=False)
     reason: str = Field(min_length=1, max_length=1000)
     batch_sizes: list[int] | None = Field(default=None, max_length=MAX_WORKERS)
     rank: int | None = Field(default=None, ge=0, lt=MAX_WORKERS)
@@ -470,7 +495,7 @@ class AuditOut(Response):
 
 class TokenCreate(Request):
     name: Name
-    role: Role
+    role: Role = Field(strict=False)
     host: Name | None = None
     """For agent tokens: the host name this token may register and write for."""
 
@@ -492,5 +517,9 @@ class TokenCreated(TokenOut):
 
 
 class ErrorOut(Response):
+    """Every 4xx answer: a message for people and, where one field is at fault, its dotted path."""
+
     detail: str
     field: str | None = None
+    errors: list[dict[str, Any]] | None = None
+    """For validation errors: each problem with its location."""

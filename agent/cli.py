@@ -1,0 +1,300 @@
+"""The ``evenflow`` command: the server, the agent, and the REST API for people and scripts.
+
+Client commands talk to ``--server`` / ``EVENFLOW_SERVER`` with ``EVENFLOW_TOKEN``, print tables
+for people and ``--json`` for scripts, and exit 1 with the server's message on an error.
+Server-side modules are imported only by the subcommands that need them, so an agent host
+does not need the server's dependencies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+from pydantic import BaseModel, ValidationError
+from rich.console import Console
+from rich.table import Table
+
+from agent.client import ApiClient, ApiError, make_http
+from agent.wire import JobSpec, Role, TokenCreate
+
+DEFAULT_SERVER = "http://127.0.0.1:8000"
+console = Console()
+
+
+def _client(args: argparse.Namespace) -> ApiClient:
+    return ApiClient(make_http(args.server, args.token))
+
+
+def _emit(
+    args: argparse.Namespace,
+    data: Any,
+    columns: Sequence[str],
+    rows: Callable[[Any], list[list[Any]]],
+    title: str | None = None,
+) -> None:
+    if args.json:
+        print(json.dumps(_jsonable(data), indent=2, default=str))
+        return
+    table = Table(*columns, title=title)
+    for row in rows(data):
+        table.add_row(*("" if v is None else str(v) for v in row))
+    console.print(table)
+
+
+def _jsonable(data: Any) -> Any:
+    if isinstance(data, BaseModel):
+        return data.model_dump(mode="json")
+    if isinstance(data, list):
+        return [_jsonable(d) for d in data]
+    return data
+
+
+def _job_rows(jobs: list[Any]) -> list[list[Any]]:
+    return [
+        [
+            j.id,
+            j.name,
+            j.status.value,
+            j.owner,
+            j.spec.get("global_batch"),
+            len(j.workers),
+            j.plan_version,
+            "yes" if j.emulated else "",
+            j.created_at.strftime("%Y-%m-%d %H:%M:%S"),
+        ]
+        for j in jobs
+    ]
+
+
+JOB_COLUMNS = [
+    "id",
+    "name",
+    "status",
+    "owner",
+    "global batch",
+    "workers",
+    "plan",
+    "emulated",
+    "created",
+]
+
+
+# ----------------------------------------------------------------------------- client commands
+
+
+def cmd_jobs_submit(args: argparse.Namespace) -> None:
+    try:
+        raw = yaml.safe_load(Path(args.file).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise SystemExit(f"error: cannot read {args.file}: {exc}") from exc
+    try:
+        spec = JobSpec.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(str(p) for p in first["loc"])
+        raise SystemExit(f"error: {args.file}: {loc}: {first['msg']}") from exc
+    job = _client(args).submit(spec)
+    _emit(args, job, JOB_COLUMNS, lambda j: _job_rows([j]), title="submitted")
+
+
+def cmd_jobs_list(args: argparse.Namespace) -> None:
+    jobs = _client(args).jobs(status=args.status, limit=args.limit)
+    _emit(args, jobs, JOB_COLUMNS, lambda d: _job_rows(d.items), title=f"{jobs.total} jobs")
+
+
+def cmd_jobs_show(args: argparse.Namespace) -> None:
+    client = _client(args)
+    job = client.job(args.id)
+    if args.json:
+        _emit(args, job, [], lambda _: [])
+        return
+    _emit(args, job, JOB_COLUMNS, lambda j: _job_rows([j]))
+    if job.error:
+        console.print(f"[red]error:[/red] {job.error}")
+    workers = Table("rank", "device", "host", "state", "exit", title="workers")
+    for w in job.workers:
+        workers.add_row(
+            str(w.rank),
+            str(w.device_id),
+            str(w.host_id),
+            w.state.value,
+            "" if w.exit_code is None else str(w.exit_code),
+        )
+    console.print(workers)
+    if job.plan_version is not None:
+        plan = client.plan(job.id)
+        if plan is not None:
+            console.print(
+                f"plan v{plan.version} ({plan.source.value}): {plan.batch_sizes}  — {plan.reason}"
+            )
+
+
+def cmd_jobs_cancel(args: argparse.Namespace) -> None:
+    job = _client(args).cancel(args.id)
+    _emit(args, job, JOB_COLUMNS, lambda j: _job_rows([j]), title="cancelled")
+
+
+def cmd_hosts_list(args: argparse.Namespace) -> None:
+    hosts = _client(args).hosts()
+
+    def rows(hs: list[Any]) -> list[list[Any]]:
+        return [
+            [
+                h.id,
+                h.name,
+                h.address,
+                h.status.value,
+                len(h.devices),
+                ", ".join(
+                    f"{d.kind.value}:{d.index} {d.model} ({d.status.value})" for d in h.devices
+                ),
+                h.last_heartbeat.strftime("%H:%M:%S"),
+            ]
+            for h in hs
+        ]
+
+    _emit(args, hosts, ["id", "name", "address", "status", "devices", "detail", "heartbeat"], rows)
+
+
+def cmd_tokens_create(args: argparse.Namespace) -> None:
+    created = _client(args).create_token(
+        TokenCreate(name=args.name, role=Role(args.role), host=args.host)
+    )
+    if args.json:
+        _emit(args, created, [], lambda _: [])
+        return
+    console.print(f"token {created.id} '{created.name}' ({created.role.value}); shown once:")
+    print(created.token)
+
+
+def cmd_tokens_list(args: argparse.Namespace) -> None:
+    toks = _client(args).tokens()
+    _emit(
+        args,
+        toks,
+        ["id", "name", "role", "prefix", "host", "created", "revoked"],
+        lambda ts: [
+            [
+                t.id,
+                t.name,
+                t.role.value,
+                t.prefix + "…",
+                t.host,
+                t.created_at.strftime("%Y-%m-%d"),
+                t.revoked_at.strftime("%Y-%m-%d") if t.revoked_at else "",
+            ]
+            for t in ts
+        ],
+    )
+
+
+def cmd_tokens_revoke(args: argparse.Namespace) -> None:
+    tok = _client(args).revoke_token(args.id)
+    _emit(args, tok, ["id", "name", "revoked"], lambda t: [[t.id, t.name, t.revoked_at]])
+
+
+# ----------------------------------------------------------------------------- processes
+
+
+def cmd_server(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from server.app import create_app
+    from server.config import Settings
+
+    uvicorn.run(create_app(Settings()), host=args.host, port=args.port, log_level=args.log_level)
+
+
+# ----------------------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="evenflow", description=__doc__.splitlines()[0])
+    client = argparse.ArgumentParser(add_help=False)
+    client.add_argument(
+        "--server",
+        default=os.environ.get("EVENFLOW_SERVER", DEFAULT_SERVER),
+        help="control plane URL (EVENFLOW_SERVER)",
+    )
+    client.add_argument(
+        "--token", default=os.environ.get("EVENFLOW_TOKEN"), help="API token (EVENFLOW_TOKEN)"
+    )
+    client.add_argument("--json", action="store_true", help="print JSON for scripts")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser(
+        "server", help="run the control plane (EVENFLOW_DATABASE_URL, EVENFLOW_ADMIN_TOKEN)"
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(func=cmd_server)
+
+    jobs = sub.add_parser("jobs", help="submit, list, show and cancel jobs").add_subparsers(
+        dest="action", required=True
+    )
+    p = jobs.add_parser("submit", parents=[client], help="submit a job spec (YAML)")
+    p.add_argument("file")
+    p.set_defaults(func=cmd_jobs_submit)
+    p = jobs.add_parser("list", parents=[client])
+    p.add_argument("--status")
+    p.add_argument("--limit", type=int, default=100)
+    p.set_defaults(func=cmd_jobs_list)
+    p = jobs.add_parser("show", parents=[client])
+    p.add_argument("id", type=int)
+    p.set_defaults(func=cmd_jobs_show)
+    p = jobs.add_parser("cancel", parents=[client])
+    p.add_argument("id", type=int)
+    p.set_defaults(func=cmd_jobs_cancel)
+
+    hosts = sub.add_parser("hosts", help="list hosts").add_subparsers(dest="action", required=True)
+    p = hosts.add_parser("list", parents=[client])
+    p.set_defaults(func=cmd_hosts_list)
+
+    toks = sub.add_parser("tokens", help="manage API tokens (admin)").add_subparsers(
+        dest="action", required=True
+    )
+    p = toks.add_parser("create", parents=[client])
+    p.add_argument("--role", required=True, choices=[r.value for r in Role])
+    p.add_argument("--name", default=None, help="defaults to '<role>-token'")
+    p.add_argument("--host", default=None, help="for agent tokens: the host they act for")
+    p.set_defaults(func=cmd_tokens_create)
+    p = toks.add_parser("list", parents=[client])
+    p.set_defaults(func=cmd_tokens_list)
+    p = toks.add_parser("revoke", parents=[client])
+    p.add_argument("id", type=int)
+    p.set_defaults(func=cmd_tokens_revoke)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "name", "x") is None:
+        args.name = f"{args.role}-token"
+    try:
+        args.func(args)
+    except ApiError as exc:
+        where = f" ({exc.field})" if exc.field else ""
+        print(f"error: {exc.status_code}{where}: {exc.detail}", file=sys.stderr)
+        return 1
+    except ValidationError as exc:
+        print(f"error: {exc.errors()[0]['msg']}", file=sys.stderr)
+        return 1
+    except httpx.TransportError as exc:  # connection refused and friends
+        print(
+            f"error: cannot reach {getattr(args, 'server', 'the server')}: {exc}", file=sys.stderr
+        )
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

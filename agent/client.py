@@ -1,0 +1,170 @@
+"""A typed client of the REST API v1, used by the agent, the workers' runtime and the CLI.
+
+It takes an ``httpx.Client`` so tests hand it the server's ``TestClient`` (an ``httpx.Client``)
+and talk to the real app in-process, without sockets.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from agent.wire import (
+    AuditOut,
+    EventOut,
+    Heartbeat,
+    HeartbeatAck,
+    HostOut,
+    HostRegister,
+    JobList,
+    JobOut,
+    JobSpec,
+    OverrideCreate,
+    OverrideOut,
+    PlanOut,
+    TelemetryAck,
+    TelemetryBatch,
+    TelemetryOut,
+    TokenCreate,
+    TokenCreated,
+    TokenOut,
+)
+
+API = "/api/v1"
+
+
+class ApiError(Exception):
+    """The server answered with an error; ``detail`` is its message, ``field`` the culprit."""
+
+    def __init__(self, status_code: int, detail: str, field: str | None = None) -> None:
+        super().__init__(f"{status_code}: {detail}")
+        self.status_code, self.detail, self.field = status_code, detail, field
+
+
+def make_http(server: str, token: str | None, *, timeout: float = 10.0) -> httpx.Client:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return httpx.Client(base_url=server.rstrip("/"), headers=headers, timeout=timeout)
+
+
+class ApiClient:
+    def __init__(self, http: httpx.Client, token: str | None = None) -> None:
+        self.http = http
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+
+    # -- plumbing
+    def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        params: dict[str, Any] | None = None,
+        ok: tuple[int, ...] = (200, 201),
+    ) -> httpx.Response:
+        resp = self.http.request(
+            method, API + path, json=json, params=params, headers=self._headers
+        )
+        if resp.status_code not in ok:
+            try:
+                body = resp.json()
+                detail, field = str(body.get("detail", resp.text)), body.get("field")
+            except ValueError:
+                detail, field = resp.text or resp.reason_phrase, None
+            raise ApiError(resp.status_code, detail, field)
+        return resp
+
+    # -- health
+    def health(self) -> dict[str, Any]:
+        data: dict[str, Any] = self._call("GET", "/health").json()
+        return data
+
+    # -- hosts
+    def register_host(self, req: HostRegister) -> HostOut:
+        return HostOut.model_validate(
+            self._call("POST", "/hosts/register", json=req.model_dump(mode="json")).json()
+        )
+
+    def heartbeat(self, host_id: int, hb: Heartbeat) -> HeartbeatAck:
+        resp = self._call("POST", f"/hosts/{host_id}/heartbeat", json=hb.model_dump(mode="json"))
+        return HeartbeatAck.model_validate(resp.json())
+
+    def hosts(self) -> list[HostOut]:
+        return [HostOut.model_validate(h) for h in self._call("GET", "/hosts").json()]
+
+    # -- jobs
+    def submit(self, spec: JobSpec | dict[str, Any]) -> JobOut:
+        body = (
+            spec.model_dump(mode="json", exclude_none=True) if isinstance(spec, JobSpec) else spec
+        )
+        return JobOut.model_validate(self._call("POST", "/jobs", json=body).json())
+
+    def jobs(self, *, status: str | None = None, limit: int = 100) -> JobList:
+        params: dict[str, Any] = {"limit": limit}
+        if status:
+            params["status"] = status
+        return JobList.model_validate(self._call("GET", "/jobs", params=params).json())
+
+    def job(self, job_id: int) -> JobOut:
+        return JobOut.model_validate(self._call("GET", f"/jobs/{job_id}").json())
+
+    def cancel(self, job_id: int) -> JobOut:
+        return JobOut.model_validate(self._call("POST", f"/jobs/{job_id}/cancel").json())
+
+    # -- plans
+    def plan(self, job_id: int, known_version: int | None = None) -> PlanOut | None:
+        """The current plan, or None when it is still ``known_version``."""
+        params = {"known_version": known_version} if known_version is not None else None
+        resp = self._call("GET", f"/jobs/{job_id}/plan", params=params, ok=(200, 304))
+        return None if resp.status_code == 304 else PlanOut.model_validate(resp.json())
+
+    def plans(self, job_id: int) -> list[PlanOut]:
+        return [
+            PlanOut.model_validate(p) for p in self._call("GET", f"/jobs/{job_id}/plans").json()
+        ]
+
+    # -- telemetry
+    def post_telemetry(self, job_id: int, batch: TelemetryBatch) -> TelemetryAck:
+        resp = self._call("POST", f"/jobs/{job_id}/telemetry", json=batch.model_dump(mode="json"))
+        return TelemetryAck.model_validate(resp.json())
+
+    def telemetry(
+        self, job_id: int, *, since_iteration: int = 0, limit: int = 10_000
+    ) -> list[TelemetryOut]:
+        resp = self._call(
+            "GET",
+            f"/jobs/{job_id}/telemetry",
+            params={"since_iteration": since_iteration, "limit": limit},
+        )
+        return [TelemetryOut.model_validate(r) for r in resp.json()]
+
+    # -- events, overrides, audit
+    def events(self, job_id: int) -> list[EventOut]:
+        return [
+            EventOut.model_validate(e) for e in self._call("GET", f"/jobs/{job_id}/events").json()
+        ]
+
+    def override(self, job_id: int, req: OverrideCreate) -> OverrideOut:
+        resp = self._call(
+            "POST", f"/jobs/{job_id}/overrides", json=req.model_dump(mode="json", exclude_none=True)
+        )
+        return OverrideOut.model_validate(resp.json())
+
+    def audit(self, *, target: str | None = None, limit: int = 100) -> list[AuditOut]:
+        params: dict[str, Any] = {"limit": limit}
+        if target:
+            params["target"] = target
+        return [
+            AuditOut.model_validate(a) for a in self._call("GET", "/audit", params=params).json()
+        ]
+
+    # -- tokens
+    def create_token(self, req: TokenCreate) -> TokenCreated:
+        resp = self._call("POST", "/tokens", json=req.model_dump(mode="json", exclude_none=True))
+        return TokenCreated.model_validate(resp.json())
+
+    def tokens(self) -> list[TokenOut]:
+        return [TokenOut.model_validate(t) for t in self._call("GET", "/tokens").json()]
+
+    def revoke_token(self, token_id: int) -> TokenOut:
+        return TokenOut.model_validate(self._call("DELETE", f"/tokens/{token_id}").json())

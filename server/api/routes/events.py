@@ -1,0 +1,54 @@
+"""Straggler events and manual overrides of a job."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Path, Query
+from sqlalchemy import select
+
+from agent.wire import EventOut, OverrideCreate, OverrideKind, OverrideOut
+from server.api.deps import Operator, SessionDep, Viewer
+from server.models import StragglerEvent
+from server.services import jobs, overrides
+
+router = APIRouter(prefix="/jobs", tags=["events"])
+JobId = Path(ge=1, le=2**31 - 1)
+
+
+@router.get("/{job_id}/events")
+def list_events(
+    session: SessionDep, _: Viewer, job_id: int = JobId, limit: int = Query(200, ge=1, le=10_000)
+) -> list[EventOut]:
+    """Straggler events of a job, newest first."""
+    jobs.get(session, job_id)
+    rows = session.scalars(
+        select(StragglerEvent)
+        .where(StragglerEvent.job_id == job_id)
+        .order_by(StragglerEvent.id.desc())
+        .limit(limit)
+    )
+    return [EventOut.model_validate(e) for e in rows]
+
+
+@router.get("/{job_id}/overrides")
+def list_overrides(session: SessionDep, _: Viewer, job_id: int = JobId) -> list[OverrideOut]:
+    """Overrides applied to a job, newest first."""
+    jobs.get(session, job_id)
+    return [
+        OverrideOut.model_validate({**_row(o), "kind": OverrideKind(o.kind)})
+        for o in overrides.list_overrides(session, job_id)
+    ]
+
+
+@router.post("/{job_id}/overrides")
+def create_override(
+    req: OverrideCreate, session: SessionDep, principal: Operator, job_id: int = JobId
+) -> OverrideOut:
+    """Preview (`preview: true`) or apply an override; workers take it at the next iteration."""
+    return overrides.submit(session, jobs.get(session, job_id), req, principal)
+
+
+def _row(o: object) -> dict[str, object]:
+    return {
+        k: getattr(o, k)
+        for k in ("id", "job_id", "reason", "payload", "created_by", "created_at", "applied")
+    }

@@ -1,0 +1,27 @@
+"""Liveness without a token."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from pydantic import BaseModel
+from sqlalchemy import text
+
+from agent.wire import PROTOCOL_VERSION
+from server.api.deps import SessionDep
+
+router = APIRouter(tags=["health"])
+
+
+class Health(BaseModel):
+    status: str
+    protocol_version: int
+    database: str
+
+
+@router.get("/health")
+def health(session: SessionDep) -> Health:
+    """Is the server up and its database reachable."""
+    session.execute(text("SELECT 1"))
+    return Health(
+        status="ok", protocol_version=PROTOCOL_VERSION, database=session.get_bind().dialect.name
+    )

@@ -1,0 +1,38 @@
+"""Hosts register with their devices and send heartbeats; people list them."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Path
+
+from agent.wire import Heartbeat, HeartbeatAck, HostOut, HostRegister
+from server.api.deps import Authenticated, Now, SessionDep, Viewer
+from server.services import hosts
+
+router = APIRouter(prefix="/hosts", tags=["hosts"])
+HostId = Path(ge=1, le=2**31 - 1)
+
+
+@router.post("/register", status_code=201)
+def register(req: HostRegister, session: SessionDep, principal: Authenticated, now: Now) -> HostOut:
+    """Register (or refresh) a host and its devices; refused with 409 on a protocol mismatch."""
+    return HostOut.model_validate(hosts.register(session, req, principal, now))
+
+
+@router.post("/{host_id}/heartbeat")
+def heartbeat(
+    req: Heartbeat, session: SessionDep, principal: Authenticated, now: Now, host_id: int = HostId
+) -> HeartbeatAck:
+    """Report liveness and worker states; the answer lists the ranks this host must run or stop."""
+    return hosts.heartbeat(session, host_id, req, principal, now)
+
+
+@router.get("")
+def list_hosts(session: SessionDep, _: Viewer) -> list[HostOut]:
+    """All hosts with their devices."""
+    return [HostOut.model_validate(h) for h in hosts.list_hosts(session)]
+
+
+@router.get("/{host_id}")
+def get_host(session: SessionDep, _: Viewer, host_id: int = HostId) -> HostOut:
+    """One host with its devices."""
+    return HostOut.model_validate(hosts.get(session, host_id))

@@ -1,0 +1,43 @@
+"""Jobs: submit, list, inspect, cancel."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Path, Query
+
+from agent.wire import JobList, JobOut, JobSpec, JobStatus
+from server.api.deps import Now, Operator, SessionDep, Viewer
+from server.services import jobs
+
+router = APIRouter(prefix="/jobs", tags=["jobs"])
+JobId = Path(ge=1, le=2**31 - 1)
+
+
+@router.post("", status_code=201)
+def create_job(spec: JobSpec, session: SessionDep, principal: Operator, now: Now) -> JobOut:
+    """Submit a job; it is placed on free devices at once or waits as pending."""
+    return JobOut.model_validate(jobs.create(session, spec, principal, now))
+
+
+@router.get("")
+def list_jobs(
+    session: SessionDep,
+    _: Viewer,
+    status: JobStatus | None = None,
+    limit: int = Query(100, ge=1, le=1000),
+    offset: int = Query(0, ge=0, le=2**31 - 1),
+) -> JobList:
+    """Jobs, newest first."""
+    rows, total = jobs.list_jobs(session, status=status, limit=limit, offset=offset)
+    return JobList(items=[JobOut.model_validate(j) for j in rows], total=total)
+
+
+@router.get("/{job_id}")
+def get_job(session: SessionDep, _: Viewer, job_id: int = JobId) -> JobOut:
+    """One job with its workers."""
+    return JobOut.model_validate(jobs.get(session, job_id))
+
+
+@router.post("/{job_id}/cancel")
+def cancel_job(session: SessionDep, principal: Operator, now: Now, job_id: int = JobId) -> JobOut:
+    """Cancel a job that has not ended; its agents stop the workers."""
+    return JobOut.model_validate(jobs.cancel(session, job_id, principal, now))

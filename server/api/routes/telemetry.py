@@ -1,0 +1,43 @@
+"""Per-iteration timings: batched, idempotent ingest and reads."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Path, Query
+
+from agent.wire import Role, TelemetryAck, TelemetryBatch, TelemetryOut
+from server.api.deps import Authenticated, SessionDep, Viewer
+from server.services import jobs, telemetry
+
+router = APIRouter(prefix="/jobs", tags=["telemetry"])
+JobId = Path(ge=1, le=2**31 - 1)
+
+
+@router.post("/{job_id}/telemetry")
+def ingest(
+    batch: TelemetryBatch, session: SessionDep, principal: Authenticated, job_id: int = JobId
+) -> TelemetryAck:
+    """Store timings; rows already stored for (job, rank, iteration) are skipped, not duplicated."""
+    if principal.role is not Role.AGENT:
+        principal.require(Role.ADMIN)
+    job = jobs.get(session, job_id)
+    jobs.check_agent_may_write(session, principal, job)
+    accepted, duplicates = telemetry.ingest(session, job, batch)
+    session.info["telemetry_accepted"] = accepted
+    return TelemetryAck(accepted=accepted, duplicates=duplicates)
+
+
+@router.get("/{job_id}/telemetry")
+def read(
+    session: SessionDep,
+    _: Viewer,
+    job_id: int = JobId,
+    since_iteration: int = Query(0, ge=0, le=10**12),
+    rank: int | None = Query(None, ge=0, le=10_000),
+    limit: int = Query(10_000, ge=1, le=100_000),
+) -> list[TelemetryOut]:
+    """Timings from `since_iteration` on, ordered by iteration and rank."""
+    jobs.get(session, job_id)
+    rows = telemetry.window(
+        session, job_id, since_iteration=since_iteration, rank=rank, limit=limit
+    )
+    return [TelemetryOut.model_validate(r) for r in rows]

@@ -1,0 +1,34 @@
+"""API tokens (admin only)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Path
+
+from agent.wire import TokenCreate, TokenCreated, TokenOut
+from server.api.deps import Admin, SessionDep
+from server.services import tokens
+
+router = APIRouter(prefix="/tokens", tags=["tokens"])
+
+
+@router.post("", status_code=201)
+def create_token(req: TokenCreate, session: SessionDep, principal: Admin) -> TokenCreated:
+    """Create a token; its secret is in this answer and nowhere else."""
+    row, secret = tokens.create(session, req, by=principal.name)
+    return TokenCreated.model_validate(
+        {**TokenOut.model_validate(row).model_dump(), "token": secret}
+    )
+
+
+@router.get("")
+def list_tokens(session: SessionDep, _: Admin) -> list[TokenOut]:
+    """All tokens, revoked ones included (never their secrets)."""
+    return [TokenOut.model_validate(t) for t in tokens.list_tokens(session)]
+
+
+@router.delete("/{token_id}")
+def revoke_token(
+    session: SessionDep, principal: Admin, token_id: int = Path(ge=1, le=2**31 - 1)
+) -> TokenOut:
+    """Revoke a token; it stops working at once."""
+    return TokenOut.model_validate(tokens.revoke(session, token_id, by=principal.name))

@@ -1,0 +1,212 @@
+"""``create_app(settings)`` builds the control plane. No module-level engine or settings."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sys
+from collections.abc import AsyncIterator, Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from agent.wire import ErrorOut
+from server.api.routes import audit, events, health, hosts, jobs, plans, telemetry, tokens
+from server.config import Settings
+from server.db import make_engine, migrate, session_factory, transaction
+from server.errors import EvenflowError
+from server.metrics import Metrics, MetricsMiddleware
+from server.services import hosts as host_service
+from server.services import tokens as token_service
+
+log = logging.getLogger("evenflow.server")
+
+API_PREFIX = "/api/v1"
+MAX_BODY_BYTES = 8 * 1024 * 1024
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorOut, "description": desc}
+    for code, desc in {
+        401: "No token, or an unknown or revoked one",
+        403: "The token's role or host may not do this",
+        404: "No such resource",
+        409: "Conflicts with the stored state",
+        413: "Request body too large",
+        422: "Invalid input; `field` names the culprit",
+    }.items()
+}
+
+
+def _error(
+    status: int, detail: str, field: str | None = None, errors: list[dict[str, Any]] | None = None
+) -> JSONResponse:
+    body = ErrorOut(detail=detail, field=field, errors=errors).model_dump(exclude_none=True)
+    return JSONResponse(body, status_code=status)
+
+
+def _field_path(loc: Sequence[Any]) -> str:
+    parts = [str(p) for p in loc]
+    if parts and parts[0] in ("body", "query", "path", "header", "cookie"):
+        parts = parts[1:] or parts
+    return ".".join(parts)
+
+
+async def _on_domain_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, EvenflowError)
+    return _error(exc.status_code, exc.message, exc.field)
+
+
+async def _on_validation_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    errors = [
+        {
+            "loc": [str(p) for p in e.get("loc", ())],
+            "msg": str(e.get("msg", "")),
+            "type": str(e.get("type", "")),
+        }
+        for e in exc.errors()
+    ]
+    summary = "; ".join(f"{_field_path(e['loc'])}: {e['msg']}" for e in errors[:5])
+    first = _field_path(errors[0]["loc"]) if errors else None
+    return _error(422, summary or "invalid request", first, errors)
+
+
+async def _on_http_error(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StarletteHTTPException)
+    if exc.status_code == 304:
+        return Response(status_code=304)
+    return _error(exc.status_code, str(exc.detail))
+
+
+class BodyLimit:
+    """Refuse request bodies over ``limit`` bytes with 413 before anything parses them."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length" and value.isdigit() and int(value) > self.limit:
+                await _error(413, f"request body over {self.limit} bytes")(scope, receive, send)
+                return
+        seen = 0
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise EvenflowError(f"request body over {self.limit} bytes")
+            return message
+
+        await self.app(scope, counted, send)
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+    engine = make_engine(settings.database_url, pool_size=settings.db_pool_size)
+    sessions = session_factory(engine)
+    metrics = Metrics(sessions)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if settings.run_migrations:
+            await asyncio.to_thread(migrate, engine)
+        secret = settings.admin_token.get_secret_value() if settings.admin_token else None
+        with transaction(sessions) as s:
+            generated = token_service.ensure_admin(s, secret)
+        if generated:
+            app.state.generated_admin_token = generated
+            print(
+                f"evenflow: generated admin token (shown once): {generated}",
+                file=sys.stderr,
+                flush=True,
+            )
+        reaper = asyncio.create_task(_reap_lost_hosts(app))
+        try:
+            yield
+        finally:
+            reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reaper
+            engine.dispose()
+
+    app = FastAPI(
+        title="Evenflow",
+        version="1",
+        summary="Per-worker batch sizes for synchronous training on heterogeneous GPUs.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.engine = engine
+    app.state.sessions = sessions
+    app.state.metrics = metrics
+    app.state.generated_admin_token = None
+
+    app.add_exception_handler(EvenflowError, _on_domain_error)
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http_error)
+
+    app.include_router(health.router, prefix=API_PREFIX)
+    for module in (hosts, jobs, plans, telemetry, events, audit, tokens):
+        app.include_router(module.router, prefix=API_PREFIX, responses=ERROR_RESPONSES)
+
+    @app.get("/metrics", include_in_schema=False)
+    def prometheus_metrics() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(
+                title=app.title, version=app.version, summary=app.summary, routes=app.routes
+            )
+            # Validation errors use the same ErrorOut shape as every other 4xx.
+            text = _replace_refs(
+                schema, "#/components/schemas/HTTPValidationError", "#/components/schemas/ErrorOut"
+            )
+            for name in ("HTTPValidationError", "ValidationError"):
+                text["components"]["schemas"].pop(name, None)
+            app.openapi_schema = text
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
+    return app
+
+
+def _replace_refs(node: Any, old: str, new: str) -> Any:
+    if isinstance(node, dict):
+        return {
+            k: (new if k == "$ref" and v == old else _replace_refs(v, old, new))
+            for k, v in node.items()
+        }
+    if isinstance(node, list):
+        return [_replace_refs(v, old, new) for v in node]
+    return node
+
+
+async def _reap_lost_hosts(app: FastAPI) -> None:
+    settings: Settings = app.state.settings
+
+    def sweep() -> None:
+        with transaction(app.state.sessions) as s:
+            for host in host_service.mark_lost(s, datetime.now(UTC), settings.host_lost_after_s):
+                log.warning("host %s marked lost", host.name)
+
+    while True:
+        await asyncio.sleep(settings.reaper_interval_s)
+        try:
+            await asyncio.to_thread(sweep)
+        except Exception:  # the sweep must never take the server down
+            log.exception("lost-host sweep failed")

@@ -1,0 +1,37 @@
+"""Server settings: one pydantic-settings class, read from ``EVENFLOW_*`` environment variables.
+
+Settings are a value passed to ``create_app``; nothing reads the environment at import time.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="EVENFLOW_", extra="ignore")
+
+    database_url: str = "sqlite:///./evenflow.db"
+    """SQLAlchemy URL. SQLite (WAL mode) by default; ``postgresql+psycopg://...`` at scale."""
+
+    admin_token: SecretStr | None = None
+    """Bootstrap admin token. When unset and no admin exists yet, one is generated and printed."""
+
+    host_lost_after_s: float = Field(default=30.0, gt=0)
+    """A host that has not sent a heartbeat for this long is marked lost."""
+
+    reaper_interval_s: float = Field(default=5.0, gt=0)
+    """How often the server looks for lost hosts."""
+
+    run_migrations: bool = True
+    """Apply Alembic migrations on start."""
+
+    db_pool_size: int = Field(default=16, ge=1, le=512)
+
+    @field_validator("admin_token")
+    @classmethod
+    def _strong_enough(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None and len(v.get_secret_value()) < 16:
+            raise ValueError("EVENFLOW_ADMIN_TOKEN must be at least 16 characters")
+        return v

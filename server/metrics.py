@@ -1,0 +1,97 @@
+"""Prometheus metrics, one registry per app (no process globals, so tests build their own)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session, sessionmaker
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from agent.wire import HostStatus, JobStatus
+from server.models import Host, Job
+
+
+class _StateCollector(Collector):
+    """Jobs by status and hosts by status, read from the database at scrape time."""
+
+    def __init__(self, sessions: sessionmaker[Session]) -> None:
+        self.sessions = sessions
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        jobs = GaugeMetricFamily("evenflow_jobs", "Jobs by status", labels=["status"])
+        hosts = GaugeMetricFamily("evenflow_hosts", "Hosts by status", labels=["status"])
+        with self.sessions() as s:
+            job_counts = dict(
+                s.execute(select(Job.status, func.count(Job.id)).group_by(Job.status)).all()
+            )
+            host_counts = dict(
+                s.execute(select(Host.status, func.count(Host.id)).group_by(Host.status)).all()
+            )
+        for st in JobStatus:
+            jobs.add_metric([st.value], float(job_counts.get(st.value, 0)))
+        for hs in HostStatus:
+            hosts.add_metric([hs.value], float(host_counts.get(hs.value, 0)))
+        yield jobs
+        yield hosts
+
+
+class Metrics:
+    def __init__(self, sessions: sessionmaker[Session]) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "evenflow_http_requests",
+            "HTTP requests",
+            ["method", "route", "status"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "evenflow_http_request_seconds",
+            "HTTP request latency",
+            ["route"],
+            registry=self.registry,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+        )
+        self.telemetry_records = Counter(
+            "evenflow_telemetry_records", "Telemetry records stored", registry=self.registry
+        )
+        self.telemetry_duplicates = Counter(
+            "evenflow_telemetry_duplicates",
+            "Telemetry records skipped as already stored",
+            registry=self.registry,
+        )
+        self.registry.register(_StateCollector(sessions))
+
+
+class MetricsMiddleware:
+    """Counts and times every HTTP request by its route template (not the raw path)."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            route: Any = scope.get("route")
+            name = getattr(route, "path", "unmatched")
+            self.metrics.requests.labels(scope["method"], name, str(status)).inc()
+            self.metrics.latency.labels(name).observe(time.perf_counter() - start)

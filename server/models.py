@@ -1,0 +1,247 @@
+"""Database models (SQLAlchemy 2.0, typed). The schema itself is owned by Alembic (`migrations/`);
+a test checks that these models and the migrations agree.
+
+Enumerations are stored as short strings (not native enums) so adding a state needs no
+type migration on PostgreSQL; the wire contract's StrEnums are the source of the values.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+NAMING = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+# An auto-incrementing 64-bit key: SQLite only auto-increments INTEGER PRIMARY KEY.
+BigId = BigInteger().with_variant(Integer(), "sqlite")
+Json = JSON().with_variant(JSONB(), "postgresql")
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """Timezone-aware UTC timestamps on every backend (SQLite hands back naive values)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            raise ValueError("naive datetime given to a UTC column")
+        return value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+
+
+class Host(Base):
+    __tablename__ = "hosts"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    address: Mapped[str] = mapped_column(String(255))
+    status: Mapped[str] = mapped_column(String(16), default="active")
+    protocol_version: Mapped[int] = mapped_column(Integer)
+    registered_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    last_heartbeat: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+    devices: Mapped[list[Device]] = relationship(
+        back_populates="host", order_by="Device.index", cascade="all, delete-orphan"
+    )
+
+
+class Device(Base):
+    __tablename__ = "devices"
+    __table_args__ = (UniqueConstraint("host_id", "kind", "index"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    host_id: Mapped[int] = mapped_column(ForeignKey("hosts.id", ondelete="CASCADE"), index=True)
+    index: Mapped[int] = mapped_column(Integer)
+    kind: Mapped[str] = mapped_column(String(8))
+    model: Mapped[str] = mapped_column(String(128))
+    memory_mb: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(16), default="free")
+    job_id: Mapped[int | None] = mapped_column(
+        ForeignKey("jobs.id", ondelete="SET NULL"), index=True, default=None
+    )
+
+    host: Mapped[Host] = relationship(back_populates="devices")
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(128))
+    owner: Mapped[str] = mapped_column(String(128))
+    spec: Mapped[dict[str, Any]] = mapped_column(Json)
+    status: Mapped[str] = mapped_column(String(16), default="pending", index=True)
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    emulated: Mapped[bool] = mapped_column(Boolean, default=False)
+    frozen: Mapped[bool] = mapped_column(Boolean, default=False)
+    """Automatic rebalancing is suspended by an operator."""
+    plan_version: Mapped[int | None] = mapped_column(Integer, default=None)
+    error: Mapped[str | None] = mapped_column(Text, default=None)
+    master_port: Mapped[int | None] = mapped_column(Integer, default=None)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime, default=None)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime, default=None)
+
+    workers: Mapped[list[Worker]] = relationship(
+        back_populates="job", order_by="Worker.rank", cascade="all, delete-orphan"
+    )
+
+
+class Worker(Base):
+    """One rank of a job, placed on one device."""
+
+    __tablename__ = "workers"
+    __table_args__ = (UniqueConstraint("job_id", "rank"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    rank: Mapped[int] = mapped_column(Integer)
+    device_id: Mapped[int | None] = mapped_column(
+        ForeignKey("devices.id", ondelete="SET NULL"), default=None
+    )
+    host_id: Mapped[int | None] = mapped_column(
+        ForeignKey("hosts.id", ondelete="SET NULL"), index=True, default=None
+    )
+    state: Mapped[str] = mapped_column(String(16), default="assigned")
+    exit_code: Mapped[int | None] = mapped_column(Integer, default=None)
+    error: Mapped[str | None] = mapped_column(Text, default=None)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+    job: Mapped[Job] = relationship(back_populates="workers")
+
+
+class Plan(Base):
+    """A versioned batch plan of a job: the local batch size of every rank."""
+
+    __tablename__ = "plans"
+    __table_args__ = (UniqueConstraint("job_id", "version"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    version: Mapped[int] = mapped_column(Integer)
+    batch_sizes: Mapped[list[int]] = mapped_column(Json)
+    global_batch: Mapped[int] = mapped_column(Integer)
+    source: Mapped[str] = mapped_column(String(16))
+    reason: Mapped[str] = mapped_column(Text)
+    predicted_ms: Mapped[float | None] = mapped_column(Float, default=None)
+    created_by: Mapped[str | None] = mapped_column(String(128), default=None)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class IterationTelemetry(Base):
+    """One rank's timing of one iteration. (job, rank, iteration) is unique: retries dedupe."""
+
+    __tablename__ = "iteration_telemetry"
+    __table_args__ = (
+        UniqueConstraint("job_id", "rank", "iteration"),
+        Index("ix_iteration_telemetry_job_iteration", "job_id", "iteration"),
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    rank: Mapped[int] = mapped_column(Integer)
+    iteration: Mapped[int] = mapped_column(BigInteger)
+    plan_version: Mapped[int] = mapped_column(Integer)
+    batch_size: Mapped[int] = mapped_column(Integer)
+    data_ms: Mapped[float] = mapped_column(Float)
+    compute_ms: Mapped[float] = mapped_column(Float)
+    sync_ms: Mapped[float] = mapped_column(Float)
+    ts: Mapped[float] = mapped_column(Float)
+    """Worker-side unix time at the end of the iteration."""
+
+
+class StragglerEvent(Base):
+    __tablename__ = "straggler_events"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    rank: Mapped[int | None] = mapped_column(Integer, default=None)
+    kind: Mapped[str] = mapped_column(String(32))
+    severity: Mapped[float] = mapped_column(Float)
+    start_iteration: Mapped[int] = mapped_column(BigInteger)
+    end_iteration: Mapped[int | None] = mapped_column(BigInteger, default=None)
+    action: Mapped[str] = mapped_column(String(64))
+    detail: Mapped[dict[str, Any]] = mapped_column(Json, default=dict)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class Override(Base):
+    """An operator's manual intervention on a job's balancing."""
+
+    __tablename__ = "overrides"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    kind: Mapped[str] = mapped_column(String(32))
+    reason: Mapped[str] = mapped_column(Text)
+    payload: Mapped[dict[str, Any]] = mapped_column(Json, default=dict)
+    created_by: Mapped[str] = mapped_column(String(128))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    applied: Mapped[bool] = mapped_column(Boolean, default=False)
+    plan_version: Mapped[int | None] = mapped_column(Integer, default=None)
+
+
+class AuditEntry(Base):
+    __tablename__ = "audit_log"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, index=True)
+    actor: Mapped[str] = mapped_column(String(128))
+    action: Mapped[str] = mapped_column(String(64))
+    target: Mapped[str] = mapped_column(String(128))
+    detail: Mapped[dict[str, Any]] = mapped_column(Json, default=dict)
+
+
+class ApiToken(Base):
+    """A bearer token. Only its SHA-256 is stored; the secret is shown once at creation."""
+
+    __tablename__ = "api_tokens"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(128))
+    role: Mapped[str] = mapped_column(String(16))
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    prefix: Mapped[str] = mapped_column(String(16))
+    host: Mapped[str | None] = mapped_column(String(128), default=None)
+    """Agent tokens: the host name they may register and write for."""
+    created_by: Mapped[str] = mapped_column(String(128))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime, default=None)

@@ -1,0 +1,186 @@
+"""Hosts and their devices: registration, heartbeats, and marking silent hosts lost."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, selectinload
+
+from agent.wire import (
+    PROTOCOL_VERSION,
+    Assignment,
+    DeviceKind,
+    DeviceStatus,
+    Heartbeat,
+    HeartbeatAck,
+    HostRegister,
+    HostStatus,
+    JobStatus,
+    Role,
+)
+from server.errors import Forbidden, NotFound, ProtocolMismatch
+from server.models import Device, Host, Job, Worker
+from server.services import jobs, scheduler
+from server.services.audit import record
+from server.services.tokens import Principal
+
+
+def _check_host_rights(principal: Principal, host_name: str) -> None:
+    if principal.role is Role.AGENT and principal.host != host_name:
+        raise Forbidden(
+            f"agent token '{principal.name}' is bound to host '{principal.host}', not '{host_name}'"
+        )
+    if principal.role not in (Role.AGENT, Role.ADMIN):
+        raise Forbidden(
+            f"registering hosts needs an agent or admin token; '{principal.name}' is "
+            f"{principal.role.value}"
+        )
+
+
+def register(session: Session, req: HostRegister, principal: Principal, now: datetime) -> Host:
+    """Create or refresh a host and its devices. Re-registration keeps device ids stable."""
+    if req.protocol_version != PROTOCOL_VERSION:
+        raise ProtocolMismatch(
+            f"agent speaks protocol {req.protocol_version}, this server speaks {PROTOCOL_VERSION}",
+            field="protocol_version",
+        )
+    _check_host_rights(principal, req.name)
+    host = session.scalars(
+        select(Host).where(Host.name == req.name).options(selectinload(Host.devices))
+    ).first()
+    if host is None:
+        host = Host(
+            name=req.name,
+            address=req.address,
+            protocol_version=req.protocol_version,
+            registered_at=now,
+            last_heartbeat=now,
+            status=HostStatus.ACTIVE.value,
+        )
+        session.add(host)
+        session.flush()
+        record(session, principal.name, "host.register", f"host:{host.id}", {"name": req.name})
+    else:
+        host.address = req.address
+        host.protocol_version = req.protocol_version
+        host.last_heartbeat = now
+        host.status = HostStatus.ACTIVE.value
+    existing = {(d.kind, d.index): d for d in host.devices}
+    reported = {(d.kind.value, d.index) for d in req.devices}
+    for info in req.devices:
+        dev = existing.get((info.kind.value, info.index))
+        if dev is None:
+            host.devices.append(
+                Device(
+                    index=info.index,
+                    kind=info.kind.value,
+                    model=info.model,
+                    memory_mb=info.memory_mb,
+                    status=DeviceStatus.FREE.value,
+                )
+            )
+        else:
+            dev.model, dev.memory_mb = info.model, info.memory_mb
+            if dev.status == DeviceStatus.OFFLINE.value:
+                dev.status = DeviceStatus.BUSY.value if dev.job_id else DeviceStatus.FREE.value
+    for key, dev in existing.items():
+        if key not in reported and dev.job_id is None:
+            dev.status = DeviceStatus.OFFLINE.value
+    session.flush()
+    scheduler.place_pending(session, now)
+    return host
+
+
+def get(session: Session, host_id: int) -> Host:
+    host = session.get(Host, host_id, options=[selectinload(Host.devices)])
+    if host is None:
+        raise NotFound(f"host {host_id} not found")
+    return host
+
+
+def list_hosts(session: Session) -> list[Host]:
+    return list(session.scalars(select(Host).order_by(Host.id).options(selectinload(Host.devices))))
+
+
+def heartbeat(
+    session: Session, host_id: int, hb: Heartbeat, principal: Principal, now: datetime
+) -> HeartbeatAck:
+    """Record liveness and worker reports; answer with what the host must run or stop."""
+    host = get(session, host_id)
+    _check_host_rights(principal, host.name)
+    host.last_heartbeat = now
+    if host.status != HostStatus.ACTIVE.value:
+        host.status = HostStatus.ACTIVE.value
+        for dev in host.devices:
+            if dev.status == DeviceStatus.OFFLINE.value:
+                dev.status = DeviceStatus.BUSY.value if dev.job_id else DeviceStatus.FREE.value
+        record(session, principal.name, "host.recovered", f"host:{host.id}")
+        scheduler.place_pending(session, now)
+    for report in hb.workers:
+        jobs.apply_worker_report(session, host, report, principal, now)
+    return HeartbeatAck(
+        host_id=host.id, status=HostStatus(host.status), assignments=assignments(session, host)
+    )
+
+
+def assignments(session: Session, host: Host) -> list[Assignment]:
+    """Ranks placed on this host: ``run`` while their job is live, ``stop`` once it has ended."""
+    rows = session.execute(
+        select(Worker, Job, Device)
+        .join(Job, Worker.job_id == Job.id)
+        .join(Device, Worker.device_id == Device.id)
+        .where(Worker.host_id == host.id, Worker.state.in_(("assigned", "launching", "running")))
+        .order_by(Job.id, Worker.rank)
+    ).all()
+    out = []
+    for worker, job, device in rows:
+        status = JobStatus(job.status)
+        rank0_host = jobs.rank0_address(session, job)
+        out.append(
+            Assignment(
+                job_id=job.id,
+                rank=worker.rank,
+                world_size=len(job.workers),
+                device_index=device.index,
+                device_kind=DeviceKind(device.kind),
+                master_addr=rank0_host,
+                master_port=job.master_port or 29500,
+                backend="nccl" if device.kind == DeviceKind.CUDA.value else "gloo",
+                desired="stop" if status.terminal else "run",
+                spec=job.spec,
+            )
+        )
+    return out
+
+
+def mark_lost(session: Session, now: datetime, after_s: float) -> list[Host]:
+    """Hosts silent for longer than ``after_s`` become lost; their devices go offline and the
+    jobs running there fail (a synchronous job cannot go on without a rank)."""
+    cutoff = now - timedelta(seconds=after_s)
+    lost = list(
+        session.scalars(
+            select(Host).where(Host.status == HostStatus.ACTIVE.value, Host.last_heartbeat < cutoff)
+        )
+    )
+    for host in lost:
+        host.status = HostStatus.LOST.value
+        record(
+            session,
+            "system",
+            "host.lost",
+            f"host:{host.id}",
+            {"last_heartbeat": host.last_heartbeat.isoformat()},
+        )
+        job_ids = set()
+        for dev in host.devices:
+            if dev.job_id is not None:
+                job_ids.add(dev.job_id)
+            dev.status = DeviceStatus.OFFLINE.value
+        for job_id in sorted(job_ids):
+            job = session.get(Job, job_id)
+            if job is not None and not JobStatus(job.status).terminal:
+                jobs.finish(
+                    session, job, JobStatus.FAILED, now, error=f"host '{host.name}' was lost"
+                )
+    return lost

@@ -1,0 +1,86 @@
+"""Plan versions of a job. Every stored plan sums to the job's global batch (invariant 1)."""
+
+from __future__ import annotations
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from agent.wire import PlanSource
+from server.errors import Invalid, NotFound
+from server.models import Job, Plan
+
+
+def equal_split(global_batch: int, n: int) -> list[int]:
+    """B split as evenly as integers allow; the first ranks take the remainder."""
+    q, r = divmod(global_batch, n)
+    return [q + (1 if i < r else 0) for i in range(n)]
+
+
+def validate(job: Job, batch_sizes: list[int], field: str = "batch_sizes") -> None:
+    world = (
+        len(job.workers)
+        if job.workers
+        else int(job.spec.get("workers") or len(job.spec.get("devices") or []))
+    )
+    b = int(job.spec["global_batch"])
+    if len(batch_sizes) != world:
+        raise Invalid(f"{field} has {len(batch_sizes)} entries for {world} workers", field=field)
+    if any(x < 0 for x in batch_sizes):
+        raise Invalid(f"{field} must not be negative", field=field)
+    if sum(batch_sizes) != b:
+        raise Invalid(f"{field} sums to {sum(batch_sizes)}, the global batch is {b}", field=field)
+    cap = job.spec.get("max_batch_per_worker")
+    if cap is not None and max(batch_sizes) > cap:
+        raise Invalid(f"{field} exceeds max_batch_per_worker {cap}", field=field)
+
+
+def create(
+    session: Session,
+    job: Job,
+    batch_sizes: list[int],
+    source: PlanSource,
+    reason: str,
+    *,
+    by: str | None,
+    predicted_ms: float | None = None,
+) -> Plan:
+    validate(job, batch_sizes)
+    version = (job.plan_version or 0) + 1
+    plan = Plan(
+        job_id=job.id,
+        version=version,
+        batch_sizes=list(batch_sizes),
+        global_batch=int(job.spec["global_batch"]),
+        source=source.value,
+        reason=reason,
+        predicted_ms=predicted_ms,
+        created_by=by,
+    )
+    session.add(plan)
+    job.plan_version = version
+    session.flush()
+    return plan
+
+
+def current(session: Session, job_id: int) -> Plan:
+    version = session.scalar(select(Job.plan_version).where(Job.id == job_id))
+    if version is None:
+        if session.get(Job, job_id) is None:
+            raise NotFound(f"job {job_id} not found")
+        raise NotFound(f"job {job_id} has no plan yet (it is waiting for devices)")
+    plan = session.scalars(select(Plan).where(Plan.job_id == job_id, Plan.version == version)).one()
+    return plan
+
+
+def history(session: Session, job_id: int, *, limit: int = 100, offset: int = 0) -> list[Plan]:
+    if session.get(Job, job_id) is None:
+        raise NotFound(f"job {job_id} not found")
+    return list(
+        session.scalars(
+            select(Plan)
+            .where(Plan.job_id == job_id)
+            .order_by(Plan.version.desc())
+            .limit(limit)
+            .offset(offset)
+        )
+    )

@@ -1,0 +1,134 @@
+"""Tokens and roles: no write without a token of the right role."""
+
+from __future__ import annotations
+
+from agent.wire import Role
+from tests.conftest import Api
+
+
+def test_health_needs_no_token(api: Api) -> None:
+    r = api.client.get("/api/v1/health")
+    assert r.status_code == 200
+    assert r.json()["status"] == "ok"
+
+
+def test_missing_and_unknown_tokens_are_401_with_reason(api: Api) -> None:
+    r = api.client.get("/api/v1/jobs")
+    assert r.status_code == 401
+    assert "missing bearer token" in r.json()["detail"]
+    r = api.client.get("/api/v1/jobs", headers=api.headers("ef_nope"))
+    assert r.status_code == 401
+    assert r.json()["detail"] == "unknown token"
+
+
+def test_roles_gate_writes(api: Api) -> None:
+    viewer, operator = api.token(Role.VIEWER), api.token(Role.OPERATOR)
+    spec = {
+        "name": "j",
+        "workload": {"builtin": "mlp"},
+        "global_batch": 8,
+        "iterations": 1,
+        "workers": 1,
+    }
+    r = api.client.post("/api/v1/jobs", json=spec, headers=api.headers(viewer))
+    assert r.status_code == 403
+    assert "operator" in r.json()["detail"]
+    assert api.client.get("/api/v1/jobs", headers=api.headers(viewer)).status_code == 200
+    assert (
+        api.client.post("/api/v1/jobs", json=spec, headers=api.headers(operator)).status_code == 201
+    )
+    r = api.client.post(
+        "/api/v1/tokens", json={"name": "x", "role": "viewer"}, headers=api.headers(operator)
+    )
+    assert r.status_code == 403
+    assert "admin" in r.json()["detail"]
+
+
+def test_revoked_token_stops_working_at_once(api: Api) -> None:
+    tok = api.token(Role.VIEWER, name="soon-gone")
+    assert api.client.get("/api/v1/jobs", headers=api.headers(tok)).status_code == 200
+    listed = api.client.get("/api/v1/tokens", headers=api.headers()).json()
+    tid = next(t["id"] for t in listed if t["name"] == "soon-gone")
+    assert all("token" not in t and "token_hash" not in t for t in listed)
+    assert api.client.delete(f"/api/v1/tokens/{tid}", headers=api.headers()).status_code == 200
+    r = api.client.get("/api/v1/jobs", headers=api.headers(tok))
+    assert r.status_code == 401
+    assert "revoked" in r.json()["detail"]
+    audit = api.client.get("/api/v1/audit", headers=api.headers()).json()
+    assert any(a["action"] == "token.revoke" and a["target"] == f"token:{tid}" for a in audit)
+
+
+def test_agent_token_acts_only_for_its_host(api: Api) -> None:
+    tok_a = api.token(Role.AGENT, host="host-a")
+    api.register("host-a", devices=1, token=tok_a)
+    # Same token may not register another host.
+    body = {
+        "protocol_version": 1,
+        "name": "host-b",
+        "address": "10.0.0.2",
+        "devices": [{"index": 0, "kind": "cpu", "model": "CPU", "memory_mb": 1}],
+    }
+    r = api.client.post("/api/v1/hosts/register", json=body, headers=api.headers(tok_a))
+    assert r.status_code == 403
+    assert "host-a" in r.json()["detail"]
+    # An agent cannot submit jobs.
+    spec = {
+        "name": "j",
+        "workload": {"builtin": "mlp"},
+        "global_batch": 8,
+        "iterations": 1,
+        "workers": 1,
+    }
+    assert api.client.post("/api/v1/jobs", json=spec, headers=api.headers(tok_a)).status_code == 403
+
+
+def test_agent_writes_telemetry_only_for_jobs_on_its_host(api: Api) -> None:
+    a = api.register("host-a", devices=1)
+    b = api.register("host-b", devices=1)
+    job_a = api.submit(workers=1, global_batch=8)  # first fit: host-a
+    job_b = api.submit(workers=1, global_batch=8)  # then host-b
+    rec = {
+        "records": [
+            {
+                "rank": 0,
+                "iteration": 0,
+                "plan_version": 1,
+                "batch_size": 8,
+                "data_ms": 1.0,
+                "compute_ms": 2.0,
+                "sync_ms": 0.5,
+                "ts": 1.0,
+            }
+        ]
+    }
+    ok = api.client.post(
+        f"/api/v1/jobs/{job_a['id']}/telemetry", json=rec, headers=api.headers(str(a["_token"]))
+    )
+    assert ok.status_code == 200
+    r = api.client.post(
+        f"/api/v1/jobs/{job_b['id']}/telemetry", json=rec, headers=api.headers(str(a["_token"]))
+    )
+    assert r.status_code == 403
+    assert "host-a" in r.json()["detail"]
+    assert (
+        api.client.post(
+            f"/api/v1/jobs/{job_b['id']}/telemetry", json=rec, headers=api.headers(str(b["_token"]))
+        ).status_code
+        == 200
+    )
+    # A viewer may not write telemetry at all.
+    viewer = api.token(Role.VIEWER)
+    assert (
+        api.client.post(
+            f"/api/v1/jobs/{job_a['id']}/telemetry", json=rec, headers=api.headers(viewer)
+        ).status_code
+        == 403
+    )
+
+
+def test_agent_token_must_name_a_host(api: Api) -> None:
+    r = api.client.post(
+        "/api/v1/tokens", json={"name": "a", "role": "agent"}, headers=api.headers()
+    )
+    assert r.status_code == 409
+    assert r.json()["field"] == "host"

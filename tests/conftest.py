@@ -1,0 +1,185 @@
+"""Fixtures: an app per test on SQLite and on PostgreSQL, tokens of every role, a live server.
+
+PostgreSQL tests use a fresh database per test, cloned from a template migrated once per run.
+Without a reachable PostgreSQL they skip with the reason, except under CI=true, where they fail.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+from fastapi.testclient import TestClient
+from sqlalchemy import create_engine, text
+
+from agent.wire import PROTOCOL_VERSION, Role
+from server.app import create_app
+from server.config import Settings
+from server.db import make_engine, migrate
+
+ADMIN_TOKEN = "ef_test-admin-token-0123456789"
+PG_ADMIN_URL = os.environ.get(
+    "EVENFLOW_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+)
+IN_CI = os.environ.get("CI", "").lower() == "true"
+
+
+def _pg_url(dbname: str) -> str:
+    return PG_ADMIN_URL.rsplit("/", 1)[0] + "/" + dbname
+
+
+@pytest.fixture(scope="session")
+def pg_template() -> Iterator[str]:
+    """A migrated template database; each test clones it."""
+    try:
+        admin = create_engine(
+            PG_ADMIN_URL, isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 3}
+        )
+        with admin.connect() as c:
+            c.execute(text("SELECT 1"))
+    except Exception as exc:
+        if IN_CI:
+            pytest.fail(f"CI=true but PostgreSQL at {PG_ADMIN_URL} is unreachable: {exc}")
+        pytest.skip(f"PostgreSQL at {PG_ADMIN_URL} is unreachable: {exc}")
+    name = f"evenflow_tpl_{uuid.uuid4().hex[:8]}"
+    with admin.connect() as c:
+        c.execute(text(f'CREATE DATABASE "{name}"'))
+    engine = make_engine(_pg_url(name))
+    migrate(engine)
+    engine.dispose()
+    yield name
+    with admin.connect() as c:
+        c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'evenflow.db'}"
+        return
+    template = request.getfixturevalue("pg_template")
+    name = f"evenflow_t_{uuid.uuid4().hex[:10]}"
+    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as c:
+        c.execute(text(f'CREATE DATABASE "{name}" TEMPLATE "{template}"'))
+    yield _pg_url(name)
+    with admin.connect() as c:
+        c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
+
+
+def make_settings(url: str, **kw: object) -> Settings:
+    return Settings(database_url=url, admin_token=ADMIN_TOKEN, reaper_interval_s=3600, **kw)  # type: ignore[arg-type]
+
+
+@dataclass
+class Api:
+    """A TestClient on a fresh app plus helpers to mint tokens and register hosts."""
+
+    client: TestClient
+
+    def headers(self, token: str = ADMIN_TOKEN) -> dict[str, str]:
+        return {"Authorization": f"Bearer {token}"}
+
+    def token(self, role: Role, host: str | None = None, name: str | None = None) -> str:
+        body: dict[str, object] = {
+            "name": name or f"{role.value}-{uuid.uuid4().hex[:6]}",
+            "role": role.value,
+        }
+        if host is not None:
+            body["host"] = host
+        r = self.client.post("/api/v1/tokens", json=body, headers=self.headers())
+        assert r.status_code == 201, r.text
+        return str(r.json()["token"])
+
+    def register(
+        self, name: str = "host-a", devices: int = 2, token: str | None = None, kind: str = "cpu"
+    ) -> dict[str, object]:
+        tok = token or self.token(Role.AGENT, host=name)
+        body = {
+            "protocol_version": PROTOCOL_VERSION,
+            "name": name,
+            "address": "127.0.0.1",
+            "devices": [
+                {"index": i, "kind": kind, "model": "CPU", "memory_mb": 1024}
+                for i in range(devices)
+            ],
+        }
+        r = self.client.post("/api/v1/hosts/register", json=body, headers=self.headers(tok))
+        assert r.status_code == 201, r.text
+        data: dict[str, object] = r.json()
+        data["_token"] = tok
+        return data
+
+    def submit(
+        self, workers: int = 2, global_batch: int = 64, **extra: object
+    ) -> dict[str, object]:
+        spec = {
+            "name": "job",
+            "workload": {"builtin": "mlp"},
+            "global_batch": global_batch,
+            "iterations": 100,
+            "workers": workers,
+            **extra,
+        }
+        r = self.client.post("/api/v1/jobs", json=spec, headers=self.headers())
+        assert r.status_code == 201, r.text
+        data: dict[str, object] = r.json()
+        return data
+
+
+@pytest.fixture
+def api(db_url: str) -> Iterator[Api]:
+    with TestClient(create_app(make_settings(db_url))) as client:
+        yield Api(client)
+
+
+@pytest.fixture
+def sqlite_api(tmp_path: Path) -> Iterator[Api]:
+    with TestClient(create_app(make_settings(f"sqlite:///{tmp_path / 'e.db'}"))) as client:
+        yield Api(client)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class LiveServer:
+    url: str
+    admin_token: str
+
+
+@pytest.fixture
+def live_server(tmp_path: Path) -> Iterator[LiveServer]:
+    """A real uvicorn server on a free port, in a thread."""
+    port = free_port()
+    app = create_app(make_settings(f"sqlite:///{tmp_path / 'live.db'}"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/api/v1/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            time.sleep(0.05)
+    else:
+        raise RuntimeError("live server did not start")
+    yield LiveServer(url, ADMIN_TOKEN)
+    server.should_exit = True
+    thread.join(timeout=10)
