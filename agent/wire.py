@@ -26,10 +26,23 @@ MAX_TELEMETRY_RECORDS = 5000
 
 MAX_WORKERS = 10_000
 MAX_MS = 1e7
+MAX_ID = 2**31 - 1
 """No timing above ~2.8 hours per iteration phase is plausible; larger values are input errors."""
 
 Name = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")]
+Id = Annotated[int, Field(ge=1, le=MAX_ID)]
+Batch = Annotated[int, Field(ge=0, le=10_000_000)]
 Ms = Annotated[float, Field(ge=0, le=MAX_MS, allow_inf_nan=False)]
+
+
+def _has_nul(value: Any) -> bool:
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, dict):
+        return any(_has_nul(k) or _has_nul(v) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return any(_has_nul(v) for v in value)
+    return False
 
 
 class Request(BaseModel):
@@ -39,6 +52,14 @@ class Request(BaseModel):
     """
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_nul(cls, data: Any) -> Any:
+        """NUL characters cannot be stored by PostgreSQL; refuse them in any string, anywhere."""
+        if _has_nul(data):
+            raise ValueError("strings must not contain NUL (\\x00) characters")
+        return data
 
 
 class Response(BaseModel):
@@ -187,7 +208,7 @@ class DeviceInfo(Request):
 
 
 class HostRegister(Request):
-    protocol_version: int
+    protocol_version: int = Field(ge=0, le=MAX_ID)
     name: Name
     address: str = Field(min_length=1, max_length=255)
     devices: list[DeviceInfo] = Field(min_length=1, max_length=256)
@@ -207,10 +228,10 @@ class HostRegister(Request):
 class WorkerReport(Request):
     """What an agent says about one of its workers."""
 
-    job_id: int = Field(ge=1)
+    job_id: Id
     rank: int = Field(ge=0, lt=MAX_WORKERS)
     state: WorkerState = Field(strict=False)
-    exit_code: int | None = None
+    exit_code: int | None = Field(default=None, ge=-(2**31), le=MAX_ID)
     error: str | None = Field(default=None, max_length=65_536)
 
 
@@ -267,8 +288,8 @@ class HostOut(Response):
 class Slowdown(Request):
     """Multiply a worker's emulated compute time by ``factor`` on iterations [from, to)."""
 
-    from_iteration: int = Field(ge=0)
-    to_iteration: int = Field(ge=1)
+    from_iteration: int = Field(ge=0, le=10**12)
+    to_iteration: int = Field(ge=1, le=10**12)
     factor: float = Field(gt=0, le=1000, allow_inf_nan=False)
 
     @model_validator(mode="after")
@@ -326,7 +347,7 @@ class JobSpec(Request):
     iterations: int | None = Field(default=None, ge=1, le=100_000_000)
     epochs: int | None = Field(default=None, ge=1, le=100_000)
     workers: int | None = Field(default=None, ge=1, le=1024)
-    devices: list[int] | None = Field(default=None, min_length=1, max_length=1024)
+    devices: list[Id] | None = Field(default=None, min_length=1, max_length=1024)
     """Explicit device ids (from GET /hosts); instead of ``workers``."""
     policy: PolicySpec = Field(default_factory=PolicySpec)
     emulation: list[EmulatedWorker] | None = Field(default=None, max_length=1024)
@@ -413,7 +434,7 @@ class TelemetryRecord(Request):
 
     rank: int = Field(ge=0, lt=MAX_WORKERS)
     iteration: int = Field(ge=0, le=10**12)
-    plan_version: int = Field(ge=1)
+    plan_version: Id
     batch_size: int = Field(ge=0, le=10_000_000)
     data_ms: Ms
     compute_ms: Ms
@@ -461,7 +482,7 @@ class EventOut(Response):
 class OverrideCreate(Request):
     kind: OverrideKind = Field(strict=False)
     reason: str = Field(min_length=1, max_length=1000)
-    batch_sizes: list[int] | None = Field(default=None, max_length=MAX_WORKERS)
+    batch_sizes: list[Batch] | None = Field(default=None, max_length=MAX_WORKERS)
     rank: int | None = Field(default=None, ge=0, lt=MAX_WORKERS)
     batch_size: int | None = Field(default=None, ge=0, le=10_000_000)
     preview: bool = False

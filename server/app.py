@@ -180,6 +180,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+    metrics.set_templates([*app.openapi()["paths"], "/metrics"])
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
     return app

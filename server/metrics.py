@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
+from starlette.routing import compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from agent.wire import HostStatus, JobStatus
@@ -66,6 +67,17 @@ class Metrics:
             registry=self.registry,
         )
         self.registry.register(_StateCollector(sessions))
+        self._templates: list[tuple[re.Pattern[str], str]] = []
+
+    def set_templates(self, paths: list[str]) -> None:
+        """Label requests by these path templates (the app's OpenAPI paths), not raw paths."""
+        self._templates = [(compile_path(p)[0], p) for p in paths]
+
+    def route_name(self, path: str) -> str:
+        for regex, template in self._templates:
+            if regex.match(path):
+                return template
+        return "unmatched"
 
 
 class MetricsMiddleware:
@@ -91,7 +103,6 @@ class MetricsMiddleware:
         try:
             await self.app(scope, receive, send_wrapper)
         finally:
-            route: Any = scope.get("route")
-            name = getattr(route, "path", "unmatched")
+            name = self.metrics.route_name(scope["path"])
             self.metrics.requests.labels(scope["method"], name, str(status)).inc()
             self.metrics.latency.labels(name).observe(time.perf_counter() - start)

@@ -15,7 +15,7 @@ router = APIRouter(prefix="/audit", tags=["audit"])
 def audit_log(
     session: SessionDep,
     _: Viewer,
-    target: str | None = Query(None, max_length=128),
+    target: str | None = Query(None, max_length=128, pattern=r"^[\w:.-]+$"),
     limit: int = Query(100, ge=1, le=1000),
     offset: int = Query(0, ge=0, le=2**31 - 1),
 ) -> list[AuditOut]:

@@ -1,0 +1,90 @@
+"""The `evenflow` CLI against a real uvicorn server: tables for people, JSON for scripts,
+non-zero exits with the server's message."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from agent.cli import main
+from agent.client import ApiClient, make_http
+from agent.wire import PROTOCOL_VERSION, DeviceInfo, DeviceKind, HostRegister
+from tests.conftest import LiveServer
+
+
+@pytest.fixture
+def env(live_server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> LiveServer:
+    monkeypatch.setenv("EVENFLOW_SERVER", live_server.url)
+    monkeypatch.setenv("EVENFLOW_TOKEN", live_server.admin_token)
+    return live_server
+
+
+def _json(capsys: pytest.CaptureFixture[str], *argv: str) -> object:
+    capsys.readouterr()
+    assert main([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_submit_list_show_cancel(
+    env: LiveServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    client = ApiClient(make_http(env.url, env.admin_token))
+    client.register_host(
+        HostRegister(
+            protocol_version=PROTOCOL_VERSION,
+            name="cli-host",
+            address="127.0.0.1",
+            devices=[
+                DeviceInfo(index=i, kind=DeviceKind.CPU, model="CPU", memory_mb=1) for i in range(2)
+            ],
+        )
+    )
+    spec = tmp_path / "job.yaml"
+    spec.write_text(
+        "name: cli-job\nworkload: {builtin: mlp}\nglobal_batch: 64\niterations: 10\nworkers: 2\n"
+    )
+    job = _json(capsys, "jobs", "submit", str(spec))
+    assert isinstance(job, dict) and job["status"] == "starting"
+    listed = _json(capsys, "jobs", "list")
+    assert isinstance(listed, dict) and [j["id"] for j in listed["items"]] == [job["id"]]
+    assert main(["jobs", "show", str(job["id"])]) == 0
+    out = capsys.readouterr().out
+    assert "cli-job" in out and "plan v1" in out and "[32, 32]" in out
+    assert main(["hosts", "list"]) == 0
+    assert "cli-host" in capsys.readouterr().out
+    cancelled = _json(capsys, "jobs", "cancel", str(job["id"]))
+    assert isinstance(cancelled, dict) and cancelled["status"] == "cancelled"
+    assert main(["jobs", "cancel", str(job["id"])]) == 1
+    assert "409" in capsys.readouterr().err
+
+
+def test_tokens_create_and_revoke(
+    env: LiveServer, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    created = _json(capsys, "tokens", "create", "--role", "viewer", "--name", "dash")
+    assert isinstance(created, dict) and created["token"].startswith("ef_")
+    monkeypatch.setenv("EVENFLOW_TOKEN", created["token"])
+    assert main(["jobs", "list"]) == 0
+    assert main(["tokens", "create", "--role", "admin"]) == 1
+    assert "admin role" in capsys.readouterr().err
+    monkeypatch.setenv("EVENFLOW_TOKEN", env.admin_token)
+    assert main(["tokens", "revoke", str(created["id"])]) == 0
+    monkeypatch.setenv("EVENFLOW_TOKEN", created["token"])
+    assert main(["jobs", "list"]) == 1
+    assert "revoked" in capsys.readouterr().err
+
+
+def test_bad_spec_file_and_unreachable_server(
+    env: LiveServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = tmp_path / "bad.yaml"
+    spec.write_text(
+        "name: x\nworkload: {builtin: mlp}\nglobal_batch: -3\niterations: 1\nworkers: 1\n"
+    )
+    with pytest.raises(SystemExit) as exc:
+        main(["jobs", "submit", str(spec)])
+    assert "global_batch" in str(exc.value)
+    assert main(["jobs", "list", "--server", "http://127.0.0.1:9"]) == 1
+    assert "cannot reach" in capsys.readouterr().err
