@@ -16,7 +16,7 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 PROTOCOL_VERSION = 1
 """Bumped on any incompatible change; an agent with another version is refused at registration."""
@@ -29,20 +29,21 @@ MAX_MS = 1e7
 MAX_ID = 2**31 - 1
 """No timing above ~2.8 hours per iteration phase is plausible; larger values are input errors."""
 
-Name = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")]
+
+def _refuse_nul(value: str) -> str:
+    if "\x00" in value:
+        raise ValueError("must not contain NUL (\\x00) characters")
+    return value
+
+
+Text = Annotated[str, AfterValidator(_refuse_nul)]
+"""Every string a client sends: PostgreSQL cannot store NUL characters, so they are refused."""
+Name = Annotated[
+    Text, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
+]
 Id = Annotated[int, Field(ge=1, le=MAX_ID)]
 Batch = Annotated[int, Field(ge=0, le=10_000_000)]
 Ms = Annotated[float, Field(ge=0, le=MAX_MS, allow_inf_nan=False)]
-
-
-def _has_nul(value: Any) -> bool:
-    if isinstance(value, str):
-        return "\x00" in value
-    if isinstance(value, dict):
-        return any(_has_nul(k) or _has_nul(v) for k, v in value.items())
-    if isinstance(value, list | tuple):
-        return any(_has_nul(v) for v in value)
-    return False
 
 
 class Request(BaseModel):
@@ -52,14 +53,6 @@ class Request(BaseModel):
     """
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _no_nul(cls, data: Any) -> Any:
-        """NUL characters cannot be stored by PostgreSQL; refuse them in any string, anywhere."""
-        if _has_nul(data):
-            raise ValueError("strings must not contain NUL (\\x00) characters")
-        return data
 
 
 class Response(BaseModel):
@@ -203,14 +196,14 @@ class OverrideKind(StrEnum):
 class DeviceInfo(Request):
     index: int = Field(ge=0, le=1023)
     kind: DeviceKind = Field(strict=False)
-    model: str = Field(min_length=1, max_length=128)
+    model: Text = Field(min_length=1, max_length=128)
     memory_mb: int = Field(ge=0, le=10_000_000)
 
 
 class HostRegister(Request):
     protocol_version: int = Field(ge=0, le=MAX_ID)
     name: Name
-    address: str = Field(min_length=1, max_length=255)
+    address: Text = Field(min_length=1, max_length=255)
     devices: list[DeviceInfo] = Field(min_length=1, max_length=256)
 
     @field_validator("devices")
@@ -232,7 +225,7 @@ class WorkerReport(Request):
     rank: int = Field(ge=0, lt=MAX_WORKERS)
     state: WorkerState = Field(strict=False)
     exit_code: int | None = Field(default=None, ge=-(2**31), le=MAX_ID)
-    error: str | None = Field(default=None, max_length=65_536)
+    error: Text | None = Field(default=None, max_length=65_536)
 
 
 class Heartbeat(Request):
@@ -315,10 +308,10 @@ class WorkloadSpec(Request):
     """What to train: a built-in workload or a user entrypoint ``module:function``."""
 
     builtin: Literal["mlp", "cnn-digits"] | None = None
-    entrypoint: str | None = Field(default=None, max_length=255)
+    entrypoint: Text | None = Field(default=None, max_length=255)
     learning_rate: float = Field(default=0.05, gt=0, le=10, allow_inf_nan=False)
     seed: int = Field(default=0, ge=0, le=2**31 - 1)
-    args: dict[str, str | int | float | bool] = Field(default_factory=dict, max_length=64)
+    args: dict[Text, Text | int | float | bool] = Field(default_factory=dict, max_length=64)
 
     @model_validator(mode="after")
     def _one_of(self) -> WorkloadSpec:
@@ -481,7 +474,7 @@ class EventOut(Response):
 
 class OverrideCreate(Request):
     kind: OverrideKind = Field(strict=False)
-    reason: str = Field(min_length=1, max_length=1000)
+    reason: Text = Field(min_length=1, max_length=1000)
     batch_sizes: list[Batch] | None = Field(default=None, max_length=MAX_WORKERS)
     rank: int | None = Field(default=None, ge=0, lt=MAX_WORKERS)
     batch_size: int | None = Field(default=None, ge=0, le=10_000_000)

@@ -6,7 +6,9 @@ import asyncio
 import contextlib
 import logging
 import sys
+import threading
 from collections.abc import AsyncIterator, Sequence
+from contextlib import AbstractContextManager
 from datetime import UTC, datetime
 from typing import Any
 
@@ -20,6 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from agent.wire import ErrorOut
 from server.api.routes import audit, events, health, hosts, jobs, plans, telemetry, tokens
+from server.cache import Caches
 from server.config import Settings
 from server.db import make_engine, migrate, session_factory, transaction
 from server.errors import EvenflowError
@@ -116,7 +119,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     engine = make_engine(settings.database_url, pool_size=settings.db_pool_size)
     sessions = session_factory(engine)
+    write_lock: AbstractContextManager[Any] = (
+        threading.Lock() if engine.dialect.name == "sqlite" else contextlib.nullcontext()
+    )
     metrics = Metrics(sessions)
+    caches = Caches(sessions)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -150,6 +157,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.engine = engine
     app.state.sessions = sessions
+    app.state.write_lock = write_lock
+    app.state.caches = caches
     app.state.metrics = metrics
     app.state.generated_admin_token = None
 
@@ -201,7 +210,7 @@ async def _reap_lost_hosts(app: FastAPI) -> None:
     settings: Settings = app.state.settings
 
     def sweep() -> None:
-        with transaction(app.state.sessions) as s:
+        with app.state.write_lock, transaction(app.state.sessions) as s:
             for host in host_service.mark_lost(s, datetime.now(UTC), settings.host_lost_after_s):
                 log.warning("host %s marked lost", host.name)
 

@@ -25,7 +25,7 @@ def make_engine(url: str, *, pool_size: int = 16) -> Engine:
             url,
             connect_args={"check_same_thread": False, "timeout": 30},
             pool_size=pool_size,
-            max_overflow=pool_size,
+            max_overflow=2 * pool_size,
         )
 
         @event.listens_for(engine, "connect")
@@ -38,7 +38,7 @@ def make_engine(url: str, *, pool_size: int = 16) -> Engine:
             cur.close()
 
         return engine
-    return create_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True)
+    return create_engine(url, pool_size=pool_size, max_overflow=2 * pool_size, pool_pre_ping=True)
 
 
 def alembic_config(engine: Engine) -> Config:

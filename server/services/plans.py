@@ -6,6 +6,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from agent.wire import PlanSource
+from server.cache import mark_plan_changed
 from server.errors import Invalid, NotFound
 from server.models import Job, Plan
 
@@ -59,6 +60,7 @@ def create(
     session.add(plan)
     job.plan_version = version
     session.flush()
+    mark_plan_changed(session, job.id)
     return plan
 
 

@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
-from sqlalchemy import Table, select
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
 from agent.wire import JobStatus, TelemetryBatch
 from server.errors import Conflict, Invalid
 from server.models import IterationTelemetry, Job
-
-_T = cast(Table, IterationTelemetry.__table__)
-_KEY = ["job_id", "rank", "iteration"]
 
 
 def ingest(session: Session, job: Job, batch: TelemetryBatch) -> tuple[int, int]:
@@ -44,11 +40,51 @@ def ingest(session: Session, job: Job, batch: TelemetryBatch) -> tuple[int, int]
                 "ts": r.ts,
             }
         )
-    dialect = session.get_bind().dialect.name
-    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
-    stmt = insert(_T).on_conflict_do_nothing(index_elements=_KEY).returning(_T.c.id)
-    accepted = len(session.execute(stmt, rows).all())
+    if session.get_bind().dialect.name == "postgresql":
+        accepted = _insert_postgresql(session, job.id, rows)
+    else:
+        accepted = _insert_sqlite(session, rows)
     return accepted, len(rows) - accepted
+
+
+# Bulk inserts, measured (bench/ingest.py): on PostgreSQL one INSERT ... SELECT FROM unnest()
+# of per-column arrays is ~3x faster than a multi-row VALUES insert; on SQLite a plain
+# executemany is fastest. Both skip existing keys and report how many rows they inserted.
+_COLUMNS = (
+    "rank",
+    "iteration",
+    "plan_version",
+    "batch_size",
+    "data_ms",
+    "compute_ms",
+    "sync_ms",
+    "ts",
+)
+_PG_TYPES = ("integer", "bigint", "integer", "integer", "float8", "float8", "float8", "float8")
+_PG_ARRAYS = ", ".join(f"CAST(:{c} AS {t}[])" for c, t in zip(_COLUMNS, _PG_TYPES, strict=True))
+_PG_INSERT = text(
+    f"INSERT INTO iteration_telemetry (job_id, {', '.join(_COLUMNS)}) "
+    f"SELECT :job_id, * FROM unnest({_PG_ARRAYS}) "
+    "ON CONFLICT (job_id, rank, iteration) DO NOTHING"
+)
+_SQLITE_INSERT = (
+    f"INSERT INTO iteration_telemetry (job_id, {', '.join(_COLUMNS)}) "
+    f"VALUES ({', '.join('?' * (len(_COLUMNS) + 1))}) "
+    "ON CONFLICT (job_id, rank, iteration) DO NOTHING"
+)
+
+
+def _insert_postgresql(session: Session, job_id: int, rows: list[dict[str, Any]]) -> int:
+    params: dict[str, Any] = {c: [r[c] for r in rows] for c in _COLUMNS}
+    params["job_id"] = job_id
+    result = session.execute(_PG_INSERT, params)
+    return int(result.rowcount)  # type: ignore[attr-defined]
+
+
+def _insert_sqlite(session: Session, rows: list[dict[str, Any]]) -> int:
+    values = [(r["job_id"], *(r[c] for c in _COLUMNS)) for r in rows]
+    result = session.connection().exec_driver_sql(_SQLITE_INSERT, values)
+    return int(result.rowcount)
 
 
 def window(

@@ -8,9 +8,10 @@ import secrets
 from dataclasses import dataclass
 
 from sqlalchemy import select
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, sessionmaker
 
 from agent.wire import Role, TokenCreate
+from server.cache import mark_tokens_changed
 from server.errors import Conflict, Forbidden, NotFound, Unauthorized
 from server.models import ApiToken, utcnow
 from server.services.audit import record
@@ -50,15 +51,26 @@ def new_secret() -> str:
     return TOKEN_PREFIX + secrets.token_urlsafe(32)
 
 
-def authenticate(session: Session, secret: str | None) -> Principal:
+def require_secret(secret: str | None) -> str:
     if not secret:
         raise Unauthorized("missing bearer token: send 'Authorization: Bearer <token>'")
+    return secret
+
+
+def authenticate(session: Session, secret: str | None) -> Principal:
+    secret = require_secret(secret)
     row = session.scalars(select(ApiToken).where(ApiToken.token_hash == hash_token(secret))).first()
     if row is None:
         raise Unauthorized("unknown token")
     if row.revoked_at is not None:
         raise Unauthorized(f"token '{row.name}' was revoked")
     return Principal(token_id=row.id, name=row.name, role=Role(row.role), host=row.host)
+
+
+def authenticate_with(sessions: sessionmaker[Session], secret: str | None) -> Principal:
+    """Authenticate in a session of its own."""
+    with sessions() as session:
+        return authenticate(session, secret)
 
 
 def create(
@@ -92,6 +104,7 @@ def revoke(session: Session, token_id: int, *, by: str) -> ApiToken:
         raise NotFound(f"token {token_id} not found")
     if row.revoked_at is None:
         row.revoked_at = utcnow()
+        mark_tokens_changed(session)
         record(session, by, "token.revoke", f"token:{row.id}", {"name": row.name})
     return row
 

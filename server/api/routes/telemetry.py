@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Path, Query
+from fastapi import APIRouter, Path, Query, Request
 
 from agent.wire import Role, TelemetryAck, TelemetryBatch, TelemetryOut
 from server.api.deps import Authenticated, SessionDep, Viewer
+from server.db import transaction
 from server.services import jobs, telemetry
 
 router = APIRouter(prefix="/jobs", tags=["telemetry"])
@@ -14,15 +15,20 @@ JobId = Path(ge=1, le=2**31 - 1)
 
 @router.post("/{job_id}/telemetry")
 def ingest(
-    batch: TelemetryBatch, session: SessionDep, principal: Authenticated, job_id: int = JobId
+    batch: TelemetryBatch, request: Request, principal: Authenticated, job_id: int = JobId
 ) -> TelemetryAck:
     """Store timings; rows already stored for (job, rank, iteration) are skipped, not duplicated."""
     if principal.role is not Role.AGENT:
         principal.require(Role.ADMIN)
-    job = jobs.get(session, job_id)
-    jobs.check_agent_may_write(session, principal, job)
-    accepted, duplicates = telemetry.ingest(session, job, batch)
-    session.info["telemetry_accepted"] = accepted
+    # The hot write path: the body is already validated; hold the writer lock only for the
+    # database work, not while the request is parsed.
+    with request.app.state.write_lock, transaction(request.app.state.sessions) as session:
+        job = jobs.get(session, job_id)
+        jobs.check_agent_may_write(session, principal, job)
+        accepted, duplicates = telemetry.ingest(session, job, batch)
+    metrics = request.app.state.metrics
+    metrics.telemetry_records.inc(accepted)
+    metrics.telemetry_duplicates.inc(duplicates)
     return TelemetryAck(accepted=accepted, duplicates=duplicates)
 
 
