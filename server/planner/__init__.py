@@ -17,8 +17,8 @@ Batch plans::
 Performance models from measurements::
 
     Observation(batch_size, compute_ms, iteration=0)
-    fit_model(observations, *, half_life_iterations=100.0, now=None, fit_floor=True,
-              max_batch=None, granularity=1) -> ModelFit
+    fit_model(observations, *, half_life_iterations=100.0, fit_floor=True, max_batch=None,
+              granularity=1) -> ModelFit
     ModelFit(identifiable, model | None, reason, observations, used, trimmed,
              distinct_batch_sizes, r2, relative_rmse, explore, notes, guess)
     explore_batches(batch, max_batch=None, granularity=1) -> tuple[int, ...]

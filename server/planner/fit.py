@@ -228,16 +228,15 @@ def fit_model(
     observations: Iterable[Observation],
     *,
     half_life_iterations: float | None = 100.0,
-    now: int | None = None,
     fit_floor: bool = True,
     max_batch: int | None = None,
     granularity: int = 1,
 ) -> ModelFit:
     """Fit ``t(b) = max(floor, intercept + per_sample * b)``; see the module docstring.
 
-    ``now`` is the iteration the weights are relative to (default: the latest observed);
-    ``half_life_iterations=None`` weighs all observations alike. ``max_batch`` and
-    ``granularity`` only shape the suggested exploration.
+    Ages count from the latest observed iteration (only weight ratios matter, so any other
+    origin gives the same fit); ``half_life_iterations=None`` weighs all observations alike.
+    ``max_batch`` and ``granularity`` only shape the suggested exploration.
     """
     rows = list(observations)
     for o in rows:
@@ -251,7 +250,7 @@ def fit_model(
     x = np.array([o.batch_size for o in rows], dtype=np.float64)
     y = np.array([o.compute_ms for o in rows], dtype=np.float64)
     its = np.array([o.iteration for o in rows], dtype=np.float64)
-    age = np.maximum((its.max() if now is None else float(now)) - its, 0.0)
+    age = its.max() - its
     w = np.ones_like(x) if half_life_iterations is None else 0.5 ** (age / half_life_iterations)
     scale = max(float(np.median(y)), 1e-9)
     sizes = np.unique(x)
