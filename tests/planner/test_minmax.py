@@ -163,3 +163,26 @@ def test_identical_workers_split_evenly(per_worker: int, n: int) -> None:
     )
     plan = minmax(problem)
     assert set(plan.batch_sizes.values()) == {per_worker}
+
+
+def test_speed_scales_roughly_linearly() -> None:
+    """Targets are 50 ms at 1,024 workers and 500 ms at 10,000; allow 10x for a busy machine.
+
+    This guards against an accidental quadratic step, not a benchmark (see bench/planner.py).
+    """
+    import time
+
+    rng = np.random.default_rng(7)
+    for n, budget_s in ((1024, 0.5), (10_000, 5.0)):
+        workers = tuple(
+            WorkerSpec(
+                f"w{i}",
+                PerfModel(float(rng.uniform(0.4, 25.0)), float(rng.uniform(0, 60)), 0.0),
+                max_batch=int(rng.integers(64, 640)),
+            )
+            for i in range(n)
+        )
+        problem = PlanProblem(64 * n, workers)
+        start = time.perf_counter()
+        minmax(problem)
+        assert time.perf_counter() - start < budget_s
