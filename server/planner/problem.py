@@ -57,11 +57,12 @@ class WorkerSpec:
             raise InvalidInput(f"worker id must be a non-empty string, got {self.id!r}", field="id")
         if not isinstance(self.model, PerfModel):
             raise InvalidInput(f"worker {self.id}: model must be a PerfModel", field="model")
-        _check_count(f"worker {self.id}: min_batch", self.min_batch, minimum=0)
-        if self.max_batch is not None:
-            _check_count(f"worker {self.id}: max_batch", self.max_batch, minimum=0)
-        if self.pinned_batch is not None:
-            _check_count(f"worker {self.id}: pinned_batch", self.pinned_batch, minimum=0)
+        # Store plain ints (numpy integers pass the check) so the value serialises anywhere.
+        for name in ("min_batch", "max_batch", "pinned_batch"):
+            value = getattr(self, name)
+            if value is not None:
+                number = _check_count(f"worker {self.id}: {name}", value, minimum=0)
+                object.__setattr__(self, name, number)
 
 
 @dataclass(frozen=True)
@@ -73,8 +74,12 @@ class PlanProblem:
     granularity: int = 1
 
     def __post_init__(self) -> None:
-        _check_count("global_batch", self.global_batch, minimum=0)
-        _check_count("granularity", self.granularity, minimum=1)
+        object.__setattr__(
+            self, "global_batch", _check_count("global_batch", self.global_batch, minimum=0)
+        )
+        object.__setattr__(
+            self, "granularity", _check_count("granularity", self.granularity, minimum=1)
+        )
         if not isinstance(self.workers, tuple):
             # Accept any sequence, but store a tuple so the value stays immutable and hashable.
             object.__setattr__(self, "workers", tuple(self.workers))

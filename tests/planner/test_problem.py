@@ -100,3 +100,12 @@ def test_infeasible_names_the_constraint(
         assert isinstance(e.value, PlannerError)
     if "worker a" in words:
         assert e.value.worker == "a"
+
+
+def test_numpy_integers_are_stored_as_plain_ints() -> None:
+    import numpy as np
+
+    w = WorkerSpec("a", M, min_batch=np.int64(2), max_batch=np.int32(9))  # type: ignore[arg-type]
+    problem = PlanProblem(np.int64(8), (w,), np.int64(2))  # type: ignore[arg-type]
+    assert type(problem.global_batch) is int and type(problem.granularity) is int
+    assert type(w.min_batch) is int and type(w.max_batch) is int
