@@ -1,0 +1,230 @@
+"""Which free devices a job gets: an integer program over devices and hosts, solved by CBC.
+
+With min-max batch balancing, a synchronous job's throughput is close to the *sum* of its devices'
+speeds (every device is kept busy; that is the point of balancing), so a job prefers many fast
+devices. Every host beyond the first adds cross-host all-reduce traffic, charged as a penalty p
+in samples/s per extra host. With ``x_d`` = "device d is used" and ``y_h`` = "host h is used"::
+
+    maximise    sum_d v_d x_d  -  p * (sum_h y_h - 1)
+    subject to  x_d <= y_h(d)                          a used device's host counts as used
+                min_workers <= sum_d x_d <= max_workers
+                x_d = 0 for devices with less memory than the job needs
+
+CBC starts from a greedy placement (``warmStart``): hosts in order of their best devices' total
+speed, devices fastest first, a new host only while it pays for its penalty. The status says what
+was established: ``optimal`` (proven), ``feasible`` (time limit hit, best found so far) or
+``infeasible`` (fewer eligible devices than ``min_workers``). A job that does not fit is not an
+error here, it waits, so ``infeasible`` is a status and not an exception.
+
+Several pending jobs are placed one at a time, higher priority first (ties in submission order),
+each from the devices the earlier ones left.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import pulp
+
+from server.planner.errors import InvalidInput
+from server.planner.ilp import SolveStatus, run_cbc
+
+DeviceId = int | str
+
+DEFAULT_HOST_PENALTY_SHARE = 0.01
+"""Without an explicit penalty, each extra host costs 1% of the median eligible device speed:
+enough to prefer fewer hosts among equals, too little to refuse a genuinely faster spread."""
+
+
+@dataclass(frozen=True)
+class Device:
+    """A free device and its predicted speed for the job's workload."""
+
+    id: DeviceId
+    host: str
+    model: str = ""
+    memory_gb: float = 0.0
+    samples_per_s: float = 1.0
+    """From telemetry of similar jobs, or the ``profiles`` prior."""
+
+    def __post_init__(self) -> None:
+        speed = self.samples_per_s
+        if not math.isfinite(speed) or speed < 0:
+            raise InvalidInput(f"device {self.id}: samples_per_s must be finite and >= 0")
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    """What a pending job needs."""
+
+    id: str
+    min_workers: int
+    max_workers: int | None = None
+    """None means exactly ``min_workers``."""
+    priority: int = 0
+    host_penalty: float | None = None
+    """Samples/s charged per host beyond the first; None for the default share."""
+    min_memory_gb: float = 0.0
+
+    def __post_init__(self) -> None:
+        top = self.max_workers if self.max_workers is not None else self.min_workers
+        if self.min_workers < 1 or top < self.min_workers:
+            raise InvalidInput(
+                f"job {self.id}: need 1 <= min_workers <= max_workers, got "
+                f"{self.min_workers}..{self.max_workers}",
+                field="workers",
+            )
+        if self.host_penalty is not None and not (
+            math.isfinite(self.host_penalty) and self.host_penalty >= 0
+        ):
+            raise InvalidInput(f"job {self.id}: host_penalty must be >= 0", field="host_penalty")
+
+    @property
+    def most(self) -> int:
+        return self.max_workers if self.max_workers is not None else self.min_workers
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The devices one job gets (none when ``status`` is infeasible)."""
+
+    job_id: str
+    device_ids: tuple[DeviceId, ...]
+    hosts_used: tuple[str, ...]
+    predicted_samples_per_s: float
+    """Sum of the chosen devices' speeds."""
+    status: SolveStatus
+    objective: float
+    """Predicted samples/s minus the host penalties: what the placement maximised."""
+    reason: str = ""
+
+
+def _value(chosen: Sequence[Device], penalty: float) -> float:
+    hosts = {d.host for d in chosen}
+    return sum(d.samples_per_s for d in chosen) - penalty * max(len(hosts) - 1, 0)
+
+
+def greedy(job: JobRequest, devices: Sequence[Device], penalty: float) -> list[Device]:
+    """A feasible, usually good placement (the ILP's warm start); [] if none exists."""
+    if len(devices) < job.min_workers:
+        return []
+    by_host: dict[str, list[Device]] = {}
+    for d in sorted(devices, key=lambda d: -d.samples_per_s):
+        by_host.setdefault(d.host, []).append(d)
+    hosts = sorted(by_host, key=lambda h: -sum(d.samples_per_s for d in by_host[h][: job.most]))
+    chosen: list[Device] = []
+    for h in hosts:
+        room = job.most - len(chosen)
+        if room <= 0:
+            break
+        take = by_host[h][:room]
+        gain = sum(d.samples_per_s for d in take) - (penalty if chosen else 0.0)
+        if len(chosen) >= job.min_workers and gain <= 0:
+            continue
+        chosen.extend(take)
+    return chosen
+
+
+def place(
+    job: JobRequest, devices: Iterable[Device], *, time_limit_s: float = 10.0, threads: int = 1
+) -> Placement:
+    """Best devices for one job among ``devices`` (see the module docstring)."""
+    pool = list(devices)
+    if len({d.id for d in pool}) != len(pool):
+        raise InvalidInput("a device id appears twice", field="devices")
+    eligible = [d for d in pool if d.memory_gb >= job.min_memory_gb]
+    if len(eligible) < job.min_workers:
+        return Placement(
+            job.id,
+            (),
+            (),
+            0.0,
+            SolveStatus.INFEASIBLE,
+            0.0,
+            f"job {job.id} needs {job.min_workers} devices with >= {job.min_memory_gb} GB, "
+            f"{len(eligible)} are free",
+        )
+    penalty = job.host_penalty
+    if penalty is None:
+        penalty = DEFAULT_HOST_PENALTY_SHARE * statistics.median(d.samples_per_s for d in eligible)
+    start = greedy(job, eligible, penalty)
+
+    prob = pulp.LpProblem("placement", pulp.LpMaximize)
+    x = [pulp.LpVariable(f"x_{i}", cat="Binary") for i in range(len(eligible))]
+    hosts = sorted({d.host for d in eligible})
+    y = {h: pulp.LpVariable(f"y_{j}", cat="Binary") for j, h in enumerate(hosts)}
+    prob += pulp.lpSum(
+        d.samples_per_s * xi for d, xi in zip(eligible, x, strict=True)
+    ) - penalty * (pulp.lpSum(y.values()) - 1)
+    for i, (d, xi) in enumerate(zip(eligible, x, strict=True)):
+        prob += xi <= y[d.host], f"host_{i}"
+    prob += pulp.lpSum(x) >= job.min_workers, "min_workers"
+    prob += pulp.lpSum(x) <= job.most, "max_workers"
+    picked = {id(d) for d in start}
+    for d, xi in zip(eligible, x, strict=True):
+        xi.setInitialValue(1 if id(d) in picked else 0)
+    for h, yh in y.items():
+        yh.setInitialValue(1 if any(d.host == h for d in start) else 0)
+    status = run_cbc(prob, time_limit_s=time_limit_s, warm_start=True, threads=threads)
+
+    reason = ""
+    if status in (SolveStatus.OPTIMAL, SolveStatus.FEASIBLE):
+        chosen = [d for d, xi in zip(eligible, x, strict=True) if (xi.varValue or 0.0) > 0.5]
+        if status is SolveStatus.FEASIBLE:
+            reason = f"time limit {time_limit_s} s reached; best placement found, not proven"
+    elif status is SolveStatus.NO_SOLUTION:
+        chosen, status = start, SolveStatus.FEASIBLE
+        reason = "CBC found no placement within the time limit; greedy placement used"
+    else:  # CBC says infeasible although the counts allow a placement: do not trust either
+        raise AssertionError(f"CBC called a feasible placement infeasible for job {job.id}")
+    if _value(start, penalty) > _value(chosen, penalty):  # never worse than the warm start
+        chosen = start
+    return Placement(
+        job_id=job.id,
+        device_ids=tuple(d.id for d in chosen),
+        hosts_used=tuple(sorted({d.host for d in chosen})),
+        predicted_samples_per_s=sum(d.samples_per_s for d in chosen),
+        status=status,
+        objective=_value(chosen, penalty),
+        reason=reason,
+    )
+
+
+def place_jobs(
+    jobs: Iterable[JobRequest],
+    devices: Iterable[Device],
+    *,
+    time_limit_s: float = 10.0,
+    backfill: bool = True,
+    threads: int = 1,
+) -> tuple[Placement, ...]:
+    """Place pending jobs by priority (higher first, ties in the given order).
+
+    Each job takes from what the earlier ones left. With ``backfill`` a job that does not fit
+    does not stop lower-priority jobs that do; without it, they wait behind it. Returns one
+    placement per job, in the order they were considered.
+    """
+    ordered = sorted(enumerate(jobs), key=lambda pair: (-pair[1].priority, pair[0]))
+    free = list(devices)
+    out: list[Placement] = []
+    blocked: str | None = None
+    for _, job in ordered:
+        if blocked is not None:
+            out.append(
+                Placement(
+                    job.id, (), (), 0.0, SolveStatus.INFEASIBLE, 0.0, f"waits behind job {blocked}"
+                )
+            )
+            continue
+        placement = place(job, free, time_limit_s=time_limit_s, threads=threads)
+        out.append(placement)
+        if placement.status is SolveStatus.INFEASIBLE:
+            if not backfill:
+                blocked = job.id
+            continue
+        taken = set(placement.device_ids)
+        free = [d for d in free if d.id not in taken]
+    return tuple(out)

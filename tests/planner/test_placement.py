@@ -1,0 +1,145 @@
+"""Placement: counts, memory, speed, host spread, priorities and honest statuses."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from server.planner.errors import InvalidInput
+from server.planner.ilp import SolveStatus
+from server.planner.placement import Device, JobRequest, place, place_jobs
+
+
+def cluster() -> list[Device]:
+    """Host a: 4 fast, host b: 2 fast + 2 slow, host c: 4 slow with little memory."""
+    out = [Device(f"a{i}", "a", "A100", 80, 1000.0) for i in range(4)]
+    out += [Device(f"b{i}", "b", "A100", 80, 1000.0) for i in range(2)]
+    out += [Device(f"b{i}", "b", "T4", 16, 125.0) for i in range(2, 4)]
+    out += [Device(f"c{i}", "c", "K80", 12, 44.0) for i in range(4)]
+    return out
+
+
+def test_exact_count_takes_the_fastest_on_one_host() -> None:
+    p = place(JobRequest("j", 4), cluster())
+    assert p.status is SolveStatus.OPTIMAL
+    assert sorted(p.device_ids) == ["a0", "a1", "a2", "a3"]
+    assert p.hosts_used == ("a",)
+    assert p.predicted_samples_per_s == 4000.0
+
+
+def test_range_uses_every_device_that_pays_for_its_host() -> None:
+    p = place(JobRequest("j", 2, 8, host_penalty=300.0), cluster())
+    # a: 4000; b adds its 2 fast (2000) and 2 slow (250) minus 300; c would add at most
+    # 2 devices... but 8 is the cap: 4 + 4 from a and b.
+    assert p.status is SolveStatus.OPTIMAL
+    assert len(p.device_ids) == 8
+    assert p.hosts_used == ("a", "b")
+    assert p.objective == pytest.approx(4000 + 2000 + 250 - 300)
+
+
+def test_a_high_penalty_keeps_the_job_on_one_host() -> None:
+    p = place(JobRequest("j", 1, 12, host_penalty=5000.0), cluster())
+    assert p.hosts_used == ("a",)
+    assert len(p.device_ids) == 4
+
+
+def test_prefers_fewer_hosts_among_equal_speeds() -> None:
+    devices = [Device(f"{h}{i}", h, samples_per_s=100.0) for h in "xyz" for i in range(2)]
+    p = place(JobRequest("j", 2), devices)  # default penalty: 1% of the median speed
+    assert len(p.hosts_used) == 1
+    p = place(JobRequest("j", 4), devices)
+    assert len(p.hosts_used) == 2
+
+
+def test_spreads_when_speed_is_worth_more_than_the_penalty() -> None:
+    devices = [Device("slow0", "x", samples_per_s=10.0), Device("slow1", "x", samples_per_s=10.0)]
+    devices += [
+        Device("fast0", "y", samples_per_s=500.0),
+        Device("fast1", "z", samples_per_s=500.0),
+    ]
+    p = place(JobRequest("j", 2, host_penalty=50.0), devices)
+    assert sorted(p.device_ids) == ["fast0", "fast1"]
+
+
+def test_memory_requirement_filters_devices() -> None:
+    p = place(JobRequest("j", 6, min_memory_gb=40), cluster())
+    assert sorted(p.device_ids) == ["a0", "a1", "a2", "a3", "b0", "b1"]
+    p = place(JobRequest("j", 7, min_memory_gb=40), cluster())
+    assert p.status is SolveStatus.INFEASIBLE and p.device_ids == ()
+    assert "needs 7 devices" in p.reason
+
+
+def test_not_enough_devices_is_an_infeasible_status() -> None:
+    p = place(JobRequest("j", 13), cluster())
+    assert p.status is SolveStatus.INFEASIBLE
+    assert "12 are free" in p.reason
+
+
+def test_ilp_matches_brute_force_on_small_clusters() -> None:
+    devices = [
+        Device("d0", "h0", samples_per_s=300.0),
+        Device("d1", "h0", samples_per_s=80.0),
+        Device("d2", "h1", samples_per_s=250.0),
+        Device("d3", "h1", samples_per_s=240.0),
+        Device("d4", "h2", samples_per_s=400.0),
+        Device("d5", "h3", samples_per_s=90.0),
+    ]
+    for lo, hi, penalty in [(1, 3, 100.0), (2, 4, 150.0), (3, 3, 0.0), (2, 6, 60.0)]:
+        job = JobRequest("j", lo, hi, host_penalty=penalty)
+        best = max(
+            sum(d.samples_per_s for d in pick) - penalty * (len({d.host for d in pick}) - 1)
+            for k in range(lo, hi + 1)
+            for pick in itertools.combinations(devices, k)
+        )
+        p = place(job, devices)
+        assert p.status is SolveStatus.OPTIMAL
+        assert p.objective == pytest.approx(best)
+        assert lo <= len(p.device_ids) <= hi
+
+
+def test_priorities_decide_who_gets_the_fast_devices() -> None:
+    jobs = [JobRequest("low", 4, priority=0), JobRequest("high", 4, priority=5)]
+    placed = place_jobs(jobs, cluster())
+    assert [p.job_id for p in placed] == ["high", "low"]  # considered in priority order
+    high, low = placed
+    assert high.hosts_used == ("a",) and high.predicted_samples_per_s == 4000.0
+    assert low.predicted_samples_per_s == 2250.0  # what is left on b
+    assert not set(low.device_ids) & set(high.device_ids)
+
+
+def test_backfill_lets_a_small_job_past_a_big_one() -> None:
+    jobs = [JobRequest("big", 20, priority=9), JobRequest("small", 2)]
+    big, small = place_jobs(jobs, cluster())
+    assert big.status is SolveStatus.INFEASIBLE
+    assert small.status is SolveStatus.OPTIMAL and len(small.device_ids) == 2
+    big, small = place_jobs(jobs, cluster(), backfill=False)
+    assert small.status is SolveStatus.INFEASIBLE and "behind job big" in small.reason
+
+
+def test_equal_priority_keeps_submission_order() -> None:
+    jobs = [JobRequest("first", 4), JobRequest("second", 4)]
+    first, second = place_jobs(jobs, cluster())
+    assert (first.job_id, second.job_id) == ("first", "second")
+    assert first.predicted_samples_per_s > second.predicted_samples_per_s
+
+
+def test_malformed_requests() -> None:
+    with pytest.raises(InvalidInput):
+        JobRequest("j", 0)
+    with pytest.raises(InvalidInput):
+        JobRequest("j", 4, 2)
+    with pytest.raises(InvalidInput):
+        Device("d", "h", samples_per_s=-1.0)
+    with pytest.raises(InvalidInput, match="twice"):
+        place(JobRequest("j", 1), [Device("d", "h"), Device("d", "h")])
+
+
+def test_greedy_stands_in_when_cbc_finds_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    import server.planner.placement as placement
+
+    monkeypatch.setattr(placement, "run_cbc", lambda *a, **k: SolveStatus.NO_SOLUTION)
+    p = placement.place(JobRequest("j", 4), cluster())
+    assert p.status is SolveStatus.FEASIBLE  # not optimal: nothing proved it
+    assert "greedy" in p.reason
+    assert p.hosts_used == ("a",)
