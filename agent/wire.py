@@ -419,6 +419,37 @@ class PlanOut(Response):
     created_by: str | None = None
 
 
+class SolveWorker(Request):
+    """One worker of a what-if plan: its performance model and constraints."""
+
+    id: Text = Field(min_length=1, max_length=128)
+    per_sample_ms: float = Field(gt=0, le=1e6, allow_inf_nan=False)
+    intercept_ms: float = Field(default=0.0, ge=0, le=1e7, allow_inf_nan=False)
+    floor_ms: float = Field(default=0.0, ge=0, le=1e7, allow_inf_nan=False)
+    min_batch: int = Field(default=0, ge=0, le=10_000_000)
+    max_batch: int | None = Field(default=None, ge=0, le=10_000_000)
+    pinned_batch: int | None = Field(default=None, ge=0, le=10_000_000)
+
+
+class SolveRequest(Request):
+    """A stateless what-if: the plan a policy would make for these workers."""
+
+    global_batch: int = Field(ge=1, le=100_000_000)
+    policy: PolicyName = Field(default=PolicyName.MINMAX, strict=False)
+    granularity: int = Field(default=1, ge=1, le=65_536)
+    workers: list[SolveWorker] = Field(min_length=1, max_length=MAX_WORKERS)
+
+
+class SolveResponse(Response):
+    batch_sizes: dict[str, int]
+    predicted_ms: dict[str, float]
+    makespan_ms: float
+    lower_bound_ms: float
+    optimal: bool
+    policy: PolicyName
+    solve_ms: float
+
+
 # --------------------------------------------------------------------------- telemetry
 
 

@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from agent.wire import ErrorOut
-from server.api.routes import audit, events, health, hosts, jobs, plans, telemetry, tokens
+from server.api.routes import audit, events, health, hosts, jobs, planner, plans, telemetry, tokens
 from server.cache import Caches
 from server.config import Settings
 from server.db import make_engine, migrate, session_factory, transaction
@@ -167,7 +167,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
 
     app.include_router(health.router, prefix=API_PREFIX)
-    for module in (hosts, jobs, plans, telemetry, events, audit, tokens):
+    for module in (hosts, jobs, plans, telemetry, events, audit, tokens, planner):
         app.include_router(module.router, prefix=API_PREFIX, responses=ERROR_RESPONSES)
 
     @app.get("/metrics", include_in_schema=False)

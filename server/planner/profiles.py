@@ -1,6 +1,7 @@
 """Prior device speeds from published GPU figures, for placing a job before any telemetry exists.
 
-The figures live in ``data/gpu_profiles.csv`` (columns ``gpu, memory_gb, model, precision,
+The figures ship beside this module in ``gpu_profiles.csv`` (``DEFAULT_PROFILES``; a copy of
+``shared/data/gpu_profiles.csv``) (columns ``gpu, memory_gb, model, precision,
 batch_per_gpu, samples_per_s, measured, source``). The caller loads them once (``load_gpu_profiles``
 reads a path; ``parse_gpu_profiles`` takes rows already read), then asks ``prior_speed`` for each
 device. Once a job runs, fitted models from telemetry replace these priors.
@@ -86,7 +87,10 @@ def parse_gpu_profiles(rows: Iterable[Mapping[str, str]]) -> tuple[GpuProfile, .
     return tuple(out)
 
 
-def load_gpu_profiles(path: str | Path) -> tuple[GpuProfile, ...]:
+DEFAULT_PROFILES = Path(__file__).with_name("gpu_profiles.csv")
+
+
+def load_gpu_profiles(path: str | Path = DEFAULT_PROFILES) -> tuple[GpuProfile, ...]:
     """Read and parse the profiles csv at ``path``."""
     with Path(path).open(newline="", encoding="utf-8") as handle:
         return parse_gpu_profiles(csv.DictReader(handle))

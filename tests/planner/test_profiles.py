@@ -2,30 +2,18 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from server.planner.errors import InvalidInput
 from server.planner.profiles import (
     CPU_DEFAULT_SAMPLES_PER_S,
+    DEFAULT_PROFILES,
     load_gpu_profiles,
     parse_gpu_profiles,
     prior_speed,
 )
 
-# The figures ship in the repository's data/ once merged; the shared copy serves until then.
-CSV = next(
-    (
-        path
-        for path in (
-            Path(__file__).resolve().parents[2] / "data" / "gpu_profiles.csv",
-            Path("/work/shared/data/gpu_profiles.csv"),
-        )
-        if path.exists()
-    ),
-    Path("data/gpu_profiles.csv"),
-)
+CSV = DEFAULT_PROFILES
 
 ROWS = [
     {"gpu": "A100 SXM4 80GB", "memory_gb": "80", "model": "resnet50", "precision": "tf32",
@@ -84,7 +72,6 @@ def test_bad_rows_are_named() -> None:
         parse_gpu_profiles([ROWS[0], {**ROWS[0], "samples_per_s": "0"}])
 
 
-@pytest.mark.skipif(not CSV.exists(), reason="shared data not present")
 def test_the_shared_csv_loads_and_matches_driver_names() -> None:
     profiles = load_gpu_profiles(CSV)
     assert len(profiles) >= 30
