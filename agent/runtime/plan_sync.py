@@ -1,0 +1,269 @@
+"""Getting plans from the control plane, and switching every rank to a new plan at once.
+
+Two parts, so the HTTP side never touches the training loop:
+
+- :class:`PlanFetcher` runs on rank 0 only, in a daemon thread. It polls ``fetch_plan()`` and keeps
+  the newest plan whose version is above the one it already knows. Errors are counted and logged,
+  with exponential back-off, and never leave the thread.
+- :class:`PlanAgreement` runs on every rank, at every iteration boundary. Rank 0 puts its newest
+  candidate (or the current plan) into a tiny int64 tensor ``[version, global_batch, length,
+  sizes...]`` and broadcasts it; every rank decodes the *same* bytes and runs the *same*
+  validation, so all ranks accept or all refuse, and a new version takes effect at the same
+  iteration everywhere. A plan whose sizes are negative, do not sum to B, or whose length is not
+  the world size is refused (logged, counted) and the old plan kept.
+
+Cost: with ``pipelined=True`` (the default) the broadcast started at boundary ``i`` is only waited
+for at boundary ``i + every``, so its latency hides behind the iteration's compute, and a new plan
+takes effect ``every`` iterations after rank 0 saw it. One small collective per ``every``
+iterations; no allocation per iteration. On NCCL jobs pass a gloo group so the control tensor
+stays on the CPU and reading it never synchronises the GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from agent.wire import PlanOut
+
+log = logging.getLogger(__name__)
+
+FetchPlan = Callable[[], PlanOut | None]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The part of a plan the runtime acts on: its version and one local batch size per rank."""
+
+    version: int
+    batch_sizes: tuple[int, ...]
+    global_batch: int = -1
+    """The plan's own statement of B (``PlanOut.global_batch``); -1 means 'use sum(sizes)'."""
+
+    @classmethod
+    def of(cls, plan: PlanOut | Plan) -> Plan:
+        if isinstance(plan, Plan):
+            return plan
+        return cls(plan.version, tuple(plan.batch_sizes), plan.global_batch)
+
+
+def plan_problem(plan: Plan, world_size: int, global_batch: int) -> str | None:
+    """Why this plan must not be trained on, or ``None`` if it is fine."""
+    sizes = plan.batch_sizes
+    if plan.version < 1:
+        return f"version {plan.version} < 1"
+    if len(sizes) != world_size:
+        return f"{len(sizes)} batch sizes for {world_size} ranks"
+    if any(b < 0 for b in sizes):
+        return f"negative batch size in {list(sizes)}"
+    if sum(sizes) != global_batch:
+        return f"batch sizes sum to {sum(sizes)}, global batch is {global_batch}"
+    if plan.global_batch not in (-1, global_batch):
+        return f"plan is for global batch {plan.global_batch}, job has {global_batch}"
+    return None
+
+
+class PlanFetcher:
+    """Polls ``fetch_plan`` in a daemon thread; :meth:`latest` never blocks, nothing raises."""
+
+    def __init__(
+        self,
+        fetch_plan: FetchPlan,
+        *,
+        interval_s: float = 1.0,
+        max_backoff_s: float = 30.0,
+        known_version: int = 0,
+    ) -> None:
+        self._fetch = fetch_plan
+        self.interval_s = interval_s
+        self.max_backoff_s = max_backoff_s
+        self._known = known_version
+        self._latest: PlanOut | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="evenflow-plan-fetcher", daemon=True)
+        self.fetches = 0
+        self.errors = 0
+
+    def start(self) -> PlanFetcher:
+        self._thread.start()
+        return self
+
+    def latest(self) -> PlanOut | None:
+        """The newest plan fetched with a version above the initial known one, if any."""
+        with self._lock:
+            return self._latest
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        delay = self.interval_s
+        while not self._stop.is_set():
+            try:
+                plan = self._fetch()
+                self.fetches += 1
+                delay = self.interval_s
+                if plan is not None and plan.version > self._known:
+                    with self._lock:
+                        self._known = plan.version
+                        self._latest = plan
+            except Exception as exc:  # never into the loop; a dead fetcher only means old plans
+                self.errors += 1
+                delay = min(max(delay, self.interval_s) * 2, self.max_backoff_s)
+                if self.errors == 1 or self.errors % 20 == 0:
+                    log.warning("plan fetch failed (%d so far): %r", self.errors, exc)
+            self._stop.wait(delay)
+
+
+class PlanAgreement:
+    """Every rank calls :meth:`at_boundary` before every iteration, in the same order.
+
+    ``propose`` (rank 0 only; ignored elsewhere) returns the newest candidate plan or ``None``;
+    typically ``PlanFetcher.latest``. ``history`` lists ``(iteration, version)`` each time the plan
+    in force changed, starting with the initial plan at iteration ``start_iteration``.
+    """
+
+    def __init__(
+        self,
+        initial: Plan,
+        *,
+        rank: int,
+        world_size: int,
+        global_batch: int,
+        propose: Callable[[], PlanOut | Plan | None] | None = None,
+        group: dist.ProcessGroup | None = None,
+        every: int = 1,
+        pipelined: bool = True,
+        start_iteration: int = 0,
+    ) -> None:
+        problem = plan_problem(initial, world_size, global_batch)
+        if problem:
+            raise ValueError(f"initial plan v{initial.version} refused: {problem}")
+        if every < 1:
+            raise ValueError("every must be at least 1")
+        self.rank = rank
+        self.world_size = world_size
+        self.global_batch = global_batch
+        self.current = initial
+        self.every = every
+        self.pipelined = pipelined
+        self._propose = propose if rank == 0 else None
+        self._group = group
+        self._buf = torch.zeros(3 + world_size, dtype=torch.int64)
+        self._work: dist.Work | None = None
+        self._in_flight = False
+        self.refused: dict[int, str] = {}
+        """Version -> reason, for every plan version refused (the same on every rank)."""
+        self.history: list[tuple[int, int]] = [(start_iteration, initial.version)]
+
+    @property
+    def refused_count(self) -> int:
+        return len(self.refused)
+
+    def at_boundary(self, iteration: int) -> Plan:
+        """The plan to train iteration ``iteration`` on; the same on every rank."""
+        if iteration % self.every:
+            return self.current
+        if self.pipelined:
+            if self._in_flight:
+                self.close()
+                self._apply(iteration)
+            self._encode()
+            self._work = self._broadcast(async_op=True)
+            self._in_flight = True
+        else:
+            self._encode()
+            self._broadcast(async_op=False)
+            self._apply(iteration)
+        return self.current
+
+    def close(self) -> None:
+        """Wait for an outstanding broadcast (every rank must call this, like at_boundary)."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        self._in_flight = False
+
+    def _broadcast(self, *, async_op: bool) -> dist.Work | None:
+        if not dist.is_initialized():
+            return None
+        return dist.broadcast(self._buf, src=0, group=self._group, async_op=async_op)
+
+    def _encode(self) -> None:
+        if self._propose is None:
+            return
+        plan = self.current
+        try:
+            candidate = self._propose()
+        except Exception as exc:  # a broken proposer must not stop training
+            log.warning("plan proposer failed: %r", exc)
+            candidate = None
+        if candidate is not None:
+            c = Plan.of(candidate)
+            if c.version > self.current.version and c.version not in self.refused:
+                plan = c
+        sizes = list(plan.batch_sizes)[: self.world_size]
+        sizes += [0] * (self.world_size - len(sizes))
+        self._buf.copy_(
+            torch.tensor([plan.version, plan.global_batch, len(plan.batch_sizes), *sizes])
+        )
+
+    def _apply(self, iteration: int) -> None:
+        version, gb, length, *sizes = self._buf.tolist()
+        if version <= self.current.version:
+            return
+        if length != self.world_size:
+            problem: str | None = f"{length} batch sizes for {self.world_size} ranks"
+        else:
+            problem = plan_problem(
+                Plan(version, tuple(sizes), gb), self.world_size, self.global_batch
+            )
+        if problem is not None:
+            if version not in self.refused:
+                self.refused[version] = problem
+                log.warning("plan v%d refused at iteration %d: %s", version, iteration, problem)
+            return
+        self.current = Plan(version, tuple(sizes), gb)
+        self.history.append((iteration, version))
+        log.info("plan v%d in force from iteration %d: %s", version, iteration, sizes)
+
+
+def agree_initial(
+    plan: PlanOut | Plan | None,
+    *,
+    rank: int,
+    world_size: int,
+    global_batch: int,
+    group: dist.ProcessGroup | None = None,
+) -> Plan:
+    """Rank 0's initial plan, broadcast to all (blocking, once). Raises if it is unusable."""
+    buf = torch.zeros(3 + world_size, dtype=torch.int64)
+    if rank == 0:
+        if plan is None:
+            raise ValueError("rank 0 needs an initial plan")
+        p = Plan.of(plan)
+        sizes: Sequence[int] = list(p.batch_sizes)[:world_size]
+        buf.copy_(
+            torch.tensor(
+                [p.version, p.global_batch, len(p.batch_sizes), *sizes]
+                + [0] * (world_size - len(sizes))
+            )
+        )
+    if dist.is_initialized():
+        dist.broadcast(buf, src=0, group=group)
+    version, gb, length, *rest = buf.tolist()
+    if length != world_size:
+        raise ValueError(f"initial plan v{version} refused: {length} sizes for {world_size} ranks")
+    initial = Plan(version, tuple(rest), gb)
+    problem = plan_problem(initial, world_size, global_batch)
+    if problem:
+        raise ValueError(f"initial plan v{version} refused: {problem}")
+    return initial
