@@ -244,11 +244,13 @@ def agree_initial(
     global_batch: int,
     group: dist.ProcessGroup | None = None,
 ) -> Plan:
-    """Rank 0's initial plan, broadcast to all (blocking, once). Raises if it is unusable."""
+    """Rank 0's initial plan, broadcast to all (blocking, once).
+
+    Every rank raises the same ``ValueError`` when rank 0 has no plan or an unusable one, so a job
+    fails at start on all ranks alike rather than hanging the others.
+    """
     buf = torch.zeros(3 + world_size, dtype=torch.int64)
-    if rank == 0:
-        if plan is None:
-            raise ValueError("rank 0 needs an initial plan")
+    if rank == 0 and plan is not None:
         p = Plan.of(plan)
         sizes: Sequence[int] = list(p.batch_sizes)[:world_size]
         buf.copy_(
@@ -260,6 +262,8 @@ def agree_initial(
     if dist.is_initialized():
         dist.broadcast(buf, src=0, group=group)
     version, gb, length, *rest = buf.tolist()
+    if version == 0 and length == 0:
+        raise ValueError("rank 0 has no initial plan")
     if length != world_size:
         raise ValueError(f"initial plan v{version} refused: {length} sizes for {world_size} ranks")
     initial = Plan(version, tuple(rest), gb)
