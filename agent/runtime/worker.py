@@ -13,6 +13,7 @@ The agent daemon launches one process per rank with this environment:
 ``LOCAL_RANK``              optional; the CUDA device index on this host (default 0)
 ``EVENFLOW_RESULT``         optional; path where the :class:`RunResult` is written as JSON
 ``EVENFLOW_PLAN_POLL_S``    optional; seconds between plan polls on rank 0 (default 1)
+``EVENFLOW_TELEMETRY_S``    optional; longest seconds between telemetry posts (default 2)
 ``EVENFLOW_LOG_LEVEL``      optional; default ``INFO``
 ==========================  =================================================================
 
@@ -61,6 +62,7 @@ def worker_main(environ: dict[str, str] | None = None) -> int:
         level=env.get("EVENFLOW_LOG_LEVEL", "INFO"),
         format=f"%(asctime)s rank{env.get('RANK', '?')} %(name)s %(levelname)s %(message)s",
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per poll
     missing = [k for k in REQUIRED if not env.get(k)]
     if missing:
         log.error("missing environment variables: %s", ", ".join(missing))
@@ -68,7 +70,10 @@ def worker_main(environ: dict[str, str] | None = None) -> int:
     try:
         spec = JobSpec.model_validate_json(env["EVENFLOW_SPEC"])
         job_id = int(env["EVENFLOW_JOB_ID"])
-        options = RuntimeOptions(plan_poll_s=float(env.get("EVENFLOW_PLAN_POLL_S", "1.0")))
+        options = RuntimeOptions(
+            plan_poll_s=float(env.get("EVENFLOW_PLAN_POLL_S", "1.0")),
+            telemetry_flush_s=float(env.get("EVENFLOW_TELEMETRY_S", "2.0")),
+        )
     except (ValidationError, ValueError) as exc:
         log.error("bad worker environment: %s", exc)
         return 2
