@@ -3,7 +3,7 @@
 
 One iteration, on every rank, in this order::
 
-    plan agreement at the boundary (one tiny broadcast, pipelined)
+    plan agreement at the boundary (inside the gradient all-reduce, or one tiny broadcast)
     -> data: this rank's slice of the global batch under the agreed plan
     -> compute: forward + backward of the SUMMED loss (skipped with 0 samples), emulation padding
     -> sync: one coalesced all-reduce of gradients and loss, scaled by 1 / global count
@@ -70,6 +70,7 @@ class EvenflowContext:
         submit: Callable[[TelemetryRecord], None] | None = None,
         group: dist.ProcessGroup | None = None,
         loss_every: int = 1,
+        piggyback: bool = True,
     ) -> None:
         self.spec = spec
         self.rank = rank
@@ -79,6 +80,8 @@ class EvenflowContext:
         self.emulator = emulator
         self.group = group
         self.loss_every = max(1, loss_every)
+        self.piggyback = piggyback
+        """Carry the plan agreement inside the gradient all-reduce when the buffers allow."""
         self._submit = submit
         self.timer = IterationTimer(self.device)
         self.stats = ContextStats()
@@ -128,7 +131,11 @@ class EvenflowContext:
         if optimizer is None:
             optimizer = torch.optim.SGD(model.parameters(), lr=self.spec.workload.learning_rate)
         self.model, self.optimizer = model, optimizer
-        self._sync = GradientSync(model.parameters(), group=self.group)
+        slots = self.agreement.message_length if self.piggyback else 0
+        self._sync = GradientSync(model.parameters(), group=self.group, control_slots=slots)
+        if slots:
+            self.agreement.use_channel(self._sync)
+        log.info("rank %d: plan agreement via %s", self.rank, self.agreement.transport)
         return model, optimizer
 
     def total_iterations(self, dataset_size: int) -> int:

@@ -19,6 +19,12 @@ Why an explicit coalesced all-reduce rather than ``DistributedDataParallel``:
   already holds.
 - One extra float slot at the end of the first buffer carries the rank's loss sum, so the global
   mean loss comes out of the same collective for free.
+- Optionally (``control_slots``), a few more slots carry small integers from one rank to all:
+  the sender writes them, every other rank writes zeros, and the SUM delivers them exactly
+  (float32 holds integers below 2**24 exactly; ``x + 0 == x``). The plan agreement uses this to
+  ride on the gradient all-reduce instead of a collective of its own
+  (:class:`~agent.runtime.plan_sync.PlanAgreement`). Only for float32/float64 buffers on the CPU:
+  reading the slots back from a GPU every iteration would synchronise the host with the device.
 
 What this gives up: DDP overlaps bucket all-reduces with the rest of backward. This synchroniser
 reduces once, after backward. For the small and medium models this runtime targets that costs
@@ -36,12 +42,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+CONTROL_MAX = 2**24
+"""Control slot values must lie in (-CONTROL_MAX, CONTROL_MAX) to travel exactly in float32."""
+
 
 @dataclass
 class _Bucket:
     flat: torch.Tensor
     params: list[nn.Parameter]
     views: list[torch.Tensor]
+    scaled: torch.Tensor
+    """The part scaled by 1/global_count: gradients (and the loss slot), not control slots."""
 
 
 class GradientSync:
@@ -61,7 +72,11 @@ class GradientSync:
     """
 
     def __init__(
-        self, params: Iterable[nn.Parameter], group: dist.ProcessGroup | None = None
+        self,
+        params: Iterable[nn.Parameter],
+        group: dist.ProcessGroup | None = None,
+        *,
+        control_slots: int = 0,
     ) -> None:
         self.group = group
         by_key: dict[tuple[torch.device, torch.dtype], list[nn.Parameter]] = {}
@@ -71,9 +86,21 @@ class GradientSync:
         if not by_key:
             raise ValueError("no parameters require gradients")
         self._buckets: list[_Bucket] = []
+        self.control_capacity = 0
+        """Control slots available (0 when no CPU float32/float64 buffer can carry them)."""
+        control_bucket = -1
         for i, ((device, dtype), ps) in enumerate(by_key.items()):
             extra = 1 if i == 0 else 0  # loss slot
-            flat = torch.zeros(sum(p.numel() for p in ps) + extra, device=device, dtype=dtype)
+            if (
+                control_slots
+                and control_bucket < 0
+                and device.type == "cpu"
+                and dtype in (torch.float32, torch.float64)
+            ):
+                control_bucket, self.control_capacity = i, control_slots
+            n = sum(p.numel() for p in ps) + extra
+            control = self.control_capacity if control_bucket == i else 0
+            flat = torch.zeros(n + control, device=device, dtype=dtype)
             views = []
             offset = 0
             for p in ps:
@@ -83,12 +110,36 @@ class GradientSync:
                     view.copy_(p.grad)
                 p.grad = view
                 views.append(view)
-            self._buckets.append(_Bucket(flat, ps, views))
-        self._loss_slot = self._buckets[0].flat[-1:]
+            self._buckets.append(_Bucket(flat, ps, views, flat[:n]))
+        self._loss_slot = self._buckets[0].scaled[-1:]
+        self._control = (
+            self._buckets[control_bucket].flat[-self.control_capacity :]
+            if self.control_capacity
+            else torch.empty(0)
+        )
+        self._outgoing: list[int] | None = None
+        self._received: list[int] | None = None
+
+    def send_control(self, values: list[int] | None) -> None:
+        """Values this rank adds to the control slots at the next all-reduce (``None``: zeros).
+
+        Exactly one rank should send; the others send ``None``.
+        """
+        if values is not None:
+            if len(values) > self.control_capacity:
+                raise ValueError(f"{len(values)} control values, capacity {self.control_capacity}")
+            if any(abs(v) >= CONTROL_MAX for v in values):
+                raise ValueError(f"control values must be below {CONTROL_MAX} in magnitude")
+        self._outgoing = values
+
+    def received_control(self) -> list[int] | None:
+        """The control slots after the last all-reduce (once; then ``None`` until the next)."""
+        received, self._received = self._received, None
+        return received
 
     @property
     def numel(self) -> int:
-        """Elements all-reduced per iteration (gradients plus the loss slot)."""
+        """Elements all-reduced per iteration (gradients, loss slot and control slots)."""
         return sum(b.flat.numel() for b in self._buckets)
 
     def zero_grad(self) -> None:
@@ -111,11 +162,20 @@ class GradientSync:
             self._loss_slot.zero_()
         else:
             self._loss_slot.copy_(loss_sum.detach().reshape(1))
+        if self.control_capacity:
+            self._control.zero_()
+            if self._outgoing:
+                self._control[: len(self._outgoing)] = torch.tensor(
+                    self._outgoing, dtype=self._control.dtype
+                )
+            self._outgoing = None
         scale = 1.0 / global_count
         for b in self._buckets:
             if dist.is_initialized():
                 dist.all_reduce(b.flat, op=dist.ReduceOp.SUM, group=self.group)
-            b.flat.mul_(scale)
+            b.scaled.mul_(scale)
+        if self.control_capacity:
+            self._received = [round(v) for v in self._control.tolist()]
         return self._loss_slot
 
     @staticmethod

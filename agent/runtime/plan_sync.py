@@ -6,17 +6,19 @@ Two parts, so the HTTP side never touches the training loop:
   the newest plan whose version is above the one it already knows. Errors are counted and logged,
   with exponential back-off, and never leave the thread.
 - :class:`PlanAgreement` runs on every rank, at every iteration boundary. Rank 0 puts its newest
-  candidate (or the current plan) into a tiny int64 tensor ``[version, global_batch, length,
-  sizes...]`` and broadcasts it; every rank decodes the *same* bytes and runs the *same*
-  validation, so all ranks accept or all refuse, and a new version takes effect at the same
-  iteration everywhere. A plan whose sizes are negative, do not sum to B, or whose length is not
-  the world size is refused (logged, counted) and the old plan kept.
+  candidate (or the current plan) into a tiny integer message ``[version, global_batch, length,
+  sizes...]``; every rank decodes the *same* message and runs the *same* validation, so all ranks
+  accept or all refuse, and a new version takes effect at the same iteration everywhere. A plan
+  whose sizes are negative, do not sum to B, or whose length is not the world size is refused
+  (logged, counted) and the old plan kept.
 
-Cost: with ``pipelined=True`` (the default) the broadcast started at boundary ``i`` is only waited
-for at boundary ``i + every``, so its latency hides behind the iteration's compute, and a new plan
-takes effect ``every`` iterations after rank 0 saw it. One small collective per ``every``
-iterations; no allocation per iteration. On NCCL jobs pass a gloo group so the control tensor
-stays on the CPU and reading it never synchronises the GPU.
+Cost. The message normally rides in spare slots of the gradient all-reduce the iteration does
+anyway (see :class:`~agent.runtime.gradients.GradientSync`), so agreement adds no collective; a
+new plan takes effect one iteration after rank 0 saw it. Where the gradients cannot carry it (on
+a GPU, where reading it back would synchronise the host, or with 16-bit gradients), it is a tiny
+int64 broadcast, pipelined: started at boundary ``i``, waited for at ``i + every``, so its latency
+hides behind compute. On NCCL jobs that broadcast goes over a gloo group so the control tensor
+stays on the CPU. Nothing is allocated per iteration beyond a tensor of ``3 + world`` integers.
 """
 
 from __future__ import annotations
@@ -25,10 +27,12 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
+from agent.runtime.gradients import CONTROL_MAX
 from agent.wire import PlanOut
 
 log = logging.getLogger(__name__)
@@ -123,12 +127,35 @@ class PlanFetcher:
             self._stop.wait(delay)
 
 
+class ControlChannel(Protocol):
+    """Carries a few small integers from rank 0 to every rank on a collective that runs anyway.
+
+    :class:`~agent.runtime.gradients.GradientSync` is one: its all-reduce has control slots.
+    """
+
+    control_capacity: int
+
+    def send_control(self, values: list[int] | None) -> None: ...
+
+    def received_control(self) -> list[int] | None: ...
+
+
 class PlanAgreement:
     """Every rank calls :meth:`at_boundary` before every iteration, in the same order.
 
     ``propose`` (rank 0 only; ignored elsewhere) returns the newest candidate plan or ``None``;
     typically ``PlanFetcher.latest``. ``history`` lists ``(iteration, version)`` each time the plan
     in force changed, starting with the initial plan at iteration ``start_iteration``.
+
+    Three transports, all deciding identically on every rank:
+
+    - *channel* (:meth:`use_channel`): the message rides in the gradient all-reduce of the
+      iteration, so the agreement costs no collective at all; a candidate seen at boundary ``i``
+      is in force from ``i + 1``. The runtime uses it whenever the gradients can carry it.
+    - *pipelined* broadcast (default otherwise): one tiny async broadcast per ``every``
+      boundaries, waited for at the next one, so its latency hides behind compute; a candidate
+      seen at boundary ``i`` is in force from ``i + every``.
+    - *blocking* broadcast (``pipelined=False``): in force at once, at the price of a round trip.
     """
 
     def __init__(
@@ -157,32 +184,54 @@ class PlanAgreement:
         self.pipelined = pipelined
         self._propose = propose if rank == 0 else None
         self._group = group
-        self._buf = torch.zeros(3 + world_size, dtype=torch.int64)
+        self._buf = torch.zeros(self.message_length, dtype=torch.int64)
         self._work: dist.Work | None = None
         self._in_flight = False
+        self._channel: ControlChannel | None = None
         self.refused: dict[int, str] = {}
         """Version -> reason, for every plan version refused (the same on every rank)."""
         self.history: list[tuple[int, int]] = [(start_iteration, initial.version)]
 
     @property
-    def refused_count(self) -> int:
-        return len(self.refused)
+    def message_length(self) -> int:
+        """Integers in one agreement message: version, global batch, length, sizes."""
+        return 3 + self.world_size
+
+    @property
+    def transport(self) -> str:
+        if self._channel is not None:
+            return "channel"
+        return "pipelined" if self.pipelined else "blocking"
+
+    def use_channel(self, channel: ControlChannel) -> bool:
+        """Agree through ``channel`` from now on; ``False`` (and no change) if it cannot.
+
+        Call it on every rank alike, before the first boundary or between two of them.
+        """
+        if channel.control_capacity < self.message_length:
+            return False
+        self.close()
+        self._channel = channel
+        return True
 
     def at_boundary(self, iteration: int) -> Plan:
         """The plan to train iteration ``iteration`` on; the same on every rank."""
+        if self._channel is not None:
+            received = self._channel.received_control()
+            if received is not None:
+                self._apply(iteration, received[: self.message_length])
+            self._channel.send_control(self._encode())
+            return self.current
         if iteration % self.every:
             return self.current
         if self.pipelined:
             if self._in_flight:
                 self.close()
-                self._apply(iteration)
-            self._encode()
-            self._work = self._broadcast(async_op=True)
-            self._in_flight = True
+                self._apply(iteration, self._buf.tolist())
+            self._broadcast(iteration, async_op=True)
         else:
-            self._encode()
-            self._broadcast(async_op=False)
-            self._apply(iteration)
+            self._broadcast(iteration, async_op=False)
+            self._apply(iteration, self._buf.tolist())
         return self.current
 
     def close(self) -> None:
@@ -192,14 +241,18 @@ class PlanAgreement:
             self._work = None
         self._in_flight = False
 
-    def _broadcast(self, *, async_op: bool) -> dist.Work | None:
-        if not dist.is_initialized():
-            return None
-        return dist.broadcast(self._buf, src=0, group=self._group, async_op=async_op)
+    def _broadcast(self, iteration: int, *, async_op: bool) -> None:
+        message = self._encode()
+        if message is not None:
+            self._buf.copy_(torch.tensor(message))
+        if dist.is_initialized():
+            self._work = dist.broadcast(self._buf, src=0, group=self._group, async_op=async_op)
+        self._in_flight = async_op
 
-    def _encode(self) -> None:
+    def _encode(self) -> list[int] | None:
+        """Rank 0's message: the newest acceptable-looking candidate, else the current plan."""
         if self._propose is None:
-            return
+            return None
         plan = self.current
         try:
             candidate = self._propose()
@@ -212,12 +265,17 @@ class PlanAgreement:
                 plan = c
         sizes = list(plan.batch_sizes)[: self.world_size]
         sizes += [0] * (self.world_size - len(sizes))
-        self._buf.copy_(
-            torch.tensor([plan.version, plan.global_batch, len(plan.batch_sizes), *sizes])
-        )
+        message = [plan.version, plan.global_batch, len(plan.batch_sizes), *sizes]
+        if self._channel is not None and any(abs(v) >= CONTROL_MAX for v in message):
+            log.error("plan v%d has values too large to send; ignored", plan.version)
+            return self._encode_plan(self.current)
+        return message
 
-    def _apply(self, iteration: int) -> None:
-        version, gb, length, *sizes = self._buf.tolist()
+    def _encode_plan(self, plan: Plan) -> list[int]:
+        return [plan.version, plan.global_batch, len(plan.batch_sizes), *plan.batch_sizes]
+
+    def _apply(self, iteration: int, message: list[int]) -> None:
+        version, gb, length, *sizes = message
         if version <= self.current.version:
             return
         if length != self.world_size:

@@ -41,6 +41,8 @@ class RuntimeOptions:
     """Plan agreement at every k-th iteration boundary."""
     pipelined_agreement: bool = True
     """Overlap the agreement broadcast with the iteration (plans apply one boundary later)."""
+    piggyback_agreement: bool = True
+    """Carry the agreement in the gradient all-reduce when gradients are CPU float32/64."""
     initial_plan_timeout_s: float = 60.0
     """Rank 0 retries fetching the initial plan this long when none was given."""
     telemetry_flush_records: int = 64
@@ -76,6 +78,7 @@ class RunResult:
     emulated: bool = False
     padded_ms: float = 0.0
     agreement_ms: float = 0.0
+    agreement_transport: str = ""
     wall_s: float = 0.0
     plan_fetch_errors: int = 0
     telemetry: TelemetryStats | None = None
@@ -170,6 +173,7 @@ def run_training(
             emulator=emulator,
             submit=sender.submit if sender else None,
             loss_every=loss_every,
+            piggyback=options.piggyback_agreement,
         )
         run_workload(ctx)
         stats = ctx.stats
@@ -186,6 +190,7 @@ def run_training(
             emulated=emulator is not None,
             padded_ms=emulator.padded_ms if emulator else 0.0,
             agreement_ms=stats.agreement_ms,
+            agreement_transport=agreement.transport,
         )
     finally:
         if fetcher is not None:

@@ -91,6 +91,7 @@ def test_emulated_heterogeneous_run_with_a_mid_run_plan_change() -> None:
     rows: dict[tuple[int, int], tuple] = {}
     for r, server_rows in results:
         assert r.emulated and r.iterations == ITERATIONS
+        assert r.agreement_transport == "channel"  # rode in the gradient all-reduce
         assert r.telemetry is not None and r.telemetry.pending == 0 and r.telemetry.dropped == 0
         rows.update(server_rows)
     # every telemetry row arrived

@@ -8,7 +8,10 @@ import time
 from datetime import UTC, datetime
 
 import pytest
+import torch
+from torch import nn
 
+from agent.runtime.gradients import GradientSync
 from agent.runtime.plan_sync import (
     Plan,
     PlanAgreement,
@@ -74,6 +77,7 @@ def _agreement_worker(rank: int, world: int) -> dict[str, object]:
     out: dict[str, object] = {}
     rng = random.Random(rank)
     for name, kwargs in {
+        "channel": {},
         "pipelined": {"pipelined": True},
         "blocking_every_3": {"pipelined": False, "every": 3},
     }.items():
@@ -87,6 +91,9 @@ def _agreement_worker(rank: int, world: int) -> dict[str, object]:
         agreement = PlanAgreement(
             initial, rank=rank, world_size=world, global_batch=B, propose=script, **kwargs
         )
+        sync = GradientSync(nn.Linear(2, 1).parameters(), control_slots=3 + world)
+        if name == "channel":
+            assert agreement.use_channel(sync) and agreement.transport == "channel"
         log = []
         for it in range(24):
             script.iteration = it
@@ -94,6 +101,7 @@ def _agreement_worker(rank: int, world: int) -> dict[str, object]:
             assert sum(plan.batch_sizes) == B and len(plan.batch_sizes) == world
             log.append((it, plan.version, plan.batch_sizes))
             time.sleep(rng.random() * 0.002)  # ranks reach boundaries at different moments
+            sync.all_reduce(B)  # the iteration's gradient all-reduce
         agreement.close()
         out[name] = {"log": log, "refused": agreement.refused, "history": agreement.history}
     return out
@@ -104,7 +112,7 @@ def _agreement_worker(rank: int, world: int) -> dict[str, object]:
 def test_all_ranks_switch_at_the_same_iteration_and_refuse_bad_plans() -> None:
     results = run_ranks(_agreement_worker, 3)
     # every 3: boundaries 9 and 12 straddle v4's window, so v4 is superseded unseen
-    for name, refused in (("pipelined", {3, 4}), ("blocking_every_3", {3})):
+    for name, refused in (("channel", {3, 4}), ("pipelined", {3, 4}), ("blocking_every_3", {3})):
         logs = [r[name]["log"] for r in results]
         assert logs[0] == logs[1] == logs[2]
         versions = [v for _, v, _ in logs[0]]
@@ -114,7 +122,8 @@ def test_all_ranks_switch_at_the_same_iteration_and_refuse_bad_plans() -> None:
             assert set(r[name]["refused"]) == refused
             assert "sum to 13" in r[name]["refused"][3]
     assert "2 batch sizes" in results[1]["pipelined"]["refused"][4]
-    # pipelined: a candidate seen at boundary i is in force from boundary i+1
+    # channel and pipelined: a candidate seen at boundary i is in force from boundary i+1
+    assert results[0]["channel"]["history"] == [(0, 1), (5, 2), (13, 5)]
     assert results[0]["pipelined"]["history"] == [(0, 1), (5, 2), (13, 5)]
     # blocking every 3: boundaries at 0, 3, 6, ...; a candidate seen there takes effect at once
     assert results[0]["blocking_every_3"]["history"] == [(0, 1), (6, 2), (12, 5)]
@@ -137,6 +146,24 @@ def test_agreement_without_process_group_applies_and_refuses() -> None:
             versions.append(a.at_boundary(i).version)
         assert versions == [1] * (4 + delay) + [2] * 8 + [5] * (8 - delay)
         assert set(a.refused) == {3, 4}
+
+
+def test_gradient_control_slots_carry_integers_and_need_a_cpu_float_buffer() -> None:
+    model = nn.Linear(3, 2)
+    sync = GradientSync(model.parameters(), control_slots=6)
+    assert sync.control_capacity == 6
+    sync.send_control([7, -1, 3, 16_000_000, 0])
+    model(torch.ones(4, 3)).sum().backward()
+    sync.all_reduce(4, torch.tensor(8.0))
+    assert sync.received_control() == [7, -1, 3, 16_000_000, 0, 0]  # not scaled by 1/4
+    assert sync.received_control() is None  # consumed
+    assert model.bias.grad is not None and torch.allclose(model.bias.grad, torch.ones(2))
+    with pytest.raises(ValueError, match="below"):
+        sync.send_control([2**24])
+    half = GradientSync(nn.Linear(3, 2).to(torch.bfloat16).parameters(), control_slots=6)
+    assert half.control_capacity == 0
+    a = PlanAgreement(Plan(1, (4, 4, 4)), rank=0, world_size=3, global_batch=B)
+    assert not a.use_channel(half) and a.transport == "pipelined"
 
 
 def test_initial_plan_must_be_valid() -> None:
