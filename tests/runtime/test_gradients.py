@@ -7,8 +7,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from agent.runtime.context import EvenflowContext
 from agent.runtime.gradients import GradientSync, broadcast_module
+from agent.runtime.plan_sync import Plan, PlanAgreement
 from agent.runtime.sampler import GlobalBatchSampler
+from agent.wire import JobSpec
 
 from .spawn import run_ranks
 
@@ -70,8 +73,34 @@ def _naive_worker(rank: int, world: int) -> list[list[float]]:
     return [p.detach().flatten().tolist() for p in model.parameters()]
 
 
-def _both_worker(rank: int, world: int) -> tuple[list[list[float]], list[list[float]]]:
-    return _exact_worker(rank, world), _naive_worker(rank, world)
+def _context_worker(rank: int, world: int) -> tuple[list[list[float]], list[tuple[int, int]]]:
+    """The same through the runtime's loop: plans arrive from rank 0's proposer mid-run."""
+    spec = JobSpec.model_validate(
+        {
+            "name": "exact",
+            "workload": {"builtin": "mlp", "learning_rate": LR, "seed": 1},
+            "global_batch": B,
+            "iterations": len(PLANS),
+            "workers": world,
+        }
+    )
+    proposals = iter([None, Plan(2, (0, 9, 3)), Plan(3, (6, 0, 6)), None, None])
+    agreement = PlanAgreement(
+        Plan(1, (5, 4, 3)),
+        rank=rank,
+        world_size=world,
+        global_batch=B,
+        propose=lambda: next(proposals),
+    )
+    ctx = EvenflowContext(spec, agreement, rank=rank, world_size=world)
+    model, _ = ctx.prepare(_model(seed=100 + rank))
+    for xb, yb in ctx.batches(_data()):
+        ctx.step(_loss_sum(model, xb, yb))
+    return [p.detach().flatten().tolist() for p in model.parameters()], agreement.history
+
+
+def _both_worker(rank: int, world: int) -> tuple[object, ...]:
+    return _exact_worker(rank, world), _naive_worker(rank, world), _context_worker(rank, world)
 
 
 def _single_process() -> list[torch.Tensor]:
@@ -95,6 +124,7 @@ def _max_diff(a: list[list[float]], b: list[torch.Tensor]) -> float:
 @pytest.mark.distributed
 @pytest.mark.timeout(90)
 def test_unequal_batches_match_single_process_sgd_and_naive_mean_does_not() -> None:
+    """Directly with GradientSync, and through the runtime's loop (EvenflowContext)."""
     reference = _single_process()
     results = run_ranks(_both_worker, 3)
     exact = [r[0] for r in results]
@@ -103,6 +133,9 @@ def test_unequal_batches_match_single_process_sgd_and_naive_mean_does_not() -> N
     assert exact[0] == exact[1] == exact[2]
     naive = results[0][1]
     assert _max_diff(naive, reference) > 1e-3
+    for params, history in (r[2] for r in results):
+        assert history == [(0, 1), (2, 2), (3, 3)]  # a change, then a rank with 0 samples
+        assert _max_diff(params, reference) < 1e-6
 
 
 def test_sync_keeps_grads_as_views_and_recovers_from_set_to_none() -> None:
