@@ -9,8 +9,8 @@ Two parts, so the HTTP side never touches the training loop:
   candidate (or the current plan) into a tiny integer message ``[version, global_batch, length,
   sizes...]``; every rank decodes the *same* message and runs the *same* validation, so all ranks
   accept or all refuse, and a new version takes effect at the same iteration everywhere. A plan
-  whose sizes are negative, do not sum to B, or whose length is not the world size is refused
-  (logged, counted) and the old plan kept.
+  whose sizes are negative, do not sum to B, exceed the job's ``max_batch_per_worker``, or whose
+  length is not the world size is refused (logged, counted) and the old plan kept.
 
 Cost. The message normally rides in spare slots of the gradient all-reduce the iteration does
 anyway (see :class:`~agent.runtime.gradients.GradientSync`), so agreement adds no collective; a
@@ -56,8 +56,13 @@ class Plan:
         return cls(plan.version, tuple(plan.batch_sizes), plan.global_batch)
 
 
-def plan_problem(plan: Plan, world_size: int, global_batch: int) -> str | None:
-    """Why this plan must not be trained on, or ``None`` if it is fine."""
+def plan_problem(
+    plan: Plan, world_size: int, global_batch: int, max_batch: int | None = None
+) -> str | None:
+    """Why this plan must not be trained on, or ``None`` if it is fine.
+
+    ``max_batch`` is the job's ``max_batch_per_worker`` (a memory cap), when it has one.
+    """
     sizes = plan.batch_sizes
     if plan.version < 1:
         return f"version {plan.version} < 1"
@@ -69,6 +74,8 @@ def plan_problem(plan: Plan, world_size: int, global_batch: int) -> str | None:
         return f"batch sizes sum to {sum(sizes)}, global batch is {global_batch}"
     if plan.global_batch not in (-1, global_batch):
         return f"plan is for global batch {plan.global_batch}, job has {global_batch}"
+    if max_batch is not None and max(sizes) > max_batch:
+        return f"batch size {max(sizes)} above max_batch_per_worker {max_batch}"
     return None
 
 
@@ -170,8 +177,9 @@ class PlanAgreement:
         every: int = 1,
         pipelined: bool = True,
         start_iteration: int = 0,
+        max_batch: int | None = None,
     ) -> None:
-        problem = plan_problem(initial, world_size, global_batch)
+        problem = plan_problem(initial, world_size, global_batch, max_batch)
         if problem:
             raise ValueError(f"initial plan v{initial.version} refused: {problem}")
         if every < 1:
@@ -179,6 +187,7 @@ class PlanAgreement:
         self.rank = rank
         self.world_size = world_size
         self.global_batch = global_batch
+        self.max_batch = max_batch
         self.current = initial
         self.every = every
         self.pipelined = pipelined
@@ -282,7 +291,7 @@ class PlanAgreement:
             problem: str | None = f"{length} batch sizes for {self.world_size} ranks"
         else:
             problem = plan_problem(
-                Plan(version, tuple(sizes), gb), self.world_size, self.global_batch
+                Plan(version, tuple(sizes), gb), self.world_size, self.global_batch, self.max_batch
             )
         if problem is not None:
             if version not in self.refused:
@@ -301,6 +310,7 @@ def agree_initial(
     world_size: int,
     global_batch: int,
     group: dist.ProcessGroup | None = None,
+    max_batch: int | None = None,
 ) -> Plan:
     """Rank 0's initial plan, broadcast to all (blocking, once).
 
@@ -325,7 +335,7 @@ def agree_initial(
     if length != world_size:
         raise ValueError(f"initial plan v{version} refused: {length} sizes for {world_size} ranks")
     initial = Plan(version, tuple(rest), gb)
-    problem = plan_problem(initial, world_size, global_batch)
+    problem = plan_problem(initial, world_size, global_batch, max_batch)
     if problem:
         raise ValueError(f"initial plan v{version} refused: {problem}")
     return initial

@@ -137,7 +137,12 @@ def run_training(
         if rank == 0 and initial_plan is None and fetch_plan is not None:
             initial_plan = _fetch_initial(fetch_plan, options.initial_plan_timeout_s)
         initial = agree_initial(
-            initial_plan, rank=rank, world_size=world, global_batch=spec.global_batch, group=control
+            initial_plan,
+            rank=rank,
+            world_size=world,
+            global_batch=spec.global_batch,
+            group=control,
+            max_batch=spec.max_batch_per_worker,
         )
         if rank == 0 and fetch_plan is not None:
             fetcher = PlanFetcher(
@@ -159,6 +164,7 @@ def run_training(
             group=control,
             every=options.agree_every,
             pipelined=options.pipelined_agreement,
+            max_batch=spec.max_batch_per_worker,
         )
         emulator = None
         if spec.emulation is not None and options.emulate:

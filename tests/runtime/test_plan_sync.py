@@ -46,6 +46,8 @@ def test_plan_problem() -> None:
     assert "negative" in str(plan_problem(Plan(1, (-1, 7, 6)), 3, B))
     assert "global batch 24" in str(plan_problem(Plan(1, (4, 4, 4), 24), 3, B))
     assert "version 0" in str(plan_problem(Plan(0, (4, 4, 4)), 3, B))
+    assert plan_problem(Plan(1, (2, 5, 5)), 3, B, max_batch=5) is None
+    assert "above max_batch_per_worker 5" in str(plan_problem(Plan(1, (2, 4, 6)), 3, B, 5))
 
 
 # Rank 0's candidates by iteration: a good change, a wrong sum, a wrong length, a good one
