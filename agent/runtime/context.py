@@ -36,6 +36,8 @@ from agent.wire import JobSpec, TelemetryRecord
 
 log = logging.getLogger(__name__)
 
+MAX_LOSSES = 4096
+
 DatasetLike = torch.Tensor | tuple[torch.Tensor, ...] | Dataset[Any]
 """A tensor or tuple of tensors indexed on dim 0, or a map-style ``Dataset`` (collated)."""
 
@@ -50,9 +52,25 @@ class ContextStats:
     global_samples: int = 0
     """Samples in all global batches so far (sum of global counts)."""
     losses: list[tuple[int, float]] = field(default_factory=list)
-    """(iteration, global mean loss) at every ``loss_every``-th iteration and the last one."""
+    """(iteration, global mean loss), thinned to at most ``MAX_LOSSES`` entries spread over the
+    run; always holds the last iteration's."""
     agreement_ms: float = 0.0
-    """Total host time spent in plan agreement at boundaries (the runtime's extra collective)."""
+    """Total host time spent in plan agreement at boundaries."""
+    _loss_stride: int = field(default=1, repr=False)
+    _loss_calls: int = field(default=0, repr=False)
+
+    def record_loss(self, iteration: int, value: float, *, last: bool) -> None:
+        """Keep every stride-th loss; when the list is full, keep every other and double the
+        stride, so memory stays bounded however long the run."""
+        keep = self._loss_calls % self._loss_stride == 0
+        self._loss_calls += 1
+        if keep or last:
+            self.losses.append((iteration, value))
+        if len(self.losses) > MAX_LOSSES:
+            self.losses = self.losses[::2]
+            self._loss_stride *= 2
+            if last and self.losses[-1][0] != iteration:
+                self.losses.append((iteration, value))
 
 
 class EvenflowContext:
@@ -197,7 +215,7 @@ class EvenflowContext:
         value = None
         if it % self.loss_every == 0 or it + 1 >= self._total:
             value = float(mean_loss.item())
-            self.stats.losses.append((it, value))
+            self.stats.record_loss(it, value, last=it + 1 >= self._total)
         self.optimizer.step()
         self._sync.zero_grad()
         self._emit(self.timer.finish(it, self._plan.version, b))

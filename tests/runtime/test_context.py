@@ -3,13 +3,14 @@ one rank of several whose collectives are no-ops)."""
 
 from __future__ import annotations
 
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from agent.runtime.context import EvenflowContext, dataset_size
+from agent.runtime.context import MAX_LOSSES, ContextStats, EvenflowContext, dataset_size
 from agent.runtime.plan_sync import Plan, PlanAgreement
 from agent.runtime.trainer import run_workload
 from agent.runtime.workloads import builtin, load_entrypoint
@@ -119,3 +120,17 @@ def test_dataset_size() -> None:
     assert dataset_size(torch.zeros(5, 1)) == 5
     with pytest.raises(ValueError, match="disagree"):
         dataset_size((torch.zeros(7, 2), torch.zeros(6)))
+
+
+def test_loss_history_stays_bounded_and_keeps_the_last() -> None:
+    stats = ContextStats()
+    n = 10 * MAX_LOSSES + 7
+    for i in range(n):
+        stats.record_loss(i * 20, float(i), last=i == n - 1)
+    assert MAX_LOSSES // 2 <= len(stats.losses) <= MAX_LOSSES
+    assert stats.losses[0] == (0, 0.0)
+    assert stats.losses[-1] == ((n - 1) * 20, float(n - 1))
+    iterations = [i for i, _ in stats.losses]
+    assert iterations == sorted(iterations)
+    gaps = {b - a for a, b in pairwise(iterations[:-1])}  # the last may be off the stride
+    assert len(gaps) == 1  # evenly spread
