@@ -15,7 +15,7 @@ from agent.wire import JobSpec, PlanOut, PlanSource, TelemetryAck, TelemetryBatc
 from .spawn import run_ranks
 
 B, ITERATIONS, SWITCH_AFTER, SAMPLES = 56, 48, 12, 2048  # 2048 % 56 = 32: a partial batch
-PER_SAMPLE_MS = [0.4, 0.2, 0.1]  # speeds 1 : 2 : 4
+PER_SAMPLE_MS = [0.8, 0.4, 0.2]  # speeds 1 : 2 : 4
 EQUAL, BALANCED = [19, 19, 18], [8, 16, 32]
 
 
@@ -27,7 +27,7 @@ def spec() -> JobSpec:
             "global_batch": B,
             "iterations": ITERATIONS,
             "workers": 3,
-            "emulation": [{"per_sample_ms": ms, "intercept_ms": 1.0} for ms in PER_SAMPLE_MS],
+            "emulation": [{"per_sample_ms": ms} for ms in PER_SAMPLE_MS],
         }
     )
 
@@ -116,7 +116,7 @@ def test_emulated_heterogeneous_run_with_a_mid_run_plan_change() -> None:
         return max(per_rank) / min(per_rank)
 
     assert ratio(range(1, switch)) > 2.5
-    assert ratio(range(switch + 1, ITERATIONS)) < 1.6
+    assert ratio(range(switch + 1, ITERATIONS)) < 1.5
     # training made progress and every rank agrees on the global loss
     losses = [r.losses for r, _ in results]
     assert losses[0] == losses[1] == losses[2]
