@@ -197,6 +197,7 @@ class PlanAgreement:
         self._work: dist.Work | None = None
         self._in_flight = False
         self._channel: ControlChannel | None = None
+        self._unsendable: set[int] = set()
         self.refused: dict[int, str] = {}
         """Version -> reason, for every plan version refused (the same on every rank)."""
         self.history: list[tuple[int, int]] = [(start_iteration, initial.version)]
@@ -270,18 +271,21 @@ class PlanAgreement:
             candidate = None
         if candidate is not None:
             c = Plan.of(candidate)
-            if c.version > self.current.version and c.version not in self.refused:
+            fresh = c.version not in self.refused and c.version not in self._unsendable
+            if c.version > self.current.version and fresh:
                 plan = c
-        sizes = list(plan.batch_sizes)[: self.world_size]
-        sizes += [0] * (self.world_size - len(sizes))
-        message = [plan.version, plan.global_batch, len(plan.batch_sizes), *sizes]
+        message = self._message(plan)
         if self._channel is not None and any(abs(v) >= CONTROL_MAX for v in message):
+            # Float slots carry integers exactly only below 2**24; never send a rounded plan.
             log.error("plan v%d has values too large to send; ignored", plan.version)
-            return self._encode_plan(self.current)
+            self._unsendable.add(plan.version)
+            return self._message(self.current)
         return message
 
-    def _encode_plan(self, plan: Plan) -> list[int]:
-        return [plan.version, plan.global_batch, len(plan.batch_sizes), *plan.batch_sizes]
+    def _message(self, plan: Plan) -> list[int]:
+        sizes = list(plan.batch_sizes)[: self.world_size]
+        sizes += [0] * (self.world_size - len(sizes))
+        return [plan.version, plan.global_batch, len(plan.batch_sizes), *sizes]
 
     def _apply(self, iteration: int, message: list[int]) -> None:
         version, gb, length, *sizes = message

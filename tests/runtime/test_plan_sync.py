@@ -207,3 +207,22 @@ def test_fetcher_survives_errors_and_keeps_newest() -> None:
     assert latest is not None and latest.version == 3
     assert f.errors == 2
     assert f.fetches >= 4
+
+
+def test_a_plan_too_large_for_the_channel_is_ignored_not_rounded(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    huge = 2**24 + 1
+    sync = GradientSync(nn.Linear(2, 1).parameters(), control_slots=5)
+    a = PlanAgreement(
+        Plan(1, (6, 6)),
+        rank=0,
+        world_size=2,
+        global_batch=B,
+        propose=lambda: Plan(huge, (2, 10)),
+    )
+    assert a.use_channel(sync)
+    for i in range(5):
+        assert a.at_boundary(i) == Plan(1, (6, 6))
+        sync.all_reduce(B)
+    assert caplog.text.count("too large") == 1
