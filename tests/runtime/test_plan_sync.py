@@ -169,6 +169,8 @@ def test_gradient_control_slots_carry_integers_and_need_a_cpu_float_buffer() -> 
 
 
 def test_initial_plan_must_be_valid() -> None:
+    with pytest.raises(ValueError, match="rank 0 has no initial plan"):
+        agree_initial(None, rank=0, world_size=3, global_batch=B)
     with pytest.raises(ValueError, match="sum to 13"):
         agree_initial(plan_out(1, [4, 4, 5]), rank=0, world_size=3, global_batch=B)
     with pytest.raises(ValueError, match="2 sizes for 3"):
