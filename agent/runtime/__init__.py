@@ -1,0 +1,19 @@
+"""Evenflow's training runtime: the library inside each worker process of a synchronous
+data-parallel job whose ranks have unequal local batch sizes.
+
+Modules, by what they are:
+
+- :mod:`~agent.runtime.sampler`: which samples each rank takes (the global batch is split, so
+  every sample is used exactly once per epoch whatever the plans).
+- :mod:`~agent.runtime.gradients`: the exact all-reduce (summed losses, scaled by 1/B).
+- :mod:`~agent.runtime.plan_sync`: fetching plans off the critical path, and switching all ranks
+  at the same iteration.
+- :mod:`~agent.runtime.timing`, :mod:`~agent.runtime.emulation`,
+  :mod:`~agent.runtime.telemetry`: per-iteration timings, emulated speeds, best-effort delivery.
+- :mod:`~agent.runtime.workloads`, :mod:`~agent.runtime.context`: what to train, and the per-rank
+  loop engine (the user entrypoint API is documented in ``workloads``).
+- :mod:`~agent.runtime.trainer`: ``run_training``; :mod:`~agent.runtime.worker`: the process
+  entry (``python -m agent.runtime.worker``); :mod:`~agent.runtime.remote`: the REST adapter.
+
+The runtime never imports the server; it shares only :mod:`agent.wire` with it.
+"""

@@ -1,0 +1,277 @@
+"""The per-rank training engine a workload (built-in or user) drives: ``prepare``, ``batches``,
+``step``.
+
+One iteration, on every rank, in this order::
+
+    plan agreement at the boundary (inside the gradient all-reduce, or one tiny broadcast)
+    -> data: this rank's slice of the global batch under the agreed plan
+    -> compute: forward + backward of the SUMMED loss (skipped with 0 samples), emulation padding
+    -> sync: one coalesced all-reduce of gradients and loss, scaled by 1 / global count
+    -> optimizer step, zero the gradient buffer
+    -> timing record -> telemetry queue (a background thread sends it)
+
+See :mod:`agent.runtime.workloads` for how a user loop uses this.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import Dataset, default_collate
+
+from agent.runtime.emulation import EMULATED_LABEL, Emulator
+from agent.runtime.gradients import GradientSync, broadcast_module
+from agent.runtime.plan_sync import Plan, PlanAgreement
+from agent.runtime.sampler import GlobalBatchSampler
+from agent.runtime.telemetry import clamp_ms
+from agent.runtime.timing import IterationTimer, IterationTiming
+from agent.wire import JobSpec, TelemetryRecord
+
+log = logging.getLogger(__name__)
+
+MAX_LOSSES = 4096
+
+DatasetLike = torch.Tensor | tuple[torch.Tensor, ...] | Dataset[Any]
+"""A tensor or tuple of tensors indexed on dim 0, or a map-style ``Dataset`` (collated)."""
+
+
+@dataclass
+class ContextStats:
+    """What one rank did; the raw material of :class:`~agent.runtime.trainer.RunResult`."""
+
+    iterations: int = 0
+    samples_seen: int = 0
+    """Samples this rank trained on."""
+    global_samples: int = 0
+    """Samples in all global batches so far (sum of global counts)."""
+    losses: list[tuple[int, float]] = field(default_factory=list)
+    """(iteration, global mean loss), thinned to at most ``MAX_LOSSES`` entries spread over the
+    run; always holds the last iteration's."""
+    agreement_ms: float = 0.0
+    """Total host time spent in plan agreement at boundaries."""
+    _loss_stride: int = field(default=1, repr=False)
+    _loss_calls: int = field(default=0, repr=False)
+
+    def record_loss(self, iteration: int, value: float, *, last: bool) -> None:
+        """Keep every stride-th loss; when the list is full, keep every other and double the
+        stride, so memory stays bounded however long the run."""
+        keep = self._loss_calls % self._loss_stride == 0
+        self._loss_calls += 1
+        if keep or last:
+            self.losses.append((iteration, value))
+        if len(self.losses) > MAX_LOSSES:
+            self.losses = self.losses[::2]
+            self._loss_stride *= 2
+            if last and self.losses[-1][0] != iteration:
+                self.losses.append((iteration, value))
+
+
+class EvenflowContext:
+    """Drives one rank's iterations; every rank must make the same calls in the same order."""
+
+    def __init__(
+        self,
+        spec: JobSpec,
+        agreement: PlanAgreement,
+        *,
+        rank: int,
+        world_size: int,
+        device: torch.device | None = None,
+        emulator: Emulator | None = None,
+        submit: Callable[[TelemetryRecord], None] | None = None,
+        group: dist.ProcessGroup | None = None,
+        loss_every: int = 1,
+        piggyback: bool = True,
+    ) -> None:
+        self.spec = spec
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device or torch.device("cpu")
+        self.agreement = agreement
+        self.emulator = emulator
+        self.group = group
+        self.loss_every = max(1, loss_every)
+        self.piggyback = piggyback
+        """Carry the plan agreement inside the gradient all-reduce when the buffers allow."""
+        self._submit = submit
+        self.timer = IterationTimer(self.device)
+        self.stats = ContextStats()
+        self.iteration = 0
+        """The iteration in progress (or next), counted from 0 across epochs."""
+        self.model: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self._sync: GradientSync | None = None
+        self._sampler: GlobalBatchSampler | None = None
+        self._awaiting_step = False
+        self._plan: Plan = agreement.current
+        self._local = 0
+        self._total = 0
+        if emulator is not None:
+            log.info("rank %d: %s speed %s", rank, EMULATED_LABEL, emulator.worker)
+
+    # ----------------------------------------------------------------------------- user API
+
+    @property
+    def args(self) -> dict[str, str | int | float | bool]:
+        return self.spec.workload.args
+
+    @property
+    def seed(self) -> int:
+        return self.spec.workload.seed
+
+    @property
+    def emulated(self) -> bool:
+        """True when this rank pads its compute to an emulated speed (label it in logs)."""
+        return self.emulator is not None
+
+    @property
+    def plan(self) -> Plan:
+        """The plan in force for the current iteration."""
+        return self._plan
+
+    def prepare(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+    ) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """Move the model to the device, copy rank 0's weights everywhere, own its gradients.
+
+        Without an optimizer, plain SGD at the job's learning rate is used. Build a custom
+        optimizer *after* moving the model, or pass the model already on ``ctx.device``.
+        """
+        model.to(self.device)
+        broadcast_module(model, group=self.group)
+        if optimizer is None:
+            optimizer = torch.optim.SGD(model.parameters(), lr=self.spec.workload.learning_rate)
+        self.model, self.optimizer = model, optimizer
+        slots = self.agreement.message_length if self.piggyback else 0
+        self._sync = GradientSync(model.parameters(), group=self.group, control_slots=slots)
+        if slots:
+            self.agreement.use_channel(self._sync)
+        log.info("rank %d: plan agreement via %s", self.rank, self.agreement.transport)
+        return model, optimizer
+
+    def total_iterations(self, dataset_size: int) -> int:
+        """Iterations this job runs: ``iterations``, or ``epochs`` whole passes over the data."""
+        if self.spec.iterations is not None:
+            return self.spec.iterations
+        per_epoch = GlobalBatchSampler(dataset_size, self.spec.global_batch).batches_per_epoch
+        return (self.spec.epochs or 1) * per_epoch
+
+    def batches(self, dataset: DatasetLike) -> Iterator[Any]:
+        """Yield this rank's local batch each iteration until the job's length is reached."""
+        if self._sync is None:
+            raise RuntimeError("call ctx.prepare(model, optimizer) before ctx.batches(...)")
+        n = dataset_size(dataset)
+        self._sampler = sampler = GlobalBatchSampler(n, self.spec.global_batch, seed=self.seed)
+        self._total = total = self.total_iterations(n)
+        try:
+            while self.iteration < total:
+                it = self.iteration
+                t0 = time.perf_counter()
+                self._plan = self.agreement.at_boundary(it)
+                self.stats.agreement_ms += (time.perf_counter() - t0) * 1000.0
+                self.timer.begin()
+                idx = sampler.local_indices(it, self._plan.batch_sizes, self.rank)
+                self._local = len(idx)
+                batch = _take(dataset, idx, self.device) if self._local else None
+                self.timer.data_done()
+                if self._local == 0:
+                    self._finish(None)
+                    continue
+                self._awaiting_step = True
+                yield batch
+                if self._awaiting_step:
+                    raise RuntimeError("call ctx.step(loss_sum) exactly once per batch")
+        finally:
+            self.agreement.close()
+            self._emit(self.timer.drain())
+
+    def step(self, loss_sum: torch.Tensor) -> float | None:
+        """Backward the summed loss, all-reduce, step the optimizer; the global mean loss when
+        it was recorded this iteration (every ``loss_every`` iterations), else ``None``."""
+        if not self._awaiting_step:
+            raise RuntimeError("ctx.step() outside a batch of ctx.batches()")
+        self._awaiting_step = False
+        loss_sum.backward()
+        return self._finish(loss_sum)
+
+    # ----------------------------------------------------------------------------- internals
+
+    def _finish(self, loss_sum: torch.Tensor | None) -> float | None:
+        assert self._sync is not None and self.optimizer is not None and self._sampler
+        it, b = self.iteration, self._local
+        if self.emulator is not None and b > 0:
+            self.timer.add_padding(self.emulator.pad(it, b, self.timer.compute_elapsed_ms()))
+        self.timer.compute_done()
+        count = self._sampler.global_count(it)
+        mean_loss = self._sync.all_reduce(count, loss_sum)
+        self.timer.sync_done()
+        value = None
+        if it % self.loss_every == 0 or it + 1 >= self._total:
+            value = float(mean_loss.item())
+            self.stats.record_loss(it, value, last=it + 1 >= self._total)
+        self.optimizer.step()
+        self._sync.zero_grad()
+        self._emit(self.timer.finish(it, self._plan.version, b))
+        self.stats.iterations += 1
+        self.stats.samples_seen += b
+        self.stats.global_samples += count
+        self.iteration += 1
+        return value
+
+    def _emit(self, timings: list[IterationTiming]) -> None:
+        if self._submit is None:
+            return
+        for t in timings:
+            try:
+                self._submit(
+                    TelemetryRecord(
+                        rank=self.rank,
+                        iteration=t.iteration,
+                        plan_version=t.plan_version,
+                        batch_size=t.batch_size,
+                        data_ms=clamp_ms(t.data_ms),
+                        compute_ms=clamp_ms(t.compute_ms),
+                        sync_ms=clamp_ms(t.sync_ms),
+                        ts=t.ts,
+                    )
+                )
+            except Exception as exc:  # telemetry is best effort
+                log.warning("telemetry record for iteration %d dropped: %r", t.iteration, exc)
+
+
+def dataset_size(dataset: DatasetLike) -> int:
+    """Samples in a dataset: dim 0 of its tensors (which must agree), or ``len``."""
+    if isinstance(dataset, tuple):
+        sizes = {t.shape[0] for t in dataset}
+        if len(sizes) != 1:
+            raise ValueError(f"dataset tensors disagree on their length: {sorted(sizes)}")
+        return sizes.pop()
+    return len(dataset)  # type: ignore[arg-type]
+
+
+def _take(dataset: DatasetLike, idx: torch.Tensor, device: torch.device) -> Any:
+    if isinstance(dataset, torch.Tensor):
+        return dataset.index_select(0, idx.to(dataset.device)).to(device, non_blocking=True)
+    if isinstance(dataset, tuple):
+        return tuple(
+            t.index_select(0, idx.to(t.device)).to(device, non_blocking=True) for t in dataset
+        )
+    batch = default_collate([dataset[i] for i in idx.tolist()])
+    return _to_device(batch, device)
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, list | tuple):
+        return type(batch)(_to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    return batch

@@ -1,0 +1,201 @@
+"""Exact data-parallel gradients when ranks have unequal local batches.
+
+DDP averages gradients with equal weight per rank, which is wrong when rank ``r`` has ``b_r``
+samples and the ``b_r`` differ: the update would weight a sample on a small rank more than one on a
+large rank. Here every rank back-propagates the **sum** of its per-sample losses, the gradients are
+all-reduced with ``SUM``, and the result is multiplied by ``1 / B_global`` (the actual number of
+samples in this iteration's global batch). The update is then exactly the one single-process SGD
+makes on the concatenated global batch, up to floating-point reassociation.
+
+Why an explicit coalesced all-reduce rather than ``DistributedDataParallel``:
+
+- A rank given 0 samples must compute nothing, yet still join the collective. DDP's reducer is
+  driven by autograd hooks fired during ``backward``; with no forward there are no hooks, the rank
+  never launches its buckets and the job hangs (or needs a fake forward, which is compute).
+- The gradients of each parameter live in one pre-allocated flat buffer per (device, dtype), and
+  ``param.grad`` is a *view* into it (as DDP's ``gradient_as_bucket_view``). Backward accumulates
+  straight into the buffer, so an iteration costs one collective per buffer (one for a usual
+  model), no per-iteration allocation and no copies. A zero-sample rank contributes the zeros it
+  already holds.
+- One extra float slot at the end of the first buffer carries the rank's loss sum, so the global
+  mean loss comes out of the same collective for free.
+- Optionally (``control_slots``), a few more slots carry small integers from one rank to all:
+  the sender writes them, every other rank writes zeros, and the SUM delivers them exactly
+  (float32 holds integers below 2**24 exactly; ``x + 0 == x``). The plan agreement uses this to
+  ride on the gradient all-reduce instead of a collective of its own
+  (:class:`~agent.runtime.plan_sync.PlanAgreement`). Only for float32/float64 buffers on the CPU:
+  reading the slots back from a GPU every iteration would synchronise the host with the device.
+
+What this gives up: DDP overlaps bucket all-reduces with the rest of backward. This synchroniser
+reduces once, after backward. For the small and medium models this runtime targets that costs
+little; overlapping would mean per-bucket hooks plus an explicit path for zero-sample ranks.
+Module buffers (e.g. BatchNorm statistics) are broadcast once at start by
+:func:`broadcast_module`, not on every forward as DDP does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+CONTROL_MAX = 2**24
+"""Control slot values must lie in (-CONTROL_MAX, CONTROL_MAX) to travel exactly in float32."""
+
+
+@dataclass
+class _Bucket:
+    flat: torch.Tensor
+    params: list[nn.Parameter]
+    views: list[torch.Tensor]
+    scaled: torch.Tensor
+    """The part scaled by 1/global_count: gradients (and the loss slot), not control slots."""
+
+
+class GradientSync:
+    """Owns the gradient buffers of a set of parameters and all-reduces them exactly.
+
+    Use it in place of ``optimizer.zero_grad()`` and DDP::
+
+        sync = GradientSync(model.parameters())
+        loss_sum.backward()            # skipped on a rank with 0 samples
+        mean_loss = sync.all_reduce(global_count, loss_sum)
+        optimizer.step()
+        sync.zero_grad()
+
+    If something replaces ``param.grad`` (``optimizer.zero_grad(set_to_none=True)``, a user
+    assignment), the next ``all_reduce`` copies it back into the buffer and rebinds the view, so
+    results stay right; only the zero-copy property is lost for that iteration.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[nn.Parameter],
+        group: dist.ProcessGroup | None = None,
+        *,
+        control_slots: int = 0,
+    ) -> None:
+        self.group = group
+        by_key: dict[tuple[torch.device, torch.dtype], list[nn.Parameter]] = {}
+        for p in params:
+            if p.requires_grad:
+                by_key.setdefault((p.device, p.dtype), []).append(p)
+        if not by_key:
+            raise ValueError("no parameters require gradients")
+        self._buckets: list[_Bucket] = []
+        self.control_capacity = 0
+        """Control slots available (0 when no CPU float32/float64 buffer can carry them)."""
+        control_bucket = -1
+        for i, ((device, dtype), ps) in enumerate(by_key.items()):
+            extra = 1 if i == 0 else 0  # loss slot
+            if (
+                control_slots
+                and control_bucket < 0
+                and device.type == "cpu"
+                and dtype in (torch.float32, torch.float64)
+            ):
+                control_bucket, self.control_capacity = i, control_slots
+            n = sum(p.numel() for p in ps) + extra
+            control = self.control_capacity if control_bucket == i else 0
+            flat = torch.zeros(n + control, device=device, dtype=dtype)
+            views = []
+            offset = 0
+            for p in ps:
+                view = flat[offset : offset + p.numel()].view_as(p)
+                offset += p.numel()
+                if p.grad is not None:
+                    view.copy_(p.grad)
+                p.grad = view
+                views.append(view)
+            self._buckets.append(_Bucket(flat, ps, views, flat[:n]))
+        self._loss_slot = self._buckets[0].scaled[-1:]
+        self._control = (
+            self._buckets[control_bucket].flat[-self.control_capacity :]
+            if self.control_capacity
+            else torch.empty(0)
+        )
+        self._outgoing: list[int] | None = None
+        self._received: list[int] | None = None
+
+    def send_control(self, values: list[int] | None) -> None:
+        """Values this rank adds to the control slots at the next all-reduce (``None``: zeros).
+
+        Exactly one rank should send; the others send ``None``.
+        """
+        if values is not None:
+            if len(values) > self.control_capacity:
+                raise ValueError(f"{len(values)} control values, capacity {self.control_capacity}")
+            if any(abs(v) >= CONTROL_MAX for v in values):
+                raise ValueError(f"control values must be below {CONTROL_MAX} in magnitude")
+        self._outgoing = values
+
+    def received_control(self) -> list[int] | None:
+        """The control slots after the last all-reduce (once; then ``None`` until the next)."""
+        received, self._received = self._received, None
+        return received
+
+    @property
+    def numel(self) -> int:
+        """Elements all-reduced per iteration (gradients, loss slot and control slots)."""
+        return sum(b.flat.numel() for b in self._buckets)
+
+    def zero_grad(self) -> None:
+        """Zero the buffers (and so every ``param.grad``) in place."""
+        for b in self._buckets:
+            b.flat.zero_()
+            self._rebind(b, copy=False)
+
+    def all_reduce(self, global_count: int, loss_sum: torch.Tensor | None = None) -> torch.Tensor:
+        """Sum gradients over ranks, scale by ``1/global_count``; return the global mean loss.
+
+        ``loss_sum`` is this rank's summed loss (``None`` or absent on a rank with 0 samples).
+        The returned 1-element tensor lives on the buffer's device; reading it on CUDA syncs.
+        """
+        if global_count < 1:
+            raise ValueError("global_count must be at least 1")
+        for b in self._buckets:
+            self._rebind(b, copy=True)
+        if loss_sum is None:
+            self._loss_slot.zero_()
+        else:
+            self._loss_slot.copy_(loss_sum.detach().reshape(1))
+        if self.control_capacity:
+            self._control.zero_()
+            if self._outgoing:
+                self._control[: len(self._outgoing)] = torch.tensor(
+                    self._outgoing, dtype=self._control.dtype
+                )
+            self._outgoing = None
+        scale = 1.0 / global_count
+        for b in self._buckets:
+            if dist.is_initialized():
+                dist.all_reduce(b.flat, op=dist.ReduceOp.SUM, group=self.group)
+            b.scaled.mul_(scale)
+        if self.control_capacity:
+            self._received = [round(v) for v in self._control.tolist()]
+        return self._loss_slot
+
+    @staticmethod
+    def _rebind(bucket: _Bucket, *, copy: bool) -> None:
+        for p, view in zip(bucket.params, bucket.views, strict=True):
+            if p.grad is view:
+                continue
+            if p.grad is None or not copy:
+                view.zero_()
+            else:
+                view.copy_(p.grad)
+            p.grad = view
+
+
+def broadcast_module(
+    module: nn.Module, src: int = 0, group: dist.ProcessGroup | None = None
+) -> None:
+    """Make every rank's parameters and buffers equal to rank ``src``'s (once, at start)."""
+    if not dist.is_initialized():
+        return
+    with torch.no_grad():
+        for t in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(t.data, src=src, group=group)

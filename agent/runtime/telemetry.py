@@ -1,0 +1,180 @@
+"""Best-effort delivery of per-iteration timings to the control plane.
+
+:class:`TelemetrySender` owns a daemon thread. The training loop calls :meth:`~TelemetrySender.
+submit`, which only appends to a bounded queue under a lock: it never blocks on the network and
+never raises. The thread posts a :class:`~agent.wire.TelemetryBatch` through the injected
+``post`` callable whenever ``flush_records`` records are queued or ``flush_interval_s`` has passed,
+and on failure retries with exponential back-off.
+
+Accounting is exact: ``submitted == delivered + dropped + pending``.
+
+- The queue holds at most ``max_buffer`` records; when it is full the *oldest* is dropped and
+  counted. A batch in flight (at most ``max_batch`` records) is outside the queue; if its post
+  fails, it goes back to the front, and the queue is trimmed to its bound again.
+- A post that raised may still have been stored by the server, so a retried batch can carry
+  records the server already has. That is safe: the server deduplicates on (job, rank,
+  iteration).
+- :meth:`~TelemetrySender.close` flushes what is left, retrying until its deadline, then returns
+  the final :class:`TelemetryStats`; whatever is still pending then is lost (and counted).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from agent.wire import MAX_MS, MAX_TELEMETRY_RECORDS, TelemetryBatch, TelemetryRecord
+
+log = logging.getLogger(__name__)
+
+PostTelemetry = Callable[[TelemetryBatch], object]
+"""Sends one batch; raises on any failure (its return value is ignored)."""
+
+CLOSE_RETRY_S = 0.2
+"""Longest wait between retries once closing (the close deadline bounds the total)."""
+
+
+@dataclass(frozen=True)
+class TelemetryStats:
+    submitted: int
+    delivered: int
+    """Records in batches whose post returned without raising (re-sends counted again)."""
+    dropped: int
+    """Records removed unsent because the queue was full."""
+    pending: int
+    """Records still queued or in flight (at close: lost)."""
+    failures: int
+    """Posts that raised."""
+    posts: int
+    """Posts that succeeded."""
+
+
+def clamp_ms(ms: float) -> float:
+    """A phase duration the wire accepts: finite, within [0, MAX_MS]."""
+    if ms != ms:  # NaN
+        return 0.0
+    return min(max(ms, 0.0), MAX_MS)
+
+
+class TelemetrySender:
+    """Batches records and posts them from a background thread; see the module docstring."""
+
+    def __init__(
+        self,
+        post: PostTelemetry,
+        *,
+        flush_records: int = 64,
+        flush_interval_s: float = 2.0,
+        max_buffer: int = 20_000,
+        max_batch: int = MAX_TELEMETRY_RECORDS,
+        backoff_initial_s: float = 0.5,
+        backoff_max_s: float = 30.0,
+    ) -> None:
+        if not 1 <= max_batch <= MAX_TELEMETRY_RECORDS:
+            raise ValueError(f"max_batch must be in [1, {MAX_TELEMETRY_RECORDS}]")
+        if max_buffer < 1 or flush_records < 1:
+            raise ValueError("max_buffer and flush_records must be at least 1")
+        self._post = post
+        self.flush_records = flush_records
+        self.flush_interval_s = flush_interval_s
+        self.max_buffer = max_buffer
+        self.max_batch = max_batch
+        self.backoff_initial_s = backoff_initial_s
+        self.backoff_max_s = backoff_max_s
+        self._queue: deque[TelemetryRecord] = deque()
+        self._in_flight = 0
+        self._cond = threading.Condition()
+        self._closing = False
+        self._deadline = float("inf")
+        self._submitted = self._delivered = self._dropped = self._failures = self._posts = 0
+        self._thread = threading.Thread(target=self._run, name="evenflow-telemetry", daemon=True)
+        self._thread.start()
+
+    def submit(self, record: TelemetryRecord) -> None:
+        """Queue a record (never blocks on the network, never raises for a full queue)."""
+        with self._cond:
+            self._submitted += 1
+            self._queue.append(record)
+            self._trim()
+            if len(self._queue) >= self.flush_records:
+                self._cond.notify()
+
+    @property
+    def stats(self) -> TelemetryStats:
+        with self._cond:
+            return TelemetryStats(
+                submitted=self._submitted,
+                delivered=self._delivered,
+                dropped=self._dropped,
+                pending=len(self._queue) + self._in_flight,
+                failures=self._failures,
+                posts=self._posts,
+            )
+
+    def close(self, deadline_s: float = 5.0) -> TelemetryStats:
+        """Flush what is queued, trying until ``deadline_s`` from now; then stop."""
+        with self._cond:
+            self._closing = True
+            self._deadline = time.monotonic() + deadline_s
+            self._cond.notify()
+        self._thread.join(deadline_s + 0.5)  # a post hung past the deadline is abandoned
+        stats = self.stats
+        if stats.pending or stats.dropped:
+            log.warning("telemetry closed with %d lost, %d dropped", stats.pending, stats.dropped)
+        return stats
+
+    def _trim(self) -> None:
+        while len(self._queue) > self.max_buffer:
+            self._queue.popleft()
+            self._dropped += 1
+
+    def _run(self) -> None:
+        backoff = 0.0
+        last_attempt = time.monotonic()
+        while True:
+            with self._cond:
+                while True:
+                    now = time.monotonic()
+                    if self._closing and (not self._queue or now >= self._deadline):
+                        return
+                    if self._closing:  # flush now; retry failures briskly until the deadline
+                        delay = min(backoff, CLOSE_RETRY_S)
+                    else:
+                        delay = backoff or self.flush_interval_s
+                    due = last_attempt + delay
+                    full = backoff == 0 and len(self._queue) >= self.flush_records
+                    if self._queue and (full or now >= due):
+                        break
+                    wait = due - now if self._queue else self.flush_interval_s
+                    if self._closing:
+                        wait = min(wait, self._deadline - now)
+                    self._cond.wait(max(wait, 0.001))
+                n = min(len(self._queue), self.max_batch)
+                batch = [self._queue.popleft() for _ in range(n)]
+                self._in_flight = n
+            last_attempt = time.monotonic()
+            ok = self._send(batch)
+            with self._cond:
+                self._in_flight = 0
+                if ok:
+                    self._delivered += n
+                    self._posts += 1
+                    backoff = 0.0
+                else:
+                    self._failures += 1
+                    self._queue.extendleft(reversed(batch))
+                    self._trim()
+                    backoff = min(self.backoff_max_s, max(self.backoff_initial_s, backoff * 2))
+
+    def _send(self, batch: list[TelemetryRecord]) -> bool:
+        try:
+            self._post(TelemetryBatch(records=batch))
+            return True
+        except Exception as exc:  # best effort: never into the training loop
+            if self._failures == 0 or self._failures % 20 == 19:
+                log.warning("telemetry post of %d records failed: %r", len(batch), exc)
+            return False

@@ -1,0 +1,253 @@
+"""``run_training``: one rank's whole job, from process group to result.
+
+It wires the parts together: the initial plan is agreed (rank 0's, broadcast), rank 0 starts the
+plan fetcher thread, every rank starts a telemetry sender thread, the workload is built (built-in
+or user entrypoint) and driven through :class:`~agent.runtime.context.EvenflowContext`, and at the
+end the threads are closed (telemetry flushed within a deadline) and a :class:`RunResult` returned.
+
+The control plane is reached only through two injected callables, so nothing here does HTTP:
+``fetch_plan() -> PlanOut | None`` and ``post_telemetry(TelemetryBatch)`` (raises on failure).
+:mod:`agent.runtime.remote` builds them from an ``httpx.Client``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from agent.runtime.context import EvenflowContext
+from agent.runtime.emulation import Emulator
+from agent.runtime.plan_sync import FetchPlan, Plan, PlanAgreement, PlanFetcher, agree_initial
+from agent.runtime.telemetry import PostTelemetry, TelemetrySender, TelemetryStats
+from agent.runtime.workloads import Workload, builtin, load_entrypoint
+from agent.wire import JobSpec, PlanOut
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """Knobs of the runtime; the defaults suit real jobs, tests shorten the timers."""
+
+    plan_poll_s: float = 1.0
+    """How often rank 0 asks the control plane for a newer plan."""
+    agree_every: int = 1
+    """Plan agreement at every k-th iteration boundary."""
+    pipelined_agreement: bool = True
+    """Overlap the agreement broadcast with the iteration (plans apply one boundary later)."""
+    piggyback_agreement: bool = True
+    """Carry the agreement in the gradient all-reduce when gradients are CPU float32/64."""
+    initial_plan_timeout_s: float = 60.0
+    """Rank 0 retries fetching the initial plan this long when none was given."""
+    telemetry_flush_records: int = 64
+    telemetry_flush_s: float = 2.0
+    telemetry_max_buffer: int = 20_000
+    close_deadline_s: float = 5.0
+    """How long closing may spend flushing telemetry."""
+    loss_every: int | None = None
+    """Read the global loss every k iterations (default 1 on CPU, 20 on CUDA: reading syncs)."""
+    emulate: bool = True
+    """Apply the spec's ``emulation`` entry for this rank (when the spec has one)."""
+    timeout: timedelta = timedelta(minutes=10)
+    """Collective timeout when this function initialises the process group."""
+
+
+@dataclass
+class RunResult:
+    """What one rank did. Failures are exceptions from :func:`run_training`, not fields."""
+
+    rank: int
+    world_size: int
+    iterations: int
+    samples_seen: int
+    """Samples this rank trained on."""
+    global_samples: int
+    """Samples consumed by all ranks together."""
+    final_loss: float | None
+    """Global mean loss of the last iteration."""
+    losses: list[tuple[int, float]] = field(default_factory=list)
+    plan_history: list[tuple[int, int]] = field(default_factory=list)
+    """(first iteration, plan version) for every plan this job trained on, in order."""
+    refused_plans: dict[int, str] = field(default_factory=dict)
+    emulated: bool = False
+    padded_ms: float = 0.0
+    agreement_ms: float = 0.0
+    agreement_transport: str = ""
+    wall_s: float = 0.0
+    plan_fetch_errors: int = 0
+    telemetry: TelemetryStats | None = None
+
+    @property
+    def plan_versions(self) -> list[int]:
+        return [v for _, v in self.plan_history]
+
+
+def init_process_group_from_env(timeout: timedelta = timedelta(minutes=10)) -> None:
+    """``init_process_group`` from RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (``env://``).
+
+    NCCL when CUDA is available, gloo otherwise.
+    """
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, init_method="env://", timeout=timeout)
+
+
+def device_for_backend(backend: str) -> torch.device:
+    """``cuda:LOCAL_RANK`` under NCCL (and make it current), else the CPU."""
+    if backend == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def run_training(
+    spec: JobSpec,
+    *,
+    fetch_plan: FetchPlan | None = None,
+    post_telemetry: PostTelemetry | None = None,
+    initial_plan: PlanOut | Plan | None = None,
+    options: RuntimeOptions = RuntimeOptions(),
+) -> RunResult:
+    """Train this rank's share of ``spec``; every rank of the job calls this together.
+
+    Uses the initialised default process group, or initialises one from the environment (and
+    destroys it at the end). Rank 0's ``initial_plan`` is used on all ranks; without one, rank 0
+    fetches it. Other ranks may pass ``None``. Raises if the plan or the workload is unusable.
+    """
+    created = not dist.is_initialized()
+    if created:
+        init_process_group_from_env(options.timeout)
+    start = time.monotonic()
+    fetcher: PlanFetcher | None = None
+    sender: TelemetrySender | None = None
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if world != spec.world_size:
+            raise ValueError(f"job is for {spec.world_size} workers, process group has {world}")
+        backend = str(dist.get_backend())
+        device = device_for_backend(backend)
+        # The plan agreement's int64 tensor stays on the CPU: under NCCL it gets a gloo group.
+        control = dist.new_group(backend="gloo") if backend != "gloo" else None
+        if rank == 0 and initial_plan is None and fetch_plan is not None:
+            initial_plan = _fetch_initial(fetch_plan, options.initial_plan_timeout_s)
+        initial = agree_initial(
+            initial_plan,
+            rank=rank,
+            world_size=world,
+            global_batch=spec.global_batch,
+            group=control,
+            max_batch=spec.max_batch_per_worker,
+        )
+        if rank == 0 and fetch_plan is not None:
+            fetcher = PlanFetcher(
+                fetch_plan, interval_s=options.plan_poll_s, known_version=initial.version
+            ).start()
+        if post_telemetry is not None:
+            sender = TelemetrySender(
+                post_telemetry,
+                flush_records=options.telemetry_flush_records,
+                flush_interval_s=options.telemetry_flush_s,
+                max_buffer=options.telemetry_max_buffer,
+            )
+        agreement = PlanAgreement(
+            initial,
+            rank=rank,
+            world_size=world,
+            global_batch=spec.global_batch,
+            propose=fetcher.latest if fetcher else None,
+            group=control,
+            every=options.agree_every,
+            pipelined=options.pipelined_agreement,
+            max_batch=spec.max_batch_per_worker,
+        )
+        emulator = None
+        if spec.emulation is not None and options.emulate:
+            emulator = Emulator(spec.emulation[rank])
+        loss_every = options.loss_every or (20 if device.type == "cuda" else 1)
+        ctx = EvenflowContext(
+            spec,
+            agreement,
+            rank=rank,
+            world_size=world,
+            device=device,
+            emulator=emulator,
+            submit=sender.submit if sender else None,
+            loss_every=loss_every,
+            piggyback=options.piggyback_agreement,
+        )
+        run_workload(ctx)
+        stats = ctx.stats
+        result = RunResult(
+            rank=rank,
+            world_size=world,
+            iterations=stats.iterations,
+            samples_seen=stats.samples_seen,
+            global_samples=stats.global_samples,
+            final_loss=stats.losses[-1][1] if stats.losses else None,
+            losses=stats.losses,
+            plan_history=list(agreement.history),
+            refused_plans=dict(agreement.refused),
+            emulated=emulator is not None,
+            padded_ms=emulator.padded_ms if emulator else 0.0,
+            agreement_ms=stats.agreement_ms,
+            agreement_transport=agreement.transport,
+        )
+    finally:
+        if fetcher is not None:
+            fetcher.close()
+        telemetry = sender.close(options.close_deadline_s) if sender is not None else None
+        if created:
+            dist.destroy_process_group()
+    result.telemetry = telemetry
+    result.plan_fetch_errors = fetcher.errors if fetcher else 0
+    result.wall_s = time.monotonic() - start
+    return result
+
+
+def run_workload(ctx: EvenflowContext) -> None:
+    """Build the spec's workload and train it through ``ctx``."""
+    spec = ctx.spec.workload
+    if spec.builtin is not None:
+        train_workload(ctx, builtin(spec))
+        return
+    assert spec.entrypoint is not None
+    returned = load_entrypoint(spec.entrypoint)(ctx)
+    if isinstance(returned, Workload):
+        train_workload(ctx, returned)
+    elif returned is not None:
+        raise TypeError(f"entrypoint {spec.entrypoint} returned {type(returned).__name__}")
+    elif ctx.stats.iterations == 0:
+        raise RuntimeError(
+            f"entrypoint {spec.entrypoint} neither returned a Workload nor ran ctx.batches()"
+        )
+
+
+def train_workload(ctx: EvenflowContext, workload: Workload) -> None:
+    """The standard loop for a :class:`Workload`."""
+    model = workload.model.to(ctx.device)
+    optimizer = workload.optimizer(model.parameters()) if workload.optimizer else None
+    model, _ = ctx.prepare(model, optimizer)
+    for inputs, targets in ctx.batches(workload.dataset):
+        ctx.step(workload.loss_fn(model(inputs), targets))
+
+
+def _fetch_initial(fetch_plan: FetchPlan, timeout_s: float) -> PlanOut | None:
+    deadline = time.monotonic() + timeout_s
+    delay = 0.1
+    while True:
+        try:
+            plan = fetch_plan()
+            if plan is not None:
+                return plan
+        except Exception as exc:
+            log.warning("initial plan fetch failed: %r", exc)
+        if time.monotonic() + delay > deadline:
+            return None
+        time.sleep(delay)
+        delay = min(delay * 2, 5.0)

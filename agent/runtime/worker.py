@@ -1,0 +1,105 @@
+"""Process entry of one training worker: ``python -m agent.runtime.worker``.
+
+The agent daemon launches one process per rank with this environment:
+
+==========================  =================================================================
+``EVENFLOW_SERVER``         control plane base URL, e.g. ``http://cp:8000``
+``EVENFLOW_TOKEN``          Bearer token allowed to read the plan and post telemetry
+``EVENFLOW_JOB_ID``         the job's integer id
+``EVENFLOW_SPEC``           the job's :class:`~agent.wire.JobSpec` as JSON
+``RANK``, ``WORLD_SIZE``    this process's rank and the job's world size
+``MASTER_ADDR``,            rendezvous of ``torch.distributed`` (``env://``)
+``MASTER_PORT``
+``LOCAL_RANK``              optional; the CUDA device index on this host (default 0)
+``EVENFLOW_RESULT``         optional; path where the :class:`RunResult` is written as JSON
+``EVENFLOW_PLAN_POLL_S``    optional; seconds between plan polls on rank 0 (default 1)
+``EVENFLOW_TELEMETRY_S``    optional; longest seconds between telemetry posts (default 2)
+``EVENFLOW_LOG_LEVEL``      optional; default ``INFO``
+==========================  =================================================================
+
+Exit status 0 after a completed run, 1 on any failure (the traceback is logged to stderr), 2
+when the environment is incomplete or malformed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import sys
+
+import httpx
+from pydantic import ValidationError
+
+from agent.runtime.remote import RemoteControlPlane
+from agent.runtime.trainer import RunResult, RuntimeOptions, run_training
+from agent.wire import JobSpec
+
+log = logging.getLogger("agent.runtime.worker")
+
+REQUIRED = (
+    "EVENFLOW_SERVER",
+    "EVENFLOW_TOKEN",
+    "EVENFLOW_JOB_ID",
+    "EVENFLOW_SPEC",
+    "RANK",
+    "WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+def result_json(result: RunResult) -> str:
+    """A run result as one JSON object."""
+    return json.dumps(dataclasses.asdict(result))
+
+
+def worker_main(environ: dict[str, str] | None = None) -> int:
+    """Run one rank from environment variables; return the process exit status."""
+    env = dict(os.environ if environ is None else environ)
+    logging.basicConfig(
+        level=env.get("EVENFLOW_LOG_LEVEL", "INFO"),
+        format=f"%(asctime)s rank{env.get('RANK', '?')} %(name)s %(levelname)s %(message)s",
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per poll
+    missing = [k for k in REQUIRED if not env.get(k)]
+    if missing:
+        log.error("missing environment variables: %s", ", ".join(missing))
+        return 2
+    try:
+        spec = JobSpec.model_validate_json(env["EVENFLOW_SPEC"])
+        job_id = int(env["EVENFLOW_JOB_ID"])
+        options = RuntimeOptions(
+            plan_poll_s=float(env.get("EVENFLOW_PLAN_POLL_S", "1.0")),
+            telemetry_flush_s=float(env.get("EVENFLOW_TELEMETRY_S", "2.0")),
+        )
+    except (ValidationError, ValueError) as exc:
+        log.error("bad worker environment: %s", exc)
+        return 2
+    if spec.emulation is not None:
+        log.info("EMULATED run: compute is padded to the speeds in the job spec")
+    try:
+        with httpx.Client(timeout=10.0) as client:
+            remote = RemoteControlPlane(
+                client, env["EVENFLOW_SERVER"], env["EVENFLOW_TOKEN"], job_id
+            )
+            result = run_training(
+                spec,
+                fetch_plan=remote.fetch_plan,
+                post_telemetry=remote.post_telemetry,
+                options=options,
+            )
+    except Exception:
+        log.exception("training failed")
+        return 1
+    text = result_json(result)
+    log.info("finished: %s", text)
+    if env.get("EVENFLOW_RESULT"):
+        with open(env["EVENFLOW_RESULT"], "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main())

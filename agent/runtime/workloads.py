@@ -1,0 +1,145 @@
+"""What to train: built-in workloads, and how a user's own code plugs in.
+
+Built-ins need no download and are seeded (same on every rank):
+
+- ``mlp``: a two-layer MLP regressing a fixed random linear teacher plus noise. ``args``:
+  ``samples`` (4096), ``features`` (32), ``hidden`` (64), ``noise`` (0.1).
+- ``cnn-digits``: a small CNN on scikit-learn's bundled 8x8 digits (1,797 images). ``args``:
+  ``channels`` (8).
+
+Every loss is ``reduction="sum"``: the runtime scales by ``1/B_global`` itself, which is what
+makes unequal local batches exact.
+
+User entrypoints
+----------------
+A job's ``workload.entrypoint`` is ``"package.module:function"``. The function receives the
+:class:`~agent.runtime.context.EvenflowContext` and has two ways to work.
+
+1. Return a :class:`Workload`; the runtime runs the loop::
+
+       def make(ctx):
+           model = MyNet()
+           x, y = load_my_tensors()
+           return Workload(model, (x, y), lambda out, y: F.cross_entropy(out, y, reduction="sum"))
+
+2. Keep your own loop; three changes adapt it (``prepare``, ``batches``, ``step``)::
+
+       def train(ctx):
+           model = MyNet()
+           model, opt = ctx.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+           for x, y in ctx.batches((x_all, y_all)):        # this rank's share, plan-aware
+               loss = F.cross_entropy(model(x), y, reduction="sum")   # SUM, not mean
+               ctx.step(loss)                               # backward, all-reduce, opt.step
+
+   Rules: call ``ctx.step`` exactly once per batch and do not call ``backward``, ``zero_grad``
+   or ``opt.step`` yourself. Do not ``break`` out of the loop on one rank only. On an iteration
+   where this rank's share is 0 samples, the loop body is *skipped* (the context joins the
+   all-reduce and steps the optimizer itself), so per-iteration side effects such as an LR
+   scheduler belong outside the body or should read ``ctx.iteration``.
+
+``ctx.args`` is the job's ``workload.args``, ``ctx.seed`` its seed, ``ctx.device`` the device.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from agent.wire import WorkloadSpec
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""``loss_fn(model_output, targets)`` -> the SUM of per-sample losses (a scalar)."""
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+@dataclass
+class Workload:
+    """A model, its dataset as ``(inputs, targets)`` tensors, and a summed loss."""
+
+    model: nn.Module
+    dataset: tuple[torch.Tensor, torch.Tensor]
+    loss_fn: LossFn
+    optimizer: OptimizerFactory | None = None
+    """Builds the optimizer; default plain SGD at the job's learning rate."""
+
+
+def _arg(spec: WorkloadSpec, name: str, default: Any) -> Any:
+    value = spec.args.get(name, default)
+    if type(value) is not type(default):
+        raise ValueError(f"workload.args.{name} must be {type(default).__name__}")
+    return value
+
+
+def mlp(spec: WorkloadSpec) -> Workload:
+    """Regress a fixed random linear teacher with a tanh MLP (synthetic, seeded)."""
+    n = _arg(spec, "samples", 4096)
+    d = _arg(spec, "features", 32)
+    h = _arg(spec, "hidden", 64)
+    noise = float(_arg(spec, "noise", 0.1))
+    g = torch.Generator().manual_seed(spec.seed)
+    x = torch.randn(n, d, generator=g)
+    teacher = torch.randn(d, 1, generator=g) / d**0.5
+    y = x @ teacher + noise * torch.randn(n, 1, generator=g)
+    torch.manual_seed(spec.seed)
+    model = nn.Sequential(nn.Linear(d, h), nn.Tanh(), nn.Linear(h, 1))
+    return Workload(model, (x, y), _mse_sum)
+
+
+def cnn_digits(spec: WorkloadSpec) -> Workload:
+    """A two-conv CNN on scikit-learn's bundled 8x8 digits (no download)."""
+    from sklearn.datasets import load_digits
+
+    c = _arg(spec, "channels", 8)
+    digits = load_digits()
+    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    y = torch.tensor(digits.target, dtype=torch.long)
+    torch.manual_seed(spec.seed)
+    model = nn.Sequential(
+        nn.Conv2d(1, c, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(c, 2 * c, 3, padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(2 * c * 4 * 4, 10),
+    )
+    return Workload(model, (x, y), _cross_entropy_sum)
+
+
+def _mse_sum(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(out, y, reduction="sum")
+
+
+def _cross_entropy_sum(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(out, y, reduction="sum")
+
+
+BUILTINS: dict[str, Callable[[WorkloadSpec], Workload]] = {"mlp": mlp, "cnn-digits": cnn_digits}
+
+
+def builtin(spec: WorkloadSpec) -> Workload:
+    """The built-in workload the spec names."""
+    if spec.builtin is None:
+        raise ValueError("workload names no builtin")
+    return BUILTINS[spec.builtin](spec)
+
+
+def load_entrypoint(ref: str) -> Callable[..., Any]:
+    """Import ``"package.module:function"`` and return the function."""
+    module_name, sep, attr = ref.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"entrypoint {ref!r} must look like 'package.module:function'")
+    module = importlib.import_module(module_name)
+    try:
+        fn = getattr(module, attr)
+    except AttributeError:
+        raise ValueError(f"entrypoint {ref!r}: module has no attribute {attr!r}") from None
+    if not callable(fn):
+        raise ValueError(f"entrypoint {ref!r} is not callable")
+    return fn

@@ -1,0 +1,1 @@
+"""Tests of the training runtime (``agent.runtime``)."""

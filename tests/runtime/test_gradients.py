@@ -1,0 +1,161 @@
+"""The distributed update equals single-process SGD on the same global batch (to 1e-6)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from agent.runtime.context import EvenflowContext
+from agent.runtime.gradients import GradientSync, broadcast_module
+from agent.runtime.plan_sync import Plan, PlanAgreement
+from agent.runtime.sampler import GlobalBatchSampler
+from agent.wire import JobSpec
+
+from .spawn import run_ranks
+
+N, B, LR = 45, 12, 0.2
+# One plan per iteration: a change after iteration 1, a rank with 0 samples, and (N % B = 9) a
+# final partial global batch at iteration 3 split by largest remainder.
+PLANS = [[5, 4, 3], [5, 4, 3], [0, 9, 3], [6, 0, 6], [2, 2, 8]]
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return torch.randn(N, 5, generator=g), torch.randn(N, 2, generator=g)
+
+
+def _model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def _loss_sum(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(model(x), y, reduction="sum")
+
+
+def _exact_worker(rank: int, world: int) -> list[list[float]]:
+    x, y = _data()
+    model = _model(seed=100 + rank)  # different on purpose: the broadcast must fix it
+    broadcast_module(model)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    sync = GradientSync(model.parameters())
+    sampler = GlobalBatchSampler(N, B, seed=1)
+    for it, plan in enumerate(PLANS):
+        idx = sampler.local_indices(it, plan, rank)
+        loss = None
+        if len(idx):  # a rank with 0 samples runs no forward, only joins the collective
+            loss = _loss_sum(model, x[idx], y[idx])
+            loss.backward()
+        sync.all_reduce(sampler.global_count(it), loss)
+        opt.step()
+        sync.zero_grad()
+    return [p.detach().flatten().tolist() for p in model.parameters()]
+
+
+def _naive_worker(rank: int, world: int) -> list[list[float]]:
+    """DDP's rule: per-rank mean loss, gradients averaged with equal weight per rank."""
+    x, y = _data()
+    model = _model(seed=100)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    sampler = GlobalBatchSampler(N, B, seed=1)
+    for it, plan in enumerate(PLANS):
+        idx = sampler.local_indices(it, plan, rank)
+        opt.zero_grad(set_to_none=False)
+        if len(idx):
+            (_loss_sum(model, x[idx], y[idx]) / len(idx)).backward()
+        for p in model.parameters():
+            assert p.grad is not None
+            dist.all_reduce(p.grad)
+            p.grad /= world
+        opt.step()
+    return [p.detach().flatten().tolist() for p in model.parameters()]
+
+
+def _context_worker(rank: int, world: int) -> tuple[list[list[float]], list[tuple[int, int]]]:
+    """The same through the runtime's loop: plans arrive from rank 0's proposer mid-run."""
+    spec = JobSpec.model_validate(
+        {
+            "name": "exact",
+            "workload": {"builtin": "mlp", "learning_rate": LR, "seed": 1},
+            "global_batch": B,
+            "iterations": len(PLANS),
+            "workers": world,
+        }
+    )
+    proposals = iter([None, Plan(2, (0, 9, 3)), Plan(3, (6, 0, 6)), None, None])
+    agreement = PlanAgreement(
+        Plan(1, (5, 4, 3)),
+        rank=rank,
+        world_size=world,
+        global_batch=B,
+        propose=lambda: next(proposals),
+    )
+    ctx = EvenflowContext(spec, agreement, rank=rank, world_size=world)
+    model, _ = ctx.prepare(_model(seed=100 + rank))
+    for xb, yb in ctx.batches(_data()):
+        ctx.step(_loss_sum(model, xb, yb))
+    return [p.detach().flatten().tolist() for p in model.parameters()], agreement.history
+
+
+def _both_worker(rank: int, world: int) -> tuple[object, ...]:
+    return _exact_worker(rank, world), _naive_worker(rank, world), _context_worker(rank, world)
+
+
+def _single_process() -> list[torch.Tensor]:
+    x, y = _data()
+    model = _model(seed=100)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    sampler = GlobalBatchSampler(N, B, seed=1)
+    for it in range(len(PLANS)):
+        epoch, k = sampler.position(it)
+        idx = sampler.permutation(epoch)[k * B : k * B + sampler.global_count(it)]
+        opt.zero_grad()
+        (_loss_sum(model, x[idx], y[idx]) / len(idx)).backward()
+        opt.step()
+    return [p.detach().flatten() for p in model.parameters()]
+
+
+def _max_diff(a: list[list[float]], b: list[torch.Tensor]) -> float:
+    return max((torch.tensor(p) - q).abs().max().item() for p, q in zip(a, b, strict=True))
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(90)
+def test_unequal_batches_match_single_process_sgd_and_naive_mean_does_not() -> None:
+    """Directly with GradientSync, and through the runtime's loop (EvenflowContext)."""
+    reference = _single_process()
+    results = run_ranks(_both_worker, 3)
+    exact = [r[0] for r in results]
+    for rank_params in exact:
+        assert _max_diff(rank_params, reference) < 1e-6
+    assert exact[0] == exact[1] == exact[2]
+    naive = results[0][1]
+    assert _max_diff(naive, reference) > 1e-3
+    for params, history in (r[2] for r in results):
+        assert history == [(0, 1), (2, 2), (3, 3)]  # a change, then a rank with 0 samples
+        assert _max_diff(params, reference) < 1e-6
+
+
+def test_sync_keeps_grads_as_views_and_recovers_from_set_to_none() -> None:
+    model = _model(seed=0)
+    sync = GradientSync(model.parameters())
+    x, y = _data()
+    _loss_sum(model, x, y).backward()
+    expected = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    mean = sync.all_reduce(N, _loss_sum(model, x, y))  # no process group: world of one
+    assert mean.item() == pytest.approx(_loss_sum(model, x, y).item() / N, rel=1e-6)
+    for p, e in zip(model.parameters(), expected, strict=True):
+        assert p.grad is not None
+        assert torch.allclose(p.grad, e / N)
+    torch.optim.SGD(model.parameters(), lr=0.1).zero_grad(set_to_none=True)
+    _loss_sum(model, x, y).backward()  # grads now live outside the buffer
+    sync.all_reduce(N)
+    assert sync.numel == sum(p.numel() for p in model.parameters()) + 1
+    flat = sync._buckets[0].flat
+    for p in model.parameters():
+        assert p.grad is not None
+        assert p.grad.data_ptr() >= flat.data_ptr()  # rebound into the buffer
+    sync.zero_grad()
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
