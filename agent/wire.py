@@ -450,6 +450,22 @@ class SolveResponse(Response):
     solve_ms: float
 
 
+class ModelOut(Response):
+    """A worker's fitted performance model: t(b) = max(floor, intercept + per_sample * b)."""
+
+    rank: int
+    identifiable: bool
+    """False while the worker has been seen at one batch size only; the numbers are then a guess."""
+    per_sample_ms: float | None
+    intercept_ms: float | None
+    floor_ms: float | None
+    r2: float | None = None
+    relative_rmse: float | None = None
+    observations: int = 0
+    distinct_batch_sizes: int = 0
+    reason: str = ""
+
+
 # --------------------------------------------------------------------------- telemetry
 
 

@@ -28,6 +28,7 @@ from server.db import make_engine, migrate, session_factory, transaction
 from server.errors import EvenflowError
 from server.metrics import Metrics, MetricsMiddleware
 from server.services import hosts as host_service
+from server.services import rebalancer
 from server.services import tokens as token_service
 
 log = logging.getLogger("evenflow.server")
@@ -139,13 +140,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 file=sys.stderr,
                 flush=True,
             )
-        reaper = asyncio.create_task(_reap_lost_hosts(app))
+        loops = [asyncio.create_task(_reap_lost_hosts(app)), asyncio.create_task(_rebalance(app))]
         try:
             yield
         finally:
-            reaper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await reaper
+            for task in loops:
+                task.cancel()
+            for task in loops:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             engine.dispose()
 
     app = FastAPI(
@@ -220,3 +223,21 @@ async def _reap_lost_hosts(app: FastAPI) -> None:
             await asyncio.to_thread(sweep)
         except Exception:  # the sweep must never take the server down
             log.exception("lost-host sweep failed")
+
+
+async def _rebalance(app: FastAPI) -> None:
+    """Re-plan running jobs on their cadence (``server.services.rebalancer``)."""
+    settings: Settings = app.state.settings
+    memo: dict[int, rebalancer.LastDecision] = {}
+
+    def sweep() -> None:
+        with app.state.write_lock, transaction(app.state.sessions) as s:
+            for job_id, version in rebalancer.sweep(s, memo):
+                log.info("job %d: plan v%d", job_id, version)
+
+    while True:
+        await asyncio.sleep(settings.rebalance_interval_s)
+        try:
+            await asyncio.to_thread(sweep)
+        except Exception:  # a failed round must not stop the loop
+            log.exception("rebalance sweep failed")

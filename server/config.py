@@ -24,6 +24,9 @@ class Settings(BaseSettings):
     reaper_interval_s: float = Field(default=5.0, gt=0)
     """How often the server looks for lost hosts."""
 
+    rebalance_interval_s: float = Field(default=0.5, gt=0)
+    """How often running jobs are checked for a due re-plan."""
+
     run_migrations: bool = True
     """Apply Alembic migrations on start."""
 

@@ -113,6 +113,8 @@ class Job(Base):
     emulated: Mapped[bool] = mapped_column(Boolean, default=False)
     frozen: Mapped[bool] = mapped_column(Boolean, default=False)
     """Automatic rebalancing is suspended by an operator."""
+    controls: Mapped[dict[str, Any]] = mapped_column(Json, default=dict)
+    """Operators' standing constraints: ``{"pins": {rank: batch}, "excluded": [rank, ...]}``."""
     plan_version: Mapped[int | None] = mapped_column(Integer, default=None)
     error: Mapped[str | None] = mapped_column(Text, default=None)
     master_port: Mapped[int | None] = mapped_column(Integer, default=None)

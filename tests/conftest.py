@@ -79,7 +79,8 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
 
 
 def make_settings(url: str, **kw: object) -> Settings:
-    return Settings(database_url=url, admin_token=ADMIN_TOKEN, reaper_interval_s=3600, **kw)  # type: ignore[arg-type]
+    kw = {"reaper_interval_s": 3600, "rebalance_interval_s": 3600, **kw}
+    return Settings(database_url=url, admin_token=ADMIN_TOKEN, **kw)  # type: ignore[arg-type]
 
 
 @dataclass

@@ -1,5 +1,22 @@
-"""Operators' manual overrides of a job's balancing. Each is previewed or applied, and every
-applied one is recorded in the audit log with who and why."""
+"""Operators' manual overrides of a job's balancing.
+
+Each is previewed (``preview: true``: the plan it would make and its predicted iteration time
+next to the current one, nothing stored) or applied: stored, recorded in the audit log with who
+and why, and served to the workers, who switch at their next iteration boundary.
+
+=============== ================================================================================
+set_batches     a plan by hand (sums to B, caps respected); freezes automatic rebalancing so the
+                planner does not undo it (unfreeze to hand control back)
+pin             one rank's batch is fixed; the planner solves the rest, now and later
+exclude         a rank gets 0 samples (it still joins the all-reduce); the others take its share
+readmit         undo exclude (and any pin) for a rank
+freeze/unfreeze suspend / resume automatic rebalancing
+rebalance_now   re-plan from the current models at once, whatever the gain
+=============== ================================================================================
+
+Pins and exclusions are standing controls (``Job.controls``): the rebalancer treats them as
+constraints, so an operator's decision always wins over the automatic loop.
+"""
 
 from __future__ import annotations
 
@@ -8,25 +25,87 @@ from sqlalchemy.orm import Session
 
 from agent.wire import JobStatus, OverrideCreate, OverrideKind, OverrideOut, PlanOut, PlanSource
 from server.errors import Conflict, Invalid
-from server.models import Job, Override, Plan, utcnow
-from server.services import plans
+from server.models import Job, Override, utcnow
+from server.planner import Infeasible
+from server.planner.rebalance import RebalanceDecision, makespan
+from server.services import plans, rebalancer
 from server.services.audit import record
 from server.services.tokens import Principal
 
+REPLANS = (OverrideKind.PIN, OverrideKind.EXCLUDE, OverrideKind.READMIT, OverrideKind.REBALANCE_NOW)
 
-def _new_batches(job: Job, req: OverrideCreate) -> list[int] | None:
-    """The batch sizes an override asks for, or None if it does not change the plan."""
-    if req.kind is OverrideKind.SET_BATCHES:
-        if req.batch_sizes is None:
-            raise Invalid("set_batches needs batch_sizes", field="batch_sizes")
-        plans.validate(job, req.batch_sizes)
-        return list(req.batch_sizes)
-    if req.kind in (OverrideKind.FREEZE, OverrideKind.UNFREEZE):
-        return None
-    raise Invalid(
-        f"override kind '{req.kind.value}' needs the rebalancer, not running on this server",
-        field="kind",
-    )
+
+def _rank(job: Job, req: OverrideCreate) -> int:
+    if req.rank is None:
+        raise Invalid(f"{req.kind.value} needs a rank", field="rank")
+    if req.rank >= len(job.workers):
+        raise Invalid(
+            f"rank {req.rank} does not exist; job {job.id} has {len(job.workers)} workers",
+            field="rank",
+        )
+    return req.rank
+
+
+def _new_controls(job: Job, req: OverrideCreate) -> tuple[dict[int, int], frozenset[int]]:
+    pins, excluded = rebalancer.controls(job)
+    pins, excl = dict(pins), set(excluded)
+    if req.kind is OverrideKind.PIN:
+        rank = _rank(job, req)
+        if req.batch_size is None:
+            raise Invalid("pin needs batch_size", field="batch_size")
+        b, g = req.batch_size, int(job.spec.get("policy", {}).get("granularity", 1))
+        if b > int(job.spec["global_batch"]):
+            raise Invalid(
+                f"batch_size {b} exceeds the global batch {job.spec['global_batch']}",
+                field="batch_size",
+            )
+        if b % g:
+            raise Invalid(
+                f"batch_size {b} is not a multiple of the granularity {g}", field="batch_size"
+            )
+        pins[rank] = b
+        excl.discard(rank)
+    elif req.kind is OverrideKind.EXCLUDE:
+        rank = _rank(job, req)
+        excl.add(rank)
+        pins.pop(rank, None)
+        if len(excl) == len(job.workers):
+            raise Invalid("cannot exclude every worker", field="rank")
+    elif req.kind is OverrideKind.READMIT:
+        rank = _rank(job, req)
+        if rank not in excl and rank not in pins:
+            raise Invalid(f"rank {rank} is neither excluded nor pinned", field="rank")
+        excl.discard(rank)
+        pins.pop(rank, None)
+    return pins, frozenset(excl)
+
+
+def _decide(
+    session: Session, job: Job, req: OverrideCreate
+) -> tuple[RebalanceDecision, dict[int, int], frozenset[int]]:
+    pins, excluded = _new_controls(job, req)
+    try:
+        if req.kind is OverrideKind.SET_BATCHES:
+            if req.batch_sizes is None:
+                raise Invalid("set_batches needs batch_sizes", field="batch_sizes")
+            plans.validate(job, list(req.batch_sizes))
+            base = rebalancer.propose(session, job, force=True)
+            sizes = tuple(req.batch_sizes)
+            manual = RebalanceDecision(
+                sizes,
+                f"manual: {req.reason}",
+                makespan(base.models, sizes),
+                base.current_predicted_ms,
+                base.exploring,
+                base.models,
+            )
+            return manual, pins, excluded
+        decision = rebalancer.propose(session, job, force=True, pins=pins, excluded=excluded)
+    except Infeasible as exc:
+        raise Invalid(
+            f"{req.kind.value} cannot hold: {exc}", field="rank" if req.rank is not None else "kind"
+        ) from exc
+    return decision, pins, excluded
 
 
 def submit(session: Session, job: Job, req: OverrideCreate, principal: Principal) -> OverrideOut:
@@ -34,19 +113,28 @@ def submit(session: Session, job: Job, req: OverrideCreate, principal: Principal
         raise Conflict(
             f"job {job.id} already {job.status}; overrides apply to live jobs", field="status"
         )
-    batches = _new_batches(job, req)
-    current: Plan | None = plans.current(session, job.id) if job.plan_version is not None else None
+    if job.plan_version is None:
+        raise Conflict(
+            f"job {job.id} has no workers yet; overrides apply once it is placed", field="status"
+        )
     payload = req.model_dump(mode="json", exclude={"kind", "reason", "preview"}, exclude_none=True)
+    decision: RebalanceDecision | None = None
+    pins, excluded = rebalancer.controls(job)
+    if req.kind is OverrideKind.SET_BATCHES or req.kind in REPLANS:
+        decision, pins, excluded = _decide(session, job, req)
+    current = plans.current(session, job.id)
+    current_ms = decision.current_predicted_ms if decision else current.predicted_ms
     if req.preview:
-        preview_plan = None
-        if batches is not None:
-            preview_plan = PlanOut(
+        preview = None
+        if decision is not None and decision.batch_sizes is not None:
+            preview = PlanOut(
                 job_id=job.id,
-                version=(job.plan_version or 0) + 1,
-                batch_sizes=batches,
-                global_batch=int(job.spec["global_batch"]),
+                version=current.version + 1,
+                batch_sizes=list(decision.batch_sizes),
+                global_batch=current.global_batch,
                 source=PlanSource.MANUAL,
-                reason=req.reason,
+                reason=decision.reason,
+                predicted_ms=decision.predicted_ms,
                 created_at=utcnow(),
                 created_by=principal.name,
             )
@@ -59,9 +147,10 @@ def submit(session: Session, job: Job, req: OverrideCreate, principal: Principal
             created_by=principal.name,
             created_at=None,
             applied=False,
-            plan=preview_plan,
-            current_predicted_ms=current.predicted_ms if current else None,
+            plan=preview,
+            current_predicted_ms=current_ms,
         )
+
     row = Override(
         job_id=job.id,
         kind=req.kind.value,
@@ -70,27 +159,43 @@ def submit(session: Session, job: Job, req: OverrideCreate, principal: Principal
         created_by=principal.name,
         applied=True,
     )
-    new_plan = None
     if req.kind is OverrideKind.FREEZE:
         job.frozen = True
-    elif req.kind is OverrideKind.UNFREEZE:
+    elif req.kind in (OverrideKind.UNFREEZE,):
         job.frozen = False
-    if batches is not None:
-        if job.plan_version is None:
-            raise Conflict(f"job {job.id} has no workers yet", field="status")
+    elif req.kind is OverrideKind.SET_BATCHES:
+        job.frozen = True  # otherwise the next automatic round would undo the operator's plan
+    if req.kind in (OverrideKind.PIN, OverrideKind.EXCLUDE, OverrideKind.READMIT):
+        job.controls = {
+            "pins": {str(r): b for r, b in sorted(pins.items())},
+            "excluded": sorted(excluded),
+        }
+    new_plan = None
+    if decision is not None and decision.batch_sizes is not None:
+        reason = (
+            decision.reason
+            if req.kind is OverrideKind.SET_BATCHES
+            else f"{req.kind.value}: {req.reason}; {decision.reason}"
+        )
         new_plan = plans.create(
-            session, job, batches, PlanSource.MANUAL, f"manual: {req.reason}", by=principal.name
+            session,
+            job,
+            list(decision.batch_sizes),
+            PlanSource.MANUAL,
+            reason,
+            by=principal.name,
+            predicted_ms=decision.predicted_ms,
         )
         row.plan_version = new_plan.version
     session.add(row)
     session.flush()
-    record(
-        session,
-        principal.name,
-        f"override.{req.kind.value}",
-        f"job:{job.id}",
-        {"reason": req.reason, **payload, "plan_version": row.plan_version},
-    )
+    detail = {
+        "reason": req.reason,
+        **payload,
+        "plan_version": row.plan_version,
+        "frozen": job.frozen,
+    }
+    record(session, principal.name, f"override.{req.kind.value}", f"job:{job.id}", detail)
     return OverrideOut(
         id=row.id,
         job_id=job.id,
@@ -101,7 +206,7 @@ def submit(session: Session, job: Job, req: OverrideCreate, principal: Principal
         created_at=row.created_at,
         applied=True,
         plan=PlanOut.model_validate(new_plan) if new_plan else None,
-        current_predicted_ms=current.predicted_ms if current else None,
+        current_predicted_ms=current_ms,
     )
 
 

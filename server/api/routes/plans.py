@@ -6,9 +6,9 @@ from fastapi import APIRouter, Path, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from sqlalchemy.orm import Session, sessionmaker
 
-from agent.wire import PlanOut
+from agent.wire import ModelOut, PlanOut
 from server.api.deps import SessionDep, Viewer
-from server.services import plans
+from server.services import jobs, plans, rebalancer
 
 router = APIRouter(prefix="/jobs", tags=["plans"])
 JobId = Path(ge=1, le=2**31 - 1)
@@ -44,6 +44,30 @@ def _load_current(sessions: sessionmaker[Session], job_id: int) -> tuple[int, by
     with sessions() as session:
         plan = plans.current(session, job_id)
         return plan.version, PlanOut.model_validate(plan).model_dump_json().encode()
+
+
+@router.get("/{job_id}/models")
+def worker_models(session: SessionDep, _: Viewer, job_id: int = JobId) -> list[ModelOut]:
+    """Each worker's performance model, fitted from its recent telemetry."""
+    job = jobs.get(session, job_id)
+    out = []
+    for rank, fit in enumerate(rebalancer.fits(session, job)):
+        model = None if fit is None else (fit.model or fit.guess)
+        out.append(
+            ModelOut(
+                rank=rank,
+                identifiable=bool(fit and fit.identifiable),
+                per_sample_ms=model.per_sample_ms if model else None,
+                intercept_ms=model.intercept_ms if model else None,
+                floor_ms=model.floor_ms if model else None,
+                r2=fit.r2 if fit else None,
+                relative_rmse=fit.relative_rmse if fit else None,
+                observations=fit.observations if fit else 0,
+                distinct_batch_sizes=fit.distinct_batch_sizes if fit else 0,
+                reason=fit.reason if fit else "no iteration with samples reported yet",
+            )
+        )
+    return out
 
 
 @router.get("/{job_id}/plans")

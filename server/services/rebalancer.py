@@ -1,0 +1,195 @@
+"""The rebalancing loop: telemetry -> per-worker model fits -> a new plan when it pays.
+
+The decision itself is pure (``server.planner.rebalance.decide``); this module gathers its
+inputs from the database, applies the cadence and stores what it decides, with the reason.
+
+Cadence. A plan takes effect at the first iteration any rank reports with its version. Once
+every rank has reported ``K`` iterations under it (``explore_iterations`` while some worker is
+not identified yet, ``rebalance_every`` after), the job is due for another decision. Frozen jobs
+and the ``equal`` policy are never re-planned automatically.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from agent.wire import JobSpec, JobStatus, PlanSource, PolicyName
+from server.models import IterationTelemetry, Job
+from server.planner import ModelFit, Observation, fit_model
+from server.planner.rebalance import RebalanceDecision, RebalanceInput, decide
+from server.services import plans
+from server.services.audit import record
+
+FIT_WINDOW = 200
+"""Iterations of history a fit looks at."""
+HALF_LIFE = 50.0
+"""Recency half-life of a fit, in iterations."""
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where a job's workers are, from its telemetry."""
+
+    effective_from: int | None
+    """First iteration reported under the plan in force (None: no rank has used it yet)."""
+    complete_through: int | None
+    """Last iteration every rank has reported."""
+
+
+def progress(session: Session, job: Job) -> Progress:
+    T = IterationTelemetry
+    effective = session.scalar(
+        select(func.min(T.iteration)).where(T.job_id == job.id, T.plan_version == job.plan_version)
+    )
+    per_rank = session.execute(
+        select(T.rank, func.max(T.iteration)).where(T.job_id == job.id).group_by(T.rank)
+    ).all()
+    world = len(job.workers)
+    complete = (
+        min((int(it) for _, it in per_rank), default=None) if len(per_rank) == world else None
+    )
+    return Progress(None if effective is None else int(effective), complete)
+
+
+def fits(session: Session, job: Job, *, window: int = FIT_WINDOW) -> list[ModelFit | None]:
+    """A fitted model per rank from the recent window (None for a rank never seen with samples)."""
+    T = IterationTelemetry
+    last = session.scalar(select(func.max(T.iteration)).where(T.job_id == job.id))
+    by_rank: dict[int, list[Observation]] = defaultdict(list)
+    if last is not None:
+        rows = session.execute(
+            select(T.rank, T.iteration, T.batch_size, T.compute_ms).where(
+                T.job_id == job.id, T.iteration > last - window, T.batch_size > 0
+            )
+        ).all()
+        for rank, iteration, batch, compute in rows:
+            by_rank[int(rank)].append(Observation(int(batch), float(compute), int(iteration)))
+    spec = JobSpec.model_validate(job.spec)
+    return [
+        fit_model(
+            by_rank[r],
+            half_life_iterations=HALF_LIFE,
+            max_batch=spec.max_batch_per_worker,
+            granularity=spec.policy.granularity,
+        )
+        if by_rank.get(r)
+        else None
+        for r in range(len(job.workers))
+    ]
+
+
+def controls(job: Job) -> tuple[dict[int, int], frozenset[int]]:
+    c = job.controls or {}
+    pins = {int(r): int(b) for r, b in (c.get("pins") or {}).items()}
+    return pins, frozenset(int(r) for r in c.get("excluded") or [])
+
+
+def propose(
+    session: Session,
+    job: Job,
+    *,
+    force: bool = False,
+    current_from_guesses: bool = False,
+    pins: dict[int, int] | None = None,
+    excluded: frozenset[int] | None = None,
+) -> RebalanceDecision:
+    """What the rebalancer would do now (nothing is stored). ``pins``/``excluded`` replace the
+    job's standing controls, for previews of an override."""
+    spec = JobSpec.model_validate(job.spec)
+    current = plans.current(session, job.id)
+    standing_pins, standing_excluded = controls(job)
+    policy = spec.policy.name.value if spec.policy.name is not PolicyName.EQUAL else "equal"
+    return decide(
+        RebalanceInput(
+            global_batch=spec.global_batch,
+            current=tuple(current.batch_sizes),
+            fits=tuple(fits(session, job)),
+            policy=policy,
+            granularity=spec.policy.granularity,
+            max_batch=spec.max_batch_per_worker,
+            pins=standing_pins if pins is None else pins,
+            excluded=standing_excluded if excluded is None else excluded,
+            min_gain=spec.policy.min_gain,
+            force=force,
+            current_from_guesses=current_from_guesses,
+        )
+    )
+
+
+def apply(
+    session: Session,
+    job: Job,
+    decision: RebalanceDecision,
+    source: PlanSource,
+    *,
+    by: str,
+    reason: str | None = None,
+) -> int | None:
+    """Store the decision's plan, if it has one; returns the new version."""
+    if decision.batch_sizes is None:
+        return None
+    plan = plans.create(
+        session,
+        job,
+        list(decision.batch_sizes),
+        source,
+        reason or decision.reason,
+        by=by,
+        predicted_ms=decision.predicted_ms,
+    )
+    return plan.version
+
+
+@dataclass
+class LastDecision:
+    through: int
+    """The last iteration every rank had reported when the decision was made."""
+    exploring: bool
+
+
+def due(session: Session, job: Job, last: LastDecision | None) -> Progress | None:
+    """The job's progress if it is due for a decision: every rank has run ``K`` iterations since
+    the plan in force took effect and since the last decision (``explore_iterations`` while
+    models are still being identified, ``rebalance_every`` after)."""
+    spec = JobSpec.model_validate(job.spec)
+    if job.frozen or spec.policy.name is PolicyName.EQUAL or job.plan_version is None:
+        return None
+    p = progress(session, job)
+    if p.effective_from is None or p.complete_through is None:
+        return None
+    exploring = last is None or last.exploring
+    cadence = max(1, spec.policy.explore_iterations if exploring else spec.policy.rebalance_every)
+    since = p.effective_from if last is None else max(p.effective_from, last.through + 1)
+    return p if p.complete_through - since + 1 >= cadence else None
+
+
+def sweep(session: Session, memo: dict[int, LastDecision]) -> list[tuple[int, int]]:
+    """One round over live jobs; returns (job id, new plan version) for every plan made.
+    ``memo`` carries each job's last decision between rounds (it is only an optimisation:
+    losing it on restart costs one early decision)."""
+    made: list[tuple[int, int]] = []
+    live = session.scalars(
+        select(Job).where(Job.status.in_((JobStatus.STARTING.value, JobStatus.RUNNING.value)))
+    )
+    for job in live:
+        p = due(session, job, memo.get(job.id))
+        if p is None or p.complete_through is None:
+            continue
+        last = memo.get(job.id)
+        decision = propose(session, job, current_from_guesses=last is not None and last.exploring)
+        memo[job.id] = LastDecision(p.complete_through, decision.exploring)
+        version = apply(session, job, decision, PlanSource.AUTOMATIC, by="rebalancer")
+        if version is not None:
+            made.append((job.id, version))
+            record(
+                session,
+                "rebalancer",
+                "plan.automatic",
+                f"job:{job.id}",
+                {"version": version, "reason": decision.reason},
+            )
+    return made

@@ -1,0 +1,102 @@
+"""The pure rebalancing decision: exploration, the gain threshold, operators' controls."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from server.planner import Observation, PerfModel, fit_model
+from server.planner.rebalance import RebalanceInput, decide, makespan
+
+
+def _fit(model: PerfModel, sizes: list[int]) -> object:
+    obs = [Observation(b, model.predict(b), i) for i, b in enumerate(sizes * 5)]
+    return fit_model(obs)
+
+
+TRUE = [PerfModel(8.0, 10.0), PerfModel(8.0, 10.0), PerfModel(4.0, 10.0), PerfModel(2.0, 10.0)]
+
+
+def test_first_round_explores_and_identifies_every_worker() -> None:
+    current = (64, 64, 64, 64)
+    fits = tuple(_fit(m, [64]) for m in TRUE)
+    d = decide(RebalanceInput(global_batch=256, current=current, fits=fits))  # type: ignore[arg-type]
+    assert d.exploring and d.batch_sizes is not None
+    assert sum(d.batch_sizes) == 256
+    assert all(b != c for b, c in zip(d.batch_sizes, current, strict=True)), "every worker moves"
+    assert "exploring" in d.reason
+    # Second round: two sizes seen per worker -> identified -> the exact optimum for the true models.
+    fits2 = tuple(_fit(m, [64, b]) for m, b in zip(TRUE, d.batch_sizes, strict=True))
+    again = RebalanceInput(global_batch=256, current=d.batch_sizes, fits=fits2)  # type: ignore[arg-type]
+    # Planning on guesses came close already: under the 3% threshold this would stay ...
+    assert decide(again).batch_sizes is None
+    # ... but a plan made on guesses is replaced once the models are identified.
+    d2 = decide(RebalanceInput(**{**again.__dict__, "current_from_guesses": True}))
+    assert not d2.exploring and d2.batch_sizes is not None
+    assert d2.predicted_ms is not None
+    assert abs(d2.predicted_ms - makespan(TRUE, d2.batch_sizes)) < 1e-6
+    # Continuous optimum: (T - 10) * (1/8 + 1/8 + 1/4 + 1/2) = 256 -> T = 266, hit exactly.
+    assert d2.batch_sizes == (32, 32, 64, 128)
+    assert abs(d2.predicted_ms - 266.0) < 1e-6
+    assert makespan(TRUE, current) / makespan(TRUE, d2.batch_sizes) > 1.95  # 522 / 266
+
+
+def test_small_gain_keeps_the_plan_unless_forced() -> None:
+    models = [PerfModel(1.0), PerfModel(1.0)]
+    fits = tuple(_fit(m, [30, 34]) for m in models)
+    inp = RebalanceInput(global_batch=64, current=(33, 31), fits=fits, min_gain=0.05)  # type: ignore[arg-type]
+    kept = decide(inp)
+    assert kept.batch_sizes is None and "below" in kept.reason
+    forced = decide(RebalanceInput(**{**inp.__dict__, "force": True}))
+    assert forced.batch_sizes == (32, 32)
+
+
+def test_pins_and_exclusions_always_hold() -> None:
+    fits = tuple(_fit(m, [60, 70]) for m in TRUE)
+    d = decide(
+        RebalanceInput(
+            global_batch=256,
+            current=(64,) * 4,
+            fits=fits,
+            pins={3: 50},  # type: ignore[arg-type]
+            excluded=frozenset({0}),
+            force=True,
+        )
+    )
+    assert d.batch_sizes is not None
+    assert d.batch_sizes[3] == 50 and d.batch_sizes[0] == 0 and sum(d.batch_sizes) == 256
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    speeds=st.lists(st.floats(0.2, 20.0), min_size=2, max_size=6),
+    seen=st.lists(st.integers(1, 60), min_size=6, max_size=6),
+    second=st.booleans(),
+    batch=st.integers(12, 300),
+    g=st.sampled_from([1, 2, 4]),
+)
+def test_any_decision_sums_to_b_and_respects_bounds(
+    speeds: list[float], seen: list[int], second: bool, batch: int, g: int
+) -> None:
+    n = len(speeds)
+    batch = batch // g * g or g
+    current = [batch // n // g * g] * n
+    current[0] += batch - sum(current)
+    models = [PerfModel(s, 3.0) for s in speeds]
+    fits = tuple(
+        _fit(m, [seen[i]] + ([seen[i] + 5] if second else [])) for i, m in enumerate(models)
+    )
+    d = decide(
+        RebalanceInput(
+            global_batch=batch,
+            current=tuple(current),
+            fits=fits,  # type: ignore[arg-type]
+            granularity=g,
+            force=True,
+        )
+    )
+    sizes = d.batch_sizes or tuple(current)
+    assert sum(sizes) == batch
+    assert all(b >= 0 for b in sizes)
+    if d.batch_sizes is not None:
+        assert all(b % g == 0 for b in d.batch_sizes)
