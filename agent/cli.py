@@ -204,6 +204,30 @@ def cmd_tokens_revoke(args: argparse.Namespace) -> None:
 # ----------------------------------------------------------------------------- processes
 
 
+def cmd_agent(args: argparse.Namespace) -> None:
+    import logging
+    import socket
+
+    from agent.daemon import discover_devices, run_agent
+
+    if not args.token:
+        raise SystemExit("error: the agent needs a token (--token or EVENFLOW_TOKEN)")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    name = args.name or socket.gethostname()
+    run_agent(
+        args.server,
+        args.token,
+        name,
+        args.address or name,
+        discover_devices(args.cpu_workers),
+        Path(args.workdir),
+        interval_s=args.heartbeat,
+    )
+
+
 def cmd_server(args: argparse.Namespace) -> None:
     import uvicorn
 
@@ -237,6 +261,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=cmd_server)
+
+    p = sub.add_parser("agent", help="run this host's agent: register devices, launch workers")
+    p.add_argument("--server", default=os.environ.get("EVENFLOW_SERVER", DEFAULT_SERVER))
+    p.add_argument(
+        "--token", default=os.environ.get("EVENFLOW_TOKEN"), help="agent token (EVENFLOW_TOKEN)"
+    )
+    p.add_argument("--name", default=None, help="host name to register (default: hostname)")
+    p.add_argument(
+        "--address", default=None, help="address other hosts reach this one at (default: name)"
+    )
+    p.add_argument(
+        "--cpu-workers",
+        type=int,
+        default=None,
+        help="offer N CPU devices (default: the CUDA devices, or 1 CPU without a GPU)",
+    )
+    p.add_argument("--heartbeat", type=float, default=1.0, help="seconds between heartbeats")
+    p.add_argument(
+        "--workdir",
+        default=os.environ.get("EVENFLOW_WORKDIR", "evenflow-agent"),
+        help="worker logs and error files",
+    )
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(func=cmd_agent)
 
     jobs = sub.add_parser("jobs", help="submit, list, show and cancel jobs").add_subparsers(
         dest="action", required=True

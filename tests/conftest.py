@@ -26,6 +26,7 @@ from server.app import create_app
 from server.config import Settings
 from server.db import make_engine, migrate
 
+ROOT = Path(__file__).resolve().parents[1]
 ADMIN_TOKEN = "ef_test-admin-token-0123456789"
 PG_ADMIN_URL = os.environ.get(
     "EVENFLOW_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -167,7 +168,7 @@ class LiveServer:
 def live_server(tmp_path: Path) -> Iterator[LiveServer]:
     """A real uvicorn server on a free port, in a thread."""
     port = free_port()
-    app = create_app(make_settings(f"sqlite:///{tmp_path / 'live.db'}"))
+    app = create_app(make_settings(f"sqlite:///{tmp_path / 'live.db'}", rebalance_interval_s=0.2))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

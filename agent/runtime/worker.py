@@ -15,6 +15,8 @@ The agent daemon launches one process per rank with this environment:
 ``EVENFLOW_PLAN_POLL_S``    optional; seconds between plan polls on rank 0 (default 1)
 ``EVENFLOW_TELEMETRY_S``    optional; longest seconds between telemetry posts (default 2)
 ``EVENFLOW_LOG_LEVEL``      optional; default ``INFO``
+``EVENFLOW_ERROR_FILE``     optional; where the traceback of a failure is written, so the
+                            agent reports the root cause rather than a log tail
 ==========================  =================================================================
 
 Exit status 0 after a completed run, 1 on any failure (the traceback is logged to stderr), 2
@@ -28,6 +30,7 @@ import json
 import logging
 import os
 import sys
+import traceback
 
 import httpx
 from pydantic import ValidationError
@@ -92,6 +95,9 @@ def worker_main(environ: dict[str, str] | None = None) -> int:
             )
     except Exception:
         log.exception("training failed")
+        if env.get("EVENFLOW_ERROR_FILE"):
+            with open(env["EVENFLOW_ERROR_FILE"], "w") as f:
+                f.write(traceback.format_exc())
         return 1
     text = result_json(result)
     log.info("finished: %s", text)

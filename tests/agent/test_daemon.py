@@ -1,0 +1,124 @@
+"""The agent daemon against a real server, launching real torch.distributed worker processes."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from agent.client import ApiClient, make_http
+from agent.daemon import Agent, discover_devices
+from agent.wire import DeviceKind, JobStatus
+from tests.conftest import ROOT, LiveServer
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
+
+
+@pytest.fixture
+def agent(live_server: LiveServer, tmp_path: Path) -> Iterator[tuple[Agent, ApiClient]]:
+    admin = ApiClient(make_http(live_server.url, live_server.admin_token))
+    http = httpx.Client(base_url=live_server.url, timeout=10)
+    a = Agent(
+        ApiClient(http, live_server.admin_token),
+        name="test-host",
+        address="127.0.0.1",
+        devices=discover_devices(cpu_workers=2),
+        server_url=live_server.url,
+        token=live_server.admin_token,
+        workdir=tmp_path / "agent",
+        extra_env={
+            "PYTHONPATH": str(ROOT),
+            "EVENFLOW_TELEMETRY_S": "0.2",
+            "EVENFLOW_PLAN_POLL_S": "0.2",
+        },
+    )
+    a.register()
+    stop = threading.Event()
+    thread = threading.Thread(target=a.run, args=(stop, 0.3), daemon=True)
+    thread.start()
+    yield a, admin
+    stop.set()
+    thread.join(timeout=30)
+    http.close()
+    admin.http.close()
+
+
+def _wait(pred: Callable[[], Any], timeout: float = 150.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.3)
+    raise AssertionError("condition not reached in time")
+
+
+def _spec(**kw: Any) -> dict[str, Any]:
+    return {
+        "name": "t",
+        "workload": {"builtin": "mlp"},
+        "global_batch": 32,
+        "iterations": 120,
+        "workers": 2,
+        "policy": {"name": "minmax", "explore_iterations": 4, "rebalance_every": 8},
+        "emulation": [
+            {"per_sample_ms": 1.0, "intercept_ms": 2.0},
+            {"per_sample_ms": 3.0, "intercept_ms": 2.0},
+        ],
+        **kw,
+    }
+
+
+def test_cpu_devices_are_offered_when_asked() -> None:
+    devices = discover_devices(cpu_workers=3)
+    assert [(d.kind, d.index) for d in devices] == [
+        (DeviceKind.CPU, 0),
+        (DeviceKind.CPU, 1),
+        (DeviceKind.CPU, 2),
+    ]
+
+
+def test_job_runs_to_success_with_rebalanced_plans(agent: tuple[Agent, ApiClient]) -> None:
+    _, admin = agent
+    job = admin.submit(_spec())
+    done = _wait(lambda: (j := admin.job(job.id)).status.terminal and j)
+    assert done.status is JobStatus.SUCCEEDED, done.error
+    rows = admin.telemetry(job.id)
+    assert sorted({(r.rank, r.iteration) for r in rows}) == [
+        (r, i) for r in range(2) for i in range(120)
+    ]
+    for it in range(120):
+        sizes = [r.batch_size for r in rows if r.iteration == it]
+        assert sum(sizes) == 32, f"iteration {it}: {sizes}"
+    plans = admin.plans(job.id)
+    assert len(plans) >= 2 and plans[0].source.value == "automatic"
+    final = plans[0].batch_sizes
+    assert final[0] > final[1], "the 3x faster rank gets more samples"
+
+
+def test_failed_rank_fails_the_job_with_its_traceback(agent: tuple[Agent, ApiClient]) -> None:
+    _, admin = agent
+    job = admin.submit(
+        _spec(workload={"entrypoint": "tests.agent.failing_workload:main"}, emulation=None)
+    )
+    done = _wait(lambda: (j := admin.job(job.id)).status.terminal and j)
+    assert done.status is JobStatus.FAILED
+    assert done.error is not None and "rank 1 failed" in done.error and "corrupt" in done.error
+    w1 = next(w for w in done.workers if w.rank == 1)
+    assert w1.error is not None and "Traceback" in w1.error and "RuntimeError: boom" in w1.error
+
+
+def test_cancel_stops_the_workers(agent: tuple[Agent, ApiClient]) -> None:
+    a, admin = agent
+    job = admin.submit(_spec(iterations=100_000))
+    _wait(lambda: len(admin.telemetry(job.id, limit=10)) > 0)
+    admin.cancel(job.id)
+    _wait(lambda: all(w.state.value == "stopped" for w in admin.job(job.id).workers), timeout=60)
+    assert all(p.popen.poll() is not None for p in a.procs.values())
+    # The devices are free again for the next job.
+    assert all(d.status.value == "free" for h in admin.hosts() for d in h.devices)
