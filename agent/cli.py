@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -228,6 +229,150 @@ def cmd_agent(args: argparse.Namespace) -> None:
     )
 
 
+def _progress(stream: Any = None) -> Any:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("iterations"),
+        TimeElapsedColumn(),
+        console=Console(stderr=stream is sys.stderr),
+    )
+
+
+def _run_policies(
+    cluster: Any, profile: Any, iterations: dict[Any, int], stream: Any = None
+) -> dict[Any, Any]:
+    from server.experiment import run_policy
+
+    results = {}
+    with _progress(stream) as progress:
+        for policy, n in iterations.items():
+            task = progress.add_task(f"{policy.value:<12}", total=n)
+
+            def advance(done: int, task: Any = task) -> None:
+                progress.update(task, completed=done)
+
+            results[policy] = run_policy(cluster, profile, policy, n, advance)
+    return results
+
+
+def cmd_compare(args: argparse.Namespace) -> None:
+    import tempfile
+
+    from server.experiment import Profile, report
+    from server.local_cluster import LocalCluster
+
+    try:
+        profile = Profile.model_validate(yaml.safe_load(Path(args.profile).read_text()))
+    except (OSError, yaml.YAMLError) as exc:
+        raise SystemExit(f"error: cannot read {args.profile}: {exc}") from exc
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise SystemExit(
+            f"error: {args.profile}: {'.'.join(map(str, first['loc']))}: {first['msg']}"
+        ) from exc
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="evenflow-compare-"))
+    agents = min(2, len(profile.workers))
+    with LocalCluster(workdir, workers=len(profile.workers), agents=agents) as cluster:
+        results = _run_policies(
+            cluster, profile, dict.fromkeys(profile.policies, profile.iterations), sys.stderr
+        )
+    out = report(profile, results)
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return
+    _print_results(out)
+
+
+def _print_results(out: dict[str, Any]) -> None:
+    table = Table(
+        "policy",
+        "samples/s",
+        "mean iteration",
+        "idle (waiting)",
+        "plan changes",
+        "speedup vs equal",
+        title=f"measured (emulated speeds); ideal {out['ideal_samples_per_s']:.0f} samples/s",
+    )
+    for name, r in out["policies"].items():
+        speedup = out["speedup_vs_equal"].get(name)
+        table.add_row(
+            name,
+            f"{r['samples_per_s']:.0f}",
+            f"{r['mean_iteration_ms']:.1f} ms",
+            f"{100 * r['idle_fraction']:.0f}%",
+            str(r["plan_changes"]),
+            f"{speedup:.2f}x" if speedup else "",
+        )
+    console.print(table)
+
+
+DEMO_PATTERN = (1.0, 1.0, 2.0, 4.0)
+"""Per-sample times of the demo's emulated workers, repeating: speeds 4:4:2:1."""
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    import tempfile
+    import threading
+
+    from agent.wire import PolicyName
+    from server.experiment import Profile, ProfileWorker, optimum_ms, report
+    from server.local_cluster import LocalCluster
+
+    n = args.workers
+    profile = Profile(
+        global_batch=64 * n,
+        iterations=100,
+        policies=[PolicyName.EQUAL, PolicyName.MINMAX],
+        workload="cnn-digits",
+        workers=[
+            ProfileWorker(name=f"emulated-{i}", per_sample_ms=DEMO_PATTERN[i % 4], intercept_ms=5.0)
+            for i in range(n)
+        ],
+    )
+    overhead_ms = 4.0
+    iterations = {
+        p: max(
+            20,
+            math.ceil(
+                args.seconds
+                * 1000
+                / (optimum_ms(profile.models(), profile.global_batch, p.value)[0] + overhead_ms)
+            ),
+        )
+        for p in profile.policies
+    }
+    token = os.environ.get("EVENFLOW_ADMIN_TOKEN")
+    workdir = Path(tempfile.mkdtemp(prefix="evenflow-demo-"))
+    cluster = LocalCluster(workdir, workers=n, agents=min(2, n), port=args.port)
+    if token:
+        cluster.admin_token = token
+    with cluster:
+        console.print(
+            f"[bold]Evenflow demo[/bold]: {n} EMULATED workers (per-sample ms "
+            f"{[w.per_sample_ms for w in profile.workers]}, +5 ms each), real torch.distributed (gloo)"
+        )
+        console.print(f"dashboard  {cluster.url}/   (log in with the token below)")
+        console.print(f"API docs   {cluster.url}/docs")
+        console.print(f"token      {cluster.admin_token}")
+        console.print(f"data       {workdir}")
+        console.print(
+            f"running the same job with equal batches, then with minmax (about {args.seconds:.0f} s each)"
+        )
+        results = _run_policies(cluster, profile, iterations)
+        _print_results(report(profile, results))
+        if args.exit:
+            return
+        console.print(f"still serving the dashboard at {cluster.url}/ — Ctrl-C to stop")
+        try:
+            threading.Event().wait()
+        except KeyboardInterrupt:
+            console.print("stopping")
+
+
 def cmd_server(args: argparse.Namespace) -> None:
     import uvicorn
 
@@ -285,6 +430,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=cmd_agent)
+
+    p = sub.add_parser(
+        "demo", help="local emulated cluster: the same job with equal, then minmax batches"
+    )
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--seconds", type=float, default=60.0, help="about how long each policy runs")
+    p.add_argument("--exit", action="store_true", help="exit after the table instead of serving on")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser(
+        "compare", help="run an emulated profile under several policies and measure each"
+    )
+    p.add_argument("--profile", required=True, help="profile YAML (see server/experiment.py)")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--workdir", default=None)
+    p.set_defaults(func=cmd_compare)
 
     jobs = sub.add_parser("jobs", help="submit, list, show and cancel jobs").add_subparsers(
         dest="action", required=True

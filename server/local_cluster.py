@@ -1,0 +1,163 @@
+"""A whole Evenflow stack on this machine: the control plane (uvicorn, SQLite) and local agents
+whose workers are real ``torch.distributed`` processes (gloo). Used by ``evenflow demo``,
+``evenflow compare`` and the benchmarks; nothing in it is a stand-in for a part.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import httpx
+import uvicorn
+
+from agent.client import ApiClient
+from agent.daemon import Agent, discover_devices
+from agent.wire import JobOut, JobSpec, Role, TokenCreate
+from server.app import create_app
+from server.config import Settings
+
+log = logging.getLogger("evenflow.local")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class LocalCluster:
+    """``with LocalCluster(workdir, workers=4) as c: c.run_job(spec)``."""
+
+    workdir: Path
+    workers: int = 4
+    agents: int = 2
+    port: int = 0
+    admin_token: str = field(default_factory=lambda: "ef_" + secrets.token_urlsafe(24))
+    host: str = "127.0.0.1"
+    rebalance_interval_s: float = 0.25
+    worker_env: dict[str, str] = field(
+        default_factory=lambda: {"EVENFLOW_TELEMETRY_S": "0.25", "EVENFLOW_PLAN_POLL_S": "0.25"}
+    )
+    url: str = ""
+    client: ApiClient = field(init=False)
+    _server: uvicorn.Server | None = None
+    _threads: list[threading.Thread] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _http: list[httpx.Client] = field(default_factory=list)
+
+    def __enter__(self) -> LocalCluster:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.port = self.port or free_port()
+        settings = Settings(
+            database_url=f"sqlite:///{self.workdir / 'evenflow.db'}",
+            admin_token=self.admin_token,
+            rebalance_interval_s=self.rebalance_interval_s,
+        )
+        self._server = uvicorn.Server(
+            uvicorn.Config(
+                create_app(settings), host=self.host, port=self.port, log_level="warning"
+            )
+        )
+        self._start(self._server.run)
+        self.url = f"http://{self.host}:{self.port}"
+        self.client = ApiClient(self._client(self.admin_token), self.admin_token)
+        self._wait_healthy()
+        per_agent = [
+            self.workers // self.agents + (1 if i < self.workers % self.agents else 0)
+            for i in range(self.agents)
+        ]
+        for i, n in enumerate(n for n in per_agent if n):
+            name = f"local-{chr(ord('a') + i)}"
+            token = self.client.create_token(
+                TokenCreate(name=f"agent-{name}", role=Role.AGENT, host=name)
+            ).token
+            agent = Agent(
+                ApiClient(self._client(token), token),
+                name=name,
+                address="127.0.0.1",
+                devices=discover_devices(cpu_workers=n),
+                server_url=self.url,
+                token=token,
+                workdir=self.workdir / name,
+                extra_env=self.worker_env,
+            )
+            agent.register()
+            self._start(agent.run, self._stop, 0.25)
+        return self
+
+    def __exit__(self, *exc: object | TracebackType) -> None:
+        self._stop.set()
+        for t in self._threads[1:]:
+            t.join(timeout=30)
+        if self._server is not None:
+            self._server.should_exit = True
+            self._threads[0].join(timeout=30)
+        for h in self._http:
+            h.close()
+
+    def _client(self, token: str) -> httpx.Client:
+        h = httpx.Client(
+            base_url=self.url or f"http://{self.host}:{self.port}",
+            timeout=30.0,
+            headers={"Authorization": f"Bearer {token}"},
+        )
+        self._http.append(h)
+        return h
+
+    def _start(self, target: Callable[..., Any], *args: Any) -> None:
+        t = threading.Thread(target=target, args=args, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def _wait_healthy(self, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                self.client.health()
+                return
+            except (httpx.TransportError, Exception):
+                time.sleep(0.1)
+        raise RuntimeError(f"the control plane at {self.url} did not start")
+
+    def submit(self, spec: JobSpec) -> JobOut:
+        return self.client.submit(spec)
+
+    def last_iteration(self, job_id: int, after: int = -1) -> int:
+        """The newest iteration rank 0 has reported (``after`` if none newer)."""
+        rows = self.client.http.get(
+            f"/api/v1/jobs/{job_id}/telemetry",
+            params={"since_iteration": after + 1, "rank": 0, "limit": 100_000},
+        )
+        rows.raise_for_status()
+        data = rows.json()
+        return int(data[-1]["iteration"]) if data else after
+
+    def wait(
+        self,
+        job_id: int,
+        on_progress: Callable[[int], None] | None = None,
+        poll_s: float = 0.5,
+        timeout_s: float = 3600.0,
+    ) -> JobOut:
+        """Block until the job ends, calling ``on_progress(iterations done)`` as it advances."""
+        deadline = time.monotonic() + timeout_s
+        last = -1
+        while time.monotonic() < deadline:
+            job = self.client.job(job_id)
+            last = self.last_iteration(job_id, last)
+            if on_progress is not None:
+                on_progress(last + 1)
+            if job.status.terminal:
+                return job
+            time.sleep(poll_s)
+        raise TimeoutError(f"job {job_id} did not finish in {timeout_s} s")

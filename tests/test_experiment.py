@@ -1,0 +1,108 @@
+"""`evenflow compare` and `evenflow demo` on the whole local stack, and the measurements they print."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from agent.cli import main
+from agent.wire import TelemetryOut
+from server.experiment import Profile, measure, optimum_ms
+
+
+def _row(
+    rank: int, it: int, b: int, ts: float, sync: float = 1.0, version: int = 1
+) -> TelemetryOut:
+    return TelemetryOut(
+        rank=rank,
+        iteration=it,
+        plan_version=version,
+        batch_size=b,
+        data_ms=0.0,
+        compute_ms=9.0,
+        sync_ms=sync,
+        ts=ts,
+    )
+
+
+def test_measure_counts_real_samples_and_steady_state() -> None:
+    # 8 iterations of 10 samples each over 2 ranks; the first half slow (1 s), the second fast (0.1 s);
+    # the last iteration is an epoch's partial batch of 4 samples.
+    rows, t = [], 0.0
+    for it in range(8):
+        t += 1.0 if it < 4 else 0.1
+        b = 2 if it == 7 else 5
+        rows += [_row(0, it, b, t, version=1 if it < 4 else 2), _row(1, it, b, t - 0.01, sync=3.0)]
+    m = measure(rows)
+    assert m.iterations == 8 and m.plan_changes == 1
+    assert m.samples_per_s == pytest.approx(
+        (3 * 10 + 4) / 0.4
+    )  # iterations 4..7 after iteration 3's end
+    assert m.total_s == pytest.approx(t - 1.0 + 0.012)  # + iteration 0: its slowest rank took 12 ms
+    assert m.idle_fraction == pytest.approx((1 + 3) / (10 + 12))
+
+
+def test_ideal_is_the_continuous_optimum() -> None:
+    p = Profile.model_validate(
+        {
+            "global_batch": 256,
+            "iterations": 10,
+            "workers": [
+                {"name": n, "per_sample_ms": s, "intercept_ms": 5}
+                for n, s in (("a", 1), ("b", 1), ("c", 2), ("d", 4))
+            ],
+        }
+    )
+    integer, continuous = optimum_ms(p.models(), 256)
+    assert continuous == pytest.approx(5 + 256 / 2.75)
+    assert continuous <= integer <= continuous + 4
+
+
+def test_bad_profile_names_the_field(tmp_path: Path) -> None:
+    f = tmp_path / "p.yaml"
+    f.write_text("global_batch: 8\niterations: 10\nworkers: [{name: a, per_sample_ms: -1}]\n")
+    with pytest.raises(SystemExit) as exc:
+        main(["compare", "--profile", str(f)])
+    assert "workers.0.per_sample_ms" in str(exc.value)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_compare_json_on_the_whole_stack(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    f = tmp_path / "p.yaml"
+    f.write_text(
+        "global_batch: 64\niterations: 60\npolicies: [equal, minmax]\nexplore_iterations: 4\nrebalance_every: 10\n"
+        "workers:\n  - {name: fast, per_sample_ms: 0.5, intercept_ms: 2}\n"
+        "  - {name: slow, per_sample_ms: 2.0, intercept_ms: 2}\n"
+    )
+    assert main(["compare", "--profile", str(f), "--json", "--workdir", str(tmp_path / "w")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == {"ideal_samples_per_s", "policies", "speedup_vs_equal"}
+    assert set(out["policies"]) == {"equal", "minmax"}
+    for r in out["policies"].values():
+        assert set(r) == {
+            "samples_per_s",
+            "total_s",
+            "mean_iteration_ms",
+            "idle_fraction",
+            "plan_changes",
+        }
+    assert out["policies"]["equal"]["plan_changes"] == 0
+    assert out["policies"]["minmax"]["plan_changes"] >= 1
+    # equal: slowest 2 + 2 * 32 = 66 ms; minmax optimum: (T - 2) * (2 + 0.5) = 64 -> 27.6 ms
+    assert out["speedup_vs_equal"]["minmax"] > 1.5
+    assert out["policies"]["minmax"]["samples_per_s"] < out["ideal_samples_per_s"] * 1.02
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_demo_runs_both_policies_and_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--workers", "2", "--seconds", "3", "--exit", "--port", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "EMULATED" in out and "token" in out
+    table = out[out.index("measured") :]
+    assert "equal" in table and "minmax" in table and "speedup" in table
