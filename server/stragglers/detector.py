@@ -1,0 +1,206 @@
+"""The straggler detector: per-rank change-point tests over iteration timings, incrementally.
+
+``Detector(config)`` keeps one ``RankState`` per rank (plain data, see ``changepoint``) and
+``observe(timings, models)`` feeds it new timings, returning what changed as ``EventUpdate``
+values. ``detect(window, models, config)`` is the same for a batch: a fresh detector replays the
+window and returns every event it saw, closed or still open. Replaying the last N iterations is
+also how a server without stored state rebuilds one (N >= ``baseline_window`` gives it a warm
+baseline); ``to_dict`` / ``from_dict`` store and restore the exact state instead.
+
+Static stragglers. After each iteration, every rank with a known model is compared with its
+peers at a common batch size (the median batch of that iteration): if its model predicts at least
+``static_factor`` times the peers' median time, a STATIC event is open for it. No change-point
+test is involved; the rank is slow because of what it is, and its model already says so.
+
+Models are read only while a rank is normal: the reference of an open event stays the model it
+was opened against, so a server refitting models during the slowdown (which would absorb it)
+cannot make the event look recovered.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from statistics import median
+from typing import Any
+
+from server.planner import PerfModel
+from server.stragglers.changepoint import (
+    DetectorConfig,
+    RankState,
+    baseline,
+    current_level,
+    event_of,
+    observe_sample,
+)
+from server.stragglers.event import Change, EventUpdate, StragglerEvent, StragglerKind
+from server.stragglers.timing import IterationTiming, by_iteration
+
+
+@dataclass(frozen=True)
+class RankHealth:
+    """What the detector currently believes about one rank (the ladder's input)."""
+
+    rank: int
+    ratio: float
+    """Current measured/predicted time: the event's recent level, or the normal level."""
+    normal_ratio: float
+    """The rank's normal measured/predicted level (its model's bias)."""
+    noise: float
+    """Robust sigma of its log-ratio."""
+    event: StragglerEvent | None
+    """Its open dynamic or transient event, if any."""
+    reference: str
+    """``"model"``, ``"self"`` (no model known: its own median ms/sample) or ``""`` (warming)."""
+
+    @property
+    def straggling(self) -> bool:
+        """In a confirmed (DYNAMIC) event: what the ladder acts on."""
+        return self.event is not None and self.event.kind is StragglerKind.DYNAMIC
+
+
+@dataclass
+class DetectorState:
+    """The detector's whole memory; plain data (``dataclasses.asdict`` makes it JSON-ready)."""
+
+    ranks: list[RankState] = field(default_factory=list)
+    last_iteration: int = -1
+
+
+class Detector:
+    """Incremental straggler detection; see the module docstring."""
+
+    def __init__(self, config: DetectorConfig | None = None, state: DetectorState | None = None):
+        self.config = config or DetectorConfig()
+        self.state = state or DetectorState()
+        self._index = {r.rank: r for r in self.state.ranks}
+
+    def _rank(self, rank: int) -> RankState:
+        found = self._index.get(rank)
+        if found is None:
+            found = RankState(rank=rank)
+            self.state.ranks.append(found)
+            self.state.ranks.sort(key=lambda r: r.rank)
+            self._index[rank] = found
+        return found
+
+    def observe(
+        self,
+        timings: Iterable[IterationTiming],
+        models: Mapping[int, PerfModel] | None = None,
+    ) -> list[EventUpdate]:
+        """Feed new timings (any number of iterations, any order); return the event changes.
+
+        A rank's timing for an iteration it already passed is ignored (late or duplicate).
+        ``models`` maps rank to its fitted model; ranks without one use their own baseline.
+        """
+        models = models or {}
+        updates: list[EventUpdate] = []
+        for iteration, rows in by_iteration(timings):
+            for row in rows:
+                state = self._rank(row.rank)
+                model = models.get(row.rank)
+                updates += observe_sample(
+                    state, iteration, row.batch_size, row.compute_ms, model, self.config
+                )
+            updates += self._static(iteration, rows, models)
+            self.state.last_iteration = max(self.state.last_iteration, iteration)
+        return updates
+
+    def _static(
+        self, iteration: int, rows: list[IterationTiming], models: Mapping[int, PerfModel]
+    ) -> list[EventUpdate]:
+        batches = [r.batch_size for r in rows if r.batch_size > 0]
+        known = {r.rank: models[r.rank] for r in rows if r.rank in models}
+        if not batches or len(known) < 2:
+            return []
+        reference = round(median(batches))
+        times = {rank: m.predict(reference) for rank, m in known.items()}
+        updates = []
+        for rank, t in times.items():
+            peers = [v for r, v in times.items() if r != rank]
+            typical = median(peers)
+            severity = t / typical if typical > 0 else 1.0
+            state = self._rank(rank)
+            slow = severity >= self.config.static_factor
+            if slow and state.static_start is None:
+                state.static_start, state.static_detected = iteration, iteration
+                state.static_severity = severity
+                updates.append(EventUpdate(Change.OPENED, _static_event(state, None), iteration))
+            elif not slow and state.static_start is not None:
+                updates.append(
+                    EventUpdate(Change.CLOSED, _static_event(state, iteration), iteration)
+                )
+                state.static_start = None
+            elif slow and abs(severity / state.static_severity - 1) > self.config.severity_step:
+                state.static_severity = severity
+                updates.append(EventUpdate(Change.UPDATED, _static_event(state, None), iteration))
+        return updates
+
+    def open_events(self) -> list[StragglerEvent]:
+        """Every open event (static ones included), by rank."""
+        out = []
+        for state in self.state.ranks:
+            event = event_of(state)
+            if event is not None:
+                out.append(event)
+            if state.static_start is not None:
+                out.append(_static_event(state, None))
+        return out
+
+    def health(self) -> dict[int, RankHealth]:
+        """``RankHealth`` of every rank seen so far."""
+        out = {}
+        for state in self.state.ranks:
+            mu, sigma = baseline(state, self.config)
+            out[state.rank] = RankHealth(
+                rank=state.rank,
+                ratio=current_level(state, self.config),
+                normal_ratio=math.exp(mu),
+                noise=sigma,
+                event=event_of(state),
+                reference=state.ref_source,
+            )
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """The state as JSON-ready plain data."""
+        return dataclasses.asdict(self.state)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], config: DetectorConfig | None = None) -> Detector:
+        """Rebuild a detector from ``to_dict`` output."""
+        ranks = [RankState(**dict(r)) for r in data.get("ranks", [])]
+        return cls(config, DetectorState(ranks=ranks, last_iteration=int(data["last_iteration"])))
+
+
+def _static_event(state: RankState, end: int | None) -> StragglerEvent:
+    assert state.static_start is not None
+    return StragglerEvent(
+        rank=state.rank,
+        kind=StragglerKind.STATIC,
+        start_iteration=state.static_start,
+        end_iteration=end,
+        severity=state.static_severity,
+        detected_iteration=state.static_detected,
+        peak=state.static_severity,
+    )
+
+
+def detect(
+    window: Iterable[IterationTiming],
+    models: Mapping[int, PerfModel] | None = None,
+    config: DetectorConfig | None = None,
+) -> list[StragglerEvent]:
+    """Every event a fresh detector finds in ``window``, in order of onset then rank.
+
+    Closed events carry their end iteration; events still open at the end of the window have
+    ``end_iteration=None``.
+    """
+    detector = Detector(config)
+    latest: dict[tuple[int, int, StragglerKind], StragglerEvent] = {}
+    for update in detector.observe(window, models):
+        latest[update.event.key] = update.event
+    return sorted(latest.values(), key=lambda e: (e.start_iteration, e.rank, e.kind.value))

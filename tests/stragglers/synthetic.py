@@ -1,0 +1,48 @@
+"""Synthetic timing series: true models, a slowdown schedule and multiplicative noise."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from server.planner import PerfModel
+from server.stragglers import IterationTiming, Slowdown
+
+MODELS = (
+    PerfModel(2.83, 38.0),  # V100, ResNet-50
+    PerfModel(4.6, 45.0),  # P100-like
+    PerfModel(1.4, 20.0),  # A100-like
+    PerfModel(2.83, 38.0, 120.0),  # V100 with a flat region
+)
+
+
+def noise_factors(rng: np.random.Generator, size: int, level: float, kind: str) -> np.ndarray:
+    """Multiplicative noise: uniform in [1 - level, 1 + level] or Gaussian 1 + N(0, level)."""
+    if kind == "uniform":
+        return rng.uniform(1 - level, 1 + level, size)
+    return np.maximum(0.05, 1 + rng.normal(0.0, level, size))
+
+
+def series(
+    models: Sequence[PerfModel],
+    batches: Sequence[int],
+    iterations: int,
+    slowdowns: Sequence[Slowdown] = (),
+    *,
+    noise: float = 0.05,
+    kind: str = "uniform",
+    seed: int = 0,
+) -> list[IterationTiming]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for it in range(iterations):
+        factors = noise_factors(rng, len(models), noise, kind)
+        for rank, (model, b) in enumerate(zip(models, batches, strict=True)):
+            slow = 1.0
+            for s in slowdowns:
+                if s.rank == rank and s.from_iteration <= it < s.to_iteration:
+                    slow *= s.factor
+            ms = slow * model.predict(b) * float(factors[rank])
+            out.append(IterationTiming(rank, it, b, ms))
+    return out
