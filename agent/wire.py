@@ -411,6 +411,9 @@ class PlanOut(Response):
     version: int
     batch_sizes: list[int]
     """Local batch size per rank; sums to ``global_batch``."""
+    excluded: list[int] = []
+    """Ranks out of the all-reduce group under this plan (partial all-reduce); their batch is 0.
+    They only probe their speed off the critical path until a later plan readmits them."""
     global_batch: int
     source: PlanSource
     reason: str
@@ -481,6 +484,9 @@ class TelemetryRecord(Request):
     sync_ms: Ms
     ts: float = Field(ge=0, le=1e11, allow_inf_nan=False)
     """Unix time (seconds) at the end of the iteration on the worker."""
+    probe: bool = False
+    """A timing an excluded rank took off the critical path (its gradients are discarded);
+    ``batch_size`` is the probe's size, not part of the global batch."""
 
 
 class TelemetryBatch(Request):
@@ -493,6 +499,7 @@ class TelemetryAck(Response):
 
 
 class TelemetryOut(Response):
+    probe: bool = False
     rank: int
     iteration: int
     plan_version: int

@@ -160,6 +160,8 @@ class Plan(Base):
     job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
     version: Mapped[int] = mapped_column(Integer)
     batch_sizes: Mapped[list[int]] = mapped_column(Json)
+    excluded: Mapped[list[int]] = mapped_column(Json, default=list)
+    """Ranks out of the all-reduce group under this plan."""
     global_batch: Mapped[int] = mapped_column(Integer)
     source: Mapped[str] = mapped_column(String(16))
     reason: Mapped[str] = mapped_column(Text)
@@ -188,6 +190,7 @@ class IterationTelemetry(Base):
     sync_ms: Mapped[float] = mapped_column(Float)
     ts: Mapped[float] = mapped_column(Float)
     """Worker-side unix time at the end of the iteration."""
+    probe: Mapped[bool] = mapped_column(Boolean, default=False)
 
 
 class StragglerEvent(Base):

@@ -44,8 +44,14 @@ def create(
     *,
     by: str | None,
     predicted_ms: float | None = None,
+    excluded: list[int] | None = None,
 ) -> Plan:
     validate(job, batch_sizes)
+    excluded = sorted(set(excluded or []))
+    if any(batch_sizes[r] for r in excluded if r < len(batch_sizes)) or any(
+        r >= len(batch_sizes) for r in excluded
+    ):
+        raise Invalid("excluded ranks must exist and get 0 samples", field="excluded")
     version = (job.plan_version or 0) + 1
     plan = Plan(
         job_id=job.id,
@@ -56,6 +62,7 @@ def create(
         reason=reason,
         predicted_ms=predicted_ms,
         created_by=by,
+        excluded=excluded,
     )
     session.add(plan)
     job.plan_version = version

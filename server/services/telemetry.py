@@ -38,6 +38,7 @@ def ingest(session: Session, job: Job, batch: TelemetryBatch) -> tuple[int, int]
                 "compute_ms": r.compute_ms,
                 "sync_ms": r.sync_ms,
                 "ts": r.ts,
+                "probe": r.probe,
             }
         )
     if session.get_bind().dialect.name == "postgresql":
@@ -59,8 +60,19 @@ _COLUMNS = (
     "compute_ms",
     "sync_ms",
     "ts",
+    "probe",
 )
-_PG_TYPES = ("integer", "bigint", "integer", "integer", "float8", "float8", "float8", "float8")
+_PG_TYPES = (
+    "integer",
+    "bigint",
+    "integer",
+    "integer",
+    "float8",
+    "float8",
+    "float8",
+    "float8",
+    "boolean",
+)
 _PG_ARRAYS = ", ".join(f"CAST(:{c} AS {t}[])" for c, t in zip(_COLUMNS, _PG_TYPES, strict=True))
 _PG_INSERT = text(
     f"INSERT INTO iteration_telemetry (job_id, {', '.join(_COLUMNS)}) "

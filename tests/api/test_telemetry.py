@@ -46,7 +46,7 @@ def test_retried_batch_never_duplicates(api: Api) -> None:
     ).json() == {"accepted": 1, "duplicates": 2}
     rows = api.client.get(f"/api/v1/jobs/{job}/telemetry", headers=api.headers()).json()
     assert len(rows) == 101
-    assert rows[0] == {k: v for k, v in _rec(0, 0).items()}
+    assert rows[0] == {**_rec(0, 0), "probe": False}
     metrics = api.client.get("/metrics").text
     assert (
         'evenflow_http_requests_total{method="POST",route="/api/v1/jobs/{job_id}/telemetry",status="200"} 3.0'
