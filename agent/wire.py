@@ -175,9 +175,21 @@ class PlanSource(StrEnum):
 
 
 class PolicyName(StrEnum):
+    """How a job's batches are balanced.
+
+    equal          B split evenly, never changed (what plain DDP does; the baseline)
+    proportional   b proportional to measured throughput, ignoring intercepts (LB-BSP-style)
+    minmax         the exact min-max plan from fitted models, re-planned every K iterations
+    static         the min-max plan computed once after warm-up, never changed
+    adaptive       min-max after warm-up, then the straggler ladder (fine-tune, re-plan,
+                   partial all-reduce exclusion) reacting to detected slowdowns
+    """
+
     EQUAL = "equal"
     PROPORTIONAL = "proportional"
     MINMAX = "minmax"
+    STATIC = "static"
+    ADAPTIVE = "adaptive"
 
 
 class OverrideKind(StrEnum):
@@ -323,7 +335,7 @@ class WorkloadSpec(Request):
 
 
 class PolicySpec(Request):
-    name: PolicyName = Field(default=PolicyName.MINMAX, strict=False)
+    name: PolicyName = Field(default=PolicyName.ADAPTIVE, strict=False)
     rebalance_every: int = Field(default=20, ge=1, le=1_000_000)
     """Re-plan cadence in iterations."""
     min_gain: float = Field(default=0.03, ge=0, le=1, allow_inf_nan=False)
@@ -422,6 +434,10 @@ class PlanOut(Response):
     created_by: str | None = None
 
 
+SolvePolicy = Literal["minmax", "equal", "proportional"]
+"""The planner's one-shot policies (static and adaptive are ways of running a job, not solvers)."""
+
+
 class SolveWorker(Request):
     """One worker of a what-if plan: its performance model and constraints."""
 
@@ -438,7 +454,7 @@ class SolveRequest(Request):
     """A stateless what-if: the plan a policy would make for these workers."""
 
     global_batch: int = Field(ge=1, le=100_000_000)
-    policy: PolicyName = Field(default=PolicyName.MINMAX, strict=False)
+    policy: SolvePolicy = "minmax"
     granularity: int = Field(default=1, ge=1, le=65_536)
     workers: list[SolveWorker] = Field(min_length=1, max_length=MAX_WORKERS)
 
@@ -449,7 +465,7 @@ class SolveResponse(Response):
     makespan_ms: float
     lower_bound_ms: float
     optimal: bool
-    policy: PolicyName
+    policy: SolvePolicy
     solve_ms: float
 
 

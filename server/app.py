@@ -27,9 +27,10 @@ from server.config import Settings
 from server.db import make_engine, migrate, session_factory, transaction
 from server.errors import EvenflowError
 from server.metrics import Metrics, MetricsMiddleware
+from server.services import control_loop, rebalancer
 from server.services import hosts as host_service
-from server.services import rebalancer
 from server.services import tokens as token_service
+from server.services.stragglers import Watch
 
 log = logging.getLogger("evenflow.server")
 
@@ -229,10 +230,11 @@ async def _rebalance(app: FastAPI) -> None:
     """Re-plan running jobs on their cadence (``server.services.rebalancer``)."""
     settings: Settings = app.state.settings
     memo: dict[int, rebalancer.LastDecision] = {}
+    watches: dict[int, Watch] = {}
 
     def sweep() -> None:
         with app.state.write_lock, transaction(app.state.sessions) as s:
-            for job_id, version in rebalancer.sweep(s, memo):
+            for job_id, version in control_loop.sweep(s, memo, watches):
                 log.info("job %d: plan v%d", job_id, version)
 
     while True:

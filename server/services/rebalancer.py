@@ -17,12 +17,24 @@ from dataclasses import dataclass
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from agent.wire import JobSpec, JobStatus, PlanSource, PolicyName
+from agent.wire import JobSpec, PlanSource, PolicyName
 from server.models import IterationTelemetry, Job
 from server.planner import ModelFit, Observation, fit_model
 from server.planner.rebalance import RebalanceDecision, RebalanceInput, decide
 from server.services import plans
-from server.services.audit import record
+
+SOLVER = {
+    PolicyName.EQUAL: "equal",
+    PolicyName.PROPORTIONAL: "proportional",
+    PolicyName.MINMAX: "minmax",
+    PolicyName.STATIC: "minmax",
+    PolicyName.ADAPTIVE: "minmax",
+}
+"""The planner policy each job policy solves with."""
+
+SETTLED_AFTER_WARMUP = frozenset({PolicyName.STATIC, PolicyName.ADAPTIVE})
+"""Policies the rebalancer plans for only until the models are identified: ``static`` keeps
+that plan, ``adaptive`` hands over to the straggler ladder (``server.services.stragglers``)."""
 
 FIT_WINDOW = 200
 """Iterations of history a fit looks at."""
@@ -41,16 +53,25 @@ class Progress:
 
 
 def progress(session: Session, job: Job) -> Progress:
+    """Where the workers are. Ranks out of the all-reduce group under the plan in force (they
+    only probe now and then) do not hold ``complete_through`` back."""
     T = IterationTelemetry
     effective = session.scalar(
         select(func.min(T.iteration)).where(T.job_id == job.id, T.plan_version == job.plan_version)
     )
-    per_rank = session.execute(
-        select(T.rank, func.max(T.iteration)).where(T.job_id == job.id).group_by(T.rank)
-    ).all()
-    world = len(job.workers)
+    excluded = set(plans.current(session, job.id).excluded or []) if job.plan_version else set()
+    per_rank = dict(
+        session.execute(
+            select(T.rank, func.max(T.iteration))
+            .where(T.job_id == job.id, T.probe.is_(False))
+            .group_by(T.rank)
+        ).all()
+    )
+    active = [r for r in range(len(job.workers)) if r not in excluded]
     complete = (
-        min((int(it) for _, it in per_rank), default=None) if len(per_rank) == world else None
+        min(int(per_rank[r]) for r in active)
+        if active and all(r in per_rank for r in active)
+        else None
     )
     return Progress(None if effective is None else int(effective), complete)
 
@@ -102,7 +123,7 @@ def propose(
     spec = JobSpec.model_validate(job.spec)
     current = plans.current(session, job.id)
     standing_pins, standing_excluded = controls(job)
-    policy = spec.policy.name.value if spec.policy.name is not PolicyName.EQUAL else "equal"
+    policy = SOLVER[spec.policy.name]
     return decide(
         RebalanceInput(
             global_batch=spec.global_batch,
@@ -162,34 +183,8 @@ def due(session: Session, job: Job, last: LastDecision | None) -> Progress | Non
     if p.effective_from is None or p.complete_through is None:
         return None
     exploring = last is None or last.exploring
+    if not exploring and spec.policy.name in SETTLED_AFTER_WARMUP:
+        return None
     cadence = max(1, spec.policy.explore_iterations if exploring else spec.policy.rebalance_every)
     since = p.effective_from if last is None else max(p.effective_from, last.through + 1)
     return p if p.complete_through - since + 1 >= cadence else None
-
-
-def sweep(session: Session, memo: dict[int, LastDecision]) -> list[tuple[int, int]]:
-    """One round over live jobs; returns (job id, new plan version) for every plan made.
-    ``memo`` carries each job's last decision between rounds (it is only an optimisation:
-    losing it on restart costs one early decision)."""
-    made: list[tuple[int, int]] = []
-    live = session.scalars(
-        select(Job).where(Job.status.in_((JobStatus.STARTING.value, JobStatus.RUNNING.value)))
-    )
-    for job in live:
-        p = due(session, job, memo.get(job.id))
-        if p is None or p.complete_through is None:
-            continue
-        last = memo.get(job.id)
-        decision = propose(session, job, current_from_guesses=last is not None and last.exploring)
-        memo[job.id] = LastDecision(p.complete_through, decision.exploring)
-        version = apply(session, job, decision, PlanSource.AUTOMATIC, by="rebalancer")
-        if version is not None:
-            made.append((job.id, version))
-            record(
-                session,
-                "rebalancer",
-                "plan.automatic",
-                f"job:{job.id}",
-                {"version": version, "reason": decision.reason},
-            )
-    return made

@@ -7,7 +7,7 @@ from typing import Any
 
 from agent.wire import Role
 from server.db import transaction
-from server.services import rebalancer
+from server.services import control_loop, rebalancer
 from tests.conftest import Api
 
 PER_SAMPLE = [1.0, 1.0, 2.0, 4.0]
@@ -59,7 +59,7 @@ class Sim:
             assert r.status_code == 200, r.text
             self.iteration += 1
             with transaction(self.api.client.app.state.sessions) as s:  # type: ignore[attr-defined]
-                rebalancer.sweep(s, self.memo)
+                control_loop.sweep(s, self.memo)
 
 
 def test_minmax_explores_then_converges_to_the_optimum(api: Api) -> None:

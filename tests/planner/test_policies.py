@@ -131,9 +131,14 @@ def test_unknown_policy_is_refused_by_name() -> None:
 
 
 def test_registry_names_match_the_wire_contract() -> None:
-    from agent.wire import PolicyName
+    from typing import get_args
 
-    assert set(POLICIES) == {p.value for p in PolicyName}
+    from agent.wire import PolicyName, SolvePolicy
+    from server.services.rebalancer import SOLVER
+
+    assert set(POLICIES) == set(get_args(SolvePolicy))
+    assert set(SOLVER) == set(PolicyName), "every job policy solves with a registered policy"
+    assert set(SOLVER.values()) <= set(POLICIES)
     problem = PlanProblem(8, _workers(1.0, 2.0))
-    for name in PolicyName:
-        assert solve(problem, name).policy == name.value
+    for name in get_args(SolvePolicy):
+        assert solve(problem, name).policy == name

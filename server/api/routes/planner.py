@@ -44,7 +44,7 @@ def solve_plan(req: SolveRequest, _: Viewer) -> SolveResponse:
             ),
         )
         start = time.perf_counter()
-        plan = solve(problem, req.policy.value)
+        plan = solve(problem, req.policy)
         solve_ms = (time.perf_counter() - start) * 1000
     except Infeasible as exc:
         field = CONSTRAINT_FIELDS.get(exc.constraint, "workers")

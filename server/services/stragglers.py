@@ -1,0 +1,249 @@
+"""Straggler watch: live telemetry -> the pure detector -> stored events, and for ``adaptive``
+jobs the mitigation ladder -> plans.
+
+Per live job the watch keeps a ``Detector`` and a ``LadderState`` (plain data) in memory and
+feeds them the iterations reported since the last round. On a restart they are rebuilt from the
+last ``REPLAY`` iterations, so nothing needs its own table. Events go to ``straggler_events``
+(opened, updated, closed); the dashboard shows them on the job's timeline.
+
+The detector measures each rank against its *normal* model: the fit of the rebalancer, taken
+while the rank has no open event (a fit during a slowdown would absorb it). The ladder's
+exclusions are partial all-reduce (``Plan.excluded``); an operator's exclusion is "no samples"
+and stays in the group. Operators' overrides (freeze, pins, exclusions) bind the ladder.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from dataclasses import dataclass, field
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from agent.wire import JobSpec, PlanSource, PolicyName
+from server.models import IterationTelemetry, Job
+from server.models import StragglerEvent as EventRow
+from server.planner import PerfModel
+from server.services import plans, rebalancer
+from server.services.audit import record
+from server.stragglers import (
+    Change,
+    Decision,
+    Detector,
+    EventUpdate,
+    IterationTiming,
+    LadderConfig,
+    LadderState,
+    Overrides,
+    Situation,
+    StragglerKind,
+    decide,
+    rank_views,
+)
+
+log = logging.getLogger("evenflow.stragglers")
+
+REPLAY = 300
+"""Iterations replayed into a fresh detector (after a restart or for a new job)."""
+
+
+@dataclass
+class Watch:
+    """What the watch remembers about one job between rounds."""
+
+    detector: Detector = field(default_factory=Detector)
+    ladder: LadderState = field(default_factory=LadderState)
+    fed_through: int = -1
+    normal: dict[int, PerfModel] = field(default_factory=dict)
+    rows: dict[tuple[int, int, str], int] = field(default_factory=dict)
+    """Event key -> row id in straggler_events."""
+    quiet_since: dict[int, int] = field(default_factory=dict)
+    """rank -> the iteration its last event ended: its fits mix slow and normal timings until a
+    whole fit window has passed after that."""
+
+
+def _timings(session: Session, job: Job, after: int) -> list[IterationTiming]:
+    T = IterationTelemetry
+    rows = session.execute(
+        select(T.rank, T.iteration, T.batch_size, T.compute_ms, T.plan_version)
+        .where(T.job_id == job.id, T.iteration > after, T.batch_size > 0)
+        .order_by(T.iteration, T.rank)
+    ).all()
+    return [IterationTiming(int(r), int(i), int(b), float(c), int(v)) for r, i, b, c, v in rows]
+
+
+def _refresh_normal(session: Session, job: Job, watch: Watch, through: int) -> None:
+    """Take the rebalancer's fits as the normal models of ranks that have been quiet (no open
+    event, none ended within a fit window): a fit spanning a slowdown would absorb it."""
+    straggling = {e.rank for e in watch.detector.open_events()}
+    for rank in straggling:
+        watch.quiet_since[rank] = through
+    for rank, fit in enumerate(rebalancer.fits(session, job)):
+        if rank in straggling or fit is None or not fit.identifiable or fit.model is None:
+            continue
+        if (
+            rank in watch.normal
+            and through - watch.quiet_since.get(rank, -rebalancer.FIT_WINDOW)
+            < rebalancer.FIT_WINDOW
+        ):
+            continue
+        watch.normal[rank] = fit.model
+
+
+def _store(session: Session, job: Job, watch: Watch, updates: list[EventUpdate]) -> None:
+    for u in updates:
+        e = u.event
+        key = (e.rank, e.start_iteration, e.family.value)
+        row_id = watch.rows.get(key)
+        row = session.get(EventRow, row_id) if row_id is not None else None
+        detail = {
+            "detected_iteration": e.detected_iteration,
+            "confirmed_iteration": e.confirmed_iteration,
+            "peak": round(e.peak, 3),
+        }
+        if row is None:
+            row = EventRow(
+                job_id=job.id,
+                rank=e.rank,
+                kind=e.kind.value,
+                severity=e.severity,
+                start_iteration=e.start_iteration,
+                end_iteration=e.end_iteration,
+                action=e.action or "none",
+                detail=detail,
+            )
+            session.add(row)
+            session.flush()
+            watch.rows[key] = row.id
+            if e.kind is not StragglerKind.STATIC:
+                log.info(
+                    "job %d: rank %d straggling x%.2f from iteration %d",
+                    job.id,
+                    e.rank,
+                    e.severity,
+                    e.start_iteration,
+                )
+        else:
+            row.kind, row.severity, row.end_iteration, row.detail = (
+                e.kind.value,
+                e.severity,
+                e.end_iteration,
+                detail,
+            )
+            if u.change is Change.CLOSED:
+                log.info(
+                    "job %d: rank %d back to normal at iteration %s",
+                    job.id,
+                    e.rank,
+                    e.end_iteration,
+                )
+
+
+def _note_action(session: Session, watch: Watch, decision: Decision) -> None:
+    if decision.event is None:
+        return
+    rank, start = decision.event
+    row_id = watch.rows.get((rank, start, StragglerKind.DYNAMIC.value))
+    row = session.get(EventRow, row_id) if row_id is not None else None
+    if row is not None:
+        what = decision.action.value + (f"({decision.rank})" if decision.rank is not None else "")
+        row.action = what if row.action in ("", "none") else f"{row.action}, {what}"
+
+
+def _all_reduce_ms(session: Session, job: Job, through: int, window: int = 20) -> float:
+    """The all-reduce's own cost: per iteration the smallest sync time among the ranks in the
+    group (the last to arrive waits for nobody), median over the recent window."""
+    T = IterationTelemetry
+    rows = session.execute(
+        select(T.iteration, func.min(T.sync_ms))
+        .where(
+            T.job_id == job.id,
+            T.iteration > through - window,
+            T.iteration <= through,
+            T.probe.is_(False),
+            T.batch_size > 0,
+        )
+        .group_by(T.iteration)
+    ).all()
+    return float(statistics.median(float(ms) for _, ms in rows)) if rows else 0.0
+
+
+def _mitigate(
+    session: Session, job: Job, spec: JobSpec, watch: Watch, iteration: int
+) -> int | None:
+    """Ask the ladder; store its plan if it makes one. Returns the new plan version."""
+    if len(watch.normal) < len(job.workers):
+        return None  # models not identified yet: the rebalancer is still exploring
+    current = plans.current(session, job.id)
+    pins, excluded = rebalancer.controls(job)
+    batches = dict(enumerate(current.batch_sizes))
+    cap = spec.max_batch_per_worker
+    views = rank_views(watch.normal, batches, watch.detector.health(), dict.fromkeys(batches, cap))
+    situation = Situation(
+        iteration=iteration,
+        global_batch=spec.global_batch,
+        ranks=views,
+        granularity=spec.policy.granularity,
+        overrides=Overrides(frozen=job.frozen, pins=pins, excluded=excluded),
+        remaining_iterations=(spec.iterations - iteration - 1) if spec.iterations else None,
+        sync_ms=_all_reduce_ms(session, job, iteration),
+    )
+    decision, watch.ladder = decide(situation, watch.ladder, LadderConfig())
+    if decision.new_batch_sizes is None:
+        return None
+    sizes = [decision.new_batch_sizes[r] for r in range(len(job.workers))]
+    group_out = sorted(set(watch.ladder.excluded) - set(excluded))
+    plan = plans.create(
+        session,
+        job,
+        sizes,
+        PlanSource.AUTOMATIC,
+        f"straggler ladder: {decision.reason}",
+        by="stragglers",
+        predicted_ms=decision.predicted_ms_after,
+        excluded=group_out,
+    )
+    _note_action(session, watch, decision)
+    record(
+        session,
+        "stragglers",
+        f"plan.{decision.action.value}",
+        f"job:{job.id}",
+        {"version": plan.version, "reason": decision.reason, "rank": decision.rank},
+    )
+    return plan.version
+
+
+def watch_job(session: Session, job: Job, watch: Watch, *, mitigate: bool) -> int | None:
+    """One round for one job: detect and store events; with ``mitigate`` (an ``adaptive`` job
+    whose models the rebalancer has identified) ask the ladder too."""
+    spec = JobSpec.model_validate(job.spec)
+    if watch.fed_through < 0 or not watch.normal:
+        _refresh_normal(session, job, watch, max(0, watch.fed_through))
+    after = watch.fed_through
+    if after < 0:
+        last = session.scalar(
+            select(IterationTelemetry.iteration)
+            .where(IterationTelemetry.job_id == job.id)
+            .order_by(IterationTelemetry.iteration.desc())
+            .limit(1)
+        )
+        after = -1 if last is None else max(-1, int(last) - REPLAY)
+    timings = _timings(session, job, after)
+    if not timings:
+        return None
+    # Feed only iterations every rank has reported: later rows come next round.
+    complete = rebalancer.progress(session, job).complete_through
+    if complete is None:
+        return None
+    timings = [t for t in timings if t.iteration <= complete]
+    if not timings:
+        return None
+    updates = watch.detector.observe(timings, watch.normal or None)
+    watch.fed_through = complete
+    _store(session, job, watch, updates)
+    _refresh_normal(session, job, watch, complete)
+    if mitigate and spec.policy.name is PolicyName.ADAPTIVE:
+        return _mitigate(session, job, spec, watch, complete)
+    return None

@@ -1,0 +1,156 @@
+"""Straggler detection and mitigation through the API, on simulated workers with noise.
+
+Workers report t = factor * (intercept + per_sample * b) * noise for the plan they are served;
+the control loop (rebalancer + straggler watch) runs after every iteration, as the server's
+background loop would."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from server.db import transaction
+from server.services import control_loop, rebalancer
+from server.services.stragglers import Watch
+from tests.conftest import Api
+
+PER_SAMPLE = [1.0, 1.0, 2.0, 4.0]
+INTERCEPT = 5.0
+B = 256
+PROBE_EVERY = 5
+
+
+class Cluster:
+    def __init__(
+        self, api: Api, policy: str, slow: dict[int, tuple[int, int, float]], sync_ms: float = 1.0
+    ) -> None:
+        self.api, self.slow, self.sync_ms = api, slow, sync_ms
+        self.host = api.register("sim", devices=4)
+        spec_policy = {"name": policy, "explore_iterations": 5, "rebalance_every": 10}
+        self.job = int(
+            api.submit(workers=4, global_batch=B, iterations=100_000, policy=spec_policy)["id"]
+        )  # type: ignore[call-overload]
+        self.iteration = 0
+        self.memo: dict[int, rebalancer.LastDecision] = {}
+        self.watches: dict[int, Watch] = {}
+        self.rng = random.Random(7)
+
+    def factor(self, rank: int) -> float:
+        start, end, f = self.slow.get(rank, (0, 0, 1.0))
+        return f if start <= self.iteration < end else 1.0
+
+    def plan(self) -> dict[str, Any]:
+        data: dict[str, Any] = self.api.client.get(
+            f"/api/v1/jobs/{self.job}/plan", headers=self.api.headers()
+        ).json()
+        return data
+
+    def run(self, iterations: int) -> None:
+        for _ in range(iterations):
+            plan = self.plan()
+            records = []
+            for r, b in enumerate(plan["batch_sizes"]):
+                probe = r in plan["excluded"]
+                if probe and self.iteration % PROBE_EVERY:
+                    continue
+                size = B // 4 if probe else b
+                ms = (
+                    self.factor(r)
+                    * (INTERCEPT + PER_SAMPLE[r] * size)
+                    * self.rng.uniform(0.95, 1.05)
+                    if size
+                    else 0.0
+                )
+                records.append(
+                    {
+                        "rank": r,
+                        "iteration": self.iteration,
+                        "plan_version": plan["version"],
+                        "batch_size": size,
+                        "data_ms": 0.5,
+                        "compute_ms": ms,
+                        "sync_ms": self.sync_ms,
+                        "ts": 1.7e9 + self.iteration,
+                        "probe": probe,
+                    }
+                )
+            r = self.api.client.post(
+                f"/api/v1/jobs/{self.job}/telemetry",
+                json={"records": records},
+                headers=self.api.headers(str(self.host["_token"])),
+            )
+            assert r.status_code == 200, r.text
+            self.iteration += 1
+            with transaction(self.api.client.app.state.sessions) as s:  # type: ignore[attr-defined]
+                control_loop.sweep(s, self.memo, self.watches)
+
+    def events(self) -> list[dict[str, Any]]:
+        data: list[dict[str, Any]] = self.api.client.get(
+            f"/api/v1/jobs/{self.job}/events", headers=self.api.headers()
+        ).json()
+        return [e for e in data if e["kind"] != "static"]
+
+    def plans(self) -> list[dict[str, Any]]:
+        data: list[dict[str, Any]] = self.api.client.get(
+            f"/api/v1/jobs/{self.job}/plans?limit=1000", headers=self.api.headers()
+        ).json()
+        return data[::-1]
+
+
+def test_a_3x_slowdown_is_detected_mitigated_and_undone(api: Api) -> None:
+    c = Cluster(api, "adaptive", slow={2: (80, 160, 3.0)})
+    c.run(80)
+    settled = len(c.plans())
+    assert c.events() == [], "no event for +-5% noise"
+    c.run(80)  # iterations 80..159: rank 2 three times slower
+    events = c.events()
+    assert len(events) == 1
+    e = events[0]
+    assert e["rank"] == 2 and e["kind"] == "dynamic"
+    assert 78 <= e["start_iteration"] <= 82 and e["detail"]["confirmed_iteration"] - 80 <= 5
+    assert 2.2 <= e["severity"] <= 3.5  # measured against a model fitted from noisy timings
+    reactions = [p for p in c.plans()[settled:] if p["reason"].startswith("straggler ladder")]
+    assert reactions, "the ladder reacted"
+    first = reactions[0]
+    assert first["batch_sizes"][2] < c.plans()[settled - 1]["batch_sizes"][2]
+    assert e["action"] not in ("", "none")
+    c.run(60)  # recovered
+    e = c.events()[0]
+    assert e["end_iteration"] is not None and 160 <= e["end_iteration"] <= 166
+    changes = [p for p in c.plans()[settled:] if p["reason"].startswith("straggler ladder")]
+    assert 1 <= len(changes) <= 1 + 2 + 1, "one reaction, at most two more, and one to undo"
+    final = c.plan()["batch_sizes"]
+    assert abs(final[2] - c.plans()[settled - 1]["batch_sizes"][2]) <= 4, "back to the normal plan"
+
+
+def test_static_keeps_its_plan_but_events_are_still_reported(api: Api) -> None:
+    c = Cluster(api, "static", slow={3: (60, 200, 3.0)})
+    c.run(60)
+    settled = c.plan()["version"]
+    c.run(60)
+    assert c.plan()["version"] == settled
+    events = c.events()
+    assert [e["rank"] for e in events] == [3] and events[0]["action"] == "none"
+
+
+def test_a_10x_straggler_keeps_only_a_sliver_when_the_all_reduce_is_cheap(api: Api) -> None:
+    c = Cluster(api, "adaptive", slow={1: (60, 140, 10.0)})
+    c.run(140)
+    assert c.plan()["batch_sizes"][1] <= B // 20 and c.plan()["excluded"] == []
+    c.run(60)
+    assert c.plan()["batch_sizes"][1] > B // 5, "given its share back once it recovered"
+
+
+def test_a_10x_straggler_leaves_the_all_reduce_and_comes_back(api: Api) -> None:
+    # The all-reduce costs 40 ms here, and a 10x slower rank would slow it too: leaving pays.
+    c = Cluster(api, "adaptive", slow={1: (60, 140, 10.0)}, sync_ms=40.0)
+    c.run(140)
+    out = [p for p in c.plans() if 1 in p["excluded"]]
+    assert out, "rank 1 was taken out of the all-reduce group"
+    assert all(p["batch_sizes"][1] == 0 and sum(p["batch_sizes"]) == B for p in out)
+    assert out[0]["version"] - c.plans()[0]["version"] <= 6
+    c.run(80)  # its probes show it recovered: readmitted
+    final = c.plan()
+    assert final["excluded"] == [] and final["batch_sizes"][1] > 0
+    event = next(e for e in c.events() if e["rank"] == 1)
+    assert "exclude" in event["action"] and event["end_iteration"] is not None
