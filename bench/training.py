@@ -1,0 +1,112 @@
+"""Issue 4's targets on the whole local stack (control plane, agents, gloo workers).
+
+    python bench/training.py [--seconds 30] [--json] [--skip-overhead]
+
+1. Balancing: 4 emulated workers whose per-sample times are 1:1:2:4 (speeds 4:4:2:1) with a
+   5 ms intercept, global batch 256, MLP workload. The same job runs with ``equal`` and with
+   ``minmax`` for about ``--seconds`` each; steady-state samples/s (second half of the
+   iterations) are compared with each other and with the ideal (B over the continuous
+   min-max optimum of the true speeds). Targets: minmax >= 0.95 of ideal, >= 2.5x equal.
+2. Runtime overhead against a plain DDP loop with the same fixed batch sizes
+   (``bench/runtime_overhead.py``, run here as a subprocess). Target: at most 2%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from agent.wire import PolicyName
+from server.experiment import Profile, ProfileWorker, optimum_ms, run_policy
+from server.local_cluster import LocalCluster
+
+ROOT = Path(__file__).resolve().parents[1]
+PROFILE = Profile(
+    global_batch=256,
+    iterations=100,
+    policies=[PolicyName.EQUAL, PolicyName.MINMAX],
+    workload="mlp",
+    workers=[
+        ProfileWorker(name=f"w{i}", per_sample_ms=ms, intercept_ms=5.0)
+        for i, ms in enumerate((1, 1, 2, 4))
+    ],
+)
+
+
+def balancing(seconds: float) -> dict[str, Any]:
+    models = PROFILE.models()
+    integer_ms, ideal_ms = optimum_ms(models, PROFILE.global_batch)
+    out: dict[str, Any] = {
+        "ideal_samples_per_s": PROFILE.global_batch / ideal_ms * 1000,
+        "integer_optimum_ms": integer_ms,
+        "continuous_optimum_ms": ideal_ms,
+    }
+    with tempfile.TemporaryDirectory() as d, LocalCluster(Path(d), workers=4, agents=2) as cluster:
+        for policy in PROFILE.policies:
+            predicted = optimum_ms(models, PROFILE.global_batch, policy.value)[0]
+            iterations = max(40, math.ceil(seconds * 1000 / predicted))
+            r = run_policy(cluster, PROFILE, policy, iterations)
+            out[policy.value] = {
+                "samples_per_s": r.samples_per_s,
+                "mean_iteration_ms": r.mean_iteration_ms,
+                "idle_fraction": r.idle_fraction,
+                "plan_changes": r.plan_changes,
+                "iterations": r.iterations,
+            }
+    out["minmax_of_ideal"] = out["minmax"]["samples_per_s"] / out["ideal_samples_per_s"]
+    out["minmax_vs_equal"] = out["minmax"]["samples_per_s"] / out["equal"]["samples_per_s"]
+    return out
+
+
+def overhead() -> dict[str, Any]:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "runtime_overhead.py")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    result: dict[str, Any] = json.loads(proc.stdout)
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=30.0)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--skip-overhead", action="store_true")
+    args = ap.parse_args()
+    results = {"balancing": balancing(args.seconds)}
+    if not args.skip_overhead:
+        results["runtime_overhead"] = overhead()
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return
+    b = results["balancing"]
+    print(
+        f"ideal {b['ideal_samples_per_s']:.0f} samples/s (continuous optimum {b['continuous_optimum_ms']:.1f} ms)"
+    )
+    for p in ("equal", "minmax"):
+        r = b[p]
+        print(
+            f"{p:<7} {r['samples_per_s']:7.0f} samples/s  {r['mean_iteration_ms']:6.1f} ms/iteration  "
+            f"idle {100 * r['idle_fraction']:4.1f}%  plan changes {r['plan_changes']}  ({r['iterations']} iterations)"
+        )
+    print(
+        f"minmax: {b['minmax_of_ideal']:.3f} of ideal (target >= 0.95), {b['minmax_vs_equal']:.2f}x equal "
+        "(target >= 2.5)"
+    )
+    if "runtime_overhead" in results:
+        print("runtime overhead vs plain DDP:", json.dumps(results["runtime_overhead"]))
+
+
+if __name__ == "__main__":
+    main()
