@@ -103,7 +103,7 @@ async def stream(
     after: int | None = Query(None, ge=0, le=2**63 - 1),
     plan_version: int | None = Query(None, ge=0, le=2**31 - 1),
     event_after: int | None = Query(None, ge=0, le=2**31 - 1),
-    max_s: float = Query(300.0, gt=0, le=3600),
+    max_s: float = Query(60.0, gt=0, le=3600),
     last_event_id: str | None = Header(None, max_length=100),
 ) -> StreamingResponse:
     """Live telemetry, plans, events and job state of one job (server-sent events)."""

@@ -126,6 +126,8 @@ def _page(
         main_attrs=main_attrs,
         body=body,
         script=f"/static/{page}.js",
+        # Only the job page draws charts; Plotly runs before its module (deferred, in order).
+        vendor='<script src="/vendor/plotly.min.js" defer></script>\n' if page == "job" else "",
     )
     return HTMLResponse(text, status_code=status, headers=SECURITY_HEADERS)
 
