@@ -7,9 +7,13 @@ import * as charts from "./charts.js";
 import { $, banner, clear, el, fmtAgo, fmtMs, fmtNum, fmtTime, statusBadge } from "./dom.js";
 import { OverridePanel } from "./overrides.js";
 
+// Redraws are spaced by at least MIN_FLUSH_MS and by 2.5 times what the last ones cost, so
+// drawing never takes more than ~40% of the main thread however many workers the job has.
 const MIN_FLUSH_MS = 100;
+const MAX_FLUSH_MS = 600;
+const IDLE_EVERY_MS = 1000; // the idle bars average 20 iterations: once a second is plenty
 const WINDOW = 20; // iterations averaged by the idle chart
-const POINT_BUDGET = 40000; // points across all rank traces of one chart
+const POINT_BUDGET = 24000; // points across all rank traces of one chart
 
 const jobId = Number($("#main").dataset.jobId);
 const divs = {
@@ -38,6 +42,8 @@ const state = {
   idleDirty: false,
   scheduled: false,
   lastFlush: 0,
+  flushCost: 0, // moving average of a redraw's duration (ms)
+  lastIdle: 0,
   flushes: 0,
 };
 
@@ -296,7 +302,8 @@ function onEffect(version, iteration) {
 function schedule() {
   if (state.scheduled) return;
   state.scheduled = true;
-  const wait = Math.max(0, MIN_FLUSH_MS - (performance.now() - state.lastFlush));
+  const gap = Math.min(MAX_FLUSH_MS, Math.max(MIN_FLUSH_MS, 2.5 * state.flushCost));
+  const wait = Math.max(0, gap - (performance.now() - state.lastFlush));
   const go = () => requestAnimationFrame(flush);
   if (wait > 0) setTimeout(go, wait);
   else go();
@@ -325,7 +332,8 @@ function extend(div, lanes, extra = []) {
 
 function flush() {
   state.scheduled = false;
-  state.lastFlush = performance.now();
+  const started = performance.now();
+  state.lastFlush = started;
   const q = state.queue;
   state.queue = emptyQueue(state.world);
   const traces = charts.iterationTraces(state.world);
@@ -346,14 +354,18 @@ function flush() {
     Plotly.relayout(divs.time, m);
     Plotly.relayout(divs.batch, m);
   }
-  if (state.idleDirty) {
+  if (state.idleDirty && started - state.lastIdle >= IDLE_EVERY_MS) {
     state.idleDirty = false;
+    state.lastIdle = started;
     Plotly.react(divs.idle, ...figureArgs(charts.idleFigure(idleData())));
     renderIdleSummary();
+  } else if (state.idleDirty) {
+    schedule(); // draw the bars once their second is up, even if the stream goes quiet
   }
   state.flushes += 1;
   if (state.flushes % 20 === 0) compact();
   renderSpeed();
+  state.flushCost = 0.7 * state.flushCost + 0.3 * (performance.now() - started);
   window.dispatchEvent(new CustomEvent("evenflow:drawn", { detail: { iteration: state.newest } }));
 }
 
