@@ -175,36 +175,40 @@ export function batchSizeFigure(data) {
  * windowIterations, lastIteration}
  */
 export function idleFigure(data) {
-  const names = data.ranks.map((r) => rankName(r.rank));
+  // Many workers: plain rank numbers on a numeric axis, so the labels never collide.
+  const many = data.ranks.length > 16;
+  const xs = data.ranks.map((r) => (many ? r.rank : rankName(r.rank)));
   const share = data.ranks.map((r) => {
     const total = r.busy_ms + r.idle_ms;
     return total > 0 ? (100 * r.idle_ms) / total : 0;
   });
+  const who = many ? "rank %{x}" : "%{x}";
   const traces = [
     {
       type: "bar",
       name: "compute (incl. data loading)",
-      x: names,
+      x: xs,
       y: data.ranks.map((r) => r.busy_ms),
       marker: { color: "#3b82f6" },
-      hovertemplate: "%{x}: compute %{y:.1f} ms<extra></extra>",
+      hovertemplate: `${who}: compute %{y:.1f} ms<extra></extra>`,
     },
     {
       type: "bar",
       name: "idle: waiting at all-reduce",
-      x: names,
+      x: xs,
       y: data.ranks.map((r) => r.idle_ms),
       customdata: share,
       marker: { color: "#f59e0b" },
-      hovertemplate: "%{x}: idle %{y:.1f} ms (%{customdata:.0f}%)<extra></extra>",
+      hovertemplate: `${who}: idle %{y:.1f} ms (%{customdata:.0f}%)<extra></extra>`,
     },
   ];
   const layout = baseLayout(`ms per iteration (mean of last ${data.windowIterations})`, 0);
   layout.barmode = "stack";
-  layout.bargap = data.ranks.length > 16 ? 0.1 : 0.35;
+  layout.bargap = many ? 0.08 : 0.35;
   layout.hovermode = "closest";
-  layout.xaxis = { ...layout.xaxis, title: { text: "worker", standoff: 8 }, type: "category" };
-  if (data.ranks.length > 16) layout.xaxis.tickangle = -60;
+  layout.xaxis = many
+    ? { ...layout.xaxis, title: { text: "worker (rank)", standoff: 8 }, type: "linear", gridcolor: "rgba(0,0,0,0)" }
+    : { ...layout.xaxis, title: { text: "worker", standoff: 8 }, type: "category" };
   layout.meta = { lastIteration: data.lastIteration, windowIterations: data.windowIterations };
   return { data: traces, layout };
 }

@@ -494,7 +494,8 @@ function renderPlan() {
 function renderHistory() {
   const table = $("#plan-history");
   const plans = [...state.plans.values()].sort((a, b) => b.version - a.version);
-  const compact = (sizes) => (sizes.length <= 12 ? sizes.join(" · ") : `${sizes.slice(0, 10).join(" · ")} … (${sizes.length})`);
+  const compact = (sizes) =>
+    sizes.length <= 8 ? sizes.join(" · ") : `${Math.min(...sizes)}–${Math.max(...sizes)} over ${sizes.length} workers`;
   clear(
     table,
     el("thead", {}, el("tr", {}, ["v", "source", "reason", "batch sizes", "predicted", "took effect"].map((h) => el("th", {}, h)))),
@@ -504,7 +505,7 @@ function renderHistory() {
         el("td", { class: "num" }, `v${p.version}`),
         el("td", {}, el("span", { class: `badge source-${p.source}` }, p.source)),
         el("td", { class: "reason" }, p.reason, el("div", { class: "muted small" }, `${p.created_by ?? "system"} · ${fmtTime(p.created_at)}`)),
-        el("td", { class: "mono small" }, compact(p.batch_sizes)),
+        el("td", { class: "mono small", title: p.batch_sizes.join(" · ") }, compact(p.batch_sizes)),
         el("td", { class: "num" }, fmtMs(p.predicted_ms)),
         el("td", { class: at === undefined ? "muted" : "num" }, at === undefined ? (p.version === state.job.plan_version ? "pending" : "never") : `iteration ${fmtNum(at)}`),
       );
