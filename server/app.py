@@ -22,10 +22,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from agent.wire import ErrorOut
 from server.api.routes import audit, events, health, hosts, jobs, planner, plans, telemetry, tokens
+from server.api.routes.ui import mount_dashboard
 from server.cache import Caches
 from server.config import Settings
 from server.db import make_engine, migrate, session_factory, transaction
 from server.errors import EvenflowError
+from server.live import TelemetryNotifier
 from server.metrics import Metrics, MetricsMiddleware
 from server.services import control_loop, rebalancer
 from server.services import hosts as host_service
@@ -165,6 +167,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.caches = caches
     app.state.metrics = metrics
     app.state.generated_admin_token = None
+    app.state.telemetry_notifier = TelemetryNotifier()
 
     app.add_exception_handler(EvenflowError, _on_domain_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
@@ -173,6 +176,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(health.router, prefix=API_PREFIX)
     for module in (hosts, jobs, plans, telemetry, events, audit, tokens, planner):
         app.include_router(module.router, prefix=API_PREFIX, responses=ERROR_RESPONSES)
+
+    # The dashboard: chart data, the live stream, and the web UI (pages, login, static files).
+    mount_dashboard(app, api_prefix=API_PREFIX, responses=ERROR_RESPONSES)
 
     @app.get("/metrics", include_in_schema=False)
     def prometheus_metrics() -> Response:

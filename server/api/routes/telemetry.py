@@ -7,6 +7,7 @@ from fastapi import APIRouter, Path, Query, Request
 from agent.wire import Role, TelemetryAck, TelemetryBatch, TelemetryOut
 from server.api.deps import Authenticated, SessionDep, Viewer
 from server.db import transaction
+from server.live import telemetry_stored
 from server.services import jobs, telemetry
 
 router = APIRouter(prefix="/jobs", tags=["telemetry"])
@@ -26,6 +27,7 @@ def ingest(
         job = jobs.get(session, job_id)
         jobs.check_agent_may_write(session, principal, job)
         accepted, duplicates = telemetry.ingest(session, job, batch)
+    telemetry_stored(request.app, job_id, accepted)  # wake the job's live dashboard streams
     metrics = request.app.state.metrics
     metrics.telemetry_records.inc(accepted)
     metrics.telemetry_duplicates.inc(duplicates)

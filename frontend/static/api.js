@@ -1,0 +1,78 @@
+// The one module that talks to the Evenflow API. Requests carry the session cookie
+// (same origin); errors become ApiError with the server's detail, field and errors.
+
+const BASE = "/api/v1";
+
+export class ApiError extends Error {
+  constructor(status, body) {
+    super(body?.detail || `HTTP ${status}`);
+    this.status = status;
+    this.detail = body?.detail || `HTTP ${status}`;
+    this.field = body?.field || null;
+    this.errors = body?.errors || null;
+  }
+}
+
+async function request(method, path, body) {
+  const init = { method, credentials: "same-origin", headers: { Accept: "application/json" } };
+  if (body !== undefined) {
+    init.headers["Content-Type"] = "application/json";
+    init.body = JSON.stringify(body);
+  }
+  const response = await fetch(BASE + path, init);
+  if (response.status === 401) {
+    // The session ended (token revoked, cookie expired): sign in again and come back here.
+    window.location.assign(`/login?next=${encodeURIComponent(location.pathname + location.search)}`);
+    throw new ApiError(401, { detail: "signed out" });
+  }
+  const text = await response.text();
+  const data = text ? JSON.parse(text) : null;
+  if (!response.ok) throw new ApiError(response.status, data);
+  return data;
+}
+
+const get = (path) => request("GET", path);
+const post = (path, body) => request("POST", path, body);
+
+export const api = {
+  hosts: () => get("/hosts"),
+  jobs: ({ status, limit = 200 } = {}) =>
+    get(`/jobs?limit=${limit}${status ? `&status=${encodeURIComponent(status)}` : ""}`),
+  job: (id) => get(`/jobs/${id}`),
+  submitJob: (spec) => post("/jobs", spec),
+  cancelJob: (id) => post(`/jobs/${id}/cancel`),
+  plan: (id) => get(`/jobs/${id}/plan`),
+  plans: (id, limit = 1000) => get(`/jobs/${id}/plans?limit=${limit}`),
+  events: (id, limit = 1000) => get(`/jobs/${id}/events?limit=${limit}`),
+  overrides: (id) => get(`/jobs/${id}/overrides`),
+  override: (id, body) => post(`/jobs/${id}/overrides`, body),
+  series: (id, points) => get(`/jobs/${id}/series?points=${points}`),
+  throughput: (ids) => (ids.length ? get(`/dashboard/throughput?ids=${ids.join(",")}`) : []),
+  audit: ({ target, limit = 100, offset = 0 } = {}) =>
+    get(`/audit?limit=${limit}&offset=${offset}${target ? `&target=${encodeURIComponent(target)}` : ""}`),
+
+  /** Fitted per-worker models, or null where this server has no such endpoint (404). */
+  async models(id) {
+    try {
+      return await get(`/jobs/${id}/models`);
+    } catch (err) {
+      if (err.status === 404 || err.status === 405) return null;
+      throw err;
+    }
+  },
+
+  /**
+   * Open the job's live stream (server-sent events). `handlers` maps message kinds
+   * (telemetry, plan, event, job, end) to functions of the parsed data. The browser
+   * reconnects by itself and resumes from the last message id. Returns the EventSource.
+   */
+  stream(id, cursor, handlers) {
+    const q = new URLSearchParams();
+    for (const [k, v] of Object.entries(cursor)) if (v !== null && v !== undefined) q.set(k, v);
+    const source = new EventSource(`${BASE}/jobs/${id}/stream?${q}`);
+    for (const [kind, fn] of Object.entries(handlers)) {
+      source.addEventListener(kind, (msg) => fn(JSON.parse(msg.data)));
+    }
+    return source;
+  },
+};

@@ -1,0 +1,143 @@
+// The jobs page: the job list with each running job's speed, and the submit form.
+
+import { api } from "./api.js";
+import { $, $$, banner, canOperate, clear, el, fmtAgo, fmtNum, statusBadge } from "./dom.js";
+
+const REFRESH_MS = 5000;
+const table = $("#jobs-table");
+const form = $("#submit-form");
+const filter = $("#status-filter");
+
+async function refresh() {
+  try {
+    const { items, total } = await api.jobs({ status: filter.value || undefined });
+    const live = items.filter((j) => ["running", "starting"].includes(j.status)).map((j) => j.id);
+    const speeds = new Map((await api.throughput(live.slice(0, 100))).map((t) => [t.job_id, t]));
+    render(items, total, speeds);
+    banner("");
+  } catch (err) {
+    if (err.status !== undefined) banner(`Could not load jobs: ${err.detail}`);
+    else throw err;
+  }
+}
+
+function render(items, total, speeds) {
+  const head = ["id", "name", "status", "workers", "global batch", "plan", "speed", "iteration", "owner", "submitted"];
+  if (!items.length) {
+    clear(table, el("tbody", {}, el("tr", {}, el("td", { class: "muted" }, "No jobs yet."))));
+    return;
+  }
+  clear(
+    table,
+    el("thead", {}, el("tr", {}, head.map((h) => el("th", {}, h)))),
+    el("tbody", {}, items.map((j) => {
+      const t = speeds.get(j.id);
+      return el("tr", { "data-job-id": j.id },
+        el("td", { class: "num" }, el("a", { href: `/jobs/${j.id}` }, `#${j.id}`)),
+        el("td", {}, el("a", { href: `/jobs/${j.id}` }, j.name),
+          j.emulated ? el("span", { class: "badge emulated", title: "emulated heterogeneity" }, "emulated") : null,
+          j.frozen ? el("span", { class: "badge frozen" }, "frozen") : null),
+        el("td", {}, statusBadge(j.status)),
+        el("td", { class: "num" }, fmtNum(j.workers.length || j.spec.workers || (j.spec.devices || []).length)),
+        el("td", { class: "num" }, fmtNum(j.spec.global_batch)),
+        el("td", { class: "num" }, j.plan_version ? `v${j.plan_version}` : "—"),
+        el("td", { class: "num speed" }, t?.samples_per_s ? `${fmtNum(t.samples_per_s)} samples/s` : "—"),
+        el("td", { class: "num" }, t?.iteration !== null && t?.iteration !== undefined ? fmtNum(t.iteration) : "—"),
+        el("td", {}, j.owner),
+        el("td", { class: "muted small", title: j.created_at }, fmtAgo(j.created_at)));
+    })),
+    total > items.length ? el("tfoot", {}, el("tr", {}, el("td", { colspan: head.length, class: "muted small" }, `showing ${items.length} of ${total}`))) : null,
+  );
+}
+
+// ---------------------------------------------------------------- submit form
+
+function parseCount(text) {
+  if (/^-?\d+$/.test(text)) return Number(text);
+  if (/^-?\d*\.\d+$/.test(text)) return Number(text); // the API says integers only
+  return text; // not a number: the API names the field
+}
+
+function value(name) {
+  return form.elements[name].value.trim();
+}
+
+function specFromForm() {
+  const spec = { name: value("name"), workload: {}, policy: { name: value("policy.name") } };
+  if (value("workload.builtin")) spec.workload.builtin = value("workload.builtin");
+  else spec.workload.entrypoint = value("workload.entrypoint");
+  for (const key of ["global_batch", "workers", "iterations", "epochs", "max_batch_per_worker", "priority"]) {
+    if (value(key) !== "") spec[key] = parseCount(value(key));
+  }
+  if (value("policy.rebalance_every") !== "") spec.policy.rebalance_every = parseCount(value("policy.rebalance_every"));
+  const emu = value("emulation");
+  if (emu) {
+    spec.emulation = emu.split(",").map((s) => {
+      const t = s.trim();
+      return { per_sample_ms: t !== "" && !Number.isNaN(Number(t)) ? Number(t) : t };
+    });
+  }
+  return spec;
+}
+
+function clearErrors() {
+  for (const n of $$(".field-error", form)) n.textContent = "";
+  for (const n of $$(".invalid", form)) n.classList.remove("invalid");
+  $("#submit-error").hidden = true;
+}
+
+/** Put each validation error beside the input whose field is the longest prefix of its path. */
+function showErrors(err) {
+  const problems = err.errors?.length
+    ? err.errors.map((e) => ({ field: e.loc.filter((p, i) => !(i === 0 && p === "body")).join("."), msg: e.msg }))
+    : [{ field: err.field || "", msg: err.detail }];
+  const wrappers = $$("[data-field]", form);
+  const general = [];
+  for (const p of problems) {
+    const match = wrappers
+      .filter((w) => p.field === w.dataset.field || p.field.startsWith(`${w.dataset.field}.`))
+      .sort((a, b) => b.dataset.field.length - a.dataset.field.length)[0];
+    if (match) {
+      match.hidden = false;
+      match.classList.add("invalid");
+      const slot = $(".field-error", match);
+      slot.textContent = slot.textContent ? `${slot.textContent}; ${p.msg}` : p.msg;
+    } else {
+      general.push(p.field && p.field !== "body" ? `${p.field}: ${p.msg}` : p.msg);
+    }
+  }
+  const box = $("#submit-error");
+  box.textContent = general.length ? general.join(" · ") : "Not submitted: see the highlighted fields.";
+  box.hidden = false;
+}
+
+form.elements["workload.builtin"].addEventListener("change", () => {
+  $('[data-field="workload.entrypoint"]', form).hidden = value("workload.builtin") !== "";
+});
+
+form.addEventListener("submit", async (event) => {
+  event.preventDefault();
+  clearErrors();
+  const result = $("#submit-result");
+  result.textContent = "";
+  const button = $("#submit-button");
+  button.disabled = true;
+  try {
+    const job = await api.submitJob(specFromForm());
+    result.replaceChildren("Submitted ", el("a", { href: `/jobs/${job.id}`, id: "submitted-link" }, `job #${job.id}`), ` (${job.status}).`);
+    await refresh();
+  } catch (err) {
+    if (err.status === undefined) throw err;
+    showErrors(err);
+  } finally {
+    button.disabled = false;
+  }
+});
+
+if (!canOperate()) {
+  for (const n of form.elements) n.disabled = true;
+  $("#submit-card header p").textContent = `Submitting needs the operator role; you are signed in as ${document.body.dataset.role}.`;
+}
+filter.addEventListener("change", refresh);
+refresh();
+setInterval(refresh, REFRESH_MS);

@@ -1,0 +1,81 @@
+"""Waking live dashboard streams when a job's telemetry is stored.
+
+The telemetry ingest route calls :func:`telemetry_stored` after its commit; every open stream
+of that job (``GET /api/v1/jobs/{id}/stream``) wakes and reads the new rows at once. The
+notifier only shortens the wait: streams also poll the database by id cursor, so rows written
+by another server process still arrive within one poll interval.
+
+Ingest runs in worker threads and streams on the event loop, so a wake-up crosses threads
+with ``loop.call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+
+class Waiter:
+    """One stream's wake-up flag, set from any thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._event = asyncio.Event()
+
+    def wake(self) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is waiting
+            self._loop.call_soon_threadsafe(self._event.set)
+
+    async def wait(self, timeout_s: float) -> bool:
+        """True if woken before ``timeout_s``; the flag is cleared either way."""
+        try:
+            await asyncio.wait_for(self._event.wait(), timeout_s)
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            self._event.clear()
+
+
+class TelemetryNotifier:
+    """Per-job sets of waiting streams."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiters: dict[int, set[Waiter]] = {}
+
+    @contextlib.contextmanager
+    def watch(self, job_id: int) -> Iterator[Waiter]:
+        """A waiter woken on each store of ``job_id``'s telemetry, for the ``with`` block."""
+        waiter = Waiter(asyncio.get_running_loop())
+        with self._lock:
+            self._waiters.setdefault(job_id, set()).add(waiter)
+        try:
+            yield waiter
+        finally:
+            with self._lock:
+                waiters = self._waiters.get(job_id)
+                if waiters is not None:
+                    waiters.discard(waiter)
+                    if not waiters:
+                        del self._waiters[job_id]
+
+    def notify(self, job_id: int) -> None:
+        with self._lock:
+            waiters = list(self._waiters.get(job_id, ()))
+        for waiter in waiters:
+            waiter.wake()
+
+    def watching(self, job_id: int) -> int:
+        with self._lock:
+            return len(self._waiters.get(job_id, ()))
+
+
+def telemetry_stored(app: Any, job_id: int, accepted: int) -> None:
+    """The ingest route's hook: wake this job's streams if any new row was stored."""
+    notifier: TelemetryNotifier | None = getattr(app.state, "telemetry_notifier", None)
+    if accepted and notifier is not None:
+        notifier.notify(job_id)

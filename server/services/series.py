@@ -1,0 +1,206 @@
+"""Telemetry shaped for the dashboard: downsampled histories, rows after a stream cursor,
+recent throughput. Reads only; the charts' points are computed here so a page with a long
+history loads a bounded number of points per worker."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from agent.wire import PlanEffect, RankSeries, RankWindow, SeriesOut, ThroughputOut
+from server.models import IterationTelemetry, Job, StragglerEvent
+
+T = IterationTelemetry
+STREAM_COLUMNS = (
+    "rank",
+    "iteration",
+    "plan_version",
+    "batch_size",
+    "data_ms",
+    "compute_ms",
+    "sync_ms",
+    "ts",
+)
+"""Column order of the rows a ``telemetry`` stream message carries."""
+
+
+def downsampled(
+    session: Session, job: Job, *, points: int, window_iterations: int = 20
+) -> SeriesOut:
+    """At most ``points`` points per rank, bucketed by iteration, plus when each plan version
+    took effect and each rank's mean timings over the last ``window_iterations`` iterations.
+
+    Everything is read up to one telemetry row id (returned as ``last_id``), so a stream
+    started after it neither misses nor repeats a row."""
+    world = len(job.workers)
+    last_id = int(session.scalar(select(func.max(T.id)).where(T.job_id == job.id)) or 0)
+    mine = (T.job_id == job.id, T.id <= last_id)
+    lo, hi = session.execute(
+        select(func.min(T.iteration), func.max(T.iteration)).where(*mine)
+    ).one()
+    if lo is None or hi is None:
+        return SeriesOut(
+            job_id=job.id,
+            world_size=world,
+            bucket=1,
+            first_iteration=None,
+            last_iteration=None,
+            last_id=last_id,
+            ranks=[],
+            measured={"iteration": [], "iteration_ms": []},
+            plan_effects=[],
+            window=[],
+            window_iterations=window_iterations,
+        )
+    lo, hi = int(lo), int(hi)
+    bucket = max(1, math.ceil((hi - lo + 1) / max(1, points)))
+    key = ((T.iteration - lo) // bucket).label("bucket")
+
+    per_rank: dict[int, dict[str, list[Any]]] = {}
+    rows = session.execute(
+        select(
+            T.rank,
+            key,
+            func.min(T.iteration),
+            func.avg(T.batch_size),
+            func.avg(T.data_ms),
+            func.avg(T.compute_ms),
+            func.avg(T.sync_ms),
+            func.max(T.plan_version),
+        )
+        .where(*mine)
+        .group_by(T.rank, key)
+        .order_by(T.rank, key)
+    )
+    for rank, _, first, b, d, c, s, v in rows:
+        cols = per_rank.setdefault(int(rank), {k: [] for k in ("it", "b", "d", "c", "s", "v")})
+        cols["it"].append(int(first))
+        cols["b"].append(round(float(b), 2))
+        cols["d"].append(round(float(d), 3))
+        cols["c"].append(round(float(c), 3))
+        cols["s"].append(round(float(s), 3))
+        cols["v"].append(int(v))
+    ranks = [
+        RankSeries(
+            rank=r,
+            iteration=c["it"],
+            batch_size=c["b"],
+            data_ms=c["d"],
+            compute_ms=c["c"],
+            sync_ms=c["s"],
+            plan_version=c["v"],
+        )
+        for r, c in sorted(per_rank.items())
+    ]
+
+    slowest = (
+        select(T.iteration, func.max(T.data_ms + T.compute_ms + T.sync_ms).label("ms"))
+        .where(*mine)
+        .group_by(T.iteration)
+        .subquery()
+    )
+    mkey = ((slowest.c.iteration - lo) // bucket).label("bucket")
+    measured: dict[str, list[float]] = {"iteration": [], "iteration_ms": []}
+    for first, ms in session.execute(
+        select(func.min(slowest.c.iteration), func.avg(slowest.c.ms)).group_by(mkey).order_by(mkey)
+    ):
+        measured["iteration"].append(int(first))
+        measured["iteration_ms"].append(round(float(ms), 3))
+
+    effects = [
+        PlanEffect(version=int(v), iteration=int(it))
+        for v, it in session.execute(
+            select(T.plan_version, func.min(T.iteration))
+            .where(*mine)
+            .group_by(T.plan_version)
+            .order_by(T.plan_version)
+        )
+    ]
+    window = [
+        RankWindow(
+            rank=int(rank),
+            data_ms=round(float(d), 3),
+            compute_ms=round(float(c), 3),
+            sync_ms=round(float(s), 3),
+            batch_size=round(float(b), 2),
+        )
+        for rank, d, c, s, b in session.execute(
+            select(T.rank, func.avg(T.data_ms), func.avg(T.compute_ms), func.avg(T.sync_ms))
+            .add_columns(func.avg(T.batch_size))
+            .where(*mine, T.iteration > hi - window_iterations)
+            .group_by(T.rank)
+            .order_by(T.rank)
+        )
+    ]
+    return SeriesOut(
+        job_id=job.id,
+        world_size=world,
+        bucket=bucket,
+        first_iteration=lo,
+        last_iteration=hi,
+        last_id=last_id,
+        ranks=ranks,
+        measured=measured,
+        plan_effects=effects,
+        window=window,
+        window_iterations=window_iterations,
+    )
+
+
+def max_telemetry_id(session: Session, job_id: int) -> int:
+    return int(session.scalar(select(func.max(T.id)).where(T.job_id == job_id)) or 0)
+
+
+def rows_after(
+    session: Session, job_id: int, after_id: int, limit: int
+) -> list[tuple[int, list[Any]]]:
+    """Telemetry rows of a job with id above ``after_id``, oldest first, as (id, row) with the
+    row's values in ``STREAM_COLUMNS`` order."""
+    # ``job_id + 0`` keeps SQLite from choosing the (job_id, iteration) index, which would
+    # scan the job's whole history; the primary key range holds only the new rows.
+    q = (
+        select(T.id, *(getattr(T, c) for c in STREAM_COLUMNS))
+        .where(T.id > after_id, (T.job_id + 0) == job_id)
+        .order_by(T.id)
+        .limit(limit)
+    )
+    return [(int(row[0]), list(row[1:])) for row in session.execute(q)]
+
+
+def events_after(session: Session, job_id: int, after_id: int) -> list[StragglerEvent]:
+    return list(
+        session.scalars(
+            select(StragglerEvent)
+            .where(StragglerEvent.job_id == job_id, StragglerEvent.id > after_id)
+            .order_by(StragglerEvent.id)
+            .limit(1000)
+        )
+    )
+
+
+def max_event_id(session: Session, job_id: int) -> int:
+    q = select(func.max(StragglerEvent.id)).where(StragglerEvent.job_id == job_id)
+    return int(session.scalar(q) or 0)
+
+
+def throughput(session: Session, job: Job, *, iterations: int = 20) -> ThroughputOut:
+    """Samples per second over rank 0's last ``iterations`` iterations, from the workers'
+    own end-of-iteration timestamps (so it includes every phase, idle time too)."""
+    rows = session.execute(
+        select(T.iteration, T.ts)
+        .where(T.job_id == job.id, T.rank == 0)
+        .order_by(T.iteration.desc())
+        .limit(iterations + 1)
+    ).all()
+    if not rows:
+        return ThroughputOut(job_id=job.id, samples_per_s=None, iteration=None)
+    newest_it, newest_ts = rows[0]
+    oldest_it, oldest_ts = rows[-1]
+    speed = None
+    if newest_ts > oldest_ts and newest_it > oldest_it:
+        global_batch = int(job.spec["global_batch"])
+        speed = round(global_batch * (newest_it - oldest_it) / (newest_ts - oldest_ts), 1)
+    return ThroughputOut(job_id=job.id, samples_per_s=speed, iteration=int(newest_it))

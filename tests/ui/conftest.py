@@ -1,0 +1,198 @@
+"""Fixtures for the dashboard tests: Debian's Chromium driven by Playwright (never a
+downloaded browser), a live server whose app the test can reach, and a simulated cluster.
+
+Without /usr/bin/chromium the browser tests skip with the reason, except under CI=true.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI
+
+from server.app import create_app
+from tests.conftest import ADMIN_TOKEN, IN_CI, free_port, make_settings
+from tests.ui.simulated import Cluster
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
+
+
+def launch_chromium(playwright: Any) -> Any:
+    return playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+
+
+@pytest.fixture(scope="session")
+def browser() -> Iterator[Any]:
+    if not os.path.exists(CHROMIUM):
+        reason = f"{CHROMIUM} is missing (make browser-deps installs Debian's chromium)"
+        if IN_CI:
+            pytest.fail(f"CI=true but {reason}")
+        pytest.skip(reason)
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = launch_chromium(p)
+        yield b
+        b.close()
+
+
+@dataclass
+class Page:
+    """A Playwright page plus the JavaScript errors it logged."""
+
+    page: Any
+    errors: list[str]
+
+
+def open_page(browser: Any, *, bypass_csp: bool) -> tuple[Any, Page]:
+    """A fresh context and page that records JavaScript errors. Playwright's polling
+    (``wait_for_function``) evaluates strings, which the pages' CSP forbids, so most tests
+    bypass the CSP; ``test_job_page_runs_under_its_content_security_policy`` does not."""
+    context = browser.new_context(viewport={"width": 1440, "height": 1000}, bypass_csp=bypass_csp)
+    context.set_default_timeout(10_000)
+    pg = context.new_page()
+    errors: list[str] = []
+    pg.on("pageerror", lambda exc: errors.append(f"page error: {exc}"))
+
+    def on_console(msg: Any) -> None:
+        # Resource errors (a 404 for an optional endpoint, a 401 when signed out) are the
+        # browser's, not the page's; anything else logged as an error fails the test.
+        if msg.type == "error" and not msg.text.startswith("Failed to load resource"):
+            errors.append(f"console: {msg.text}")
+
+    pg.on("console", on_console)
+    return context, Page(pg, errors)
+
+
+@pytest.fixture
+def page(browser: Any, live_app: LiveApp) -> Iterator[Page]:
+    """A page closed before its server stops (an open live stream would hold the shutdown)."""
+    context, pg = open_page(browser, bypass_csp=True)
+    yield pg
+    context.close()
+    assert not pg.errors, pg.errors
+
+
+@dataclass
+class LiveApp:
+    url: str
+    admin_token: str
+    app: FastAPI
+
+
+@contextmanager
+def serve(db_path: Path) -> Iterator[LiveApp]:
+    """A real uvicorn server on a free port, in a thread, with its app at hand."""
+    port = free_port()
+    app = create_app(make_settings(f"sqlite:///{db_path}"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/api/v1/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            time.sleep(0.05)
+    else:
+        raise RuntimeError("live server did not start")
+    try:
+        yield LiveApp(url, ADMIN_TOKEN, app)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture
+def live_app(tmp_path: Path) -> Iterator[LiveApp]:
+    """Like ``live_server``, but the test can also reach the app (its database sessions)."""
+    with serve(tmp_path / "live.db") as live:
+        yield live
+
+
+@pytest.fixture
+def cluster(live_app: LiveApp) -> Iterator[Cluster]:
+    c = Cluster(live_app.url, live_app.admin_token)
+    yield c
+    c.close()
+
+
+def sign_in(page: Any, url: str, token: str, path: str = "/jobs") -> None:
+    page.goto(f"{url}/login?next={path}")
+    page.fill("input[name=token]", token)
+    page.click("button[type=submit]")
+    page.wait_for_url(f"{url}{path}")
+
+
+# ----------------------------------------------------------------- what a rebalancer would do
+
+PER_SAMPLE_MS = [0.12, 0.2, 0.3, 0.45]
+INTERCEPT_MS = 4.0
+
+
+def minmax_batches(per_sample_ms: list[float], global_batch: int) -> list[int]:
+    """The min-max plan for linear workers: each next sample to the worker finishing first."""
+    batches = [0] * len(per_sample_ms)
+    for _ in range(global_batch):
+        r = min(range(len(batches)), key=lambda i: per_sample_ms[i] * (batches[i] + 1))
+        batches[r] += 1
+    return batches
+
+
+def issue_plan(live: LiveApp, job_id: int, batches: list[int], predicted_ms: float) -> int:
+    """Store an automatic plan with a prediction, as the rebalancer (built on main) will."""
+    from agent.wire import PlanSource
+    from server.db import transaction
+    from server.services import jobs, plans
+
+    with live.app.state.write_lock, transaction(live.app.state.sessions) as s:
+        plan = plans.create(
+            s,
+            jobs.get(s, job_id),
+            batches,
+            PlanSource.AUTOMATIC,
+            "minmax from fitted models: every worker finishes together",
+            by="rebalancer",
+            predicted_ms=predicted_ms,
+        )
+        return plan.version
+
+
+def record_straggler(live: LiveApp, job_id: int, rank: int, iteration: int) -> None:
+    """Store a straggler event, as the detector (built on another branch) will."""
+    from server.db import transaction
+    from server.models import StragglerEvent
+
+    with live.app.state.write_lock, transaction(live.app.state.sessions) as s:
+        s.add(
+            StragglerEvent(
+                job_id=job_id,
+                rank=rank,
+                kind="slowdown",
+                severity=1.8,
+                start_iteration=iteration,
+                action="rebalance",
+                detail={"compute_ms_ratio": 1.8},
+            )
+        )

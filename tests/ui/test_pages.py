@@ -1,0 +1,64 @@
+"""Signing in and out in a real browser; anonymous visitors see only the login page."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.ui.conftest import LiveApp, Page, sign_in
+from tests.ui.simulated import Cluster
+
+pytestmark = pytest.mark.browser
+
+
+def test_anonymous_visitors_get_the_login_page_and_no_data(page: Page, live_app: LiveApp) -> None:
+    pg = page.page
+    for path in ("/", "/jobs", "/cluster", "/audit", "/jobs/1"):
+        pg.goto(live_app.url + path)
+        assert pg.url.startswith(f"{live_app.url}/login?next="), path
+        assert pg.locator("input[name=token]").is_visible()
+        assert pg.locator("table").count() == 0
+    assert httpx.get(live_app.url + "/api/v1/jobs").status_code == 401
+    assert httpx.get(live_app.url + "/api/v1/jobs/1/stream?max_s=1").status_code == 401
+
+
+def test_sign_in_with_a_token_then_out(page: Page, live_app: LiveApp, cluster: Cluster) -> None:
+    pg = page.page
+    viewer = cluster.token("viewer", name="vera")
+    pg.goto(live_app.url + "/login")
+    pg.fill("input[name=token]", "ef_not-a-token")
+    pg.click("button[type=submit]")
+    assert "unknown token" in pg.locator(".form-error").inner_text()
+    assert not pg.context.cookies()
+    sign_in(pg, live_app.url, viewer, path="/cluster")
+    assert pg.locator(".who .user").inner_text() == "vera"
+    cookie = next(c for c in pg.context.cookies() if c["name"] == "evenflow_session")
+    assert cookie["httpOnly"] and cookie["sameSite"] == "Strict"
+    # The page's JavaScript cannot read the token.
+    assert "evenflow_session" not in pg.evaluate("document.cookie")
+    pg.click("text=Log out")
+    pg.wait_for_url(f"{live_app.url}/login")
+    pg.goto(live_app.url + "/jobs")
+    assert pg.url.startswith(f"{live_app.url}/login?next=/jobs")
+
+
+def test_cluster_and_audit_pages_show_hosts_jobs_and_who_did_what(
+    page: Page, live_app: LiveApp, cluster: Cluster
+) -> None:
+    pg = page.page
+    host = cluster.register("gpu-07", 2, model="NVIDIA H100")
+    job = cluster.submit(2, 64, name="bert-base")
+    cluster.mark_running(host, job)
+    sign_in(pg, live_app.url, live_app.admin_token, path="/cluster")
+    row = pg.locator('[data-host="gpu-07"] tr[data-device]').first
+    row.locator("a").wait_for()
+    assert "H100" in row.inner_text() and f"#{job['id']} bert-base" in row.inner_text()
+    assert "rank 0 (running)" in row.inner_text()
+    assert "last heartbeat" in pg.locator('[data-host="gpu-07"] header').inner_text()
+    pg.click("nav >> text=Audit log")
+    pg.locator('tr[data-action="job.create"]').wait_for()
+    assert "bootstrap-admin" in pg.locator('tr[data-action="job.create"]').inner_text()
+    pg.fill("#audit-target", f"job:{job['id']}")
+    pg.click("#audit-filter button")
+    pg.wait_for_function("!document.querySelector('tr[data-action=\"host.register\"]')")
+    assert pg.locator('tr[data-action="job.placed"]').count() == 1
