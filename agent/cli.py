@@ -379,7 +379,14 @@ def cmd_server(args: argparse.Namespace) -> None:
     from server.app import create_app
     from server.config import Settings
 
-    uvicorn.run(create_app(Settings()), host=args.host, port=args.port, log_level=args.log_level)
+    # Open dashboard streams would otherwise hold a stop for up to their 60 s lifetime.
+    uvicorn.run(
+        create_app(Settings()),
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=3,
+    )
 
 
 # ----------------------------------------------------------------------------- parser

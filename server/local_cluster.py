@@ -65,7 +65,11 @@ class LocalCluster:
         )
         self._server = uvicorn.Server(
             uvicorn.Config(
-                create_app(settings), host=self.host, port=self.port, log_level="warning"
+                create_app(settings),
+                host=self.host,
+                port=self.port,
+                log_level="warning",
+                timeout_graceful_shutdown=3,
             )
         )
         self._start(self._server.run)

@@ -169,7 +169,11 @@ def live_server(tmp_path: Path) -> Iterator[LiveServer]:
     """A real uvicorn server on a free port, in a thread."""
     port = free_port()
     app = create_app(make_settings(f"sqlite:///{tmp_path / 'live.db'}", rebalance_interval_s=0.2))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=3
+        )
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"

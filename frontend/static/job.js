@@ -277,6 +277,8 @@ function onPlan(plan) {
   renderHistory();
   renderHead();
   panel.update();
+  // A new plan comes from new fits: show the models it was made from.
+  api.models(jobId).then((models) => { state.models = models; renderPlan(); }).catch(() => {});
 }
 
 function onEvent(e) {
@@ -438,7 +440,9 @@ function renderIdleSummary() {
 }
 
 function modelFor(rank) {
-  return state.models?.find((m) => m.rank === rank) ?? null;
+  // A rank with no iteration reported yet has a row with no numbers: show it as unknown.
+  const m = state.models?.find((x) => x.rank === rank) ?? null;
+  return m && m.per_sample_ms !== null && m.per_sample_ms !== undefined ? m : null;
 }
 
 function renderPlan() {
