@@ -152,7 +152,9 @@ class Membership:
     def setup(self, initial: Plan) -> None:
         """Collective over the whole world, every rank in step (``ctx.prepare``): agree this
         context's mailbox prefix, and make the group of the initial plan's active ranks."""
-        if not dist.is_initialized():
+        if not dist.is_initialized():  # one process: only a given store can be the mailbox
+            if self._store is not None:
+                self._mailbox = dist.PrefixStore("evenflow/local/", self._store)
             return
         nonce = torch.tensor([secrets.randbits(62)], dtype=torch.int64)
         dist.broadcast(nonce, src=0, group=self._world[1])

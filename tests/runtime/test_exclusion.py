@@ -9,6 +9,7 @@ the job ending with rank 2 still excluded. Bad plans on the way are refused ever
 from __future__ import annotations
 
 import statistics
+from typing import Any
 
 import pytest
 import torch
@@ -28,8 +29,8 @@ N, B, LR, MOMENTUM, EPOCHS = 117, 12, 0.05, 0.9, 2  # 117 % 12 = 9: a partial la
 PER_EPOCH = -(-N // B)
 ITERATIONS = EPOCHS * PER_EPOCH
 
-# (iteration from which the leader proposes it, plan); the channel transport puts a candidate
-# seen at boundary i in force at i + 1.
+# (iteration from which the leader proposes it, plan); the channel and pipelined transports put
+# a candidate seen at boundary i in force at i + 1, the blocking one at i.
 SCRIPT = [
     (1, Plan(2, (6, 0, 6), B, (1,))),  # exclude rank 1
     (2, Plan(3, (0, 0, 0), B, (0, 1, 2))),  # refused: every rank excluded
@@ -43,6 +44,21 @@ SCRIPT = [
 ]
 HISTORY = [(0, 1), (2, 2), (5, 5), (7, 6), (9, 7), (11, 8), (14, 10)]
 EXCLUSIONS = {0: [(9, 14)], 1: [(2, 7)], 2: [(11, ITERATIONS)]}
+TRANSPORTS = {  # name: (PlanAgreement options, piggyback, switch delay)
+    "channel": ({}, True, 0),
+    "pipelined": ({"pipelined": True}, False, 0),
+    "blocking": ({"pipelined": False}, False, -1),
+}
+
+
+def _shift(delay: int) -> tuple[list[tuple[int, int]], dict[int, list[tuple[int, int]]]]:
+    """The expected switch points and exclusion windows of a transport."""
+    history = [HISTORY[0]] + [(i + delay, v) for i, v in HISTORY[1:]]
+    exclusions = {
+        r: [(a + delay, b if b == ITERATIONS else b + delay) for a, b in w]
+        for r, w in EXCLUSIONS.items()
+    }
+    return history, exclusions
 
 
 def _data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -83,10 +99,16 @@ class Script:
         return due[-1] if due else None
 
 
-def _scripted_worker(rank: int, world: int) -> dict[str, object]:
+def _scripted_worker(rank: int, world: int, transport: str) -> dict[str, object]:
     script = Script()
+    options, piggyback, _ = TRANSPORTS[transport]
     agreement = PlanAgreement(
-        Plan(1, (4, 4, 4), B), rank=rank, world_size=world, global_batch=B, propose=script
+        Plan(1, (4, 4, 4), B),
+        rank=rank,
+        world_size=world,
+        global_batch=B,
+        propose=script,
+        **options,
     )
     records: list[TelemetryRecord] = []
     ctx = EvenflowContext(
@@ -95,6 +117,7 @@ def _scripted_worker(rank: int, world: int) -> dict[str, object]:
         rank=rank,
         world_size=world,
         submit=records.append,
+        piggyback=piggyback,
         exclusion=ExclusionOptions(probe_every=1, poll_s=0.001),
     )
     script.ctx = ctx
@@ -104,6 +127,7 @@ def _scripted_worker(rank: int, world: int) -> dict[str, object]:
     for x, y, idx in ctx.batches(_data()):
         trained.append((ctx.iteration, idx.tolist()))
         ctx.step(_loss_sum(model, x, y))
+    assert agreement.transport == transport
     return {
         "params": [p.detach().flatten().tolist() for p in model.parameters()],
         "trained": trained,
@@ -146,8 +170,9 @@ def _resync_worker(rank: int, world: int) -> list[object]:
     ]
 
 
-def _both(rank: int, world: int) -> tuple[object, object]:
-    return _scripted_worker(rank, world), _resync_worker(rank, world)
+def _all(rank: int, world: int) -> tuple[dict[str, object], object]:
+    runs = {t: _scripted_worker(rank, world, t) for t in TRANSPORTS}
+    return runs, _resync_worker(rank, world)
 
 
 def _single_process() -> list[torch.Tensor]:
@@ -167,24 +192,40 @@ def _single_process() -> list[torch.Tensor]:
 @pytest.mark.distributed
 @pytest.mark.timeout(90)
 def test_exclusion_and_readmission_keep_every_invariant() -> None:
-    results = run_ranks(_both, 3, timeout=80)
-    runs = [r[0] for r in results]
+    results = run_ranks(_all, 3, timeout=80)
+    reference = _single_process()
+    for transport, (_, _, delay) in TRANSPORTS.items():
+        _check_scripted_run([r[0][transport] for r in results], reference, *_shift(delay))
 
+    # re-synchronisation: everything from the root, Adam's moments and step included
+    extras = [r[1][0] for r in results]
+    assert extras == [{"from": 2}] * 3
+    rank0, rank1, rank2 = (r[1] for r in results)
+    assert rank0[1] == rank2[1] and rank0[2] == rank2[2] and rank2[2]
+    assert rank1[1] != rank2[1]  # apply=False: joined the collectives, changed nothing
+
+
+def _check_scripted_run(
+    runs: list[Any],
+    reference: list[torch.Tensor],
+    history: list[tuple[int, int]],
+    exclusions: dict[int, list[tuple[int, int]]],
+) -> None:
     # all ranks agree on the switch points and on what was refused, and why
     for run in runs:
-        assert run["history"] == HISTORY
-        assert set(run["refused"]) == {3, 4, 9}  # type: ignore[arg-type]
+        assert run["history"] == history
+        assert set(run["refused"]) == {3, 4, 9}
     refused = runs[0]["refused"]
-    assert refused[3] == "every rank is excluded"  # type: ignore[index]
-    assert refused[4] == "excluded rank 2 is given 4 samples"  # type: ignore[index]
-    assert "no rank of the current group [1] stays active" in refused[9]  # type: ignore[index]
+    assert refused[3] == "every rank is excluded"
+    assert refused[4] == "excluded rank 2 is given 4 samples"
+    assert "no rank of the current group [1] stays active" in refused[9]
     assert runs[1]["refused"] == runs[2]["refused"] == refused
 
     # each rank sat out exactly the agreed windows, and trained only outside them
     for rank, run in enumerate(runs):
-        assert run["exclusions"] == EXCLUSIONS[rank]
-        out = {i for a, b in EXCLUSIONS[rank] for i in range(a, b)}
-        assert {i for i, _ in run["trained"]}.isdisjoint(out)  # type: ignore[attr-defined]
+        assert run["exclusions"] == exclusions[rank]
+        out = {i for a, b in exclusions[rank] for i in range(a, b)}
+        assert {i for i, _ in run["trained"]}.isdisjoint(out)
         assert run["iterations"] == ITERATIONS - len(out)
         assert run["global_samples"] == EPOCHS * N  # the job's count, handed over at joins
     # groups: {0,2}, {1,2}, {1} (rank 0 away), {0,1} (rank 2 away): one log, everywhere
@@ -193,20 +234,15 @@ def test_exclusion_and_readmission_keep_every_invariant() -> None:
     # exactly once: per epoch, the samples trained by all ranks are every index, once
     for epoch in range(EPOCHS):
         seen = [
-            i
-            for run in runs
-            for it, idx in run["trained"]  # type: ignore[attr-defined]
-            if it // PER_EPOCH == epoch
-            for i in idx
+            i for run in runs for it, idx in run["trained"] if it // PER_EPOCH == epoch for i in idx
         ]
         assert sorted(seen) == list(range(N))
 
     # exact: momentum SGD through all of it equals single-process SGD on the global batches
-    reference = _single_process()
     for run in runs:
         diff = max(
             (torch.tensor(p) - q).abs().max().item()
-            for p, q in zip(run["params"], reference, strict=True)  # type: ignore[call-overload]
+            for p, q in zip(run["params"], reference, strict=True)
         )
         assert diff < 1e-6
     assert runs[0]["params"] == runs[1]["params"] == runs[2]["params"]
@@ -216,18 +252,11 @@ def test_exclusion_and_readmission_keep_every_invariant() -> None:
     # at distinct iterations, so (rank, iteration) never collides
     for rank, run in enumerate(runs):
         rows = run["rows"]
-        normal = [i for i, _, _, probe in rows if not probe]  # type: ignore[attr-defined]
-        probes = [i for i, _, _, probe in rows if probe]  # type: ignore[attr-defined]
-        assert normal == [i for i, _ in run["trained"]]  # type: ignore[attr-defined]
+        normal = [i for i, _, _, probe in rows if not probe]
+        probes = [i for i, _, _, probe in rows if probe]
+        assert normal == [i for i, _ in run["trained"]]
         assert len(set(probes)) == len(probes)
-        assert all(any(a <= i < b for a, b in EXCLUSIONS[rank]) for i in probes)
-
-    # re-synchronisation: everything from the root, Adam's moments and step included
-    extras = [r[1][0] for r in results]
-    assert extras == [{"from": 2}] * 3
-    rank0, rank1, rank2 = (r[1] for r in results)
-    assert rank0[1] == rank2[1] and rank0[2] == rank2[2] and rank2[2]
-    assert rank1[1] != rank2[1]  # apply=False: joined the collectives, changed nothing
+        assert all(any(a <= i < b for a, b in exclusions[rank]) for i in probes)
 
 
 SLOW, STEP_MS, NO_WAIT_ITERATIONS = 50.0, 10.0, 30
@@ -258,7 +287,7 @@ def _no_wait_worker(rank: int, world: int, factor: float) -> list[tuple[int, flo
     return [(r.iteration, r.ts, r.data_ms + r.compute_ms + r.sync_ms, r.probe) for r in records]
 
 
-def _no_wait_both(rank: int, world: int) -> tuple[object, object]:
+def _no_wait_both(rank: int, world: int) -> tuple[Any, Any]:
     return _no_wait_worker(rank, world, 1.0), _no_wait_worker(rank, world, SLOW)
 
 
@@ -267,16 +296,16 @@ def _no_wait_both(rank: int, world: int) -> tuple[object, object]:
 def test_active_ranks_never_wait_for_a_slow_excluded_rank() -> None:
     results = run_ranks(_no_wait_both, 3, timeout=80)
     fast, slow = ([r[k] for r in results] for k in (0, 1))
-    probes = [ms for _, _, ms, probe in slow[2] if probe]  # type: ignore[attr-defined]
+    probes = [ms for _, _, ms, probe in slow[2] if probe]
     assert probes and all(p for p in slow[2])  # rank 2 only probed, ...
     assert min(probes) > 0.8 * SLOW * STEP_MS  # ... and its probes show the slowdown
     for rank in (0, 1):
-        base = statistics.median(ms for _, _, ms, _ in fast[rank])  # type: ignore[attr-defined]
-        steps = [ms for _, _, ms, _ in slow[rank]]  # type: ignore[attr-defined]
+        base = statistics.median(ms for _, _, ms, _ in fast[rank])
+        steps = [ms for _, _, ms, _ in slow[rank]]
         assert len(steps) == NO_WAIT_ITERATIONS
         # iteration times as in the run whose probes are fast, never near a probe's length
         assert statistics.median(steps) < 1.5 * base + 5
         assert max(steps) < 0.5 * min(probes)
         # the whole run of the active ranks took less than one slow probe... twice over
-        ts = [t for _, t, _, _ in slow[rank]]  # type: ignore[attr-defined]
+        ts = [t for _, t, _, _ in slow[rank]]
         assert (ts[-1] - ts[0]) * 1000 < 2 * min(probes)
