@@ -30,8 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import Dataset, default_collate
 
+from agent.runtime.datasets import DatasetLike, dataset_size, take
 from agent.runtime.emulation import EMULATED_LABEL, Emulator
 from agent.runtime.gradients import GradientSync, broadcast_module
 from agent.runtime.membership import ExclusionOptions, Membership, Notice, Role, Transition
@@ -43,12 +43,11 @@ from agent.runtime.telemetry import clamp_ms
 from agent.runtime.timing import IterationTimer, IterationTiming
 from agent.wire import JobSpec, TelemetryRecord
 
+__all__ = ["ContextStats", "DatasetLike", "EvenflowContext", "dataset_size"]
+
 log = logging.getLogger(__name__)
 
 MAX_LOSSES = 4096
-
-DatasetLike = torch.Tensor | tuple[torch.Tensor, ...] | Dataset[Any]
-"""A tensor or tuple of tensors indexed on dim 0, or a map-style ``Dataset`` (collated)."""
 
 
 @dataclass
@@ -89,7 +88,11 @@ class ContextStats:
 
 
 class EvenflowContext:
-    """Drives one rank's iterations; every rank must make the same calls in the same order."""
+    """Drives one rank's iterations; every rank must make the same calls in the same order.
+
+    Plans that exclude ranks need an initialised process group, and ``group`` (the gradient
+    group) must span the world (the default): subgroups are made of world ranks.
+    """
 
     def __init__(
         self,
@@ -224,7 +227,7 @@ class EvenflowContext:
                 self.timer.begin()
                 idx = sampler.local_indices(it, self._plan.batch_sizes, self.rank)
                 self._local = len(idx)
-                batch = _take(dataset, idx, self.device) if self._local else None
+                batch = take(dataset, idx, self.device) if self._local else None
                 self.timer.data_done()
                 if self._local == 0:
                     self._finish(None)
@@ -237,6 +240,9 @@ class EvenflowContext:
                 self.agreement.close()
                 self._resync(self.membership.end(self.iteration, self.agreement.current), False)
                 self._sync.group = self.group
+        except BaseException:  # failed, or the loop was left early: excluded ranks stop too
+            self.membership.abort(self.iteration, self.agreement.current)
+            raise
         finally:
             self.agreement.close()
             self._emit(self.timer.drain())
@@ -351,7 +357,7 @@ class EvenflowContext:
         idx = sampler.permutation(sampler.position(iteration)[0])[:b]
         try:
             timing = probe(
-                lambda: _take(dataset, idx, self.device),
+                lambda: take(dataset, idx, self.device),
                 self.probe_loss or forward_sum(self.model),
                 iteration=iteration,
                 batch_size=b,
@@ -394,34 +400,3 @@ class EvenflowContext:
                 )
             except Exception as exc:  # telemetry is best effort
                 log.warning("telemetry record for iteration %d dropped: %r", t.iteration, exc)
-
-
-def dataset_size(dataset: DatasetLike) -> int:
-    """Samples in a dataset: dim 0 of its tensors (which must agree), or ``len``."""
-    if isinstance(dataset, tuple):
-        sizes = {t.shape[0] for t in dataset}
-        if len(sizes) != 1:
-            raise ValueError(f"dataset tensors disagree on their length: {sorted(sizes)}")
-        return sizes.pop()
-    return len(dataset)  # type: ignore[arg-type]
-
-
-def _take(dataset: DatasetLike, idx: torch.Tensor, device: torch.device) -> Any:
-    if isinstance(dataset, torch.Tensor):
-        return dataset.index_select(0, idx.to(dataset.device)).to(device, non_blocking=True)
-    if isinstance(dataset, tuple):
-        return tuple(
-            t.index_select(0, idx.to(t.device)).to(device, non_blocking=True) for t in dataset
-        )
-    batch = default_collate([dataset[i] for i in idx.tolist()])
-    return _to_device(batch, device)
-
-
-def _to_device(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, list | tuple):
-        return type(batch)(_to_device(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: _to_device(v, device) for k, v in batch.items()}
-    return batch

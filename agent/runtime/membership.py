@@ -13,6 +13,8 @@ probes its speed off the critical path, and a later plan readmits it. One rank's
         +-------------------------------------------------+
                                                           | end notice (the job's last iteration
                                                           v is done): re-synchronise, leave loop
+                                          (an abort notice, from an active rank that failed or
+                                          left the loop early: raise, as the active ranks do)
 
 Roles at a boundary where the active set changes from ``A`` to ``A'`` (all deterministic, so
 every rank computes the same): the *notifier* is ``min(A)`` (it drove the agreement); the new
@@ -85,7 +87,7 @@ class ExclusionOptions:
 
 @dataclass(frozen=True)
 class Notice:
-    """A message to an excluded rank. ``kind`` is ``tick``, ``join`` or ``end``."""
+    """A message to an excluded rank. ``kind`` is ``tick``, ``join``, ``end`` or ``abort``."""
 
     kind: str
     iteration: int
@@ -235,6 +237,17 @@ class Membership:
         everyone = tuple(range(self.world_size))
         return Transition(iteration, everyone, plan.excluded, plan.leader, group, control)
 
+    def abort(self, iteration: int, plan: Plan) -> None:
+        """An active rank whose loop failed tells the excluded ranks (best effort, never raises),
+        so they fail now rather than at their silence timeout."""
+        if self._mailbox is None or self.role is not Role.ACTIVE:
+            return
+        try:
+            for r in plan.excluded:
+                self._post(r, Notice("abort", iteration, plan.version), with_log=False)
+        except Exception as exc:
+            log.warning("rank %d: could not tell excluded ranks of the failure: %r", self.rank, exc)
+
     def wait(self, since: int, probe: Callable[[int, int], None]) -> Notice:
         """Excluded from iteration ``since``: probe on each new tick until a join or end notice.
 
@@ -246,6 +259,11 @@ class Membership:
         while True:
             notice = self._read()
             if notice is not None and notice.iteration >= since:
+                if notice.kind == "abort":
+                    raise RuntimeError(
+                        f"rank {self.rank}: the active ranks stopped at iteration "
+                        f"{notice.iteration} while this rank was excluded"
+                    )
                 if notice.kind != "tick":
                     return notice
                 if notice.iteration > probed:

@@ -104,10 +104,16 @@ def test_excluded_rank_probes_once_per_fresh_tick_and_returns_at_its_join() -> N
     assert (notice.kind, notice.iteration, notice.root) == ("join", 9, 0)
 
 
-def test_an_excluded_rank_that_hears_nothing_gives_up() -> None:
-    m = Membership(2, 3, store=dist.HashStore(), options=ExclusionOptions(silence_timeout_s=0.05))
+def test_an_excluded_rank_gives_up_on_silence_and_stops_on_abort() -> None:
+    store = dist.HashStore()
+    m = Membership(2, 3, store=store, options=ExclusionOptions(silence_timeout_s=0.05))
     m.setup(Plan(1, (4, 4, 4)))
     with pytest.raises(TimeoutError, match="no word from the active ranks"):
+        m.wait(7, lambda it, version: None)
+    active = Membership(0, 3, store=store)
+    active.setup(Plan(1, (4, 4, 4)))
+    active.abort(9, Plan(2, (6, 6, 0), B, (2,)))
+    with pytest.raises(RuntimeError, match="active ranks stopped at iteration 9"):
         m.wait(7, lambda it, version: None)
 
 
