@@ -41,7 +41,14 @@ under a prefix unique to this context (a nonce agreed in :meth:`Membership.setup
 writes ticks every ``probe_every`` iterations; the notifier writes the join notice before making
 the group; the excluded rank polls the key between probes and never blocks anyone. The active
 ranks wait for a readmitted rank only at its join (group connect and re-synchronisation), at most
-one probe plus one poll interval late.
+one probe plus one poll interval late. (A store key rather than a posted ``irecv``: there is no
+send left unmatched when the leader changes while a rank is out, and last-writer-wins is exactly
+"the newest iteration".)
+
+Cost (``bench/membership_cost.py``, 3 gloo ranks on one shared 2-core host): making a subgroup
+about 6 ms, once per distinct set of active ranks; switching to a known one 0.03 ms; a tick or
+notice, one store write (microseconds); re-synchronisation 4 ms for a 4k-parameter MLP, 10 ms at
+0.3 M and 50 ms at 3.2 M parameters with momentum (about 0.5 GB/s over loopback).
 """
 
 from __future__ import annotations
