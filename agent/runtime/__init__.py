@@ -6,8 +6,11 @@ Modules, by what they are:
 - :mod:`~agent.runtime.sampler`: which samples each rank takes (the global batch is split, so
   every sample is used exactly once per epoch whatever the plans).
 - :mod:`~agent.runtime.gradients`: the exact all-reduce (summed losses, scaled by 1/B).
-- :mod:`~agent.runtime.plan_sync`: fetching plans off the critical path, and switching all ranks
-  at the same iteration.
+- :mod:`~agent.runtime.plan_sync`, :mod:`~agent.runtime.fetcher`: switching all ranks to a plan at
+  the same iteration; fetching plans off the critical path on the leading rank.
+- :mod:`~agent.runtime.membership`, :mod:`~agent.runtime.resync`, :mod:`~agent.runtime.probes`:
+  partial all-reduce: excluded ranks leave the group, probe their speed, and are readmitted with
+  parameters and optimizer state re-synchronised.
 - :mod:`~agent.runtime.timing`, :mod:`~agent.runtime.emulation`,
   :mod:`~agent.runtime.telemetry`: per-iteration timings, emulated speeds, best-effort delivery.
 - :mod:`~agent.runtime.workloads`, :mod:`~agent.runtime.context`: what to train, and the per-rank

@@ -1,16 +1,22 @@
 """The per-rank training engine a workload (built-in or user) drives: ``prepare``, ``batches``,
 ``step``.
 
-One iteration, on every rank, in this order::
+One iteration, on every active rank, in this order::
 
     plan agreement at the boundary (inside the gradient all-reduce, or one tiny broadcast)
+      [-> when the plan changes who is active: regroup, and re-synchronise readmitted ranks]
     -> data: this rank's slice of the global batch under the agreed plan
     -> compute: forward + backward of the SUMMED loss (skipped with 0 samples), emulation padding
     -> sync: one coalesced all-reduce of gradients and loss, scaled by 1 / global count
     -> optimizer step, zero the gradient buffer
     -> timing record -> telemetry queue (a background thread sends it)
 
-See :mod:`agent.runtime.workloads` for how a user loop uses this.
+A rank the agreed plan excludes leaves this loop at that boundary: it probes its speed on each
+tick from the leader and waits for a join notice (:mod:`agent.runtime.membership`); ``batches()``
+yields nothing meanwhile, and resumes at the join iteration with parameters, buffers and optimizer
+state re-synchronised. After the last iteration, ranks still excluded are re-synchronised too, so
+every rank ends with the trained model. See :mod:`agent.runtime.workloads` for how a user loop
+uses this.
 """
 
 from __future__ import annotations
@@ -24,22 +30,24 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import Dataset, default_collate
 
+from agent.runtime.datasets import DatasetLike, dataset_size, take
 from agent.runtime.emulation import EMULATED_LABEL, Emulator
 from agent.runtime.gradients import GradientSync, broadcast_module
-from agent.runtime.plan_sync import Plan, PlanAgreement
+from agent.runtime.membership import ExclusionOptions, Membership, Notice, Role, Transition
+from agent.runtime.plan_sync import Plan, PlanAgreement, decode_plan
+from agent.runtime.probes import ProbeLoss, forward_sum, probe, probe_size
+from agent.runtime.resync import resync
 from agent.runtime.sampler import GlobalBatchSampler
 from agent.runtime.telemetry import clamp_ms
 from agent.runtime.timing import IterationTimer, IterationTiming
 from agent.wire import JobSpec, TelemetryRecord
 
+__all__ = ["ContextStats", "DatasetLike", "EvenflowContext", "dataset_size"]
+
 log = logging.getLogger(__name__)
 
 MAX_LOSSES = 4096
-
-DatasetLike = torch.Tensor | tuple[torch.Tensor, ...] | Dataset[Any]
-"""A tensor or tuple of tensors indexed on dim 0, or a map-style ``Dataset`` (collated)."""
 
 
 @dataclass
@@ -55,7 +63,13 @@ class ContextStats:
     """(iteration, global mean loss), thinned to at most ``MAX_LOSSES`` entries spread over the
     run; always holds the last iteration's."""
     agreement_ms: float = 0.0
-    """Total host time spent in plan agreement at boundaries."""
+    """Total host time spent at boundaries (agreement, and any regroup and re-synchronisation)."""
+    exclusions: list[tuple[int, int]] = field(default_factory=list)
+    """(first iteration sat out, iteration rejoined at) for each time this rank was excluded."""
+    probes: int = 0
+    """Speed probes this rank ran while excluded."""
+    resync_ms: list[float] = field(default_factory=list)
+    """Host time of each re-synchronisation this rank took part in."""
     _loss_stride: int = field(default=1, repr=False)
     _loss_calls: int = field(default=0, repr=False)
 
@@ -74,7 +88,11 @@ class ContextStats:
 
 
 class EvenflowContext:
-    """Drives one rank's iterations; every rank must make the same calls in the same order."""
+    """Drives one rank's iterations; every rank must make the same calls in the same order.
+
+    Plans that exclude ranks need an initialised process group, and ``group`` (the gradient
+    group) must span the world (the default): subgroups are made of world ranks.
+    """
 
     def __init__(
         self,
@@ -89,6 +107,7 @@ class EvenflowContext:
         group: dist.ProcessGroup | None = None,
         loss_every: int = 1,
         piggyback: bool = True,
+        exclusion: ExclusionOptions = ExclusionOptions(),
     ) -> None:
         self.spec = spec
         self.rank = rank
@@ -113,6 +132,15 @@ class EvenflowContext:
         self._plan: Plan = agreement.current
         self._local = 0
         self._total = 0
+        self.membership = Membership(
+            rank, world_size, group=group, control_group=agreement.group, options=exclusion
+        )
+        self.probe_loss: ProbeLoss | None = None
+        """``probe_loss(batch)``: the summed loss of a batch as ``batches()`` yields it, for speed
+        probes while excluded (default: the model's output summed; see :mod:`~agent.runtime.
+        probes`)."""
+        self._dataset: DatasetLike | None = None
+        self._probe_failed = False
         if emulator is not None:
             log.info("rank %d: %s speed %s", rank, EMULATED_LABEL, emulator.worker)
 
@@ -154,6 +182,15 @@ class EvenflowContext:
         if slots:
             self.agreement.use_channel(self._sync)
         log.info("rank %d: plan agreement via %s", self.rank, self.agreement.transport)
+        initial = self.agreement.current
+        if dist.is_initialized():
+            self.membership.setup(initial)
+            self.agreement.on_regroup(self._regroup)
+            if initial.excluded:
+                self._sync.group, control = self.membership.groups_for(initial.active)
+                self.agreement.set_group(control, initial.leader)
+        elif initial.excluded:
+            raise ValueError("a plan with excluded ranks needs an initialised process group")
         return model, optimizer
 
     def total_iterations(self, dataset_size: int) -> int:
@@ -170,16 +207,27 @@ class EvenflowContext:
         n = dataset_size(dataset)
         self._sampler = sampler = GlobalBatchSampler(n, self.spec.global_batch, seed=self.seed)
         self._total = total = self.total_iterations(n)
+        self._dataset = dataset
         try:
             while self.iteration < total:
                 it = self.iteration
-                t0 = time.perf_counter()
-                self._plan = self.agreement.at_boundary(it)
-                self.stats.agreement_ms += (time.perf_counter() - t0) * 1000.0
+                if self.membership.role is Role.EXCLUDED:
+                    self._sit_out(it)  # returns readmitted at a later iteration, or at the end
+                    if self.iteration >= total:
+                        return  # the end notice: already re-synchronised
+                    it = self.iteration
+                else:
+                    t0 = time.perf_counter()
+                    self.agreement.at_boundary(it)
+                    self.stats.agreement_ms += (time.perf_counter() - t0) * 1000.0
+                    if self.membership.role is Role.EXCLUDED:
+                        continue
+                self._plan = self.agreement.current
+                self.membership.tick(it, self._plan)
                 self.timer.begin()
                 idx = sampler.local_indices(it, self._plan.batch_sizes, self.rank)
                 self._local = len(idx)
-                batch = _take(dataset, idx, self.device) if self._local else None
+                batch = take(dataset, idx, self.device) if self._local else None
                 self.timer.data_done()
                 if self._local == 0:
                     self._finish(None)
@@ -188,6 +236,13 @@ class EvenflowContext:
                 yield batch
                 if self._awaiting_step:
                     raise RuntimeError("call ctx.step(loss_sum) exactly once per batch")
+            if self.membership.role is Role.ACTIVE and self.agreement.current.excluded:
+                self.agreement.close()
+                self._resync(self.membership.end(self.iteration, self.agreement.current), False)
+                self._sync.group = self.group
+        except BaseException:  # failed, or the loop was left early: excluded ranks stop too
+            self.membership.abort(self.iteration, self.agreement.current)
+            raise
         finally:
             self.agreement.close()
             self._emit(self.timer.drain())
@@ -225,7 +280,107 @@ class EvenflowContext:
         self.iteration += 1
         return value
 
-    def _emit(self, timings: list[IterationTiming]) -> None:
+    # ------------------------------------------------------------------------ membership
+
+    def _regroup(self, iteration: int, old: Plan, new: Plan) -> tuple[Any, int]:
+        """The agreement's hook, on every rank of ``old.active``, when ``new`` changes them."""
+        assert self._sync is not None
+        tr = self.membership.switch(iteration, old, new)
+        if self.membership.role is Role.ACTIVE:
+            self._sync.group = tr.group
+            if tr.readmitted:
+                self._resync(tr, False)
+        return tr.control, new.leader
+
+    def _sit_out(self, since: int) -> None:
+        """Excluded from ``since``: probe until readmitted (then ``self.iteration`` is the join
+        iteration and the agreement is in step) or until the end (``self.iteration`` = total)."""
+        assert self._sync is not None
+        notice: Notice = self.membership.wait(since, self._probe)
+        if notice.kind == "join":
+            plan, problem = decode_plan(notice.plan, self.world_size)
+            assert problem is None, problem  # the active ranks accepted it
+            tr = self.membership.rejoin(notice, plan.active)
+            self._resync(tr, True)
+            self._sync.group = tr.group
+            self.agreement.resume(notice.iteration, plan, tr.control)
+        else:
+            self._resync(self.membership.rejoin(notice, tuple(range(self.world_size))), True)
+            self._sync.group = self.group
+        self.stats.exclusions.append((since, notice.iteration))
+        self.iteration = notice.iteration
+        log.info("rank %d: readmitted at iteration %d", self.rank, notice.iteration)
+
+    def _resync(self, tr: Transition, apply: bool) -> None:
+        assert self.model is not None and self.optimizer is not None
+        t0 = time.perf_counter()
+        s, a = self.stats, self.agreement
+        records = None
+        if self.rank == tr.root:
+            records = (
+                a.history,
+                a.refused,
+                s.global_samples,
+                s.losses,
+                s._loss_stride,
+                s._loss_calls,
+            )
+        records = resync(
+            self.model,
+            self.optimizer,
+            rank=self.rank,
+            root=tr.root,
+            apply=apply,
+            group=tr.group,
+            control=tr.control,
+            extra=records,
+        )
+        if apply:  # the job's records, so every rank ends with the same
+            a.history, a.refused, s.global_samples, s.losses, s._loss_stride, s._loss_calls = (
+                records
+            )
+        self.stats.resync_ms.append((time.perf_counter() - t0) * 1000.0)
+
+    def _probe(self, iteration: int, version: int) -> None:
+        """One speed probe while excluded; best effort (a failing probe stops probing)."""
+        assert self.model is not None and self._sync is not None and self._sampler is not None
+        if self._probe_failed or self._dataset is None:
+            return
+        dataset, sampler, plan = self._dataset, self._sampler, self.agreement.current
+        b = probe_size(
+            len(plan.active),
+            self.spec.global_batch,
+            self.membership.options.probe_max_batch,
+            self.spec.max_batch_per_worker,
+            sampler.dataset_size,
+        )
+        idx = sampler.permutation(sampler.position(iteration)[0])[:b]
+        try:
+            timing = probe(
+                lambda: take(dataset, idx, self.device),
+                self.probe_loss or forward_sum(self.model),
+                iteration=iteration,
+                batch_size=b,
+                device=self.device,
+                emulator=self.emulator,
+            )
+        except Exception as exc:
+            log.warning("rank %d: speed probe failed, probing stops: %r", self.rank, exc)
+            self._probe_failed = True
+            return
+        finally:
+            self._sync.zero_grad()  # a probe's gradients are never used
+        self.stats.probes += 1
+        self._emit(
+            [
+                IterationTiming(
+                    iteration, version, b, timing.data_ms, timing.compute_ms, 0, time.time()
+                )
+            ],
+            probe=True,
+        )
+
+    def _emit(self, timings: list[IterationTiming], *, probe: bool = False) -> None:
         if self._submit is None:
             return
         for t in timings:
@@ -240,38 +395,8 @@ class EvenflowContext:
                         compute_ms=clamp_ms(t.compute_ms),
                         sync_ms=clamp_ms(t.sync_ms),
                         ts=t.ts,
+                        probe=probe,
                     )
                 )
             except Exception as exc:  # telemetry is best effort
                 log.warning("telemetry record for iteration %d dropped: %r", t.iteration, exc)
-
-
-def dataset_size(dataset: DatasetLike) -> int:
-    """Samples in a dataset: dim 0 of its tensors (which must agree), or ``len``."""
-    if isinstance(dataset, tuple):
-        sizes = {t.shape[0] for t in dataset}
-        if len(sizes) != 1:
-            raise ValueError(f"dataset tensors disagree on their length: {sorted(sizes)}")
-        return sizes.pop()
-    return len(dataset)  # type: ignore[arg-type]
-
-
-def _take(dataset: DatasetLike, idx: torch.Tensor, device: torch.device) -> Any:
-    if isinstance(dataset, torch.Tensor):
-        return dataset.index_select(0, idx.to(dataset.device)).to(device, non_blocking=True)
-    if isinstance(dataset, tuple):
-        return tuple(
-            t.index_select(0, idx.to(t.device)).to(device, non_blocking=True) for t in dataset
-        )
-    batch = default_collate([dataset[i] for i in idx.tolist()])
-    return _to_device(batch, device)
-
-
-def _to_device(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, list | tuple):
-        return type(batch)(_to_device(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: _to_device(v, device) for k, v in batch.items()}
-    return batch

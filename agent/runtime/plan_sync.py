@@ -1,30 +1,40 @@
-"""Getting plans from the control plane, and switching every rank to a new plan at once.
+"""Switching every rank to a new plan at once, and refusing bad plans everywhere.
 
-Two parts, so the HTTP side never touches the training loop:
+:class:`PlanAgreement` runs on every rank of the all-reduce group, at every iteration boundary.
+The *leader* (the lowest rank in the group; rank 0 unless a plan excluded it) puts its newest
+candidate (or the current plan) into a tiny integer message (:func:`encode_plan`)::
 
-- :class:`PlanFetcher` runs on rank 0 only, in a daemon thread. It polls ``fetch_plan()`` and keeps
-  the newest plan whose version is above the one it already knows. Errors are counted and logged,
-  with exponential back-off, and never leave the thread.
-- :class:`PlanAgreement` runs on every rank, at every iteration boundary. Rank 0 puts its newest
-  candidate (or the current plan) into a tiny integer message ``[version, global_batch, length,
-  sizes...]``; every rank decodes the *same* message and runs the *same* validation, so all ranks
-  accept or all refuse, and a new version takes effect at the same iteration everywhere. A plan
-  whose sizes are negative, do not sum to B, exceed the job's ``max_batch_per_worker``, or whose
-  length is not the world size is refused (logged, counted) and the old plan kept.
+    [version, global_batch, length, n_excluded, size_0 .. size_{W-1}, excl_0 .. excl_{W-1}]
+
+where ``excl_r`` counts how often rank ``r`` is listed as excluded. Every rank decodes the *same*
+message and runs the *same* validation, so all accept or all refuse, and a new version takes effect
+at the same iteration everywhere. Refused (logged, counted, old plan kept): sizes negative, not
+summing to B, above the job's ``max_batch_per_worker``, a length that is not the world size; an
+excluded rank listed twice, out of range, or given samples; every rank excluded; and a membership
+change that keeps no rank of the current group (nobody would hold the current parameters).
+
+Candidates come from ``propose`` (a :class:`~agent.runtime.fetcher.PlanFetcher`'s ``latest``);
+every rank may hold one, only the leader's is called.
+
+Membership. When an agreed plan changes the set of active ranks, the agreement calls its
+``regroup`` hook (:class:`~agent.runtime.membership.Membership` through the context) between
+receiving the plan and sending the next message, so the next message already travels in the new
+group; a rank the plan excludes sends nothing until it is readmitted (:meth:`PlanAgreement.
+resume`). Without a hook, plans that exclude ranks are refused.
 
 Cost. The message normally rides in spare slots of the gradient all-reduce the iteration does
 anyway (see :class:`~agent.runtime.gradients.GradientSync`), so agreement adds no collective; a
-new plan takes effect one iteration after rank 0 saw it. Where the gradients cannot carry it (on
-a GPU, where reading it back would synchronise the host, or with 16-bit gradients), it is a tiny
-int64 broadcast, pipelined: started at boundary ``i``, waited for at ``i + every``, so its latency
-hides behind compute. On NCCL jobs that broadcast goes over a gloo group so the control tensor
-stays on the CPU. Nothing is allocated per iteration beyond a tensor of ``3 + world`` integers.
+new plan takes effect one iteration after the leader saw it. Where the gradients cannot carry it
+(on a GPU, where reading it back would synchronise the host, or with 16-bit gradients), it is a
+tiny int64 broadcast, pipelined: started at boundary ``i``, waited for at ``i + every``, so its
+latency hides behind compute. On NCCL jobs that broadcast goes over a gloo group so the control
+tensor stays on the CPU. Nothing is allocated per iteration beyond a tensor of ``4 + 2 * world``
+integers.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -32,12 +42,23 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from agent.runtime.fetcher import FetchPlan, PlanFetcher
 from agent.runtime.gradients import CONTROL_MAX
 from agent.wire import PlanOut
 
-log = logging.getLogger(__name__)
+__all__ = [
+    "FetchPlan",
+    "Plan",
+    "PlanAgreement",
+    "PlanFetcher",
+    "agree_initial",
+    "decode_plan",
+    "encode_plan",
+    "message_length",
+    "plan_problem",
+]
 
-FetchPlan = Callable[[], PlanOut | None]
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -48,12 +69,25 @@ class Plan:
     batch_sizes: tuple[int, ...]
     global_batch: int = -1
     """The plan's own statement of B (``PlanOut.global_batch``); -1 means 'use sum(sizes)'."""
+    excluded: tuple[int, ...] = ()
+    """Ranks out of the all-reduce group under this plan (their batch is 0)."""
 
     @classmethod
     def of(cls, plan: PlanOut | Plan) -> Plan:
         if isinstance(plan, Plan):
             return plan
-        return cls(plan.version, tuple(plan.batch_sizes), plan.global_batch)
+        return cls(plan.version, tuple(plan.batch_sizes), plan.global_batch, tuple(plan.excluded))
+
+    @property
+    def active(self) -> tuple[int, ...]:
+        """The ranks in the all-reduce group, ascending (every rank not excluded)."""
+        out = set(self.excluded)
+        return tuple(r for r in range(len(self.batch_sizes)) if r not in out)
+
+    @property
+    def leader(self) -> int:
+        """The lowest active rank: it proposes plans and is the root of re-synchronisation."""
+        return self.active[0]
 
 
 def plan_problem(
@@ -70,6 +104,16 @@ def plan_problem(
         return f"{len(sizes)} batch sizes for {world_size} ranks"
     if any(b < 0 for b in sizes):
         return f"negative batch size in {list(sizes)}"
+    excluded = plan.excluded
+    if len(set(excluded)) != len(excluded):
+        return f"a rank is excluded twice in {list(excluded)}"
+    if any(not 0 <= r < world_size for r in excluded):
+        return f"excluded ranks {list(excluded)} outside 0..{world_size - 1}"
+    if len(excluded) == world_size:
+        return "every rank is excluded"
+    given = [r for r in excluded if sizes[r]]
+    if given:
+        return f"excluded rank {given[0]} is given {sizes[given[0]]} samples"
     if sum(sizes) != global_batch:
         return f"batch sizes sum to {sum(sizes)}, global batch is {global_batch}"
     if plan.global_batch not in (-1, global_batch):
@@ -79,63 +123,39 @@ def plan_problem(
     return None
 
 
-class PlanFetcher:
-    """Polls ``fetch_plan`` in a daemon thread; :meth:`latest` never blocks, nothing raises."""
+def message_length(world_size: int) -> int:
+    """Integers in one agreement message (see the module docstring)."""
+    return 4 + 2 * world_size
 
-    def __init__(
-        self,
-        fetch_plan: FetchPlan,
-        *,
-        interval_s: float = 1.0,
-        max_backoff_s: float = 30.0,
-        known_version: int = 0,
-    ) -> None:
-        self._fetch = fetch_plan
-        self.interval_s = interval_s
-        self.max_backoff_s = max_backoff_s
-        self._known = known_version
-        self._latest: PlanOut | None = None
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="evenflow-plan-fetcher", daemon=True)
-        self.fetches = 0
-        self.errors = 0
 
-    def start(self) -> PlanFetcher:
-        self._thread.start()
-        return self
+def encode_plan(plan: Plan, world_size: int) -> list[int]:
+    """The plan as an agreement message; lengths or ranks that do not fit are kept detectable."""
+    sizes = list(plan.batch_sizes)[:world_size]
+    sizes += [0] * (world_size - len(sizes))
+    flags = [0] * world_size
+    for r in plan.excluded:
+        if 0 <= r < world_size:
+            flags[r] += 1
+    head = [plan.version, plan.global_batch, len(plan.batch_sizes), len(plan.excluded)]
+    return head + sizes + flags
 
-    def latest(self) -> PlanOut | None:
-        """The newest plan fetched with a version above the initial known one, if any."""
-        with self._lock:
-            return self._latest
 
-    def close(self, timeout_s: float = 2.0) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout_s)
-
-    def _run(self) -> None:
-        delay = self.interval_s
-        while not self._stop.is_set():
-            try:
-                plan = self._fetch()
-                self.fetches += 1
-                delay = self.interval_s
-                if plan is not None and plan.version > self._known:
-                    with self._lock:
-                        self._known = plan.version
-                        self._latest = plan
-            except Exception as exc:  # never into the loop; a dead fetcher only means old plans
-                self.errors += 1
-                delay = min(max(delay, self.interval_s) * 2, self.max_backoff_s)
-                if self.errors == 1 or self.errors % 20 == 0:
-                    log.warning("plan fetch failed (%d so far): %r", self.errors, exc)
-            self._stop.wait(delay)
+def decode_plan(message: Sequence[int], world_size: int) -> tuple[Plan, str | None]:
+    """The plan in a message, and what is wrong with its shape (before :func:`plan_problem`)."""
+    version, gb, length, n_excluded = message[:4]
+    sizes = tuple(message[4 : 4 + world_size])
+    flags = message[4 + world_size : 4 + 2 * world_size]
+    excluded = tuple(r for r, n in enumerate(flags) for _ in range(n))
+    plan = Plan(version, sizes, gb, excluded)
+    if length != world_size:
+        return plan, f"{length} batch sizes for {world_size} ranks"
+    if n_excluded != len(excluded):
+        return plan, f"{n_excluded} excluded ranks named, {len(excluded)} of them in range"
+    return plan, None
 
 
 class ControlChannel(Protocol):
-    """Carries a few small integers from rank 0 to every rank on a collective that runs anyway.
+    """Carries a few small integers from one rank to every rank on a collective that runs anyway.
 
     :class:`~agent.runtime.gradients.GradientSync` is one: its all-reduce has control slots.
     """
@@ -147,12 +167,16 @@ class ControlChannel(Protocol):
     def received_control(self) -> list[int] | None: ...
 
 
-class PlanAgreement:
-    """Every rank calls :meth:`at_boundary` before every iteration, in the same order.
+Regroup = Callable[[int, Plan, Plan], tuple[dist.ProcessGroup | None, int]]
+"""``regroup(iteration, old, new) -> (control group, leader)`` when the active set changes."""
 
-    ``propose`` (rank 0 only; ignored elsewhere) returns the newest candidate plan or ``None``;
-    typically ``PlanFetcher.latest``. ``history`` lists ``(iteration, version)`` each time the plan
-    in force changed, starting with the initial plan at iteration ``start_iteration``.
+
+class PlanAgreement:
+    """Every active rank calls :meth:`at_boundary` before every iteration, in the same order.
+
+    ``propose`` returns the newest candidate plan or ``None`` (typically ``PlanFetcher.latest``);
+    only the leader's is called. ``history`` lists ``(iteration, version)`` each time the plan in
+    force changed, starting with the initial plan at iteration ``start_iteration``.
 
     Three transports, all deciding identically on every rank:
 
@@ -191,8 +215,11 @@ class PlanAgreement:
         self.current = initial
         self.every = every
         self.pipelined = pipelined
-        self._propose = propose if rank == 0 else None
+        self.leader = initial.leader
+        """The rank whose candidates are sent (the lowest active rank)."""
+        self._propose = propose
         self._group = group
+        self._regroup: Regroup | None = None
         self._buf = torch.zeros(self.message_length, dtype=torch.int64)
         self._work: dist.Work | None = None
         self._in_flight = False
@@ -204,14 +231,19 @@ class PlanAgreement:
 
     @property
     def message_length(self) -> int:
-        """Integers in one agreement message: version, global batch, length, sizes."""
-        return 3 + self.world_size
+        """Integers in one agreement message (see the module docstring)."""
+        return message_length(self.world_size)
 
     @property
     def transport(self) -> str:
         if self._channel is not None:
             return "channel"
         return "pipelined" if self.pipelined else "blocking"
+
+    @property
+    def active(self) -> bool:
+        """Whether this rank is in the all-reduce group under the current plan."""
+        return self.rank not in self.current.excluded
 
     def use_channel(self, channel: ControlChannel) -> bool:
         """Agree through ``channel`` from now on; ``False`` (and no change) if it cannot.
@@ -224,13 +256,21 @@ class PlanAgreement:
         self._channel = channel
         return True
 
+    def on_regroup(self, regroup: Regroup | None) -> None:
+        """Install the hook that changes groups when the active set changes (see the module)."""
+        self._regroup = regroup
+
+    def set_group(self, group: dist.ProcessGroup | None, leader: int) -> None:
+        """The group the agreement runs in, and its leader (before any boundary, every rank)."""
+        self._group, self.leader = group, leader
+
     def at_boundary(self, iteration: int) -> Plan:
-        """The plan to train iteration ``iteration`` on; the same on every rank."""
+        """The plan to train iteration ``iteration`` on; the same on every active rank."""
         if self._channel is not None:
             received = self._channel.received_control()
             if received is not None:
                 self._apply(iteration, received[: self.message_length])
-            self._channel.send_control(self._encode())
+            self._send(iteration)
             return self.current
         if iteration % self.every:
             return self.current
@@ -238,11 +278,23 @@ class PlanAgreement:
             if self._in_flight:
                 self.close()
                 self._apply(iteration, self._buf.tolist())
-            self._broadcast(iteration, async_op=True)
         else:
-            self._broadcast(iteration, async_op=False)
+            self._broadcast(async_op=False)
             self._apply(iteration, self._buf.tolist())
+        self._send(iteration)
         return self.current
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The group the agreement runs in (``None``: the default group)."""
+        return self._group
+
+    def resume(self, iteration: int, plan: Plan, group: dist.ProcessGroup | None) -> None:
+        """Readmitted at ``iteration`` under ``plan``: do what the others do after receiving at
+        that boundary (send the next message, in the new group)."""
+        self.current = plan
+        self._group, self.leader = group, plan.leader
+        self._send(iteration)
 
     def close(self) -> None:
         """Wait for an outstanding broadcast (every rank must call this, like at_boundary)."""
@@ -251,60 +303,74 @@ class PlanAgreement:
             self._work = None
         self._in_flight = False
 
-    def _broadcast(self, iteration: int, *, async_op: bool) -> None:
+    def _send(self, iteration: int) -> None:
+        if not self.active:
+            return
+        if self._channel is not None:
+            self._channel.send_control(self._encode())
+        elif self.pipelined and iteration % self.every == 0:
+            self._broadcast(async_op=True)
+
+    def _broadcast(self, *, async_op: bool) -> None:
         message = self._encode()
         if message is not None:
             self._buf.copy_(torch.tensor(message))
         if dist.is_initialized():
-            self._work = dist.broadcast(self._buf, src=0, group=self._group, async_op=async_op)
+            self._work = dist.broadcast(
+                self._buf, src=self.leader, group=self._group, async_op=async_op
+            )
         self._in_flight = async_op
 
     def _encode(self) -> list[int] | None:
-        """Rank 0's message: the newest acceptable-looking candidate, else the current plan."""
-        if self._propose is None:
+        """The leader's message: the newest acceptable-looking candidate, else the current plan."""
+        if self.rank != self.leader:
             return None
         plan = self.current
-        try:
-            candidate = self._propose()
-        except Exception as exc:  # a broken proposer must not stop training
-            log.warning("plan proposer failed: %r", exc)
-            candidate = None
+        candidate = None
+        if self._propose is not None:
+            try:
+                candidate = self._propose()
+            except Exception as exc:  # a broken proposer must not stop training
+                log.warning("plan proposer failed: %r", exc)
         if candidate is not None:
             c = Plan.of(candidate)
             fresh = c.version not in self.refused and c.version not in self._unsendable
             if c.version > self.current.version and fresh:
                 plan = c
-        message = self._message(plan)
+        message = encode_plan(plan, self.world_size)
         if self._channel is not None and any(abs(v) >= CONTROL_MAX for v in message):
             # Float slots carry integers exactly only below 2**24; never send a rounded plan.
             log.error("plan v%d has values too large to send; ignored", plan.version)
             self._unsendable.add(plan.version)
-            return self._message(self.current)
+            return encode_plan(self.current, self.world_size)
         return message
 
-    def _message(self, plan: Plan) -> list[int]:
-        sizes = list(plan.batch_sizes)[: self.world_size]
-        sizes += [0] * (self.world_size - len(sizes))
-        return [plan.version, plan.global_batch, len(plan.batch_sizes), *sizes]
-
     def _apply(self, iteration: int, message: list[int]) -> None:
-        version, gb, length, *sizes = message
-        if version <= self.current.version:
+        plan, problem = decode_plan(message, self.world_size)
+        if plan.version <= self.current.version:
             return
-        if length != self.world_size:
-            problem: str | None = f"{length} batch sizes for {self.world_size} ranks"
-        else:
-            problem = plan_problem(
-                Plan(version, tuple(sizes), gb), self.world_size, self.global_batch, self.max_batch
-            )
+        old = self.current
+        regroup = plan.active != old.active
+        if problem is None:
+            problem = plan_problem(plan, self.world_size, self.global_batch, self.max_batch)
+        if problem is None and regroup:
+            if self._regroup is None:
+                problem = "this runtime cannot change the all-reduce group (no membership)"
+            elif not set(plan.active) & set(old.active):
+                problem = f"no rank of the current group {list(old.active)} stays active"
         if problem is not None:
-            if version not in self.refused:
-                self.refused[version] = problem
-                log.warning("plan v%d refused at iteration %d: %s", version, iteration, problem)
+            if plan.version not in self.refused:
+                self.refused[plan.version] = problem
+                log.warning(
+                    "plan v%d refused at iteration %d: %s", plan.version, iteration, problem
+                )
             return
-        self.current = Plan(version, tuple(sizes), gb)
-        self.history.append((iteration, version))
-        log.info("plan v%d in force from iteration %d: %s", version, iteration, sizes)
+        self.current = plan
+        self.history.append((iteration, plan.version))
+        log.info("plan v%d in force from iteration %d: %s", plan.version, iteration, plan)
+        if regroup:
+            assert self._regroup is not None
+            self._group, self.leader = self._regroup(iteration, old, plan)
 
 
 def agree_initial(
@@ -321,25 +387,17 @@ def agree_initial(
     Every rank raises the same ``ValueError`` when rank 0 has no plan or an unusable one, so a job
     fails at start on all ranks alike rather than hanging the others.
     """
-    buf = torch.zeros(3 + world_size, dtype=torch.int64)
+    buf = torch.zeros(message_length(world_size), dtype=torch.int64)
     if rank == 0 and plan is not None:
-        p = Plan.of(plan)
-        sizes: Sequence[int] = list(p.batch_sizes)[:world_size]
-        buf.copy_(
-            torch.tensor(
-                [p.version, p.global_batch, len(p.batch_sizes), *sizes]
-                + [0] * (world_size - len(sizes))
-            )
-        )
+        buf.copy_(torch.tensor(encode_plan(Plan.of(plan), world_size)))
     if dist.is_initialized():
         dist.broadcast(buf, src=0, group=group)
-    version, gb, length, *rest = buf.tolist()
-    if version == 0 and length == 0:
+    message = buf.tolist()
+    initial, problem = decode_plan(message, world_size)
+    if initial.version == 0 and message[2] == 0:
         raise ValueError("rank 0 has no initial plan")
-    if length != world_size:
-        raise ValueError(f"initial plan v{version} refused: {length} sizes for {world_size} ranks")
-    initial = Plan(version, tuple(rest), gb)
-    problem = plan_problem(initial, world_size, global_batch, max_batch)
+    if problem is None:
+        problem = plan_problem(initial, world_size, global_batch, max_batch)
     if problem:
-        raise ValueError(f"initial plan v{version} refused: {problem}")
+        raise ValueError(f"initial plan v{initial.version} refused: {problem}")
     return initial

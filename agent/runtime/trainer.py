@@ -1,7 +1,8 @@
 """``run_training``: one rank's whole job, from process group to result.
 
-It wires the parts together: the initial plan is agreed (rank 0's, broadcast), rank 0 starts the
-plan fetcher thread, every rank starts a telemetry sender thread, the workload is built (built-in
+It wires the parts together: the initial plan is agreed (rank 0's, broadcast), every rank holds a
+plan fetcher whose thread polls only while that rank leads (the lowest active rank: rank 0 unless
+a plan excludes it), every rank starts a telemetry sender thread, the workload is built (built-in
 or user entrypoint) and driven through :class:`~agent.runtime.context.EvenflowContext`, and at the
 end the threads are closed (telemetry flushed within a deadline) and a :class:`RunResult` returned.
 
@@ -23,7 +24,9 @@ import torch.distributed as dist
 
 from agent.runtime.context import EvenflowContext
 from agent.runtime.emulation import Emulator
-from agent.runtime.plan_sync import FetchPlan, Plan, PlanAgreement, PlanFetcher, agree_initial
+from agent.runtime.fetcher import FetchPlan, PlanFetcher
+from agent.runtime.membership import ExclusionOptions
+from agent.runtime.plan_sync import Plan, PlanAgreement, agree_initial
 from agent.runtime.telemetry import PostTelemetry, TelemetrySender, TelemetryStats
 from agent.runtime.workloads import Workload, builtin, load_entrypoint
 from agent.wire import JobSpec, PlanOut
@@ -36,7 +39,7 @@ class RuntimeOptions:
     """Knobs of the runtime; the defaults suit real jobs, tests shorten the timers."""
 
     plan_poll_s: float = 1.0
-    """How often rank 0 asks the control plane for a newer plan."""
+    """How often the leader (rank 0 unless excluded) asks the control plane for a newer plan."""
     agree_every: int = 1
     """Plan agreement at every k-th iteration boundary."""
     pipelined_agreement: bool = True
@@ -56,6 +59,8 @@ class RuntimeOptions:
     """Apply the spec's ``emulation`` entry for this rank (when the spec has one)."""
     timeout: timedelta = timedelta(minutes=10)
     """Collective timeout when this function initialises the process group."""
+    exclusion: ExclusionOptions = field(default_factory=ExclusionOptions)
+    """How an excluded rank probes its speed and waits to be readmitted."""
 
 
 @dataclass
@@ -82,6 +87,15 @@ class RunResult:
     wall_s: float = 0.0
     plan_fetch_errors: int = 0
     telemetry: TelemetryStats | None = None
+    exclusions: list[tuple[int, int]] = field(default_factory=list)
+    """(first iteration sat out, iteration rejoined at) for each time this rank was excluded;
+    the job's end counts as a rejoin (this rank then received the final parameters)."""
+    probes: int = 0
+    """Speed probes this rank ran while excluded (telemetry rows with ``probe=True``)."""
+    regroup_ms: list[float] = field(default_factory=list)
+    """Host time of each change of all-reduce group this rank took part in."""
+    resync_ms: list[float] = field(default_factory=list)
+    """Host time of each re-synchronisation (parameters, buffers, optimizer state)."""
 
     @property
     def plan_versions(self) -> list[int]:
@@ -144,10 +158,12 @@ def run_training(
             group=control,
             max_batch=spec.max_batch_per_worker,
         )
-        if rank == 0 and fetch_plan is not None:
+        if fetch_plan is not None:  # polls only while its rank leads (see PlanFetcher)
             fetcher = PlanFetcher(
                 fetch_plan, interval_s=options.plan_poll_s, known_version=initial.version
-            ).start()
+            )
+            if rank == initial.leader:
+                fetcher.start()
         if post_telemetry is not None:
             sender = TelemetrySender(
                 post_telemetry,
@@ -180,6 +196,7 @@ def run_training(
             submit=sender.submit if sender else None,
             loss_every=loss_every,
             piggyback=options.piggyback_agreement,
+            exclusion=options.exclusion,
         )
         run_workload(ctx)
         stats = ctx.stats
@@ -197,6 +214,10 @@ def run_training(
             padded_ms=emulator.padded_ms if emulator else 0.0,
             agreement_ms=stats.agreement_ms,
             agreement_transport=agreement.transport,
+            exclusions=stats.exclusions,
+            probes=stats.probes,
+            regroup_ms=ctx.membership.regroup_ms,
+            resync_ms=stats.resync_ms,
         )
     finally:
         if fetcher is not None:
@@ -233,6 +254,7 @@ def train_workload(ctx: EvenflowContext, workload: Workload) -> None:
     model = workload.model.to(ctx.device)
     optimizer = workload.optimizer(model.parameters()) if workload.optimizer else None
     model, _ = ctx.prepare(model, optimizer)
+    ctx.probe_loss = lambda batch: workload.loss_fn(model(batch[0]), batch[1])
     for inputs, targets in ctx.batches(workload.dataset):
         ctx.step(workload.loss_fn(model(inputs), targets))
 

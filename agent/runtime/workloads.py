@@ -37,6 +37,18 @@ A job's ``workload.entrypoint`` is ``"package.module:function"``. The function r
    all-reduce and steps the optimizer itself), so per-iteration side effects such as an LR
    scheduler belong outside the body or should read ``ctx.iteration``.
 
+   While a plan *excludes* this rank (partial all-reduce, :mod:`agent.runtime.membership`),
+   ``ctx.batches()`` yields nothing: the body is skipped for every iteration the rank sits out,
+   and the next batch it yields is that of the iteration it is readmitted at (``ctx.iteration``
+   jumps there), with the model's parameters and buffers and the optimizer's state already
+   replaced by the group's. Meanwhile it times probes on its own: a forward + backward of a
+   small batch through ``ctx.probe_loss(batch)`` if set (a returned ``Workload`` sets it from
+   its ``loss_fn``), else the model's output summed, gradients discarded. Set
+   ``ctx.probe_loss`` before the loop when the model cannot be called on the first element
+   of a batch. State kept outside the model and optimizer (an LR scheduler, a custom EMA)
+   is not re-synchronised. When the loop ends every rank holds the trained model, including
+   one still excluded at the end, so saving a checkpoint on rank 0 stays right.
+
 ``ctx.args`` is the job's ``workload.args``, ``ctx.seed`` its seed, ``ctx.device`` the device.
 """
 

@@ -17,6 +17,7 @@ from agent.runtime.plan_sync import (
     PlanAgreement,
     PlanFetcher,
     agree_initial,
+    message_length,
     plan_problem,
 )
 from agent.wire import PlanOut, PlanSource
@@ -93,7 +94,7 @@ def _agreement_worker(rank: int, world: int) -> dict[str, object]:
         agreement = PlanAgreement(
             initial, rank=rank, world_size=world, global_batch=B, propose=script, **kwargs
         )
-        sync = GradientSync(nn.Linear(2, 1).parameters(), control_slots=3 + world)
+        sync = GradientSync(nn.Linear(2, 1).parameters(), control_slots=agreement.message_length)
         if name == "channel":
             assert agreement.use_channel(sync) and agreement.transport == "channel"
         log = []
@@ -173,7 +174,7 @@ def test_initial_plan_must_be_valid() -> None:
         agree_initial(None, rank=0, world_size=3, global_batch=B)
     with pytest.raises(ValueError, match="sum to 13"):
         agree_initial(plan_out(1, [4, 4, 5]), rank=0, world_size=3, global_batch=B)
-    with pytest.raises(ValueError, match="2 sizes for 3"):
+    with pytest.raises(ValueError, match="2 batch sizes for 3"):
         agree_initial(plan_out(1, [6, 6]), rank=0, world_size=3, global_batch=B)
     assert agree_initial(plan_out(7, [2, 2, 8]), rank=0, world_size=3, global_batch=B) == Plan(
         7, (2, 2, 8), B
@@ -215,7 +216,7 @@ def test_a_plan_too_large_for_the_channel_is_ignored_not_rounded(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     huge = 2**24 + 1
-    sync = GradientSync(nn.Linear(2, 1).parameters(), control_slots=5)
+    sync = GradientSync(nn.Linear(2, 1).parameters(), control_slots=message_length(2))
     a = PlanAgreement(
         Plan(1, (6, 6)),
         rank=0,
