@@ -352,6 +352,9 @@ class JobSpec(Request):
     iterations: int | None = Field(default=None, ge=1, le=100_000_000)
     epochs: int | None = Field(default=None, ge=1, le=100_000)
     workers: int | None = Field(default=None, ge=1, le=1024)
+    max_workers: int | None = Field(default=None, ge=1, le=1024)
+    """With ``workers``: take up to this many devices when they are free (``workers`` is then
+    the minimum); placement picks the count that maximises predicted throughput."""
     devices: list[Id] | None = Field(default=None, min_length=1, max_length=1024)
     """Explicit device ids (from GET /hosts); instead of ``workers``."""
     policy: PolicySpec = Field(default_factory=PolicySpec)
@@ -368,6 +371,13 @@ class JobSpec(Request):
             raise ValueError("give exactly one of workers or devices")
         if self.devices is not None and len(set(self.devices)) != len(self.devices):
             raise ValueError("devices lists a device twice")
+        if self.max_workers is not None:
+            if self.workers is None or self.max_workers < self.workers:
+                raise ValueError("max_workers needs workers (the minimum) and must be at least it")
+            if self.emulation is not None and self.max_workers != self.workers:
+                raise ValueError(
+                    "an emulated job has one emulation entry per rank: give no max_workers"
+                )
         n = self.world_size
         if self.emulation is not None and len(self.emulation) != n:
             raise ValueError(f"emulation has {len(self.emulation)} entries for {n} workers")

@@ -124,7 +124,7 @@ class Api:
         return data
 
     def submit(
-        self, workers: int = 2, global_batch: int = 64, **extra: object
+        self, workers: int | None = 2, global_batch: int = 64, **extra: object
     ) -> dict[str, object]:
         spec = {
             "name": "job",
@@ -134,6 +134,7 @@ class Api:
             "workers": workers,
             **extra,
         }
+        spec = {k: v for k, v in spec.items() if v is not None}
         r = self.client.post("/api/v1/jobs", json=spec, headers=self.headers())
         assert r.status_code == 201, r.text
         data: dict[str, object] = r.json()

@@ -1,17 +1,55 @@
-"""Placement of pending jobs onto free devices, highest priority first."""
+"""Placement of pending jobs onto free devices, highest priority first.
+
+A job naming explicit ``devices`` gets exactly those once they are all free. Any other job is
+placed by the planner's integer program (``server.planner.place``: maximise the predicted
+throughput of the chosen devices, fewer hosts preferred, between ``workers`` and
+``max_workers`` devices), warm-started from a greedy placement, with a time limit.
+
+Device speeds for the job's workload come from telemetry of earlier (non-emulated) jobs of the
+same workload on that device: samples over compute time. A device never measured on it gets the
+published-figures prior (``server/planner/gpu_profiles.csv``), and a CPU a nominal one.
+"""
 
 from __future__ import annotations
 
 import random
 from datetime import datetime
+from functools import cache
+from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from agent.wire import DeviceStatus, HostStatus, JobSpec, JobStatus, PlanSource, WorkerState
-from server.models import Device, Host, Job, Worker
+from agent.wire import (
+    DeviceKind,
+    DeviceStatus,
+    HostStatus,
+    JobSpec,
+    JobStatus,
+    PlanSource,
+    WorkerState,
+)
+from server.models import Device, Host, IterationTelemetry, Job, Worker
+from server.planner import Device as Candidate
+from server.planner import (
+    GpuProfile,
+    JobRequest,
+    SolveStatus,
+    load_gpu_profiles,
+    place,
+    prior_speed,
+)
 from server.services import plans
 from server.services.audit import record
+
+PLACEMENT_TIME_LIMIT_S = 5.0
+HISTORY_JOBS = 200
+"""How many recent jobs are searched for measurements of the same workload."""
+
+
+@cache
+def _profiles() -> tuple[GpuProfile, ...]:
+    return load_gpu_profiles()
 
 
 def free_devices(session: Session) -> list[Device]:
@@ -25,16 +63,75 @@ def free_devices(session: Session) -> list[Device]:
     )
 
 
-def choose_devices(spec: JobSpec, free: list[Device]) -> list[Device] | None:
-    """Devices for one job, or None if it cannot start now. Explicit devices must all be free;
-    otherwise first fit in host order (fills hosts before spreading)."""
+def measured_speeds(session: Session, workload: dict[str, Any]) -> dict[int, float]:
+    """Samples/s per device for this workload, from earlier non-emulated jobs' telemetry."""
+    recent = session.scalars(select(Job).order_by(Job.id.desc()).limit(HISTORY_JOBS))
+    job_ids = [j.id for j in recent if not j.emulated and j.spec.get("workload") == workload]
+    if not job_ids:
+        return {}
+    T = IterationTelemetry
+    rows = session.execute(
+        select(Worker.device_id, func.sum(T.batch_size), func.sum(T.compute_ms))
+        .join(T, (T.job_id == Worker.job_id) & (T.rank == Worker.rank))
+        .where(Worker.job_id.in_(job_ids), T.batch_size > 0, T.probe.is_(False))
+        .group_by(Worker.device_id)
+    ).all()
+    return {int(d): 1000.0 * float(b) / float(ms) for d, b, ms in rows if d is not None and ms}
+
+
+def candidates(session: Session, spec: JobSpec, free: list[Device]) -> list[Candidate]:
+    measured = measured_speeds(session, spec.workload.model_dump(mode="json"))
+    out = []
+    for d in free:
+        speed = measured.get(d.id)
+        if speed is None:
+            speed = prior_speed(
+                d.model,
+                _profiles(),
+                cpu=d.kind == DeviceKind.CPU.value,
+                memory_gb=d.memory_mb / 1024,
+            ).samples_per_s
+        out.append(
+            Candidate(
+                id=d.id,
+                host=str(d.host_id),
+                model=d.model,
+                memory_gb=d.memory_mb / 1024,
+                samples_per_s=speed,
+            )
+        )
+    return out
+
+
+def choose_devices(
+    session: Session, job: Job, spec: JobSpec, free: list[Device]
+) -> list[Device] | None:
+    """Devices for one job, or None if it cannot start now."""
+    by_id = {d.id: d for d in free}
     if spec.devices is not None:
-        by_id = {d.id: d for d in free}
-        if all(d in by_id for d in spec.devices):
-            return [by_id[d] for d in spec.devices]
+        return [by_id[d] for d in spec.devices] if all(d in by_id for d in spec.devices) else None
+    assert spec.workers is not None
+    if len(free) < spec.workers:
         return None
-    n = spec.world_size
-    return free[:n] if len(free) >= n else None
+    request = JobRequest(
+        id=str(job.id),
+        min_workers=spec.workers,
+        max_workers=spec.max_workers or spec.workers,
+        priority=spec.priority,
+    )
+    placement = place(request, candidates(session, spec, free), time_limit_s=PLACEMENT_TIME_LIMIT_S)
+    if placement.status is SolveStatus.INFEASIBLE or not placement.device_ids:
+        return None
+    job.error = None
+    chosen = [by_id[int(d)] for d in placement.device_ids]
+    # Ranks in host order, so neighbours in the ring share a host where they can.
+    chosen.sort(key=lambda d: (d.host_id, d.kind, d.index))
+    session.info.setdefault("placements", {})[job.id] = {
+        "status": placement.status.value,
+        "predicted_samples_per_s": round(placement.predicted_samples_per_s, 1),
+        "hosts": len(placement.hosts_used),
+    }
+    return chosen
 
 
 def place_pending(session: Session, now: datetime) -> list[Job]:
@@ -52,7 +149,7 @@ def place_pending(session: Session, now: datetime) -> list[Job]:
     free = free_devices(session)
     for job in pending:
         spec = JobSpec.model_validate(job.spec)
-        chosen = choose_devices(spec, free)
+        chosen = choose_devices(session, job, spec, free)
         if chosen is None:
             continue
         taken = {d.id for d in chosen}
@@ -80,8 +177,10 @@ def place_pending(session: Session, now: datetime) -> list[Job]:
             "equal split until each worker's speed is measured",
             by="system",
         )
-        record(
-            session, "system", "job.placed", f"job:{job.id}", {"devices": [d.id for d in chosen]}
-        )
+        detail = {
+            "devices": [d.id for d in chosen],
+            **session.info.get("placements", {}).get(job.id, {}),
+        }
+        record(session, "system", "job.placed", f"job:{job.id}", detail)
         placed.append(job)
     return placed

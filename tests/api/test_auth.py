@@ -85,7 +85,7 @@ def test_agent_token_acts_only_for_its_host(api: Api) -> None:
 def test_agent_writes_telemetry_only_for_jobs_on_its_host(api: Api) -> None:
     a = api.register("host-a", devices=1)
     b = api.register("host-b", devices=1)
-    job_a = api.submit(workers=1, global_batch=8)  # first fit: host-a
+    job_a = api.submit(workers=1, global_batch=8)  # equal devices: the first host
     job_b = api.submit(workers=1, global_batch=8)  # then host-b
     rec = {
         "records": [

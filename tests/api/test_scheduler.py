@@ -1,0 +1,126 @@
+"""Placement by the planner's integer program: fast devices, fewer hosts, elastic counts,
+measured speeds over priors, explicit devices."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from agent.wire import Role
+from tests.conftest import Api
+
+
+def _host(api: Api, name: str, models: list[str], kind: str = "cuda") -> dict[str, Any]:
+    tok = api.token(Role.AGENT, host=name)
+    body = {
+        "protocol_version": 1,
+        "name": name,
+        "address": "10.0.0.1",
+        "devices": [
+            {"index": i, "kind": kind, "model": m, "memory_mb": 40_000}
+            for i, m in enumerate(models)
+        ],
+    }
+    r = api.client.post("/api/v1/hosts/register", json=body, headers=api.headers(tok))
+    assert r.status_code == 201, r.text
+    data: dict[str, Any] = r.json()
+    data["_token"] = tok
+    return data
+
+
+def _devices_of(api: Api, job: dict[str, Any]) -> set[int]:
+    j = api.client.get(f"/api/v1/jobs/{job['id']}", headers=api.headers()).json()
+    return {w["device_id"] for w in j["workers"]}
+
+
+def _ids(host: dict[str, Any], *indices: int) -> set[int]:
+    return {d["id"] for d in host["devices"] if d["index"] in indices}
+
+
+def test_fast_gpus_are_chosen_from_the_published_figures(api: Api) -> None:
+    old = _host(api, "old", ["Tesla K80", "Tesla K80"])
+    new = _host(api, "new", ["NVIDIA A100-SXM4-80GB", "NVIDIA A100-SXM4-80GB"])
+    job = api.submit(workers=2)
+    assert _devices_of(api, job) == _ids(new, 0, 1)
+    assert not _devices_of(api, job) & _ids(old, 0, 1)
+    audit = api.client.get(f"/api/v1/audit?target=job:{job['id']}", headers=api.headers()).json()
+    placed = next(a for a in audit if a["action"] == "job.placed")
+    assert placed["detail"]["status"] == "optimal" and placed["detail"]["hosts"] == 1
+
+
+def test_fewer_hosts_among_equal_devices(api: Api) -> None:
+    a = _host(api, "a", ["NVIDIA V100-SXM2-16GB"] * 2)
+    b = _host(api, "b", ["NVIDIA V100-SXM2-16GB"] * 3)
+    job = api.submit(workers=3)
+    assert _devices_of(api, job) == _ids(b, 0, 1, 2), "three on one host beat two plus one"
+    assert a["devices"]
+
+
+def test_max_workers_takes_what_pays(api: Api) -> None:
+    _host(api, "a", ["NVIDIA V100-SXM2-16GB"] * 4)
+    job = api.submit(workers=2, max_workers=4)
+    assert len(_devices_of(api, job)) == 4
+    plan = api.client.get(f"/api/v1/jobs/{job['id']}/plan", headers=api.headers()).json()
+    assert plan["batch_sizes"] == [16, 16, 16, 16]
+    r = api.client.post(
+        "/api/v1/jobs",
+        headers=api.headers(),
+        json={
+            "name": "bad",
+            "workload": {"builtin": "mlp"},
+            "global_batch": 8,
+            "iterations": 1,
+            "workers": 3,
+            "max_workers": 2,
+        },
+    )
+    assert r.status_code == 422 and "max_workers" in r.json()["detail"]
+
+
+def test_measured_speeds_beat_the_prior(api: Api) -> None:
+    host = _host(
+        api, "h", ["NVIDIA A100-SXM4-80GB", "NVIDIA A100-SXM4-80GB", "NVIDIA A100-SXM4-80GB"]
+    )
+    first = api.submit(workers=3)
+    # Device of rank 2 turned out 4x slower on this workload (a throttled card).
+    records = [
+        {
+            "rank": r,
+            "iteration": i,
+            "plan_version": 1,
+            "batch_size": 21,
+            "data_ms": 0.1,
+            "compute_ms": 40.0 if r == 2 else 10.0,
+            "sync_ms": 1.0,
+            "ts": 1.0 + i,
+        }
+        for i in range(5)
+        for r in range(3)
+    ]
+    api.client.post(
+        f"/api/v1/jobs/{first['id']}/telemetry", json={"records": records}, headers=api.headers()
+    )
+    slow = next(
+        w["device_id"]
+        for w in api.client.get(f"/api/v1/jobs/{first['id']}", headers=api.headers()).json()[
+            "workers"
+        ]
+        if w["rank"] == 2
+    )
+    api.client.post(f"/api/v1/jobs/{first['id']}/cancel", headers=api.headers())
+    second = api.submit(workers=2)
+    assert slow not in _devices_of(api, second)
+    assert host["devices"]
+
+
+def test_explicit_devices_wait_until_all_are_free(api: Api) -> None:
+    host = _host(api, "h", ["NVIDIA A100-SXM4-80GB"] * 2)
+    d0, d1 = sorted(_ids(host, 0, 1))
+    blocker = api.submit(workers=None, devices=[d1])
+    wants = api.submit(workers=None, devices=[d0, d1])
+    assert wants["status"] == "pending"
+    api.client.post(f"/api/v1/jobs/{blocker['id']}/cancel", headers=api.headers())
+    assert (
+        api.client.get(f"/api/v1/jobs/{wants['id']}", headers=api.headers()).json()["status"]
+        == "starting"
+    )
+    assert _devices_of(api, wants) == {d0, d1}
