@@ -40,9 +40,13 @@ pytest: setup browser-deps
 
 test: lint typecheck pytest
 
-bench: setup
+# Each prints its figures; together they take about 20 minutes on 2 cores.
+bench: setup browser-deps
 	$(BIN)/python bench/planner.py
 	$(BIN)/python bench/ingest.py
+	$(BIN)/python bench/training.py
+	$(BIN)/python bench/stragglers.py
+	$(BIN)/python bench/live.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
