@@ -167,7 +167,10 @@ class Workers(threading.Thread):
         next_at = time.monotonic()
         while not self.stop_event.is_set():
             known = f"?known_version={self.plan['version']}" if self.plan else ""
-            r = client.get(f"/api/v1/jobs/{self.job_id}/plan{known}")
+            try:
+                r = client.get(f"/api/v1/jobs/{self.job_id}/plan{known}")
+            except httpx.TransportError:  # like real workers: a slow answer is not a reason to stop
+                continue
             if r.status_code == 200:
                 self.plan = r.json()
             assert self.plan is not None
@@ -179,7 +182,10 @@ class Workers(threading.Thread):
                 slowdown=self.slowdown,
             )
             sent = time.time()
-            self.cluster.post_telemetry(self.job_id, records)
+            try:
+                self.cluster.post_telemetry(self.job_id, records)
+            except httpx.TransportError:
+                continue  # the same iteration again: the server dedups a post that did land
             if self.on_post is not None:
                 self.on_post(self.iteration, sent)
             self.iteration += 1

@@ -83,7 +83,8 @@ def _chart(pg: Any, chart: str, expr: str) -> Any:
 
 def _wait_state(pg: Any, *states: str) -> str:
     pg.wait_for_function(
-        f"{json.dumps(list(states))}.includes(document.querySelector('#override-status').dataset.state)"
+        f"{json.dumps(list(states))}.includes(document.querySelector('#override-status').dataset.state)",
+        timeout=30_000,
     )
     return str(pg.locator("#override-status").get_attribute("data-state"))
 
