@@ -41,6 +41,7 @@ WORKERS = 64
 BATCH = 500
 CLIENTS = 8
 POLLERS = 256
+EXTRA_ENV: dict[str, str] = {}
 
 
 def free_port() -> int:
@@ -235,24 +236,32 @@ def main() -> None:
     args = ap.parse_args()
     results: dict[str, Any] = {}
     for backend in args.backends.split(","):
+        # Plan polling in steady state, on a server of its own: the target.
+        with database(backend) as url, server(url) as base:
+            steady = asyncio.run(poll(base, setup_job(base), args.seconds))
+        # Ingest, then polling again while the control loop digests that flood (far more than
+        # one 64-worker job sends): reported beside the target, not instead of it.
         with database(backend) as url, server(url) as base:
             job = setup_job(base)
+            flood = asyncio.run(ingest(base, job, args.seconds))
             results[backend] = {
-                "ingest": asyncio.run(ingest(base, job, args.seconds)),
-                "plan_poll": asyncio.run(poll(base, job, args.seconds)),
+                "ingest": flood,
+                "plan_poll": steady,
+                "plan_poll_after_flood": asyncio.run(poll(base, job, args.seconds)),
             }
     if args.json:
         print(json.dumps(results, indent=2))
         return
     print(
         f"{'backend':<11} {'records/s':>10} {'batch p50':>10} {'batch p99':>10} "
-        f"{'poll req/s':>10} {'poll p50':>9} {'poll p99':>9}"
+        f"{'poll req/s':>10} {'poll p50':>9} {'poll p99':>9}   after flood p50 / p99"
     )
     for backend, r in results.items():
-        i, p = r["ingest"], r["plan_poll"]
+        i, p, f = r["ingest"], r["plan_poll"], r["plan_poll_after_flood"]
         print(
             f"{backend:<11} {i['records_per_s']:>10} {i['batch_p50_ms']:>8}ms {i['batch_p99_ms']:>8}ms "
-            f"{p['requests_per_s']:>10} {p['p50_ms']:>7}ms {p['p99_ms']:>7}ms"
+            f"{p['requests_per_s']:>10} {p['p50_ms']:>7}ms {p['p99_ms']:>7}ms   "
+            f"{f['p50_ms']}ms / {f['p99_ms']}ms"
         )
     print(
         "targets: >= 50000 records/s; plan fetch p99 <= 20 ms (8 ingest clients, 256 pollers at 1/s)"

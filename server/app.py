@@ -20,7 +20,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from agent.wire import ErrorOut
+from agent.wire import ErrorOut, TelemetryBatch
+from server.api.bodies import component_schemas
 from server.api.routes import audit, events, health, hosts, jobs, planner, plans, telemetry, tokens
 from server.api.routes.ui import mount_dashboard
 from server.cache import Caches
@@ -29,10 +30,9 @@ from server.db import make_engine, migrate, session_factory, transaction
 from server.errors import EvenflowError
 from server.live import TelemetryNotifier
 from server.metrics import Metrics, MetricsMiddleware
-from server.services import control_loop, rebalancer
+from server.services import control_loop
 from server.services import hosts as host_service
 from server.services import tokens as token_service
-from server.services.stragglers import Watch
 
 log = logging.getLogger("evenflow.server")
 
@@ -195,6 +195,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             )
             for name in ("HTTPValidationError", "ValidationError"):
                 text["components"]["schemas"].pop(name, None)
+            # Bodies that hot routes parse themselves (server.api.bodies).
+            text["components"]["schemas"].update(component_schemas(TelemetryBatch))
             app.openapi_schema = text
         return app.openapi_schema
 
@@ -233,15 +235,19 @@ async def _reap_lost_hosts(app: FastAPI) -> None:
 
 
 async def _rebalance(app: FastAPI) -> None:
-    """Re-plan running jobs on their cadence (``server.services.rebalancer``)."""
+    """Re-plan running jobs on their cadence and watch for stragglers (``control_loop``); each
+    job in its own short transaction, so ingest is never held up for a whole round."""
     settings: Settings = app.state.settings
-    memo: dict[int, rebalancer.LastDecision] = {}
-    watches: dict[int, Watch] = {}
+    state = control_loop.LoopState(min_decision_interval_s=1.0)
 
     def sweep() -> None:
-        with app.state.write_lock, transaction(app.state.sessions) as s:
-            for job_id, version in control_loop.sweep(s, memo, watches):
-                log.info("job %d: plan v%d", job_id, version)
+        with transaction(app.state.sessions) as s:
+            live = control_loop.live_jobs(s)
+        for job_id in live:
+            with app.state.write_lock, transaction(app.state.sessions) as s:
+                for job, version in control_loop.sweep_job(s, state, job_id):
+                    log.info("job %d: plan v%d", job, version)
+        state.forget(set(live))
 
     while True:
         await asyncio.sleep(settings.rebalance_interval_s)

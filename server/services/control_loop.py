@@ -5,6 +5,10 @@ when it makes no plan this round, the straggler watch looks at the new iteration
 
 from __future__ import annotations
 
+import math
+import time
+from dataclasses import dataclass, field
+
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -12,42 +16,82 @@ from agent.wire import JobStatus, PlanSource
 from server.models import Job
 from server.services import rebalancer
 from server.services.audit import record
-from server.services.rebalancer import LastDecision
+from server.services.rebalancer import LastDecision, Progress, Tracker
 from server.services.stragglers import Watch, watch_job
 
 
-def sweep(
-    session: Session, memo: dict[int, LastDecision], watches: dict[int, Watch] | None = None
-) -> list[tuple[int, int]]:
-    """One round over live jobs; returns (job id, new plan version) for every plan made.
+@dataclass
+class LoopState:
+    """What the loop remembers about live jobs between rounds (only an optimisation: after a
+    restart it is rebuilt from the database, costing one early decision)."""
 
-    ``memo`` carries each job's last decision between rounds (losing it on restart costs one
-    early decision). With ``watches``, the straggler watch runs too: events for every job,
-    and the mitigation ladder for ``adaptive`` ones."""
-    made: list[tuple[int, int]] = []
-    live = list(
+    decisions: dict[int, LastDecision] = field(default_factory=dict)
+    watches: dict[int, Watch] = field(default_factory=dict)
+    trackers: dict[int, Tracker] = field(default_factory=dict)
+    decided_at: dict[int, float] = field(default_factory=dict)
+    """Monotonic time of each job's last rebalancer decision."""
+    min_decision_interval_s: float = 0.0
+    """At most one rebalancer decision per job per this many seconds. Cadences are counted in
+    iterations; this bounds what a job racing through iterations costs the server (each
+    decision refits every rank's model). The server sets 1 s; tests drive rounds by hand."""
+
+    def forget(self, live: set[int]) -> None:
+        for table in (self.decisions, self.watches, self.trackers, self.decided_at):
+            for job_id in set(table) - live:
+                del table[job_id]
+
+
+def live_jobs(session: Session) -> list[int]:
+    return list(
         session.scalars(
-            select(Job).where(Job.status.in_((JobStatus.STARTING.value, JobStatus.RUNNING.value)))
+            select(Job.id).where(
+                Job.status.in_((JobStatus.STARTING.value, JobStatus.RUNNING.value))
+            )
         )
     )
-    live_ids = {job.id for job in live}
-    for job in live:
-        planned = _rebalance(session, job, memo)
-        if planned is not None:
-            made.append((job.id, planned))
-        elif watches is not None:
-            last = memo.get(job.id)
-            settled = last is not None and not last.exploring
-            version = watch_job(session, job, watches.setdefault(job.id, Watch()), mitigate=settled)
-            if version is not None:
-                made.append((job.id, version))
-    for job_id in set(watches or ()) - live_ids:  # ended jobs
-        (watches or {}).pop(job_id, None)
+
+
+def sweep(session: Session, state: LoopState, *, watch: bool = True) -> list[tuple[int, int]]:
+    """One round over live jobs; returns (job id, new plan version) for every plan made.
+    With ``watch`` the straggler watch runs too: events for every job, the mitigation ladder
+    for ``adaptive`` ones. (The server runs ``sweep_job`` per job, each in its own short
+    transaction, so a round never holds the database for long.)"""
+    made: list[tuple[int, int]] = []
+    live = live_jobs(session)
+    for job_id in live:
+        made += sweep_job(session, state, job_id, watch=watch)
+    state.forget(set(live))
     return made
 
 
-def _rebalance(session: Session, job: Job, memo: dict[int, LastDecision]) -> int | None:
-    p = rebalancer.due(session, job, memo.get(job.id))
+def sweep_job(
+    session: Session, state: LoopState, job_id: int, *, watch: bool = True
+) -> list[tuple[int, int]]:
+    job = session.get(Job, job_id)
+    if job is None or JobStatus(job.status).terminal:
+        return []
+    progress = state.trackers.setdefault(job.id, Tracker()).update(session, job)
+    now = time.monotonic()
+    if now - state.decided_at.get(job.id, -math.inf) >= state.min_decision_interval_s:
+        before = state.decisions.get(job.id)
+        planned = _rebalance(session, job, state.decisions, progress)
+        if state.decisions.get(job.id) is not before:
+            state.decided_at[job.id] = now
+        if planned is not None:
+            return [(job.id, planned)]
+    if not watch:
+        return []
+    last = state.decisions.get(job.id)
+    settled = last is not None and not last.exploring
+    w = state.watches.setdefault(job.id, Watch())
+    version = watch_job(session, job, w, progress, mitigate=settled)
+    return [(job.id, version)] if version is not None else []
+
+
+def _rebalance(
+    session: Session, job: Job, memo: dict[int, LastDecision], progress: Progress
+) -> int | None:
+    p = rebalancer.due(job, memo.get(job.id), progress)
     if p is None or p.complete_through is None:
         return None
     last = memo.get(job.id)

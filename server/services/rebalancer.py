@@ -12,7 +12,7 @@ and the ``equal`` policy are never re-planned automatically.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -52,28 +52,55 @@ class Progress:
     """Last iteration every rank has reported."""
 
 
-def progress(session: Session, job: Job) -> Progress:
-    """Where the workers are. Ranks out of the all-reduce group under the plan in force (they
-    only probe now and then) do not hold ``complete_through`` back."""
-    T = IterationTelemetry
-    effective = session.scalar(
-        select(func.min(T.iteration)).where(T.job_id == job.id, T.plan_version == job.plan_version)
-    )
-    excluded = set(plans.current(session, job.id).excluded or []) if job.plan_version else set()
-    per_rank = dict(
-        session.execute(
-            select(T.rank, func.max(T.iteration))
-            .where(T.job_id == job.id, T.probe.is_(False))
-            .group_by(T.rank)
+@dataclass
+class Tracker:
+    """A job's progress, kept up to date from the telemetry rows added since the last look
+    (by id), so a control-loop round costs what is new, not the job's whole history.
+
+    On PostgreSQL ids are handed out before commit, so a row can become visible after rows with
+    larger ids: the last ``reread`` ids are read again (max and min are idempotent)."""
+
+    last_id: int = 0
+    reread: int = 0
+    max_iteration: dict[int, int] = field(default_factory=dict)
+    """rank -> newest iteration reported outside probes."""
+    first_of_version: dict[int, int] = field(default_factory=dict)
+    """plan version -> first iteration any rank reported with it."""
+
+    def update(self, session: Session, job: Job) -> Progress:
+        T = IterationTelemetry
+        if session.get_bind().dialect.name == "postgresql":
+            self.reread = 5000
+        rows = session.execute(
+            select(T.id, T.rank, T.iteration, T.plan_version, T.probe).where(
+                T.job_id == job.id, T.id > self.last_id - self.reread
+            )
         ).all()
-    )
-    active = [r for r in range(len(job.workers)) if r not in excluded]
-    complete = (
-        min(int(per_rank[r]) for r in active)
-        if active and all(r in per_rank for r in active)
-        else None
-    )
-    return Progress(None if effective is None else int(effective), complete)
+        for row_id, rank, iteration, version, probe in rows:
+            self.last_id = max(self.last_id, int(row_id))
+            if not probe:
+                self.max_iteration[rank] = max(self.max_iteration.get(rank, -1), int(iteration))
+            first = self.first_of_version.get(version)
+            if first is None or iteration < first:
+                self.first_of_version[version] = int(iteration)
+        return self.progress(session, job)
+
+    def progress(self, session: Session, job: Job) -> Progress:
+        """Ranks out of the all-reduce group under the plan in force (they only probe now and
+        then) do not hold ``complete_through`` back."""
+        excluded = set(plans.current(session, job.id).excluded or []) if job.plan_version else set()
+        active = [r for r in range(len(job.workers)) if r not in excluded]
+        seen = self.max_iteration
+        complete = (
+            min(seen[r] for r in active) if active and all(r in seen for r in active) else None
+        )
+        effective = self.first_of_version.get(job.plan_version) if job.plan_version else None
+        return Progress(effective, complete)
+
+
+def progress(session: Session, job: Job) -> Progress:
+    """Where the workers are, read afresh (a ``Tracker`` does it incrementally)."""
+    return Tracker().update(session, job)
 
 
 def fits(session: Session, job: Job, *, window: int = FIT_WINDOW) -> list[ModelFit | None]:
@@ -172,14 +199,13 @@ class LastDecision:
     exploring: bool
 
 
-def due(session: Session, job: Job, last: LastDecision | None) -> Progress | None:
+def due(job: Job, last: LastDecision | None, p: Progress) -> Progress | None:
     """The job's progress if it is due for a decision: every rank has run ``K`` iterations since
     the plan in force took effect and since the last decision (``explore_iterations`` while
     models are still being identified, ``rebalance_every`` after)."""
     spec = JobSpec.model_validate(job.spec)
     if job.frozen or spec.policy.name is PolicyName.EQUAL or job.plan_version is None:
         return None
-    p = progress(session, job)
     if p.effective_from is None or p.complete_through is None:
         return None
     exploring = last is None or last.exploring

@@ -27,6 +27,7 @@ from server.models import StragglerEvent as EventRow
 from server.planner import PerfModel
 from server.services import plans, rebalancer
 from server.services.audit import record
+from server.services.rebalancer import Progress
 from server.stragglers import (
     Change,
     Decision,
@@ -44,6 +45,10 @@ from server.stragglers import (
 
 log = logging.getLogger("evenflow.stragglers")
 
+REFRESH_EVERY = 25
+"""Normal models are refitted every this many iterations, and only once the watch has caught up
+with the telemetry (while it works through a backlog the fits would be stale anyway)."""
+MAX_TIMINGS_PER_ROUND = 4096
 REPLAY = 300
 """Iterations replayed into a fresh detector (after a restart or for a new job)."""
 
@@ -58,18 +63,29 @@ class Watch:
     normal: dict[int, PerfModel] = field(default_factory=dict)
     rows: dict[tuple[int, int, str], int] = field(default_factory=dict)
     """Event key -> row id in straggler_events."""
+    refreshed_through: int = -1
+    """The iteration the normal models were last refreshed at (they are refitted every
+    ``REFRESH_EVERY`` iterations, not every round: a fit per rank is the round's main cost)."""
     quiet_since: dict[int, int] = field(default_factory=dict)
     """rank -> the iteration its last event ended: its fits mix slow and normal timings until a
     whole fit window has passed after that."""
 
 
-def _timings(session: Session, job: Job, after: int) -> list[IterationTiming]:
+def _timings(session: Session, job: Job, after: int, through: int) -> list[IterationTiming]:
+    """Timings of iterations (after, through], at most ``MAX_TIMINGS_PER_ROUND`` of them and
+    only whole iterations: under a flood the watch catches up over rounds instead of holding
+    the interpreter (and the API's event loop) for one long round."""
     T = IterationTelemetry
     rows = session.execute(
         select(T.rank, T.iteration, T.batch_size, T.compute_ms, T.plan_version)
-        .where(T.job_id == job.id, T.iteration > after, T.batch_size > 0)
+        .where(T.job_id == job.id, T.iteration > after, T.iteration <= through, T.batch_size > 0)
         .order_by(T.iteration, T.rank)
+        .limit(MAX_TIMINGS_PER_ROUND + 1)
     ).all()
+    if len(rows) > MAX_TIMINGS_PER_ROUND:
+        last = rows[-1][1]
+        whole = [r for r in rows if r[1] < last]
+        rows = whole or rows  # one iteration wider than the cap still goes through whole
     return [IterationTiming(int(r), int(i), int(b), float(c), int(v)) for r, i, b, c, v in rows]
 
 
@@ -215,12 +231,12 @@ def _mitigate(
     return plan.version
 
 
-def watch_job(session: Session, job: Job, watch: Watch, *, mitigate: bool) -> int | None:
+def watch_job(
+    session: Session, job: Job, watch: Watch, progress: Progress, *, mitigate: bool
+) -> int | None:
     """One round for one job: detect and store events; with ``mitigate`` (an ``adaptive`` job
     whose models the rebalancer has identified) ask the ladder too."""
     spec = JobSpec.model_validate(job.spec)
-    if watch.fed_through < 0 or not watch.normal:
-        _refresh_normal(session, job, watch, max(0, watch.fed_through))
     after = watch.fed_through
     if after < 0:
         last = session.scalar(
@@ -230,20 +246,20 @@ def watch_job(session: Session, job: Job, watch: Watch, *, mitigate: bool) -> in
             .limit(1)
         )
         after = -1 if last is None else max(-1, int(last) - REPLAY)
-    timings = _timings(session, job, after)
-    if not timings:
-        return None
     # Feed only iterations every rank has reported: later rows come next round.
-    complete = rebalancer.progress(session, job).complete_through
-    if complete is None:
+    if progress.complete_through is None:
         return None
-    timings = [t for t in timings if t.iteration <= complete]
+    timings = _timings(session, job, after, progress.complete_through)
     if not timings:
         return None
+    complete = timings[-1].iteration
     updates = watch.detector.observe(timings, watch.normal or None)
     watch.fed_through = complete
     _store(session, job, watch, updates)
-    _refresh_normal(session, job, watch, complete)
+    caught_up = complete >= progress.complete_through
+    if caught_up and complete - watch.refreshed_through >= REFRESH_EVERY:
+        _refresh_normal(session, job, watch, complete)
+        watch.refreshed_through = complete
     if mitigate and spec.policy.name is PolicyName.ADAPTIVE:
         return _mitigate(session, job, spec, watch, complete)
     return None

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import select, text
+from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
 from agent.wire import JobStatus, TelemetryBatch
 from server.errors import Conflict, Invalid
-from server.models import IterationTelemetry, Job
+from server.models import IterationTelemetry, Job, Worker
 
 
 def ingest(session: Session, job: Job, batch: TelemetryBatch) -> tuple[int, int]:
@@ -19,7 +19,7 @@ def ingest(session: Session, job: Job, batch: TelemetryBatch) -> tuple[int, int]
         raise Conflict(
             f"job {job.id} is pending; it has no workers to report timings", field="status"
         )
-    world = len(job.workers)
+    world = int(session.scalar(select(func.count(Worker.id)).where(Worker.job_id == job.id)) or 0)
     rows: list[dict[str, Any]] = []
     for i, r in enumerate(batch.records):
         if r.rank >= world:

@@ -7,7 +7,7 @@ from typing import Any
 
 from agent.wire import Role
 from server.db import transaction
-from server.services import control_loop, rebalancer
+from server.services import control_loop
 from tests.conftest import Api
 
 PER_SAMPLE = [1.0, 1.0, 2.0, 4.0]
@@ -27,7 +27,7 @@ class Sim:
         self.host = api.register("sim", devices=4)
         self.job = int(api.submit(workers=4, global_batch=B, policy=policy or _policy())["id"])  # type: ignore[call-overload]
         self.iteration = 0
-        self.memo: dict[int, rebalancer.LastDecision] = {}
+        self.state = control_loop.LoopState()
 
     def plan(self) -> dict[str, Any]:
         data: dict[str, Any] = self.api.client.get(
@@ -59,7 +59,7 @@ class Sim:
             assert r.status_code == 200, r.text
             self.iteration += 1
             with transaction(self.api.client.app.state.sessions) as s:  # type: ignore[attr-defined]
-                control_loop.sweep(s, self.memo)
+                control_loop.sweep(s, self.state, watch=False)
 
 
 def test_minmax_explores_then_converges_to_the_optimum(api: Api) -> None:
@@ -93,7 +93,7 @@ def test_equal_policy_and_frozen_jobs_are_never_replanned(api: Api) -> None:
     sim.run(20)
     assert sim.plan()["version"] == 1
     other = Sim.__new__(Sim)
-    other.api, other.host, other.iteration, other.memo = api, sim.host, 0, {}
+    other.api, other.host, other.iteration, other.state = api, sim.host, 0, control_loop.LoopState()
     api.client.post(f"/api/v1/jobs/{sim.job}/cancel", headers=api.headers())
     other.job = int(api.submit(workers=4, global_batch=B, policy=_policy())["id"])  # type: ignore[call-overload]
     r = api.client.post(

@@ -10,8 +10,7 @@ import random
 from typing import Any
 
 from server.db import transaction
-from server.services import control_loop, rebalancer
-from server.services.stragglers import Watch
+from server.services import control_loop
 from tests.conftest import Api
 
 PER_SAMPLE = [1.0, 1.0, 2.0, 4.0]
@@ -31,8 +30,7 @@ class Cluster:
             api.submit(workers=4, global_batch=B, iterations=100_000, policy=spec_policy)["id"]
         )  # type: ignore[call-overload]
         self.iteration = 0
-        self.memo: dict[int, rebalancer.LastDecision] = {}
-        self.watches: dict[int, Watch] = {}
+        self.state = control_loop.LoopState()
         self.rng = random.Random(7)
 
     def factor(self, rank: int) -> float:
@@ -82,7 +80,7 @@ class Cluster:
             assert r.status_code == 200, r.text
             self.iteration += 1
             with transaction(self.api.client.app.state.sessions) as s:  # type: ignore[attr-defined]
-                control_loop.sweep(s, self.memo, self.watches)
+                control_loop.sweep(s, self.state)
 
     def events(self) -> list[dict[str, Any]]:
         data: list[dict[str, Any]] = self.api.client.get(

@@ -2,36 +2,47 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter, Path, Query, Request
+from fastapi.concurrency import run_in_threadpool
 
 from agent.wire import Role, TelemetryAck, TelemetryBatch, TelemetryOut
+from server.api import bodies
 from server.api.deps import Authenticated, SessionDep, Viewer
 from server.db import transaction
+from server.errors import NotFound
 from server.live import telemetry_stored
+from server.models import Job
 from server.services import jobs, telemetry
+from server.services.tokens import Principal
 
 router = APIRouter(prefix="/jobs", tags=["telemetry"])
 JobId = Path(ge=1, le=2**31 - 1)
 
 
-@router.post("/{job_id}/telemetry")
-def ingest(
-    batch: TelemetryBatch, request: Request, principal: Authenticated, job_id: int = JobId
-) -> TelemetryAck:
+@router.post("/{job_id}/telemetry", openapi_extra=bodies.documented_body(TelemetryBatch))
+async def ingest(request: Request, principal: Authenticated, job_id: int = JobId) -> TelemetryAck:
     """Store timings; rows already stored for (job, rank, iteration) are skipped, not duplicated."""
     if principal.role is not Role.AGENT:
         principal.require(Role.ADMIN)
-    # The hot write path: the body is already validated; hold the writer lock only for the
-    # database work, not while the request is parsed.
-    with request.app.state.write_lock, transaction(request.app.state.sessions) as session:
-        job = jobs.get(session, job_id)
-        jobs.check_agent_may_write(session, principal, job)
-        accepted, duplicates = telemetry.ingest(session, job, batch)
+    batch = bodies.parse(TelemetryBatch, await request.body())
+    accepted, duplicates = await run_in_threadpool(_store, request.app, principal, job_id, batch)
     telemetry_stored(request.app, job_id, accepted)  # wake the job's live dashboard streams
     metrics = request.app.state.metrics
     metrics.telemetry_records.inc(accepted)
     metrics.telemetry_duplicates.inc(duplicates)
     return TelemetryAck(accepted=accepted, duplicates=duplicates)
+
+
+def _store(app: Any, principal: Principal, job_id: int, batch: TelemetryBatch) -> tuple[int, int]:
+    # The writer lock is held for the database work only, not while the body is parsed.
+    with app.state.write_lock, transaction(app.state.sessions) as session:
+        job = session.get(Job, job_id)  # not jobs.get: its workers are not needed, only their count
+        if job is None:
+            raise NotFound(f"job {job_id} not found")
+        jobs.check_agent_may_write(session, principal, job)
+        return telemetry.ingest(session, job, batch)
 
 
 @router.get("/{job_id}/telemetry")
