@@ -45,9 +45,6 @@ def profile(scale: float = 1.0) -> Profile:
     )
 
 
-
-
-
 def balancing(seconds: float, scale: float = 1.0) -> dict[str, Any]:
     prof = profile(scale)
     models = prof.models()

@@ -12,12 +12,14 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 import uvicorn
+from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, text
 
@@ -165,11 +167,10 @@ class LiveServer:
     admin_token: str
 
 
-@pytest.fixture
-def live_server(tmp_path: Path) -> Iterator[LiveServer]:
-    """A real uvicorn server on a free port, in a thread."""
+@contextmanager
+def serving(app: FastAPI) -> Iterator[str]:
+    """Serve ``app`` with a real uvicorn on a free port, in a thread; yields its URL."""
     port = free_port()
-    app = create_app(make_settings(f"sqlite:///{tmp_path / 'live.db'}", rebalance_interval_s=0.2))
     server = uvicorn.Server(
         uvicorn.Config(
             app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=3
@@ -187,6 +188,16 @@ def live_server(tmp_path: Path) -> Iterator[LiveServer]:
             time.sleep(0.05)
     else:
         raise RuntimeError("live server did not start")
-    yield LiveServer(url, ADMIN_TOKEN)
-    server.should_exit = True
-    thread.join(timeout=10)
+    try:
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture
+def live_server(tmp_path: Path) -> Iterator[LiveServer]:
+    """A real uvicorn server on a free port, in a thread, rebalancing like a real one."""
+    app = create_app(make_settings(f"sqlite:///{tmp_path / 'live.db'}", rebalance_interval_s=0.2))
+    with serving(app) as url:
+        yield LiveServer(url, ADMIN_TOKEN)

@@ -8,7 +8,8 @@ round, residuals r are scaled by a robust sigma (1.4826 times their weighted med
 deviation) and an observation keeps weight ``w * min(1, k sigma / |r|)`` with ``k = 1.345``. The
 start is the line through the weighted median time of each distinct batch size, which a minority
 of spikes cannot move. Afterwards, observations with ``|r| > 3.5 sigma`` are trimmed (only with
-ten or more observations) and the chosen form is refitted by weighted least squares on the rest.
+ten or more observations, and never more than half of them) and the chosen form is refitted by
+weighted least squares on the rest.
 Sigma is floored at 1% of the median time: real timings jitter at least that much, and a perfect
 fit must not make every tiny deviation an outlier.
 
@@ -267,7 +268,9 @@ def fit_model(
     # Stage 2: trim what that robust fit calls outliers, refit the same form by least squares.
     residuals = y - _predict(robust, x)
     keep = np.abs(residuals) <= TRIM_SIGMAS * _sigma(residuals, w, scale)
-    if len(x) < MIN_TO_TRIM:
+    if len(x) < MIN_TO_TRIM or int(keep.sum()) < len(x) - len(x) // 2:
+        # Outliers are a minority by definition: when the robust fit would call most points
+        # outliers (recency weights following a new regime), it is the form that is off.
         keep[:] = True
     trimmed = int((~keep).sum())
     x, y, w = x[keep], y[keep], w[keep]

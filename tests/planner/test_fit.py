@@ -172,3 +172,31 @@ def test_explore_batches_respects_granularity_and_cap() -> None:
     assert explore_batches(64, granularity=16) == (48, 80)
     assert explore_batches(64, max_batch=64) == (32, 48)
     assert explore_batches(1) == (2,)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    data=st.lists(
+        st.tuples(
+            st.integers(1, 64),
+            st.floats(0.0, 1e4, allow_nan=False),
+            st.sampled_from([1.0, 1.0, 3.0, 10.0]),
+        ),
+        min_size=1,
+        max_size=60,
+    ),
+    half_life=st.sampled_from([None, 0.5, 2.0, 50.0]),
+)
+def test_any_valid_observations_give_a_fit_or_a_reason_never_an_error(
+    data: list[tuple[int, float, float]], half_life: float | None
+) -> None:
+    """Regime changes (a straggler's factor) and degenerate timings included: the control loop
+    fits whatever telemetry says, so a fit must never raise on valid input."""
+    obs = [Observation(b, ms * f, i) for i, (b, ms, f) in enumerate(data)]
+    fit = fit_model(obs, half_life_iterations=half_life)
+    assert fit.identifiable == (fit.model is not None)
+    assert fit.used + fit.trimmed <= fit.observations
+    if not fit.identifiable:
+        assert fit.reason
+    else:
+        assert fit.trimmed <= fit.observations // 2, "outliers are a minority by definition"

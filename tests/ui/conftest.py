@@ -7,21 +7,17 @@ Without /usr/bin/chromium the browser tests skip with the reason, except under C
 from __future__ import annotations
 
 import os
-import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI
 
 from server.app import create_app
-from tests.conftest import ADMIN_TOKEN, IN_CI, free_port, make_settings
+from tests.conftest import ADMIN_TOKEN, IN_CI, make_settings, serving
 from tests.ui.simulated import Cluster
 
 CHROMIUM = "/usr/bin/chromium"
@@ -102,26 +98,9 @@ class LiveApp:
 @contextmanager
 def serve(db_path: Path) -> Iterator[LiveApp]:
     """A real uvicorn server on a free port, in a thread, with its app at hand."""
-    port = free_port()
     app = create_app(make_settings(f"sqlite:///{db_path}"))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/api/v1/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            time.sleep(0.05)
-    else:
-        raise RuntimeError("live server did not start")
-    try:
+    with serving(app) as url:
         yield LiveApp(url, ADMIN_TOKEN, app)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
 @pytest.fixture
