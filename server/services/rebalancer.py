@@ -98,11 +98,6 @@ class Tracker:
         return Progress(effective, complete)
 
 
-def progress(session: Session, job: Job) -> Progress:
-    """Where the workers are, read afresh (a ``Tracker`` does it incrementally)."""
-    return Tracker().update(session, job)
-
-
 def fits(session: Session, job: Job, *, window: int = FIT_WINDOW) -> list[ModelFit | None]:
     """A fitted model per rank from the recent window (None for a rank never seen with samples)."""
     T = IterationTelemetry
