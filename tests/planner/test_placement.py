@@ -93,7 +93,9 @@ def test_ilp_matches_brute_force_on_small_clusters() -> None:
             for pick in itertools.combinations(devices, k)
         )
         p = place(job, devices)
-        assert p.status is SolveStatus.OPTIMAL
+        # The placement is the brute-force optimum. (CBC has, rarely and only under the full
+        # suite, reported its time limit on these tiny instances; the answer was still optimal.)
+        assert p.status in (SolveStatus.OPTIMAL, SolveStatus.FEASIBLE), p.reason
         assert p.objective == pytest.approx(best)
         assert lo <= len(p.device_ids) <= hi
 
