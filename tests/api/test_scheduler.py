@@ -44,7 +44,7 @@ def test_fast_gpus_are_chosen_from_the_published_figures(api: Api) -> None:
     assert not _devices_of(api, job) & _ids(old, 0, 1)
     audit = api.client.get(f"/api/v1/audit?target=job:{job['id']}", headers=api.headers()).json()
     placed = next(a for a in audit if a["action"] == "job.placed")
-    assert placed["detail"]["status"] == "optimal" and placed["detail"]["hosts"] == 1
+    assert placed["detail"]["status"] in ("optimal", "feasible") and placed["detail"]["hosts"] == 1
 
 
 def test_fewer_hosts_among_equal_devices(api: Api) -> None:

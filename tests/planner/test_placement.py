@@ -20,9 +20,14 @@ def cluster() -> list[Device]:
     return out
 
 
+SOLVED = (SolveStatus.OPTIMAL, SolveStatus.FEASIBLE)
+"""CBC has, rarely, reported its time limit on these tiny instances (while returning the optimal
+answer, which each test checks exactly); see test_ilp_matches_brute_force_on_small_clusters."""
+
+
 def test_exact_count_takes_the_fastest_on_one_host() -> None:
     p = place(JobRequest("j", 4), cluster())
-    assert p.status is SolveStatus.OPTIMAL
+    assert p.status in SOLVED
     assert sorted(p.device_ids) == ["a0", "a1", "a2", "a3"]
     assert p.hosts_used == ("a",)
     assert p.predicted_samples_per_s == 4000.0
@@ -32,7 +37,7 @@ def test_range_uses_every_device_that_pays_for_its_host() -> None:
     p = place(JobRequest("j", 2, 8, host_penalty=300.0), cluster())
     # a: 4000; b adds its 2 fast (2000) and 2 slow (250) minus 300; c would add at most
     # 2 devices... but 8 is the cap: 4 + 4 from a and b.
-    assert p.status is SolveStatus.OPTIMAL
+    assert p.status in SOLVED
     assert len(p.device_ids) == 8
     assert p.hosts_used == ("a", "b")
     assert p.objective == pytest.approx(4000 + 2000 + 250 - 300)
@@ -95,7 +100,7 @@ def test_ilp_matches_brute_force_on_small_clusters() -> None:
         p = place(job, devices)
         # The placement is the brute-force optimum. (CBC has, rarely and only under the full
         # suite, reported its time limit on these tiny instances; the answer was still optimal.)
-        assert p.status in (SolveStatus.OPTIMAL, SolveStatus.FEASIBLE), p.reason
+        assert p.status in SOLVED, p.reason
         assert p.objective == pytest.approx(best)
         assert lo <= len(p.device_ids) <= hi
 
@@ -114,7 +119,7 @@ def test_backfill_lets_a_small_job_past_a_big_one() -> None:
     jobs = [JobRequest("big", 20, priority=9), JobRequest("small", 2)]
     big, small = place_jobs(jobs, cluster())
     assert big.status is SolveStatus.INFEASIBLE
-    assert small.status is SolveStatus.OPTIMAL and len(small.device_ids) == 2
+    assert small.status in SOLVED and len(small.device_ids) == 2
     big, small = place_jobs(jobs, cluster(), backfill=False)
     assert small.status is SolveStatus.INFEASIBLE and "behind job big" in small.reason
 
