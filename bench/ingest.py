@@ -19,8 +19,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -31,9 +29,9 @@ from typing import Any
 
 import httpx
 from sqlalchemy import create_engine, text
+from stack import TOKEN, server  # bench/ is the script's directory
 
 ROOT = Path(__file__).resolve().parents[1]
-TOKEN = "ef_bench-admin-token-0123456789"
 PG_ADMIN = os.environ.get(
     "EVENFLOW_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 )
@@ -41,15 +39,6 @@ WORKERS = 64
 BATCH = 500
 CLIENTS = 8
 POLLERS = 256
-EXTRA_ENV: dict[str, str] = {}
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextmanager
@@ -68,47 +57,6 @@ def database(backend: str) -> Iterator[str]:
         with admin.connect() as c:
             c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         admin.dispose()
-
-
-@contextmanager
-def server(url: str) -> Iterator[str]:
-    port = free_port()
-    env = {
-        **os.environ,
-        "EVENFLOW_DATABASE_URL": url,
-        "EVENFLOW_ADMIN_TOKEN": TOKEN,
-        "EVENFLOW_HOST_LOST_AFTER_S": "86400",
-    }
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "agent.cli",
-            "server",
-            "--port",
-            str(port),
-            "--log-level",
-            "warning",
-        ],
-        env=env,
-        cwd=ROOT,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(base + "/api/v1/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError("server did not start")
-            time.sleep(0.1)
-        yield base
-    finally:
-        proc.terminate()
-        proc.wait(timeout=20)
 
 
 def setup_job(base: str) -> int:

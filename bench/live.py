@@ -19,23 +19,19 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
-
-import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from stack import TOKEN, server  # noqa: E402  (bench/ is the script's directory)
+
 from tests.ui.simulated import Cluster, Workers, emulated_iteration  # noqa: E402
 
-TOKEN = "ef_bench-admin-token-0123456789"
 CHROMIUM = "/usr/bin/chromium"
 ARGS = [
     "--no-sandbox",
@@ -63,46 +59,6 @@ new PerformanceObserver((list) => {
   for (const entry of list.getEntries()) window.__long.push(entry.duration);
 }).observe({ entryTypes: ['longtask'] });
 """
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextmanager
-def server(db_url: str) -> Iterator[str]:
-    port = free_port()
-    env = {
-        **os.environ,
-        "EVENFLOW_DATABASE_URL": db_url,
-        "EVENFLOW_ADMIN_TOKEN": TOKEN,
-        "EVENFLOW_HOST_LOST_AFTER_S": "86400",
-    }
-    cmd = [sys.executable, "-m", "agent.cli", "server", "--port", str(port)]
-    proc = subprocess.Popen([*cmd, "--log-level", "warning"], env=env, cwd=ROOT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(base + "/api/v1/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError("server did not start")
-            time.sleep(0.1)
-        yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def pct(values: list[float], q: float) -> float:
