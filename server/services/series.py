@@ -12,18 +12,10 @@ from sqlalchemy.orm import Session
 
 from agent.wire import PlanEffect, RankSeries, RankWindow, SeriesOut, ThroughputOut
 from server.models import IterationTelemetry, Job, StragglerEvent
+from server.services import telemetry
 
 T = IterationTelemetry
-STREAM_COLUMNS = (
-    "rank",
-    "iteration",
-    "plan_version",
-    "batch_size",
-    "data_ms",
-    "compute_ms",
-    "sync_ms",
-    "ts",
-)
+STREAM_COLUMNS = tuple(c for c in telemetry.COLUMNS if c != "probe")
 """Column order of the rows a ``telemetry`` stream message carries."""
 
 

@@ -51,7 +51,7 @@ def ingest(session: Session, job: Job, batch: TelemetryBatch) -> tuple[int, int]
 # Bulk inserts, measured (bench/ingest.py): on PostgreSQL one INSERT ... SELECT FROM unnest()
 # of per-column arrays is ~3x faster than a multi-row VALUES insert; on SQLite a plain
 # executemany is fastest. Both skip existing keys and report how many rows they inserted.
-_COLUMNS = (
+COLUMNS = (  # a row's values, after its job id
     "rank",
     "iteration",
     "plan_version",
@@ -73,28 +73,28 @@ _PG_TYPES = (
     "float8",
     "boolean",
 )
-_PG_ARRAYS = ", ".join(f"CAST(:{c} AS {t}[])" for c, t in zip(_COLUMNS, _PG_TYPES, strict=True))
+_PG_ARRAYS = ", ".join(f"CAST(:{c} AS {t}[])" for c, t in zip(COLUMNS, _PG_TYPES, strict=True))
 _PG_INSERT = text(
-    f"INSERT INTO iteration_telemetry (job_id, {', '.join(_COLUMNS)}) "
+    f"INSERT INTO iteration_telemetry (job_id, {', '.join(COLUMNS)}) "
     f"SELECT :job_id, * FROM unnest({_PG_ARRAYS}) "
     "ON CONFLICT (job_id, rank, iteration) DO NOTHING"
 )
 _SQLITE_INSERT = (
-    f"INSERT INTO iteration_telemetry (job_id, {', '.join(_COLUMNS)}) "
-    f"VALUES ({', '.join('?' * (len(_COLUMNS) + 1))}) "
+    f"INSERT INTO iteration_telemetry (job_id, {', '.join(COLUMNS)}) "
+    f"VALUES ({', '.join('?' * (len(COLUMNS) + 1))}) "
     "ON CONFLICT (job_id, rank, iteration) DO NOTHING"
 )
 
 
 def _insert_postgresql(session: Session, job_id: int, rows: list[dict[str, Any]]) -> int:
-    params: dict[str, Any] = {c: [r[c] for r in rows] for c in _COLUMNS}
+    params: dict[str, Any] = {c: [r[c] for r in rows] for c in COLUMNS}
     params["job_id"] = job_id
     result = session.execute(_PG_INSERT, params)
     return int(result.rowcount)  # type: ignore[attr-defined]
 
 
 def _insert_sqlite(session: Session, rows: list[dict[str, Any]]) -> int:
-    values = [(r["job_id"], *(r[c] for c in _COLUMNS)) for r in rows]
+    values = [(r["job_id"], *(r[c] for c in COLUMNS)) for r in rows]
     result = session.connection().exec_driver_sql(_SQLITE_INSERT, values)
     return int(result.rowcount)
 
