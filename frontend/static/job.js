@@ -544,6 +544,8 @@ const panel = new OverridePanel($("#override-panel"), {
   job: () => state.job,
   world: () => state.world,
   currentPlan: () => state.plans.get(state.job?.plan_version),
+  /** The first iteration seen running plan `version`, if the stream delivered one already. */
+  effectOf: (version) => state.effects.get(version),
   onApplied(out) {
     if (out.plan) {
       state.highlight = out.plan.version;

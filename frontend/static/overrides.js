@@ -222,6 +222,9 @@ export class OverridePanel {
           ? `Plan v${out.plan.version} issued. Workers switch at their next iteration boundary; waiting for their telemetry…`
           : `${KINDS[out.kind].label}: done.`);
         this.form.elements.reason.value = "";
+        // The stream may have delivered the new plan's first iteration before this answer.
+        const seen = out.plan ? this.ctx.effectOf(out.plan.version) : undefined;
+        if (seen !== undefined) this.tookEffect(out.plan.version, seen);
       }
     } catch (err) {
       if (err.status === undefined) throw err;
