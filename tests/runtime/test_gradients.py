@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 from agent.runtime.context import EvenflowContext
-from agent.runtime.gradients import GradientSync, broadcast_module
+from agent.runtime.gradients import Exchange, GradientSync, broadcast_module
 from agent.runtime.plan_sync import Plan, PlanAgreement
 from agent.runtime.sampler import GlobalBatchSampler
 from agent.wire import JobSpec
@@ -35,12 +35,17 @@ def _loss_sum(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tenso
     return nn.functional.mse_loss(model(x), y, reduction="sum")
 
 
-def _exact_worker(rank: int, world: int) -> list[list[float]]:
+def _exact_worker(
+    rank: int, world: int, exchange: Exchange = "auto", direct_max: int = 2**20
+) -> list[list[float]]:
     x, y = _data()
     model = _model(seed=100 + rank)  # different on purpose: the broadcast must fix it
     broadcast_module(model)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    sync = GradientSync(model.parameters())
+    sync = GradientSync(model.parameters(), exchange=exchange, direct_max_elements=direct_max)
+    # "auto" takes the direct exchange for a small CPU buffer on gloo, all_reduce past the bound.
+    small = sync.numel * world <= direct_max
+    method = "direct" if exchange == "direct" or (exchange == "auto" and small) else "all_reduce"
     sampler = GlobalBatchSampler(N, B, seed=1)
     for it, plan in enumerate(PLANS):
         idx = sampler.local_indices(it, plan, rank)
@@ -49,6 +54,7 @@ def _exact_worker(rank: int, world: int) -> list[list[float]]:
             loss = _loss_sum(model, x[idx], y[idx])
             loss.backward()
         sync.all_reduce(sampler.global_count(it), loss)
+        assert sync.last_method == method
         opt.step()
         sync.zero_grad()
     return [p.detach().flatten().tolist() for p in model.parameters()]
@@ -100,7 +106,13 @@ def _context_worker(rank: int, world: int) -> tuple[list[list[float]], list[tupl
 
 
 def _both_worker(rank: int, world: int) -> tuple[object, ...]:
-    return _exact_worker(rank, world), _naive_worker(rank, world), _context_worker(rank, world)
+    return (
+        _exact_worker(rank, world),
+        _naive_worker(rank, world),
+        _context_worker(rank, world),
+        _exact_worker(rank, world, "all_reduce"),
+        _exact_worker(rank, world, "auto", direct_max=10),
+    )
 
 
 def _single_process() -> list[torch.Tensor]:
@@ -124,13 +136,13 @@ def _max_diff(a: list[list[float]], b: list[torch.Tensor]) -> float:
 @pytest.mark.distributed
 @pytest.mark.timeout(90)
 def test_unequal_batches_match_single_process_sgd_and_naive_mean_does_not() -> None:
-    """Directly with GradientSync, and through the runtime's loop (EvenflowContext)."""
+    """Directly with GradientSync (both ways of summing), and through the runtime's loop."""
     reference = _single_process()
     results = run_ranks(_both_worker, 3)
-    exact = [r[0] for r in results]
-    for rank_params in exact:
-        assert _max_diff(rank_params, reference) < 1e-6
-    assert exact[0] == exact[1] == exact[2]
+    for exact in ([r[0] for r in results], [r[3] for r in results], [r[4] for r in results]):
+        for rank_params in exact:
+            assert _max_diff(rank_params, reference) < 1e-6
+        assert exact[0] == exact[1] == exact[2]  # bitwise: the ranks never drift apart
     naive = results[0][1]
     assert _max_diff(naive, reference) > 1e-3
     for params, history in (r[2] for r in results):
