@@ -118,6 +118,9 @@ def _store(session: Session, job: Job, watch: Watch, updates: list[EventUpdate])
             "confirmed_iteration": e.confirmed_iteration,
             "peak": round(e.peak, 3),
         }
+        if u.change is Change.CLOSED:
+            # When the detector saw the recovery (the end itself is estimated back in time).
+            detail["closed_iteration"] = u.iteration
         if row is None:
             row = EventRow(
                 job_id=job.id,

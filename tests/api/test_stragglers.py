@@ -115,6 +115,7 @@ def test_a_3x_slowdown_is_detected_mitigated_and_undone(api: Api) -> None:
     c.run(60)  # recovered
     e = c.events()[0]
     assert e["end_iteration"] is not None and 160 <= e["end_iteration"] <= 166
+    assert e["end_iteration"] <= e["detail"]["closed_iteration"] <= e["end_iteration"] + 5
     changes = [p for p in c.plans()[settled:] if p["reason"].startswith("straggler ladder")]
     assert 1 <= len(changes) <= 1 + 2 + 1, "one reaction, at most two more, and one to undo"
     final = c.plan()["batch_sizes"]
