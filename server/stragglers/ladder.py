@@ -80,9 +80,12 @@ class LadderConfig:
     plan_change_iterations: float = 1.0
     """Switching plans costs about this many iterations of the current plan."""
     regroup_ms: float = 2000.0
-    """Cost of changing the all-reduce group (leaving or joining)."""
+    """Cost of changing the all-reduce group (leaving or joining). The default is sized for
+    NCCL (a new communicator); the server passes gloo's ~10 ms for CPU jobs
+    (``server.services.stragglers.ladder_config``)."""
     resync_ms: float = 500.0
-    """Cost of re-synchronising a readmitted rank's parameters."""
+    """Cost of re-synchronising a readmitted rank's parameters (and optimizer state); the
+    server passes about two measured all-reduces once it has measured one."""
     exclude_min_ratio: float = 2.0
     """Only a rank at least this many times slower than its model may be excluded."""
     fine_tune_fraction: float = 0.05
