@@ -12,6 +12,12 @@ bus bandwidth). Scenarios:
 For each scenario and policy: total simulated time, its ratio to the oracle, plan changes,
 regroups, and (adaptive) detection delays and plan changes per event.
 
+The simulator runs the same detector and ladder as the server (with the all-reduce's slowdown
+measured the same way), but it starts from the true min-max plan (no warm-up), and a decision
+takes effect at the next iteration (no telemetry flush, control-loop round or plan delivery):
+on the live stack (``bench/stragglers.py``) those are separate lines of the decomposition.
+Switching costs are the ladder's NCCL-sized defaults (a GPU cluster).
+
     python bench/stragglers_sim.py [--seed 0] [--noise 0.05] [--gaussian] [--json PATH]
 """
 

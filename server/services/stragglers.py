@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import logging
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from agent.wire import JobSpec, PlanSource, PolicyName
-from server.models import IterationTelemetry, Job
+from server.models import Device, IterationTelemetry, Job
 from server.models import StragglerEvent as EventRow
 from server.planner import PerfModel
 from server.services import plans, rebalancer
@@ -118,6 +118,9 @@ def _store(session: Session, job: Job, watch: Watch, updates: list[EventUpdate])
             "confirmed_iteration": e.confirmed_iteration,
             "peak": round(e.peak, 3),
         }
+        if u.change is Change.CLOSED:
+            # When the detector saw the recovery (the end itself is estimated back in time).
+            detail["closed_iteration"] = u.iteration
         if row is None:
             row = EventRow(
                 job_id=job.id,
@@ -169,7 +172,8 @@ def _note_action(session: Session, watch: Watch, decision: Decision) -> None:
 
 def _all_reduce_ms(session: Session, job: Job, through: int, window: int = 20) -> float:
     """The all-reduce's own cost: per iteration the smallest sync time among the ranks in the
-    group (the last to arrive waits for nobody), median over the recent window."""
+    group (the last to arrive waits for nobody), median over the ``window`` iterations up to
+    ``through``."""
     T = IterationTelemetry
     rows = session.execute(
         select(T.iteration, func.min(T.sync_ms))
@@ -185,6 +189,60 @@ def _all_reduce_ms(session: Session, job: Job, through: int, window: int = 20) -
     return float(statistics.median(float(ms) for _, ms in rows)) if rows else 0.0
 
 
+SYNC_NOW_WINDOW = 5
+"""Iterations (since the onset of the oldest open event) whose all-reduce is the 'now' of
+``_all_reduce_times``; fewer than 3 and the ladder assumes instead of measuring."""
+
+
+def _all_reduce_times(
+    session: Session, job: Job, watch: Watch, iteration: int
+) -> tuple[float, float | None]:
+    """(normal all-reduce ms, current over normal or None). Normal: the 20 iterations before the
+    oldest open dynamic event (the last 20 when none is open); now: the last few iterations,
+    all after that onset. The ladder uses the ratio instead of assuming that a straggler slows
+    the collective as much as its compute (``server.stragglers.candidates``)."""
+    starts = [
+        e.start_iteration for e in watch.detector.open_events() if e.kind is StragglerKind.DYNAMIC
+    ]
+    if not starts:
+        return _all_reduce_ms(session, job, iteration), None
+    onset = min(starts)
+    normal = _all_reduce_ms(session, job, onset - 1)
+    since = iteration - onset + 1
+    if since < 3 or normal <= 0:
+        return normal, None
+    now = _all_reduce_ms(session, job, iteration, window=min(SYNC_NOW_WINDOW, since))
+    return normal, now / normal
+
+
+GLOO_REGROUP_MS = 10.0
+"""Making a gloo subgroup: about 6 ms on a shared 2-core host (``bench/membership_cost.py``),
+switching to a known one 0.03 ms; with a margin."""
+RESYNC_PER_ALL_REDUCE = 2.0
+"""Re-synchronising a readmitted rank sends parameters and optimizer state (momentum: twice the
+parameters) from one rank: about twice the bytes a ring all-reduce of the gradients puts on each
+link, so about twice its time (``bench/membership_cost.py``: 4 ms at 4k parameters, 50 ms at
+3.2 M with momentum, against all-reduces of 2 to 25 ms)."""
+MIN_RESYNC_MS = 3.0
+
+
+def ladder_config(session: Session, job: Job, all_reduce_ms: float) -> LadderConfig:
+    """The ladder's switching costs for this job, from what it runs on and what it measured:
+    regrouping costs ``GLOO_REGROUP_MS`` when every device is a CPU (gloo) and the default's
+    NCCL-sized figure otherwise (creating a communicator); re-synchronising costs
+    ``RESYNC_PER_ALL_REDUCE`` all-reduces, once the all-reduce has been measured."""
+    config = LadderConfig()
+    devices = [session.get(Device, w.device_id) for w in job.workers if w.device_id is not None]
+    gloo = bool(devices) and all(d is not None and d.kind == "cpu" for d in devices)
+    regroup = GLOO_REGROUP_MS if gloo else config.regroup_ms
+    resync = (
+        max(MIN_RESYNC_MS, RESYNC_PER_ALL_REDUCE * all_reduce_ms)
+        if all_reduce_ms > 0
+        else config.resync_ms
+    )
+    return replace(config, regroup_ms=regroup, resync_ms=resync)
+
+
 def _mitigate(
     session: Session, job: Job, spec: JobSpec, watch: Watch, iteration: int
 ) -> int | None:
@@ -195,7 +253,15 @@ def _mitigate(
     pins, excluded = rebalancer.controls(job)
     batches = dict(enumerate(current.batch_sizes))
     cap = spec.max_batch_per_worker
-    views = rank_views(watch.normal, batches, watch.detector.health(), dict.fromkeys(batches, cap))
+    sync_ms, sync_ratio = _all_reduce_times(session, job, watch, iteration)
+    views = rank_views(
+        watch.normal,
+        batches,
+        watch.detector.health(),
+        dict.fromkeys(batches, cap),
+        all_reduce_ratio=sync_ratio,
+        excluded=set(current.excluded or []),  # out of the all-reduce group now
+    )
     situation = Situation(
         iteration=iteration,
         global_batch=spec.global_batch,
@@ -203,9 +269,9 @@ def _mitigate(
         granularity=spec.policy.granularity,
         overrides=Overrides(frozen=job.frozen, pins=pins, excluded=excluded),
         remaining_iterations=(spec.iterations - iteration - 1) if spec.iterations else None,
-        sync_ms=_all_reduce_ms(session, job, iteration),
+        sync_ms=sync_ms,
     )
-    decision, watch.ladder = decide(situation, watch.ladder, LadderConfig())
+    decision, watch.ladder = decide(situation, watch.ladder, ladder_config(session, job, sync_ms))
     if decision.new_batch_sizes is None:
         return None
     sizes = [decision.new_batch_sizes[r] for r in range(len(job.workers))]

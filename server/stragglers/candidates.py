@@ -10,13 +10,17 @@ ratio times its model is the best estimate of its current speed, and it stays id
 a single batch size. The predicted iteration time of batch sizes ``b`` with the all-reduce group
 G (every rank not excluded) is ::
 
-    T(b, G) = max_i t'_i(b_i) + sync_ms * max_{i in G} ratio_i
+    T(b, G) = max_i t'_i(b_i) + sync_ms * max_{i in G} sync_ratio_i
 
 A rank with 0 samples computes nothing, but while it stays in the group it still takes part in
-the all-reduce, and a rank slowed by contention or throttling is assumed to slow the collective
-by the same factor (its GPU runs the reduction kernels, its links carry the ring). That is what
-exclusion buys over a plan that merely gives the straggler 0 samples. With ``sync_ms = 0`` the
-model is compute only.
+the all-reduce. ``sync_ratio_i`` is how many times slower the collective runs because of rank i:
+measured where the caller can (the group's all-reduce now over its normal time, attributed to
+its straggling members, at most their compute ratio; see ``rank_views``), else assumed equal to
+its compute ratio (its GPU runs the reduction kernels, its links carry the ring). What exclusion
+buys over a plan that merely gives the straggler 0 samples is exactly that slowdown of the
+collective, so it is measured rather than assumed whenever the all-reduce times are known: a
+straggler slowed by contention for its compute does not always slow the ring. With
+``sync_ms = 0`` the model is compute only.
 
 Every candidate keeps the invariants: batch sizes sum exactly to B, stay within
 ``[min_batch, max_batch]`` on multiples of the granularity, operators' pins are kept, and
@@ -61,6 +65,9 @@ class RankView:
     """Onset of its open dynamic event, when straggling."""
     max_batch: int | None = None
     min_batch: int = 0
+    sync_ratio: float | None = None
+    """How many times slower the all-reduce runs with this rank in the group, as measured;
+    None: assumed to be ``ratio``."""
 
 
 @dataclass(frozen=True)
@@ -104,7 +111,11 @@ def makespan(
 ) -> float:
     """Predicted iteration time ``T(b, G)`` at the ranks' current speeds (module docstring)."""
     compute = max(predicted_times(situation, batches).values())
-    group = [r.ratio for r in situation.ranks if r.rank not in excluded]
+    group = [
+        r.ratio if r.sync_ratio is None else r.sync_ratio
+        for r in situation.ranks
+        if r.rank not in excluded
+    ]
     return compute + situation.sync_ms * max(group, default=1.0)
 
 

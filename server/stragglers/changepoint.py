@@ -26,7 +26,12 @@ worth six sigmas (Siegmund's approximation puts the in-control run length near 1
 fired in 4 * 10^5 simulated ones).
 
 Class. The event opens as TRANSIENT and becomes DYNAMIC once it has lasted
-``sustain_iterations`` iterations from its onset without recovering (see ``StragglerKind``).
+``sustain_iterations`` iterations from its onset without recovering (see ``StragglerKind``), or
+sooner, after ``fast_sustain_iterations``, when every sample since the onset is at least
+``fast_factor`` times the normal level: every iteration such a slowdown goes unanswered costs the
+job a large share of an iteration, more than a false alarm's plan costs over the ladder's
+cool-down. A spike of up to ``fast_sustain_iterations - 1`` samples still closes as TRANSIENT:
+by the time the severe rule could confirm it, a normal sample has come in.
 
 Recovery (a second CUSUM, towards normal). With ``level`` the median of the last
 ``level_window`` log-ratios of the event::
@@ -78,6 +83,10 @@ class DetectorConfig:
     """The learned normal level may put a model off by at most this factor either way."""
     sustain_iterations: int = 4
     """Iterations from the onset after which an unrecovered event is DYNAMIC, not TRANSIENT."""
+    fast_factor: float = 1.75
+    """A slowdown whose every sample since the onset is this severe is confirmed sooner..."""
+    fast_sustain_iterations: int = 3
+    """... after this many iterations from the onset (see the module docstring)."""
     level_window: int = 8
     """Recent samples whose median is the event's current level (and the ladder's ratio)."""
     event_memory: int = 256
@@ -92,12 +101,18 @@ class DetectorConfig:
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"DetectorConfig.{name} must be > 0")
-        for name in ("min_factor", "max_bias", "static_factor"):
+        for name in ("min_factor", "max_bias", "static_factor", "fast_factor"):
             if not getattr(self, name) > 1:
                 raise ValueError(f"DetectorConfig.{name} must be > 1")
         if self.k_sigmas < 0:
             raise ValueError("DetectorConfig.k_sigmas must be >= 0")
-        counts = ("min_samples", "baseline_window", "sustain_iterations", "level_window")
+        counts = (
+            "min_samples",
+            "baseline_window",
+            "sustain_iterations",
+            "fast_sustain_iterations",
+            "level_window",
+        )
         for name in (*counts, "event_memory"):
             if getattr(self, name) < 1:
                 raise ValueError(f"DetectorConfig.{name} must be >= 1")
@@ -267,7 +282,7 @@ def _normal(
     state.peak = max(state.logs) - mu
     state.down, state.down_from, state.down_its, state.down_logs = 0.0, None, [], []
     state.up, state.up_from, state.run = 0.0, None, []
-    if iteration - start + 1 >= config.sustain_iterations:
+    if _sustained(state, iteration, config):
         state.kind, state.confirmed = StragglerKind.DYNAMIC.value, iteration
     event = event_of(state)
     assert event is not None
@@ -304,9 +319,7 @@ def _in_event(
         return [_close(state, iteration, config)]
     event = event_of(state)
     assert event is not None
-    if state.kind == StragglerKind.TRANSIENT and iteration - state.start + 1 >= (
-        config.sustain_iterations
-    ):
+    if state.kind == StragglerKind.TRANSIENT and _sustained(state, iteration, config):
         state.kind, state.confirmed = StragglerKind.DYNAMIC.value, iteration
         state.reported = event.severity
         return [EventUpdate(Change.UPDATED, event_of(state) or event, iteration)]
@@ -314,6 +327,19 @@ def _in_event(
         state.reported = event.severity
         return [EventUpdate(Change.UPDATED, event, iteration)]
     return []
+
+
+def _sustained(state: RankState, iteration: int, config: DetectorConfig) -> bool:
+    """Whether the open event has lasted long enough to be DYNAMIC (module docstring)."""
+    assert state.start is not None
+    age = iteration - state.start + 1
+    if age >= config.sustain_iterations:
+        return True
+    return (
+        age >= config.fast_sustain_iterations
+        and bool(state.logs)
+        and min(state.logs) - state.mu >= math.log(config.fast_factor)
+    )
 
 
 def _close(state: RankState, iteration: int, config: DetectorConfig) -> EventUpdate:

@@ -40,7 +40,7 @@ readmitted by the ladder, and a plan that already breaks an override is replaced
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
@@ -80,9 +80,12 @@ class LadderConfig:
     plan_change_iterations: float = 1.0
     """Switching plans costs about this many iterations of the current plan."""
     regroup_ms: float = 2000.0
-    """Cost of changing the all-reduce group (leaving or joining)."""
+    """Cost of changing the all-reduce group (leaving or joining). The default is sized for
+    NCCL (a new communicator); the server passes gloo's ~10 ms for CPU jobs
+    (``server.services.stragglers.ladder_config``)."""
     resync_ms: float = 500.0
-    """Cost of re-synchronising a readmitted rank's parameters."""
+    """Cost of re-synchronising a readmitted rank's parameters (and optimizer state); the
+    server passes about two measured all-reduces once it has measured one."""
     exclude_min_ratio: float = 2.0
     """Only a rank at least this many times slower than its model may be excluded."""
     fine_tune_fraction: float = 0.05
@@ -185,26 +188,39 @@ def rank_views(
     health: Mapping[int, RankHealth],
     max_batch: Mapping[int, int | None] | None = None,
     min_batch: Mapping[int, int] | None = None,
+    *,
+    all_reduce_ratio: float | None = None,
+    excluded: Collection[int] = (),
 ) -> tuple[RankView, ...]:
     """``RankView`` of every rank in ``batches`` from the detector's ``health``.
 
     A straggling rank runs at its measured ratio; every other rank at its model (ratio 1):
     keeping the models right is the planner's refit, not the straggler ladder's job.
+
+    ``all_reduce_ratio`` is the current group's all-reduce time over its normal one, when the
+    caller measured it; it becomes the ``sync_ratio`` of every straggling rank in the group
+    (``excluded`` are not), clamped to ``[1, ratio]``. Without it, or for ranks out of the
+    group, the ladder assumes a straggler slows the all-reduce by its compute ratio.
     """
     views = []
     for rank in sorted(batches):
         h = health.get(rank)
         straggling = h is not None and h.straggling
+        ratio = h.ratio if h is not None and straggling else 1.0
+        sync_ratio = None
+        if straggling and all_reduce_ratio is not None and rank not in excluded:
+            sync_ratio = min(ratio, max(1.0, all_reduce_ratio))
         views.append(
             RankView(
                 rank=rank,
                 model=models[rank],
                 batch_size=batches[rank],
-                ratio=h.ratio if h is not None and straggling else 1.0,
+                ratio=ratio,
                 straggling=straggling,
                 event_start=h.event.start_iteration if h and h.event and straggling else None,
                 max_batch=(max_batch or {}).get(rank),
                 min_batch=(min_batch or {}).get(rank, 0),
+                sync_ratio=sync_ratio,
             )
         )
     return tuple(views)

@@ -16,7 +16,9 @@ Policies:
   samples is assumed back to normal), and the plan is re-solved; a changed plan is a plan change.
 - ``adaptive``: the detector and the mitigation ladder, from the ``static`` plan. A rank the
   ladder excluded runs a probe of ``probe_batch`` samples every ``probe_every`` iterations off the
-  critical path; its timings feed the detector, which is how its recovery is seen.
+  critical path; its timings feed the detector, which is how its recovery is seen. As on the
+  server, the ladder gets the all-reduce's measured slowdown since the onset of an event, not an
+  assumption.
 
 The detector and the planner see only timings and the base models, never the schedule.
 """
@@ -29,7 +31,7 @@ from statistics import median
 from server.planner import solve
 from server.stragglers.candidates import Situation
 from server.stragglers.changepoint import DetectorConfig
-from server.stragglers.detector import Detector
+from server.stragglers.detector import Detector, RankHealth
 from server.stragglers.event import StragglerEvent, StragglerKind
 from server.stragglers.ladder import Action, Decision, LadderConfig, LadderState, decide, rank_views
 from server.stragglers.scenario import Scenario
@@ -105,6 +107,8 @@ class _Run:
         self.closed_at: dict[tuple[int, int, StragglerKind], int] = {}
         self.decisions: list[tuple[int, Decision]] = []
         self.per_event: dict[tuple[int, int], int] = {}
+        self.all_reduce: list[float] = []
+        """The all-reduce time of every iteration so far (what the server measures)."""
         n = scenario.ranks
         self.probe = config.probe_batch or max(1, scenario.global_batch // n)
 
@@ -123,6 +127,7 @@ class _Run:
         group = [r for r in range(sc.ranks) if r not in self.excluded]
         busy = [ms for _, _, ms, running in timings if running]
         iteration_ms = sc.iteration_ms(busy, group, k)
+        self.all_reduce.append(iteration_ms - max(busy, default=0.0))
         self.total += iteration_ms + self.overhead
         self.overhead = 0.0
         records = [IterationTiming(r, k, b, ms) for r, b, ms, _ in timings]
@@ -159,7 +164,15 @@ class _Run:
                 if u.event.end_iteration is not None:
                     self.closed_at[u.event.key] = k
         caps = {r: self.sc.cap(r) for r in range(self.sc.ranks)}
-        views = rank_views(self.models, self.batches, self.detector.health(), caps)
+        health = self.detector.health()
+        views = rank_views(
+            self.models,
+            self.batches,
+            health,
+            caps,
+            all_reduce_ratio=self._all_reduce_ratio(k, health),
+            excluded=self.excluded,
+        )
         situation = Situation(
             iteration=k,
             global_batch=self.sc.global_batch,
@@ -189,6 +202,23 @@ class _Run:
             self.excluded.discard(decision.rank)
             self.regroups += 1
             self.overhead += lc.regroup_ms + lc.resync_ms
+
+    def _all_reduce_ratio(self, k: int, health: dict[int, RankHealth]) -> float | None:
+        """As the server measures it (``server.services.stragglers``): the median all-reduce of
+        the last few iterations since the oldest open event's onset over the median of the 20
+        before it; None before three such iterations."""
+        starts = [
+            h.event.start_iteration for h in health.values() if h.straggling and h.event is not None
+        ]
+        if not starts or self.sc.sync_ms <= 0:
+            return None
+        onset = min(starts)
+        since = k - onset + 1
+        before = self.all_reduce[max(0, onset - 20) : max(0, onset)]
+        if since < 3 or not before:
+            return None
+        now = median(self.all_reduce[k + 1 - min(5, since) : k + 1])
+        return now / median(before)
 
     def result(self) -> SimResult:
         events = tuple(sorted(self.events.values(), key=lambda e: (e.start_iteration, e.rank)))

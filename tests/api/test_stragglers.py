@@ -1,7 +1,7 @@
 """Straggler detection and mitigation through the API, on simulated workers with noise.
 
-Workers report t = factor * (intercept + per_sample * b) * noise for the plan they are served;
-the control loop (rebalancer + straggler watch) runs after every iteration, as the server's
+Workers report t = factor * (intercept + per_sample * b) * noise for the plan they are served,
+and an all-reduce slowed by the slowest rank of the group (unless told otherwise); the control loop (rebalancer + straggler watch) runs after every iteration, as the server's
 background loop would."""
 
 from __future__ import annotations
@@ -10,7 +10,9 @@ import random
 from typing import Any
 
 from server.db import transaction
-from server.services import control_loop
+from server.models import Job
+from server.services import control_loop, stragglers
+from server.stragglers import LadderConfig
 from tests.conftest import Api
 
 PER_SAMPLE = [1.0, 1.0, 2.0, 4.0]
@@ -21,9 +23,17 @@ PROBE_EVERY = 5
 
 class Cluster:
     def __init__(
-        self, api: Api, policy: str, slow: dict[int, tuple[int, int, float]], sync_ms: float = 1.0
+        self,
+        api: Api,
+        policy: str,
+        slow: dict[int, tuple[int, int, float]],
+        sync_ms: float = 1.0,
+        *,
+        slow_all_reduce: bool = True,
     ) -> None:
         self.api, self.slow, self.sync_ms = api, slow, sync_ms
+        self.slow_all_reduce = slow_all_reduce
+        """A slowed rank slows the all-reduce of its group by its factor (else it does not)."""
         self.host = api.register("sim", devices=4)
         spec_policy = {"name": policy, "explore_iterations": 5, "rebalance_every": 10}
         self.job = int(
@@ -46,6 +56,10 @@ class Cluster:
     def run(self, iterations: int) -> None:
         for _ in range(iterations):
             plan = self.plan()
+            group = [r for r in range(4) if r not in plan["excluded"]]
+            sync = self.sync_ms * (
+                max(self.factor(r) for r in group) if self.slow_all_reduce else 1.0
+            )
             records = []
             for r, b in enumerate(plan["batch_sizes"]):
                 probe = r in plan["excluded"]
@@ -67,7 +81,7 @@ class Cluster:
                         "batch_size": size,
                         "data_ms": 0.5,
                         "compute_ms": ms,
-                        "sync_ms": self.sync_ms,
+                        "sync_ms": self.sync_ms if probe else sync,
                         "ts": 1.7e9 + self.iteration,
                         "probe": probe,
                     }
@@ -115,6 +129,7 @@ def test_a_3x_slowdown_is_detected_mitigated_and_undone(api: Api) -> None:
     c.run(60)  # recovered
     e = c.events()[0]
     assert e["end_iteration"] is not None and 160 <= e["end_iteration"] <= 166
+    assert e["end_iteration"] <= e["detail"]["closed_iteration"] <= e["end_iteration"] + 5
     changes = [p for p in c.plans()[settled:] if p["reason"].startswith("straggler ladder")]
     assert 1 <= len(changes) <= 1 + 2 + 1, "one reaction, at most two more, and one to undo"
     final = c.plan()["batch_sizes"]
@@ -132,7 +147,8 @@ def test_static_keeps_its_plan_but_events_are_still_reported(api: Api) -> None:
 
 
 def test_a_10x_straggler_keeps_only_a_sliver_when_the_all_reduce_is_cheap(api: Api) -> None:
-    c = Cluster(api, "adaptive", slow={1: (60, 140, 10.0)})
+    # 1 ms of all-reduce, not slowed by the straggler: leaving the group would buy nothing.
+    c = Cluster(api, "adaptive", slow={1: (60, 140, 10.0)}, slow_all_reduce=False)
     c.run(140)
     assert c.plan()["batch_sizes"][1] <= B // 20 and c.plan()["excluded"] == []
     c.run(60)
@@ -152,3 +168,25 @@ def test_a_10x_straggler_leaves_the_all_reduce_and_comes_back(api: Api) -> None:
     assert final["excluded"] == [] and final["batch_sizes"][1] > 0
     event = next(e for e in c.events() if e["rank"] == 1)
     assert "exclude" in event["action"] and event["end_iteration"] is not None
+
+
+def test_a_10x_straggler_stays_in_the_group_when_the_all_reduce_does_not_slow(api: Api) -> None:
+    # The same costly all-reduce, but measured not to slow with the straggler (contention for its
+    # compute only, as in the emulation): leaving would buy nothing, re-planning does it all.
+    c = Cluster(api, "adaptive", slow={1: (60, 140, 10.0)}, sync_ms=40.0, slow_all_reduce=False)
+    c.run(140)
+    assert all(p["excluded"] == [] for p in c.plans())
+    assert c.plan()["batch_sizes"][1] <= B // 20
+
+
+def test_switching_costs_follow_the_backend_and_the_measured_all_reduce(api: Api) -> None:
+    c = Cluster(api, "adaptive", slow={})
+    c.run(1)
+    with transaction(api.client.app.state.sessions) as s:  # type: ignore[attr-defined]
+        job = s.get(Job, c.job)
+        assert job is not None
+        measured = stragglers.ladder_config(s, job, 20.0)
+        unmeasured = stragglers.ladder_config(s, job, 0.0)
+    assert measured.regroup_ms == stragglers.GLOO_REGROUP_MS  # every device is a CPU: gloo
+    assert measured.resync_ms == stragglers.RESYNC_PER_ALL_REDUCE * 20.0
+    assert unmeasured.resync_ms == LadderConfig().resync_ms

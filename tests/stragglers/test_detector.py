@@ -74,6 +74,29 @@ def test_sustained_slowdown_is_confirmed_within_5_and_its_end_within_5(
     assert abs(math.log(event.severity / factor)) < math.log(1.2)
 
 
+@FAST
+@given(
+    n=st.integers(2, 6),
+    rank=st.integers(0, 5),
+    onset=st.integers(20, 120),
+    factor=st.floats(2.5, 10.0),
+    noise=st.floats(0.0, 0.1),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_a_severe_slowdown_is_confirmed_sooner(
+    n: int, rank: int, onset: int, factor: float, noise: float, seed: int
+) -> None:
+    rank %= n
+    models, batches = fleet(n)
+    slow = [Slowdown(rank, onset, onset + 40, factor)]
+    window = series(models, batches, onset + 40, slow, noise=noise, seed=seed)
+    updates = replay(window, dict(enumerate(models)))
+    confirmed = next(u for u in updates if u.event.kind is StragglerKind.DYNAMIC)
+    assert confirmed.event.start_iteration == onset
+    fast = DetectorConfig().fast_sustain_iterations
+    assert confirmed.iteration - onset == fast - 1
+
+
 @settings(max_examples=100, deadline=None, derandomize=True)
 @given(
     n=st.integers(2, 6),

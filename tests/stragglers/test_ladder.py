@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -11,11 +13,15 @@ from server.stragglers import (
     LadderConfig,
     LadderState,
     Overrides,
+    RankHealth,
     RankView,
     Scenario,
     Situation,
     Slowdown,
+    StragglerEvent,
+    StragglerKind,
     decide,
+    rank_views,
     simulate,
 )
 
@@ -96,6 +102,49 @@ def test_exclusion_is_priced_and_never_taken_when_regrouping_costs_too_much() ->
     assert decision.action is Action.EXCLUDE and decision.rank == 3
     assert decision.new_batch_sizes is not None and decision.new_batch_sizes[3] == 0
     assert state.excluded == (3,)
+
+
+def test_exclusion_is_not_taken_when_the_all_reduce_is_measured_not_to_slow() -> None:
+    cheap = LadderConfig(regroup_ms=0.0, resync_ms=0.0)
+    assumed = situation((1.0, 1.0, 1.0, 10.0))
+    decision, _ = decide(assumed, LadderState(), cheap)
+    assert decision.action is Action.EXCLUDE  # assumed: the ring runs 10x slower with rank 3
+    views = tuple(replace(r, sync_ratio=1.0) if r.straggling else r for r in assumed.ranks)
+    decision, state = decide(replace(assumed, ranks=views), LadderState(), cheap)
+    assert decision.action is not Action.EXCLUDE and state.excluded == ()
+    assert decision.new_batch_sizes is not None and decision.new_batch_sizes[3] < PLAN[3]
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+    ratios=st.lists(st.sampled_from([1.0, 1.0, 1.5, 3.0, 10.0]), min_size=4, max_size=4),
+    measured=st.floats(0.5, 20.0),
+    out=st.one_of(st.none(), st.integers(0, 3)),
+)
+def test_a_measured_all_reduce_slowdown_is_capped_by_the_compute_ratio(
+    ratios: list[float], measured: float, out: int | None
+) -> None:
+    health = {
+        r: RankHealth(r, f, 1.0, 0.01, _event(r) if f > 1.2 else None, "model")
+        for r, f in enumerate(ratios)
+    }
+    excluded = {out} if out is not None else set()
+    views = rank_views(
+        dict(enumerate(MODELS)),
+        PLAN,
+        health,
+        all_reduce_ratio=measured,
+        excluded=excluded,
+    )
+    for v in views:
+        if v.straggling and v.rank not in excluded:
+            assert v.sync_ratio is not None and 1.0 <= v.sync_ratio <= v.ratio
+        else:
+            assert v.sync_ratio is None
+
+
+def _event(rank: int) -> StragglerEvent:
+    return StragglerEvent(rank, StragglerKind.DYNAMIC, 90, None, 3.0, 90, 93)
 
 
 def test_operator_exclusion_and_pins_win() -> None:
