@@ -39,7 +39,7 @@ from agent.runtime.plan_sync import Plan, PlanAgreement, decode_plan
 from agent.runtime.probes import ProbeLoss, forward_sum, probe, probe_size
 from agent.runtime.resync import resync
 from agent.runtime.sampler import GlobalBatchSampler
-from agent.runtime.telemetry import clamp_ms
+from agent.runtime.telemetry import JumpWatch, clamp_ms
 from agent.runtime.timing import IterationTimer, IterationTiming
 from agent.wire import JobSpec, TelemetryRecord
 
@@ -104,6 +104,7 @@ class EvenflowContext:
         device: torch.device | None = None,
         emulator: Emulator | None = None,
         submit: Callable[[TelemetryRecord], None] | None = None,
+        flush: Callable[[], None] | None = None,
         group: dist.ProcessGroup | None = None,
         loss_every: int = 1,
         piggyback: bool = True,
@@ -120,6 +121,10 @@ class EvenflowContext:
         self.piggyback = piggyback
         """Carry the plan agreement inside the gradient all-reduce when the buffers allow."""
         self._submit = submit
+        self._flush = flush
+        """Asks the telemetry sender to post now: called when :class:`JumpWatch` flags a record
+        (the control plane should hear of a slowdown's start or end at once)."""
+        self._jumps = JumpWatch()
         self.timer = IterationTimer(self.device)
         self.stats = ContextStats()
         self.iteration = 0
@@ -400,3 +405,10 @@ class EvenflowContext:
                 )
             except Exception as exc:  # telemetry is best effort
                 log.warning("telemetry record for iteration %d dropped: %r", t.iteration, exc)
+                continue
+            if (
+                self._flush is not None
+                and not probe
+                and self._jumps.observe(t.batch_size, t.compute_ms)
+            ):
+                self._flush()

@@ -16,6 +16,13 @@ Accounting is exact: ``submitted == delivered + dropped + pending``.
   iteration).
 - :meth:`~TelemetrySender.close` flushes what is left, retrying until its deadline, then returns
   the final :class:`TelemetryStats`; whatever is still pending then is lost (and counted).
+
+Batching trades latency for load: at the default cadence the control plane hears of a worker's
+slowdown up to ``flush_interval_s`` late, which for a straggler is iterations trained on a bad
+plan. So :meth:`~TelemetrySender.flush_soon` makes the thread post at once (unless it is backing
+off after a failure). :class:`JumpWatch` decides which records are urgent: those whose compute time
+jumped away from the rank's recent level (a slowdown starting or ending), a few per change, never
+for ordinary noise.
 """
 
 from __future__ import annotations
@@ -89,6 +96,7 @@ class TelemetrySender:
         self._in_flight = 0
         self._cond = threading.Condition()
         self._closing = False
+        self._urgent = False
         self._deadline = float("inf")
         self._submitted = self._delivered = self._dropped = self._failures = self._posts = 0
         self._thread = threading.Thread(target=self._run, name="evenflow-telemetry", daemon=True)
@@ -102,6 +110,12 @@ class TelemetrySender:
             self._trim()
             if len(self._queue) >= self.flush_records:
                 self._cond.notify()
+
+    def flush_soon(self) -> None:
+        """Post what is queued now rather than at the next cadence (not while backing off)."""
+        with self._cond:
+            self._urgent = True
+            self._cond.notify()
 
     @property
     def stats(self) -> TelemetryStats:
@@ -146,7 +160,7 @@ class TelemetrySender:
                     else:
                         delay = backoff or self.flush_interval_s
                     due = last_attempt + delay
-                    full = backoff == 0 and len(self._queue) >= self.flush_records
+                    full = backoff == 0 and (self._urgent or len(self._queue) >= self.flush_records)
                     if self._queue and (full or now >= due):
                         break
                     wait = due - now if self._queue else self.flush_interval_s
@@ -155,6 +169,7 @@ class TelemetrySender:
                     self._cond.wait(max(wait, 0.001))
                 n = min(len(self._queue), self.max_batch)
                 batch = [self._queue.popleft() for _ in range(n)]
+                self._urgent = False
                 self._in_flight = n
             last_attempt = time.monotonic()
             ok = self._send(batch)
@@ -178,3 +193,37 @@ class TelemetrySender:
             if self._failures == 0 or self._failures % 20 == 19:
                 log.warning("telemetry post of %d records failed: %r", len(batch), exc)
             return False
+
+
+class JumpWatch:
+    """Flags an iteration whose compute time jumped away from its rank's recent level.
+
+    The reference is the median of the last ``window`` compute times measured at the same batch
+    size (a plan change resets it: another batch size has another level). A record is urgent when
+    its compute time is ``ratio`` times above or below that median: the first iterations of a
+    slowdown (and of a recovery) are flagged until the median has moved to the new level, about
+    ``window // 2 + 1`` of them; noise within ``ratio`` never is. Records with 0 samples carry
+    no compute and are never urgent.
+    """
+
+    def __init__(self, *, ratio: float = 1.3, window: int = 5) -> None:
+        if ratio <= 1.0 or window < 1:
+            raise ValueError("ratio must exceed 1 and window be at least 1")
+        self.ratio = ratio
+        self.window = window
+        self._batch = -1
+        self._recent: deque[float] = deque(maxlen=window)
+
+    def observe(self, batch_size: int, compute_ms: float) -> bool:
+        if batch_size <= 0:
+            return False
+        if batch_size != self._batch:
+            self._batch = batch_size
+            self._recent.clear()
+        urgent = False
+        if len(self._recent) == self.window:
+            ordered = sorted(self._recent)
+            level = ordered[len(ordered) // 2]
+            urgent = level > 0 and not level / self.ratio <= compute_ms <= level * self.ratio
+        self._recent.append(compute_ms)
+        return urgent

@@ -194,6 +194,7 @@ def run_training(
             device=device,
             emulator=emulator,
             submit=sender.submit if sender else None,
+            flush=sender.flush_soon if sender else None,
             loss_every=loss_every,
             piggyback=options.piggyback_agreement,
             exclusion=options.exclusion,

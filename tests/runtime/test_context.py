@@ -12,6 +12,7 @@ from torch import nn
 
 from agent.runtime.context import MAX_LOSSES, ContextStats, EvenflowContext, dataset_size
 from agent.runtime.plan_sync import Plan, PlanAgreement
+from agent.runtime.telemetry import JumpWatch
 from agent.runtime.trainer import run_workload
 from agent.runtime.workloads import builtin, load_entrypoint
 from agent.wire import JobSpec, TelemetryRecord, WorkloadSpec
@@ -134,3 +135,35 @@ def test_loss_history_stays_bounded_and_keeps_the_last() -> None:
     assert iterations == sorted(iterations)
     gaps = {b - a for a, b in pairwise(iterations[:-1])}  # the last may be off the stride
     assert len(gaps) == 1  # evenly spread
+
+
+def test_a_compute_jump_asks_the_sender_to_flush_now() -> None:
+    """An emulated 3x slowdown from iteration 10: its first 3 iterations ask for a flush (and
+    nothing else does, unless the machine itself made a compute time jump: replayed below)."""
+    from agent.runtime.emulation import Emulator
+    from agent.wire import EmulatedWorker
+
+    job = spec({"builtin": "mlp"})
+    records: list[TelemetryRecord] = []
+    flushed: list[int] = []
+    agreement = PlanAgreement(Plan(1, (32,)), rank=0, world_size=1, global_batch=32)
+    worker = EmulatedWorker.model_validate(
+        {
+            "per_sample_ms": 0.2,
+            "intercept_ms": 5,
+            "slowdowns": [{"from_iteration": 10, "to_iteration": 20, "factor": 3}],
+        }
+    )
+    ctx = EvenflowContext(
+        job,
+        agreement,
+        rank=0,
+        world_size=1,
+        emulator=Emulator(worker),
+        submit=records.append,
+        flush=lambda: flushed.append(records[-1].iteration),
+    )
+    run_workload(ctx)
+    replay = JumpWatch()
+    assert flushed == [r.iteration for r in records if replay.observe(r.batch_size, r.compute_ms)]
+    assert {10, 11, 12} <= set(flushed)

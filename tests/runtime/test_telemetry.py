@@ -5,7 +5,10 @@ from __future__ import annotations
 import threading
 import time
 
-from agent.runtime.telemetry import TelemetrySender, clamp_ms
+from hypothesis import given
+from hypothesis import strategies as st
+
+from agent.runtime.telemetry import JumpWatch, TelemetrySender, clamp_ms
 from agent.wire import MAX_MS, TelemetryBatch, TelemetryRecord
 
 
@@ -151,3 +154,51 @@ def test_clamp_ms() -> None:
     assert clamp_ms(float("nan")) == 0.0
     assert clamp_ms(float("inf")) == MAX_MS
     assert clamp_ms(3.5) == 3.5
+
+
+def test_flush_soon_posts_without_waiting_for_the_cadence() -> None:
+    poster = Poster()
+    s = TelemetrySender(poster, flush_records=1000, flush_interval_s=3600)
+    for i in range(3):
+        s.submit(record(i))
+    s.flush_soon()  # an hour-long cadence and a count never reached: only this can post
+    wait_for(lambda: poster.received == [0, 1, 2])
+    s.submit(record(3))  # back to the cadence afterwards
+    time.sleep(0.1)
+    assert poster.received == [0, 1, 2]
+    assert s.close(1.0).delivered == 4
+
+
+@given(
+    level=st.floats(1.0, 1e4),
+    noise=st.lists(st.floats(-0.1, 0.1), min_size=5, max_size=60),
+)
+def test_jump_watch_ignores_noise_of_ten_percent(level: float, noise: list[float]) -> None:
+    w = JumpWatch()
+    assert not any(w.observe(16, level * (1 + e)) for e in noise)
+
+
+@given(
+    level=st.floats(1.0, 1e4),
+    factor=st.one_of(st.floats(1.5, 20.0), st.floats(0.05, 0.6)),
+    before=st.integers(5, 20),
+    after=st.integers(3, 30),
+)
+def test_jump_watch_flags_the_first_iterations_of_a_sustained_change(
+    level: float, factor: float, before: int, after: int
+) -> None:
+    """A slowdown (or recovery) is flagged from its first iteration until the window's median
+    has moved: the 3 records the detector needs, then quiet."""
+    w = JumpWatch(window=5)
+    flags = [w.observe(16, level) for _ in range(before)]
+    flags += [w.observe(16, level * factor) for _ in range(after)]
+    assert flags == [False] * before + [True] * min(3, after) + [False] * (after - 3)
+
+
+def test_jump_watch_resets_when_the_batch_size_changes() -> None:
+    w = JumpWatch(window=5)
+    for _ in range(5):
+        w.observe(16, 10.0)
+    assert w.observe(16, 20.0)
+    assert not w.observe(32, 20.0)  # another plan: another level, nothing to compare with yet
+    assert not w.observe(0, 0.0)  # no samples, no compute
