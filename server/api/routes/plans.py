@@ -70,12 +70,17 @@ async def _current(app: Any, job_id: int) -> tuple[int, bytes]:
     hit: tuple[int, bytes] | None = cache.get(job_id)
     if hit is not None:
         return hit
-    loads: dict[int, asyncio.Task[tuple[int, bytes]]] = app.state.plan_loads
-    load = loads.get(job_id)
-    if load is None:
-        load = asyncio.ensure_future(_load_and_cache(app, job_id, cache.generation(job_id)))
-        loads[job_id] = load
+    # Join a load only if it started after the last invalidation: one that started before
+    # may return the plan the invalidating commit replaced.
+    generation = cache.generation(job_id)
+    loads: dict[int, tuple[int, asyncio.Task[tuple[int, bytes]]]] = app.state.plan_loads
+    pending = loads.get(job_id)
+    if pending is None or pending[0] != generation:
+        load = asyncio.ensure_future(_load_and_cache(app, job_id, generation))
+        loads[job_id] = (generation, load)
         load.add_done_callback(lambda done: _loaded(loads, job_id, done))
+    else:
+        load = pending[1]
     return await asyncio.shield(load)  # one waiter giving up does not cancel the others' load
 
 
@@ -86,7 +91,8 @@ async def _load_and_cache(app: Any, job_id: int, generation: int) -> tuple[int, 
 
 
 def _loaded(loads: dict[int, Any], job_id: int, done: asyncio.Task[tuple[int, bytes]]) -> None:
-    if loads.get(job_id) is done:
+    pending = loads.get(job_id)
+    if pending is not None and pending[1] is done:
         del loads[job_id]
     if not done.cancelled():
         done.exception()  # retrieved, so a load nobody waits for any more is not logged
