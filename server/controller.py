@@ -1,5 +1,5 @@
-"""The controller: the control loop (``server.services.control_loop``) and the lost-host
-reaper, exactly one per database.
+"""The controller: the control loop (``server.services.control_loop``), the lost-host reaper
+and SQLite's WAL checkpoints (``server.db.checkpoint``), exactly one per database.
 
 ``evenflow server`` runs it in a process of its own (``python -m server.controller``), so its
 database reads and model fits never compete with request handling for the API process's GIL;
@@ -28,7 +28,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from server.cache import Caches
 from server.config import Settings
-from server.db import make_engine, session_factory, transaction
+from server.db import checkpoint, make_engine, session_factory, transaction
 from server.locks import ControllerLock, writer_lock_for
 from server.notify import PlanBus
 from server.services import control_loop
@@ -86,6 +86,10 @@ class Controller:
                 self.sweep()
             except Exception:  # a failed round must not stop the loop
                 log.exception("rebalance sweep failed")
+            try:
+                checkpoint(self.engine)
+            except Exception:
+                log.exception("WAL checkpoint failed")
             if time.monotonic() >= next_reap:
                 next_reap = time.monotonic() + s.reaper_interval_s
                 try:
