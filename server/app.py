@@ -29,7 +29,7 @@ from server.controller import Controller
 from server.db import make_engine, migrate, session_factory, transaction
 from server.errors import EvenflowError
 from server.live import TelemetryNotifier
-from server.locks import writer_lock_for
+from server.locks import WriterLock, writer_lock_for
 from server.metrics import Metrics, MetricsMiddleware
 from server.notify import PlanBus, PlanWaiters
 from server.services import tokens as token_service
@@ -166,6 +166,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             if sock is not None:
                 asyncio.get_running_loop().remove_reader(sock.fileno())
             bus.close()
+            if isinstance(write_lock, WriterLock):
+                write_lock.close()
             engine.dispose()
 
     app = FastAPI(

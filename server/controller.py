@@ -130,14 +130,12 @@ def run_process(settings: Settings, stop: threading.Event | None = None) -> None
     """The controller as a process of its own: its own engine, writer lock and plan bus."""
     stop = stop or threading.Event()
     engine, sessions, bus = connect(settings.database_url)
+    write_lock = writer_lock_for(settings.database_url)
     try:
-        Controller(
-            settings,
-            engine=engine,
-            sessions=sessions,
-            write_lock=writer_lock_for(settings.database_url),
-        ).run(stop)
+        Controller(settings, engine=engine, sessions=sessions, write_lock=write_lock).run(stop)
     finally:
+        if write_lock is not None:
+            write_lock.close()
         bus.close()
         engine.dispose()
 

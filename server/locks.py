@@ -74,6 +74,13 @@ class WriterLock:
         finally:
             self._thread_lock.release()
 
+    def close(self) -> None:
+        """Close the lock file (the app's shutdown); a later use opens it again."""
+        with self._thread_lock:
+            if self._fd is not None and self._pid == os.getpid():
+                os.close(self._fd)
+            self._fd = None
+
 
 def writer_lock_for(url: str) -> WriterLock | None:
     """The writer lock a database needs: SQLite files get one beside them, PostgreSQL none."""
