@@ -120,17 +120,23 @@ class PlanBus:
 
     def listen(self) -> socket.socket | None:
         """This process's socket (non-blocking), bound in the bus directory; None without one."""
-        if self._sock is not None or not self._ensure_dir():
-            return self._sock
-        assert self.directory is not None
-        path = self.directory / f"{os.getpid()}-{next(_names)}.sock"
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        sock.setblocking(False)
-        sock.bind(str(path))
-        self._sock, self._path = sock, path
-        return sock
+        for _ in range(3):  # another process may remove the directory as its last listener
+            if self._sock is not None or not self._ensure_dir():
+                return self._sock
+            assert self.directory is not None
+            path = self.directory / f"{os.getpid()}-{next(_names)}.sock"
+            with contextlib.suppress(FileNotFoundError):  # left by a dead process with our pid
+                path.unlink()
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            sock.setblocking(False)
+            try:
+                sock.bind(str(path))
+            except FileNotFoundError:
+                sock.close()
+                continue
+            self._sock, self._path = sock, path
+            return sock
+        return self._sock
 
     @staticmethod
     def read(sock: socket.socket) -> set[int]:
@@ -180,6 +186,9 @@ class PlanBus:
                 with contextlib.suppress(OSError):
                     self._path.unlink()
                 self._path = None
+                if self.directory is not None:  # the last listener leaves no directory behind
+                    with contextlib.suppress(OSError):
+                        self.directory.rmdir()
 
 
 PlanListener = Callable[[set[int]], None]
