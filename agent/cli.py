@@ -374,19 +374,11 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 
 def cmd_server(args: argparse.Namespace) -> None:
-    import uvicorn
+    from server.serve import serve
 
-    from server.app import create_app
-    from server.config import Settings
-
-    # Open dashboard streams would otherwise hold a stop for up to their 60 s lifetime.
-    uvicorn.run(
-        create_app(Settings()),
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        timeout_graceful_shutdown=3,
-    )
+    if args.workers < 1:
+        raise SystemExit("--workers must be at least 1")
+    serve(args.host, args.port, args.log_level, workers=args.workers)
 
 
 # ----------------------------------------------------------------------------- parser
@@ -412,6 +404,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--log-level", default="info")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="API processes sharing the port (the control loop always runs in one more)",
+    )
     p.set_defaults(func=cmd_server)
 
     p = sub.add_parser("agent", help="run this host's agent: register devices, launch workers")

@@ -61,9 +61,10 @@ class ApiClient:
         json: Any = None,
         params: dict[str, Any] | None = None,
         ok: tuple[int, ...] = (200, 201),
+        timeout: Any = httpx.USE_CLIENT_DEFAULT,
     ) -> httpx.Response:
         resp = self.http.request(
-            method, API + path, json=json, params=params, headers=self._headers
+            method, API + path, json=json, params=params, headers=self._headers, timeout=timeout
         )
         if resp.status_code not in ok:
             try:
@@ -112,10 +113,28 @@ class ApiClient:
         return JobOut.model_validate(self._call("POST", f"/jobs/{job_id}/cancel").json())
 
     # -- plans
-    def plan(self, job_id: int, known_version: int | None = None) -> PlanOut | None:
-        """The current plan, or None when it is still ``known_version``."""
-        params = {"known_version": known_version} if known_version is not None else None
-        resp = self._call("GET", f"/jobs/{job_id}/plan", params=params, ok=(200, 304))
+    def plan(
+        self, job_id: int, known_version: int | None = None, wait_s: float = 0.0
+    ) -> PlanOut | None:
+        """The current plan, or None when it is still ``known_version``; with ``wait_s``, a
+        long-poll: the answer comes as soon as a newer plan exists, or None after ``wait_s``
+        (at most 30; the read timeout is extended by it)."""
+        params: dict[str, Any] | None = None
+        timeout: Any = httpx.USE_CLIENT_DEFAULT
+        if known_version is not None:
+            params = {"known_version": known_version}
+            if wait_s > 0:
+                params["wait_s"] = wait_s
+                t = self.http.timeout
+                timeout = httpx.Timeout(
+                    connect=t.connect,
+                    read=None if t.read is None else t.read + wait_s,
+                    write=t.write,
+                    pool=t.pool,
+                )
+        resp = self._call(
+            "GET", f"/jobs/{job_id}/plan", params=params, ok=(200, 304), timeout=timeout
+        )
         return None if resp.status_code == 304 else PlanOut.model_validate(resp.json())
 
     def plans(self, job_id: int) -> list[PlanOut]:

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -19,7 +19,9 @@ TOKEN = "ef_bench-admin-token-0123456789"
 
 
 @contextmanager
-def server(db_url: str, extra_env: Mapping[str, str] | None = None) -> Iterator[str]:
+def server(
+    db_url: str, extra_env: Mapping[str, str] | None = None, args: Sequence[str] = ()
+) -> Iterator[str]:
     """A control plane on a free port (hosts never marked lost); yields its base URL."""
     port = free_port()
     env = {
@@ -38,6 +40,7 @@ def server(db_url: str, extra_env: Mapping[str, str] | None = None) -> Iterator[
         str(port),
         "--log-level",
         "warning",
+        *args,
     ]
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT)
     base = f"http://127.0.0.1:{port}"

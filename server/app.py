@@ -9,7 +9,6 @@ import sys
 import threading
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractContextManager
-from datetime import UTC, datetime
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -26,12 +25,13 @@ from server.api.routes import audit, events, health, hosts, jobs, planner, plans
 from server.api.routes.ui import mount_dashboard
 from server.cache import Caches
 from server.config import Settings
+from server.controller import Controller
 from server.db import make_engine, migrate, session_factory, transaction
 from server.errors import EvenflowError
 from server.live import TelemetryNotifier
+from server.locks import WriterLock, writer_lock_for
 from server.metrics import Metrics, MetricsMiddleware
-from server.services import control_loop
-from server.services import hosts as host_service
+from server.notify import PlanBus, PlanWaiters
 from server.services import tokens as token_service
 
 log = logging.getLogger("evenflow.server")
@@ -123,11 +123,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     engine = make_engine(settings.database_url, pool_size=settings.db_pool_size)
     sessions = session_factory(engine)
+    # SQLite takes one writer at a time, across this process and the controller process.
     write_lock: AbstractContextManager[Any] = (
-        threading.Lock() if engine.dialect.name == "sqlite" else contextlib.nullcontext()
+        writer_lock_for(settings.database_url) or contextlib.nullcontext()
     )
     metrics = Metrics(sessions)
     caches = Caches(sessions)
+    waiters = PlanWaiters()
+    bus = PlanBus.for_database(settings.database_url)
+    caches.plan_listeners += [waiters.notify, bus.publish]
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -143,15 +147,27 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 file=sys.stderr,
                 flush=True,
             )
-        loops = [asyncio.create_task(_reap_lost_hosts(app)), asyncio.create_task(_rebalance(app))]
+        _listen_for_plans(bus, caches, waiters)
+        stop = threading.Event()
+        controller: threading.Thread | None = None
+        if settings.controller == "thread":
+            loop = Controller(settings, engine=engine, sessions=sessions, write_lock=write_lock)
+            controller = threading.Thread(
+                target=loop.run, args=(stop,), name="evenflow-controller", daemon=True
+            )
+            controller.start()
         try:
             yield
         finally:
-            for task in loops:
-                task.cancel()
-            for task in loops:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            stop.set()
+            if controller is not None:
+                await asyncio.to_thread(controller.join, 30)
+            sock = bus.listen()
+            if sock is not None:
+                asyncio.get_running_loop().remove_reader(sock.fileno())
+            bus.close()
+            if isinstance(write_lock, WriterLock):
+                write_lock.close()
             engine.dispose()
 
     app = FastAPI(
@@ -168,6 +184,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.metrics = metrics
     app.state.generated_admin_token = None
     app.state.telemetry_notifier = TelemetryNotifier()
+    app.state.plan_waiters = waiters
+    app.state.plan_loads = {}
 
     app.add_exception_handler(EvenflowError, _on_domain_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
@@ -218,40 +236,17 @@ def _replace_refs(node: Any, old: str, new: str) -> Any:
     return node
 
 
-async def _reap_lost_hosts(app: FastAPI) -> None:
-    settings: Settings = app.state.settings
+def _listen_for_plans(bus: PlanBus, caches: Caches, waiters: PlanWaiters) -> None:
+    """Plans committed by other processes (the controller, other API workers): clear their
+    cache entries and wake their long-polls, on the event loop as the ids arrive."""
+    sock = bus.listen()
+    if sock is None:
+        return
 
-    def sweep() -> None:
-        with app.state.write_lock, transaction(app.state.sessions) as s:
-            for host in host_service.mark_lost(s, datetime.now(UTC), settings.host_lost_after_s):
-                log.warning("host %s marked lost", host.name)
+    def on_message() -> None:
+        ids = bus.read(sock)
+        for job_id in ids:
+            caches.plans.invalidate(job_id)
+        waiters.notify(ids)
 
-    while True:
-        await asyncio.sleep(settings.reaper_interval_s)
-        try:
-            await asyncio.to_thread(sweep)
-        except Exception:  # the sweep must never take the server down
-            log.exception("lost-host sweep failed")
-
-
-async def _rebalance(app: FastAPI) -> None:
-    """Re-plan running jobs on their cadence and watch for stragglers (``control_loop``); each
-    job in its own short transaction, so ingest is never held up for a whole round."""
-    settings: Settings = app.state.settings
-    state = control_loop.LoopState(min_decision_interval_s=1.0)
-
-    def sweep() -> None:
-        with transaction(app.state.sessions) as s:
-            live = control_loop.live_jobs(s)
-        for job_id in live:
-            with app.state.write_lock, transaction(app.state.sessions) as s:
-                for job, version in control_loop.sweep_job(s, state, job_id):
-                    log.info("job %d: plan v%d", job, version)
-        state.forget(set(live))
-
-    while True:
-        await asyncio.sleep(settings.rebalance_interval_s)
-        try:
-            await asyncio.to_thread(sweep)
-        except Exception:  # a failed round must not stop the loop
-            log.exception("rebalance sweep failed")
+    asyncio.get_running_loop().add_reader(sock.fileno(), on_message)

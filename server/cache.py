@@ -3,11 +3,15 @@
 Entries live for a short TTL, and writes that change them invalidate them as their
 transaction commits: a service marks what it changed in ``session.info`` and an
 ``after_commit`` hook clears it, so this process never serves a stale entry after its own
-commit. Other server processes (several uvicorn workers on PostgreSQL) see a change within the TTL.
+commit. The same hook tells the plan listeners (``Caches.plan_listeners``: this process's
+long-polls and the plan bus, ``server.notify``), so other server processes (the controller, more
+API workers) clear their entries within milliseconds too; tokens change rarely and other
+processes see a revocation within the TTL.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Hashable
@@ -19,6 +23,8 @@ from sqlalchemy.orm import Session, sessionmaker
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
 
+log = logging.getLogger("evenflow.cache")
+
 _PLANS = "evenflow.changed_plans"
 _TOKENS = "evenflow.changed_tokens"
 
@@ -29,6 +35,7 @@ class TTLCache(Generic[K, V]):
     ) -> None:
         self.ttl_s, self.maxsize, self.clock = ttl_s, maxsize, clock
         self._data: dict[K, tuple[float, V]] = {}
+        self._generations: dict[K, int] = {}
         self._lock = threading.Lock()
 
     def get(self, key: K) -> V | None:
@@ -37,8 +44,15 @@ class TTLCache(Generic[K, V]):
             return None
         return hit[1]
 
-    def put(self, key: K, value: V) -> None:
+    def generation(self, key: K) -> int:
+        """Take it before loading a value: :meth:`put` with it drops the value if the key was
+        invalidated meanwhile (the load may have read what the invalidating commit replaced)."""
+        return self._generations.get(key, 0)
+
+    def put(self, key: K, value: V, generation: int | None = None) -> None:
         with self._lock:
+            if generation is not None and self._generations.get(key, 0) != generation:
+                return
             if len(self._data) >= self.maxsize:
                 self._data.clear()
             self._data[key] = (self.clock() + self.ttl_s, value)
@@ -46,10 +60,15 @@ class TTLCache(Generic[K, V]):
     def invalidate(self, key: K) -> None:
         with self._lock:
             self._data.pop(key, None)
+            if len(self._generations) >= self.maxsize:
+                self._generations.clear()
+            self._generations[key] = self._generations.get(key, 0) + 1
 
     def clear(self) -> None:
         with self._lock:
             self._data.clear()
+            for key in list(self._generations):
+                self._generations[key] += 1
 
 
 def mark_plan_changed(session: Session, job_id: int) -> None:
@@ -68,14 +87,27 @@ class Caches:
     ) -> None:
         self.tokens: TTLCache[str, Any] = TTLCache(token_ttl_s)
         self.plans: TTLCache[int, tuple[int, bytes]] = TTLCache(plan_ttl_s)
+        self.plan_listeners: list[Callable[[set[int]], None]] = []
+        """Called with the job ids of every commit that made plans, after the cache is cleared."""
         event.listen(sessions, "after_commit", self._after_commit)
         event.listen(sessions, "after_rollback", self._after_rollback)
 
     def _after_commit(self, session: Session) -> None:
-        for job_id in session.info.pop(_PLANS, ()):
+        changed: set[int] = session.info.pop(_PLANS, set())
+        for job_id in changed:
             self.plans.invalidate(job_id)
+        if changed:
+            self.plans_changed(changed)
         if session.info.pop(_TOKENS, False):
             self.tokens.clear()
+
+    def plans_changed(self, job_ids: set[int]) -> None:
+        """New plans were committed (here or, via the bus, in another process)."""
+        for listener in self.plan_listeners:
+            try:
+                listener(job_ids)
+            except Exception:  # a listener must never fail the commit that called it
+                log.exception("plan listener failed")
 
     @staticmethod
     def _after_rollback(session: Session) -> None:

@@ -5,6 +5,8 @@ Settings are a value passed to ``create_app``; nothing reads the environment at 
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -26,6 +28,12 @@ class Settings(BaseSettings):
 
     rebalance_interval_s: float = Field(default=0.5, gt=0)
     """How often running jobs are checked for a due re-plan."""
+
+    controller: Literal["thread", "none"] = "thread"
+    """Where this app's control loop runs (``server.controller``): ``thread``, in a thread of
+    the app's process; ``none``, elsewhere (``evenflow server`` starts it as a process of its
+    own, so it never competes with request handling for the GIL). Either way, at most one
+    controller per database is active."""
 
     run_migrations: bool = True
     """Apply Alembic migrations on start."""

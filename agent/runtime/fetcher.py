@@ -5,6 +5,12 @@ plan excludes it, so every rank holds a :class:`PlanFetcher` but only a leader's
 thread starts at the first :meth:`~PlanFetcher.latest` call (or :meth:`~PlanFetcher.start`), and
 goes quiet when nobody has asked for ``idle_after_s`` (its rank stopped leading), waking at the
 next ask. Errors are counted and logged, with exponential back-off, and never leave the thread.
+
+The fetch may be a long-poll (``RemoteControlPlane`` with ``plan_wait_s``: the server holds the
+request until a newer plan exists). The fetcher keeps at least ``interval_s`` between the starts
+of two fetches, so a fetch that answers at once still polls every ``interval_s`` and one that
+waited at the server asks again straight away; after a newer plan it asks again at once, so a
+plan committed right after another one is not held back either.
 """
 
 from __future__ import annotations
@@ -78,7 +84,7 @@ class PlanFetcher:
             self._thread.join(timeout_s)
 
     def _run(self) -> None:
-        delay = self.interval_s
+        backoff = self.interval_s
         while not self._stop.is_set():
             with self._lock:
                 idle = time.monotonic() - self._asked > self.idle_after_s
@@ -89,17 +95,24 @@ class PlanFetcher:
                 if idle:
                     self._wake.wait()
                 continue
+            started = time.monotonic()
             try:
                 plan = self._fetch()
                 self.fetches += 1
-                delay = self.interval_s
-                if plan is not None and plan.version > self._known:
+                backoff = self.interval_s
+                newer = plan is not None and plan.version > self._known
+                if newer:
+                    assert plan is not None
                     with self._lock:
                         self._known = plan.version
                         self._latest = plan
+                delay = 0.0 if newer else self.interval_s - (time.monotonic() - started)
             except Exception as exc:  # never into the loop; a dead fetcher only means old plans
+                if self._stop.is_set():  # closing: the client may be gone under the request
+                    break
                 self.errors += 1
-                delay = min(max(delay, self.interval_s) * 2, self.max_backoff_s)
+                backoff = delay = min(max(backoff, self.interval_s) * 2, self.max_backoff_s)
                 if self.errors == 1 or self.errors % 20 == 0:
                     log.warning("plan fetch failed (%d so far): %r", self.errors, exc)
-            self._stop.wait(delay)
+            if delay > 0:
+                self._stop.wait(delay)

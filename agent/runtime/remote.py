@@ -3,44 +3,75 @@
 This is only an adapter from the runtime's injected callables to HTTP; the agent's full client
 lives in ``agent/client.py``. Endpoints (Bearer token)::
 
-    GET  {server}/api/v1/jobs/{job_id}/plan        -> PlanOut     (304 when unchanged)
+    GET  {server}/api/v1/jobs/{job_id}/plan?known_version=V&wait_s=W -> PlanOut (304: unchanged)
     POST {server}/api/v1/jobs/{job_id}/telemetry   TelemetryBatch -> TelemetryAck
 
-``fetch_plan`` sends ``If-None-Match`` with the last ETag the server gave (if it gives one) and
-answers ``None`` on 304, so a server that supports it can skip re-sending an unchanged plan; it
-raises on anything else that is not a 2xx. ``post_telemetry`` raises on failure, which makes the
+``fetch_plan`` sends the version it last received as ``known_version`` (and ``If-None-Match``
+with the last ETag, if the server gives one) and answers ``None`` on 304. With ``plan_wait_s``
+it is a long-poll: the server holds the request until a newer plan is committed (then answers
+at once) or ``plan_wait_s`` passes (then 304), so a new plan arrives within milliseconds
+instead of a poll interval later; the request's read timeout is the client's plus
+``plan_wait_s``. It raises on anything else that is not a 2xx. ``post_telemetry`` raises on failure, which makes the
 telemetry sender retry. Both run on the runtime's background threads, never in the loop.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import httpx
 
 from agent.wire import PlanOut, TelemetryAck, TelemetryBatch
+
+MAX_PLAN_WAIT_S = 30.0
+"""The server's bound on ``wait_s`` (``server.api.routes.plans.MAX_WAIT_S``)."""
 
 
 class RemoteControlPlane:
     """``fetch_plan`` and ``post_telemetry`` for one job, bound to a client, server and token."""
 
-    def __init__(self, client: httpx.Client, server: str, token: str, job_id: int) -> None:
+    def __init__(
+        self,
+        client: httpx.Client,
+        server: str,
+        token: str,
+        job_id: int,
+        *,
+        plan_wait_s: float = 0.0,
+    ) -> None:
+        if not 0 <= plan_wait_s <= MAX_PLAN_WAIT_S:
+            raise ValueError(f"plan_wait_s must be within 0..{MAX_PLAN_WAIT_S}")
         self._client = client
+        self.plan_wait_s = plan_wait_s
         base = f"{server.rstrip('/')}/api/v1/jobs/{job_id}"
         self.plan_url = f"{base}/plan"
         self.telemetry_url = f"{base}/telemetry"
         self._auth = {"Authorization": f"Bearer {token}"}
         self._etag: str | None = None
+        self._version: int | None = None
 
     def fetch_plan(self) -> PlanOut | None:
-        """The job's current plan; ``None`` when the server says it has not changed."""
+        """The job's current plan; ``None`` when the server says it has not changed (after
+        waiting up to ``plan_wait_s`` for a newer one)."""
         headers = dict(self._auth)
         if self._etag is not None:
             headers["If-None-Match"] = self._etag
-        response = self._client.get(self.plan_url, headers=headers)
+        params: dict[str, int | float] = {}
+        timeout: Any = httpx.USE_CLIENT_DEFAULT
+        if self._version is not None:
+            params["known_version"] = self._version
+            if self.plan_wait_s > 0:
+                params["wait_s"] = self.plan_wait_s
+                t = self._client.timeout
+                read = None if t.read is None else t.read + self.plan_wait_s
+                timeout = httpx.Timeout(connect=t.connect, read=read, write=t.write, pool=t.pool)
+        response = self._client.get(self.plan_url, params=params, headers=headers, timeout=timeout)
         if response.status_code == httpx.codes.NOT_MODIFIED:
             return None
         response.raise_for_status()
         plan = PlanOut.model_validate_json(response.content)
         self._etag = response.headers.get("ETag")
+        self._version = plan.version
         return plan
 
     def post_telemetry(self, batch: TelemetryBatch) -> TelemetryAck:

@@ -35,7 +35,7 @@ import traceback
 import httpx
 from pydantic import ValidationError
 
-from agent.runtime.remote import RemoteControlPlane
+from agent.runtime.remote import MAX_PLAN_WAIT_S, RemoteControlPlane
 from agent.runtime.trainer import RunResult, RuntimeOptions, run_training
 from agent.wire import JobSpec
 
@@ -77,6 +77,10 @@ def worker_main(environ: dict[str, str] | None = None) -> int:
             plan_poll_s=float(env.get("EVENFLOW_PLAN_POLL_S", "1.0")),
             telemetry_flush_s=float(env.get("EVENFLOW_TELEMETRY_S", "2.0")),
         )
+        # The plan fetch is a long-poll held up to this long (new plans arrive at once).
+        plan_wait_s = float(env.get("EVENFLOW_PLAN_WAIT_S", "10.0"))
+        if not 0 <= plan_wait_s <= MAX_PLAN_WAIT_S:
+            raise ValueError(f"EVENFLOW_PLAN_WAIT_S must be within 0..{MAX_PLAN_WAIT_S}")
     except (ValidationError, ValueError) as exc:
         log.error("bad worker environment: %s", exc)
         return 2
@@ -85,7 +89,11 @@ def worker_main(environ: dict[str, str] | None = None) -> int:
     try:
         with httpx.Client(timeout=10.0) as client:
             remote = RemoteControlPlane(
-                client, env["EVENFLOW_SERVER"], env["EVENFLOW_TOKEN"], job_id
+                client,
+                env["EVENFLOW_SERVER"],
+                env["EVENFLOW_TOKEN"],
+                job_id,
+                plan_wait_s=plan_wait_s,
             )
             result = run_training(
                 spec,

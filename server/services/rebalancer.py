@@ -80,11 +80,10 @@ class Tracker:
         T = IterationTelemetry
         if session.get_bind().dialect.name == "postgresql":
             self.reread = 5000
-        rows = session.execute(
-            select(T.id, T.rank, T.iteration, T.plan_version, T.probe).where(
-                T.job_id == job.id, T.id > self.last_id - self.reread
-            )
-        ).all()
+        new = select(T.id, T.rank, T.iteration, T.plan_version, T.probe).where(
+            T.job_id == job.id, T.id > self.last_id - self.reread
+        )
+        rows = session.connection().execute(new).all()  # Core rows: no ORM loading per row
         for row_id, rank, iteration, version, probe in rows:
             self.last_id = max(self.last_id, int(row_id))
             if not probe:
@@ -113,11 +112,10 @@ def fits(session: Session, job: Job, *, window: int = FIT_WINDOW) -> list[ModelF
     last = session.scalar(select(func.max(T.iteration)).where(T.job_id == job.id))
     by_rank: dict[int, list[Observation]] = defaultdict(list)
     if last is not None:
-        rows = session.execute(
-            select(T.rank, T.iteration, T.batch_size, T.compute_ms).where(
-                T.job_id == job.id, T.iteration > last - window, T.batch_size > 0
-            )
-        ).all()
+        recent = select(T.rank, T.iteration, T.batch_size, T.compute_ms).where(
+            T.job_id == job.id, T.iteration > last - window, T.batch_size > 0
+        )
+        rows = session.connection().execute(recent).all()  # Core rows: no ORM loading per row
         for rank, iteration, batch, compute in rows:
             by_rank[int(rank)].append(Observation(int(batch), float(compute), int(iteration)))
     spec = JobSpec.model_validate(job.spec)

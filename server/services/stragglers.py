@@ -76,12 +76,13 @@ def _timings(session: Session, job: Job, after: int, through: int) -> list[Itera
     only whole iterations: under a flood the watch catches up over rounds instead of holding
     the interpreter (and the API's event loop) for one long round."""
     T = IterationTelemetry
-    rows = session.execute(
+    window = (
         select(T.rank, T.iteration, T.batch_size, T.compute_ms, T.plan_version)
         .where(T.job_id == job.id, T.iteration > after, T.iteration <= through, T.batch_size > 0)
         .order_by(T.iteration, T.rank)
         .limit(MAX_TIMINGS_PER_ROUND + 1)
-    ).all()
+    )
+    rows = session.connection().execute(window).all()  # Core rows: no ORM loading per row
     if len(rows) > MAX_TIMINGS_PER_ROUND:
         last = rows[-1][1]
         whole = [r for r in rows if r[1] < last]

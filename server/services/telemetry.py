@@ -4,49 +4,76 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import func, select, text
+from sqlalchemy import Connection, bindparam, func, select, text
 from sqlalchemy.orm import Session
 
-from agent.wire import JobStatus, TelemetryBatch
-from server.errors import Conflict, Invalid
-from server.models import IterationTelemetry, Job, Worker
+from agent.wire import JobStatus, Role, TelemetryBatch
+from server.errors import Conflict, Forbidden, Invalid, NotFound
+from server.models import Host, IterationTelemetry, Job, Worker
+from server.services.tokens import Principal
+
+Row = tuple[int, int, int, int, int, float, float, float, float, bool]
+"""A telemetry row as inserted: the job id, then ``COLUMNS``."""
 
 
-def ingest(session: Session, job: Job, batch: TelemetryBatch) -> tuple[int, int]:
+def ingest(
+    conn: Connection, job_id: int, batch: TelemetryBatch, principal: Principal
+) -> tuple[int, int]:
     """Store a batch; rows already stored for (job, rank, iteration) are skipped, so a retried
-    batch never duplicates. Returns (accepted, duplicates)."""
-    if job.status == JobStatus.PENDING.value:
+    batch never duplicates. Returns (accepted, duplicates).
+
+    The hot write path (bench/ingest.py), so it works on a Core connection, not an ORM session:
+    one query for the job's status and size (and one for an agent's rights), then one bulk
+    insert of tuples built straight from the parsed records."""
+    found = conn.execute(_JOB_STATE, {"job_id": job_id}).first()
+    if found is None:
+        raise NotFound(f"job {job_id} not found")
+    status, world = found
+    if principal.role is Role.AGENT and not conn.scalar(
+        _RANKS_ON_HOST, {"job_id": job_id, "host": principal.host}
+    ):
+        raise Forbidden(f"job {job_id} has no rank on host '{principal.host}'")
+    if status == JobStatus.PENDING.value:
         raise Conflict(
-            f"job {job.id} is pending; it has no workers to report timings", field="status"
+            f"job {job_id} is pending; it has no workers to report timings", field="status"
         )
-    world = int(session.scalar(select(func.count(Worker.id)).where(Worker.job_id == job.id)) or 0)
-    rows: list[dict[str, Any]] = []
-    for i, r in enumerate(batch.records):
-        if r.rank >= world:
-            raise Invalid(
-                f"records[{i}].rank is {r.rank}; job {job.id} has {world} workers",
-                field=f"records.{i}.rank",
-            )
-        rows.append(
-            {
-                "job_id": job.id,
-                "rank": r.rank,
-                "iteration": r.iteration,
-                "plan_version": r.plan_version,
-                "batch_size": r.batch_size,
-                "data_ms": r.data_ms,
-                "compute_ms": r.compute_ms,
-                "sync_ms": r.sync_ms,
-                "ts": r.ts,
-                "probe": r.probe,
-            }
+    rows = [
+        (
+            job_id,
+            r.rank,
+            r.iteration,
+            r.plan_version,
+            r.batch_size,
+            r.data_ms,
+            r.compute_ms,
+            r.sync_ms,
+            r.ts,
+            r.probe,
         )
-    if session.get_bind().dialect.name == "postgresql":
-        accepted = _insert_postgresql(session, job.id, rows)
+        for r in batch.records
+    ]
+    if max(row[1] for row in rows) >= world:
+        i = next(i for i, row in enumerate(rows) if row[1] >= world)
+        raise Invalid(
+            f"records[{i}].rank is {rows[i][1]}; job {job_id} has {world} workers",
+            field=f"records.{i}.rank",
+        )
+    if conn.dialect.name == "postgresql":
+        accepted = _insert_postgresql(conn, job_id, rows)
     else:
-        accepted = _insert_sqlite(session, rows)
+        accepted = _insert_sqlite(conn, rows)
     return accepted, len(rows) - accepted
 
+
+_JOB_STATE = select(
+    Job.status,
+    select(func.count(Worker.id)).where(Worker.job_id == Job.id).scalar_subquery(),
+).where(Job.id == bindparam("job_id"))
+_RANKS_ON_HOST = (
+    select(func.count(Worker.id))
+    .join(Host, Worker.host_id == Host.id)
+    .where(Worker.job_id == bindparam("job_id"), Host.name == bindparam("host"))
+)
 
 # Bulk inserts, measured (bench/ingest.py): on PostgreSQL one INSERT ... SELECT FROM unnest()
 # of per-column arrays is ~3x faster than a multi-row VALUES insert; on SQLite a plain
@@ -86,17 +113,15 @@ _SQLITE_INSERT = (
 )
 
 
-def _insert_postgresql(session: Session, job_id: int, rows: list[dict[str, Any]]) -> int:
-    params: dict[str, Any] = {c: [r[c] for r in rows] for c in COLUMNS}
+def _insert_postgresql(conn: Connection, job_id: int, rows: list[Row]) -> int:
+    columns = list(zip(*rows, strict=True))[1:]  # per-column arrays, after the job id
+    params: dict[str, Any] = {c: list(v) for c, v in zip(COLUMNS, columns, strict=True)}
     params["job_id"] = job_id
-    result = session.execute(_PG_INSERT, params)
-    return int(result.rowcount)  # type: ignore[attr-defined]
+    return int(conn.execute(_PG_INSERT, params).rowcount)
 
 
-def _insert_sqlite(session: Session, rows: list[dict[str, Any]]) -> int:
-    values = [(r["job_id"], *(r[c] for c in COLUMNS)) for r in rows]
-    result = session.connection().exec_driver_sql(_SQLITE_INSERT, values)
-    return int(result.rowcount)
+def _insert_sqlite(conn: Connection, rows: list[Row]) -> int:
+    return int(conn.exec_driver_sql(_SQLITE_INSERT, rows).rowcount)
 
 
 def window(

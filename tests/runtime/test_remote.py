@@ -36,9 +36,32 @@ def test_fetch_plan_sends_token_and_honours_etag() -> None:
         plan = remote.fetch_plan()
         assert plan is not None and plan.version == 3 and plan.batch_sizes == [10, 22]
         assert remote.fetch_plan() is None  # unchanged
-    assert [str(r.url) for r in seen] == ["http://cp:8000/api/v1/jobs/7/plan"] * 2
+    assert [str(r.url) for r in seen] == [
+        "http://cp:8000/api/v1/jobs/7/plan",
+        "http://cp:8000/api/v1/jobs/7/plan?known_version=3",
+    ]
     assert all(r.headers["Authorization"] == "Bearer s3cret" for r in seen)
     assert "If-None-Match" not in seen[0].headers
+
+
+def test_fetch_plan_long_polls_with_the_known_version_and_a_longer_read_timeout() -> None:
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        if request.url.params.get("known_version") == "3":
+            return httpx.Response(304)
+        return httpx.Response(200, json=PLAN)
+
+    with httpx.Client(transport=httpx.MockTransport(handler), timeout=5.0) as client:
+        remote = RemoteControlPlane(client, "http://cp", "t", 7, plan_wait_s=12.5)
+        assert remote.fetch_plan() is not None  # the first fetch answers at once
+        assert remote.fetch_plan() is None
+    assert dict(seen[0].url.params) == {}
+    assert dict(seen[1].url.params) == {"known_version": "3", "wait_s": "12.5"}
+    assert seen[1].extensions["timeout"]["read"] == 5.0 + 12.5  # outlasts the server's wait
+    with pytest.raises(ValueError, match="plan_wait_s"):
+        RemoteControlPlane(client, "http://cp", "t", 7, plan_wait_s=31)
 
 
 def test_fetch_plan_raises_on_errors() -> None:

@@ -12,6 +12,7 @@ import threading
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -64,7 +65,8 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def do_GET(self) -> None:
-        if self._authorised() and self.path == f"/api/v1/jobs/{JOB}/plan":
+        # The runtime long-polls (known_version, wait_s); this plane answers at once.
+        if self._authorised() and urlsplit(self.path).path == f"/api/v1/jobs/{JOB}/plan":
             with self.server.lock:
                 self._send(200, self.server.plan().model_dump_json().encode())
 

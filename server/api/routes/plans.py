@@ -2,42 +2,100 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from typing import Any
+
 from fastapi import APIRouter, Path, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from sqlalchemy.orm import Session, sessionmaker
 
 from agent.wire import ModelOut, PlanOut
 from server.api.deps import SessionDep, Viewer
+from server.notify import RECHECK_S, PlanWaiters
 from server.services import jobs, plans, rebalancer
 
 router = APIRouter(prefix="/jobs", tags=["plans"])
 JobId = Path(ge=1, le=2**31 - 1)
 
 
+MAX_WAIT_S = 30.0
+"""The longest a plan long-poll is held (``wait_s``); clients' read timeouts must exceed it."""
+
+
 @router.get(
     "/{job_id}/plan",
     response_model=PlanOut,
-    responses={304: {"description": "The plan is still `known_version`."}},
+    responses={304: {"description": "The plan is still `known_version` (after `wait_s`)."}},
 )
 async def current_plan(
     request: Request,
     _: Viewer,
     job_id: int = JobId,
     known_version: int | None = Query(None, ge=0, le=2**31 - 1),
+    wait_s: float = Query(
+        0.0,
+        ge=0.0,
+        le=MAX_WAIT_S,
+        description="With `known_version`: hold the request up to this many seconds until a "
+        "newer plan is committed (a long-poll), then answer it, or 304 when none came.",
+    ),
 ) -> Response:
-    """The plan in force; with `known_version` equal to it, an empty 304.
+    """The plan in force; with `known_version` equal to it, an empty 304, at once or, with
+    `wait_s`, as soon as a newer plan exists (then 200) or after `wait_s` (then 304).
 
-    Workers poll this every second, so it is served from a cache that the commit of a new
-    plan clears; only a miss touches the database."""
-    cache = request.app.state.caches.plans
+    Workers poll this, so it is served from a cache that the commit of a new plan clears (in
+    this process at once, in the others over the plan bus, ``server.notify``); only a miss
+    touches the database, once per job however many requests miss together."""
+    version, body = await _current(request.app, job_id)
+    if known_version is None or version != known_version:
+        return Response(body, media_type="application/json")
+    if wait_s > 0:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        waiters: PlanWaiters = request.app.state.plan_waiters
+        while (remaining := deadline - loop.time()) > 0:
+            changed = waiters.event(job_id)  # taken before the read, so no commit slips between
+            version, body = await _current(request.app, job_id)
+            if version != known_version:
+                return Response(body, media_type="application/json")
+            with contextlib.suppress(TimeoutError):  # re-read even if a notification was lost
+                await asyncio.wait_for(changed.wait(), min(remaining, RECHECK_S))
+    return Response(status_code=304)
+
+
+async def _current(app: Any, job_id: int) -> tuple[int, bytes]:
+    """The cached (version, body) of the job's current plan; concurrent misses share one load."""
+    cache = app.state.caches.plans
     hit: tuple[int, bytes] | None = cache.get(job_id)
-    if hit is None:
-        hit = await run_in_threadpool(_load_current, request.app.state.sessions, job_id)
-        cache.put(job_id, hit)
-    version, body = hit
-    if known_version is not None and version == known_version:
-        return Response(status_code=304)
-    return Response(body, media_type="application/json")
+    if hit is not None:
+        return hit
+    # Join a load only if it started after the last invalidation: one that started before
+    # may return the plan the invalidating commit replaced.
+    generation = cache.generation(job_id)
+    loads: dict[int, tuple[int, asyncio.Task[tuple[int, bytes]]]] = app.state.plan_loads
+    pending = loads.get(job_id)
+    if pending is None or pending[0] != generation:
+        load = asyncio.ensure_future(_load_and_cache(app, job_id, generation))
+        loads[job_id] = (generation, load)
+        load.add_done_callback(lambda done: _loaded(loads, job_id, done))
+    else:
+        load = pending[1]
+    return await asyncio.shield(load)  # one waiter giving up does not cancel the others' load
+
+
+async def _load_and_cache(app: Any, job_id: int, generation: int) -> tuple[int, bytes]:
+    hit = await run_in_threadpool(_load_current, app.state.sessions, job_id)
+    app.state.caches.plans.put(job_id, hit, generation)
+    return hit
+
+
+def _loaded(loads: dict[int, Any], job_id: int, done: asyncio.Task[tuple[int, bytes]]) -> None:
+    pending = loads.get(job_id)
+    if pending is not None and pending[1] is done:
+        del loads[job_id]
+    if not done.cancelled():
+        done.exception()  # retrieved, so a load nobody waits for any more is not logged
 
 
 def _load_current(sessions: sessionmaker[Session], job_id: int) -> tuple[int, bytes]:

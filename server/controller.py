@@ -1,0 +1,173 @@
+"""The controller: the control loop (``server.services.control_loop``), the lost-host reaper
+and SQLite's WAL checkpoints (``server.db.checkpoint``), exactly one per database.
+
+``evenflow server`` runs it in a process of its own (``python -m server.controller``), so its
+database reads and model fits never compete with request handling for the API process's GIL;
+``create_app`` runs it in a thread instead when ``EVENFLOW_CONTROLLER=thread`` (the default of
+an app built in-process: tests, ``LocalCluster``) and not at all with ``none``.
+
+Only the holder of the database's controller lock (``server.locks.ControllerLock``) runs
+rounds; another controller on the same database waits as a standby and takes over when the
+holder dies. Plans it commits reach the API processes over the plan bus (``server.notify``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+import time
+from contextlib import AbstractContextManager, nullcontext
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session, sessionmaker
+
+from server.cache import Caches
+from server.config import Settings
+from server.db import checkpoint, make_engine, session_factory, transaction
+from server.locks import ControllerLock, writer_lock_for
+from server.notify import PlanBus
+from server.services import control_loop
+from server.services import hosts as host_service
+
+log = logging.getLogger("evenflow.controller")
+
+STANDBY_POLL_S = 1.0
+"""How often a standby controller tries to take the controller lock."""
+
+
+class Controller:
+    """Rounds of the control loop and the reaper while :meth:`run`'s ``stop`` is unset."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        engine: Engine,
+        sessions: sessionmaker[Session],
+        write_lock: AbstractContextManager[Any] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.sessions = sessions
+        self.write_lock: AbstractContextManager[Any] = write_lock or nullcontext()
+        self.state = control_loop.LoopState(min_decision_interval_s=1.0)
+        self.rounds = 0
+
+    def run(self, stop: threading.Event) -> None:
+        lock = ControllerLock(self.engine)
+        while not stop.is_set():
+            try:
+                if not lock.try_acquire():
+                    stop.wait(STANDBY_POLL_S)
+                    continue
+            except Exception:
+                log.exception("could not take the controller lock")
+                stop.wait(STANDBY_POLL_S)
+                continue
+            log.info("controller active on %s", self.engine.url.render_as_string())
+            try:
+                self._rounds(stop, lock)
+            except Exception:  # lost the lock (its connection broke): try to take it again
+                log.exception("controller stopped; standing by")
+            finally:
+                lock.release()
+
+    def _rounds(self, stop: threading.Event, lock: ControllerLock) -> None:
+        s = self.settings
+        next_reap = time.monotonic() + s.reaper_interval_s
+        while not stop.wait(s.rebalance_interval_s):
+            lock.check()
+            try:
+                self.sweep()
+            except Exception:  # a failed round must not stop the loop
+                log.exception("rebalance sweep failed")
+            try:
+                checkpoint(self.engine)
+            except Exception:
+                log.exception("WAL checkpoint failed")
+            if time.monotonic() >= next_reap:
+                next_reap = time.monotonic() + s.reaper_interval_s
+                try:
+                    self.reap()
+                except Exception:  # the sweep must never take the server down
+                    log.exception("lost-host sweep failed")
+
+    def sweep(self) -> None:
+        """Re-plan running jobs on their cadence and watch for stragglers; each job in its own
+        short transaction, so ingest is never held up for a whole round."""
+        with transaction(self.sessions) as s:
+            live = control_loop.live_jobs(s)
+        for job_id in live:
+            with self.write_lock, transaction(self.sessions) as s:
+                for job, version in control_loop.sweep_job(s, self.state, job_id):
+                    log.info("job %d: plan v%d", job, version)
+        self.state.forget(set(live))
+        self.rounds += 1
+
+    def reap(self) -> None:
+        s = self.settings
+        with self.write_lock, transaction(self.sessions) as session:
+            for host in host_service.mark_lost(session, datetime.now(UTC), s.host_lost_after_s):
+                log.warning("host %s marked lost", host.name)
+
+
+def connect(database_url: str, pool_size: int = 2) -> tuple[Engine, sessionmaker[Session], PlanBus]:
+    """An engine and sessions for a process other than an API one (the controller): the job
+    ids of the plans its sessions commit go out on the plan bus to the API processes."""
+    engine = make_engine(database_url, pool_size=pool_size)
+    sessions = session_factory(engine)
+    bus = PlanBus.for_database(database_url)
+    Caches(sessions).plan_listeners.append(bus.publish)
+    return engine, sessions, bus
+
+
+def run_process(settings: Settings, stop: threading.Event | None = None) -> None:
+    """The controller as a process of its own: its own engine, writer lock and plan bus."""
+    stop = stop or threading.Event()
+    engine, sessions, bus = connect(settings.database_url)
+    write_lock = writer_lock_for(settings.database_url)
+    try:
+        Controller(settings, engine=engine, sessions=sessions, write_lock=write_lock).run(stop)
+    finally:
+        if write_lock is not None:
+            write_lock.close()
+        bus.close()
+        engine.dispose()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="python -m server.controller",
+        description="Run the control loop for EVENFLOW_DATABASE_URL (one per database).",
+    )
+    ap.add_argument("--log-level", default="info")
+    ap.add_argument("--parent-pid", type=int, default=None, help="stop when this process ends")
+    args = ap.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s evenflow-controller %(levelname)s %(message)s",
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    if args.parent_pid is not None:
+        threading.Thread(target=_orphan_watch, args=(args.parent_pid, stop), daemon=True).start()
+    run_process(Settings(), stop)
+
+
+def _orphan_watch(parent: int, stop: threading.Event) -> None:
+    """Stop when the server that started us is gone (even SIGKILLed): an orphan would hold
+    the controller lock against the next server's controller."""
+    while not stop.wait(1.0):
+        if os.getppid() != parent:
+            log.warning("parent %d is gone; stopping", parent)
+            stop.set()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+"""Plan-change notifications: waking long-polls here, and telling the other server processes.
+
+A plan is committed by the controller (``server.controller``, usually a process of its own), by
+an operator's override or by a job start (any API process). Whoever commits it calls
+:meth:`PlanBus.publish` from the session's ``after_commit`` hook (``server.cache.Caches``), and
+every other process on the same database reads the job ids from its own socket, clears its
+plan cache entries and wakes its long-polls (``GET /jobs/{id}/plan?known_version=&wait_s=``).
+
+The bus is a directory of Unix datagram sockets, one per listening process, named by a hash of
+the database (``$TMPDIR/evenflow-<uid>-<hash>/``); a publisher sends one datagram of comma
+separated job ids to each. That needs no broker and works on SQLite and PostgreSQL alike, for
+processes on one machine (the API workers and the controller ``evenflow server`` starts).
+Delivery is best effort: a lost datagram only means the long-poll notices the change at its
+next re-check (every ``RECHECK_S``) and the cache within its TTL, as before notifications.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import itertools
+import logging
+import os
+import socket
+import stat
+import tempfile
+import threading
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from sqlalchemy import make_url
+
+from server.locks import sqlite_file
+
+log = logging.getLogger("evenflow.notify")
+
+RECHECK_S = 1.0
+"""A waiting long-poll re-reads the current plan this often even without a notification."""
+
+_names = itertools.count()
+
+
+class PlanWaiters:
+    """Long-polls waiting for a job's next plan, on one event loop; :meth:`notify` from any
+    thread. One event per job, replaced when it fires, so waking 256 pollers is one call."""
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._events: dict[int, asyncio.Event] = {}
+
+    def event(self, job_id: int) -> asyncio.Event:
+        """The event the job's next plan sets; take it *before* reading the current plan."""
+        self._loop = asyncio.get_running_loop()
+        ev = self._events.get(job_id)
+        if ev is None:
+            ev = self._events[job_id] = asyncio.Event()
+        return ev
+
+    def _fire(self, job_ids: Iterable[int]) -> None:
+        for job_id in job_ids:
+            ev = self._events.pop(job_id, None)
+            if ev is not None:
+                ev.set()
+
+    def notify(self, job_ids: Iterable[int]) -> None:
+        loop, ids = self._loop, list(job_ids)
+        if loop is None or not ids:
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            self._fire(ids)
+        else:
+            with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits
+                loop.call_soon_threadsafe(self._fire, ids)
+
+
+def bus_dir(database_url: str) -> Path | None:
+    """The bus directory of a database, or None for an in-memory SQLite database."""
+    url = make_url(database_url)
+    if url.get_backend_name() == "sqlite":
+        db = sqlite_file(database_url)
+        if db is None:
+            return None
+        key = f"sqlite:{db}"
+    else:
+        key = url.set(password=None).render_as_string(hide_password=True)
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / f"evenflow-{os.getuid()}-{digest}"
+
+
+class PlanBus:
+    """Job ids of committed plans, from any process to every other listening one."""
+
+    def __init__(self, directory: Path | None) -> None:
+        self.directory = directory
+        self._sock: socket.socket | None = None
+        self._path: Path | None = None
+        self._lock = threading.Lock()
+        self._out: socket.socket | None = None
+
+    @classmethod
+    def for_database(cls, database_url: str) -> PlanBus:
+        return cls(bus_dir(database_url))
+
+    def _ensure_dir(self) -> bool:
+        if self.directory is None:
+            return False
+        with contextlib.suppress(FileExistsError):
+            self.directory.mkdir(mode=0o700)
+        st = os.lstat(self.directory)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+            log.warning("plan bus %s is not a private directory of ours: not used", self.directory)
+            self.directory = None
+            return False
+        return True
+
+    def listen(self) -> socket.socket | None:
+        """This process's socket (non-blocking), bound in the bus directory; None without one."""
+        for _ in range(3):  # another process may remove the directory as its last listener
+            if self._sock is not None or not self._ensure_dir():
+                return self._sock
+            assert self.directory is not None
+            path = self.directory / f"{os.getpid()}-{next(_names)}.sock"
+            with contextlib.suppress(FileNotFoundError):  # left by a dead process with our pid
+                path.unlink()
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            sock.setblocking(False)
+            try:
+                sock.bind(str(path))
+            except FileNotFoundError:
+                sock.close()
+                continue
+            self._sock, self._path = sock, path
+            return sock
+        return self._sock
+
+    @staticmethod
+    def read(sock: socket.socket) -> set[int]:
+        """Every job id waiting on ``sock``, without blocking."""
+        ids: set[int] = set()
+        while True:
+            try:
+                data = sock.recv(65_536)
+            except (BlockingIOError, InterruptedError):
+                return ids
+            for part in data.split(b","):
+                if part.isdigit():
+                    ids.add(int(part))
+
+    def publish(self, job_ids: Iterable[int]) -> None:
+        """Send the ids to every other listener; never raises (best effort, see the module)."""
+        ids = sorted(set(job_ids))
+        if not ids or self.directory is None:
+            return
+        message = ",".join(map(str, ids)).encode()
+        try:
+            peers = [p for p in os.scandir(self.directory) if p.name.endswith(".sock")]
+        except OSError:
+            return
+        with self._lock:
+            if self._out is None:
+                self._out = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+                self._out.setblocking(False)
+            for peer in peers:
+                if self._path is not None and peer.path == str(self._path):
+                    continue
+                try:
+                    self._out.sendto(message, peer.path)
+                except (ConnectionRefusedError, FileNotFoundError):  # its process is gone
+                    with contextlib.suppress(OSError):
+                        os.unlink(peer.path)
+                except OSError:  # a full queue: that process re-checks within RECHECK_S
+                    log.debug("plan bus: could not notify %s", peer.path, exc_info=True)
+
+    def close(self) -> None:
+        with self._lock:
+            for s in (self._sock, self._out):
+                if s is not None:
+                    s.close()
+            self._sock = self._out = None
+            if self._path is not None:
+                with contextlib.suppress(OSError):
+                    self._path.unlink()
+                self._path = None
+                if self.directory is not None:  # the last listener leaves no directory behind
+                    with contextlib.suppress(OSError):
+                        self.directory.rmdir()
+
+
+PlanListener = Callable[[set[int]], None]

@@ -1,0 +1,132 @@
+"""How ``evenflow server`` runs the control plane: one controller process and API processes.
+
+1. Migrations and the bootstrap admin token, once, before anything serves.
+2. The controller (``python -m server.controller``) in a process of its own, restarted if it
+   dies, stopped with the server: the control loop's database reads and model fits never hold
+   the API process's GIL.
+3. uvicorn serving ``create_app`` with ``controller="none"``: one process, or ``workers``
+   processes sharing the port (each gets plan notifications over the plan bus).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from fastapi import FastAPI
+
+from server.config import Settings
+
+log = logging.getLogger("evenflow.serve")
+
+RESTART_AFTER_S = 1.0
+
+
+def worker_app() -> FastAPI:
+    """The app of one of several uvicorn workers (``uvicorn --factory``): settings from the
+    environment, no controller of its own, migrations already applied by the parent."""
+    from server.app import create_app
+
+    return create_app(Settings(controller="none", run_migrations=False))
+
+
+def prepare(settings: Settings) -> None:
+    """Migrate and make sure an admin token exists (printing a generated one once)."""
+    from server.db import make_engine, migrate, session_factory, transaction
+    from server.services import tokens
+
+    engine = make_engine(settings.database_url, pool_size=1)
+    try:
+        if settings.run_migrations:
+            migrate(engine)
+        secret = settings.admin_token.get_secret_value() if settings.admin_token else None
+        with transaction(session_factory(engine)) as s:
+            generated = tokens.ensure_admin(s, secret)
+        if generated:
+            print(f"evenflow: generated admin token (shown once): {generated}", file=sys.stderr)
+    finally:
+        engine.dispose()
+
+
+class ControllerProcess:
+    """``python -m server.controller`` as a child, restarted when it exits unasked."""
+
+    def __init__(self, log_level: str) -> None:
+        self.cmd = [
+            sys.executable,
+            "-m",
+            "server.controller",
+            "--log-level",
+            log_level,
+            "--parent-pid",
+            str(os.getpid()),
+        ]
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._supervise, name="controller-supervisor")
+
+    def start(self) -> ControllerProcess:
+        self.proc = subprocess.Popen(self.cmd)
+        self._thread.start()
+        return self
+
+    def _supervise(self) -> None:
+        while not self._stop.is_set():
+            assert self.proc is not None
+            code = self.proc.wait()
+            if self._stop.is_set():
+                return
+            log.error("controller exited with %s; restarting", code)
+            time.sleep(RESTART_AFTER_S)
+            if not self._stop.is_set():
+                self.proc = subprocess.Popen(self.cmd)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+
+def serve(host: str, port: int, log_level: str = "info", workers: int = 1) -> None:
+    """Run the control plane until interrupted (``evenflow server``)."""
+    import uvicorn
+
+    from server.app import create_app
+
+    settings = Settings()
+    prepare(settings)
+    # uvicorn re-raises the SIGTERM it stopped on once it has shut down; with the default
+    # action that would kill this process before it stops the controller.
+    signal.signal(signal.SIGTERM, _exit)
+    controller = ControllerProcess(log_level).start()
+    # Open dashboard streams would otherwise hold a stop for up to their 60 s lifetime.
+    common = {
+        "host": host,
+        "port": port,
+        "log_level": log_level,
+        "timeout_graceful_shutdown": 3,
+    }
+    try:
+        if workers > 1:
+            uvicorn.run("server.serve:worker_app", factory=True, workers=workers, **common)  # type: ignore[arg-type]
+        else:
+            app = create_app(Settings(controller="none", run_migrations=False))
+            uvicorn.run(app, **common)  # type: ignore[arg-type]
+    finally:
+        controller.stop()
+
+
+def _exit(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)

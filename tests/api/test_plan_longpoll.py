@@ -1,0 +1,152 @@
+"""Plan long-polls: `GET /jobs/{id}/plan?known_version=V&wait_s=W` answers when a newer plan is
+committed anywhere (this process, another process on the same database), or 304 after W."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.conftest import ROOT, Api
+
+# A plan made in a process of its own, wired the way the controller process is.
+OTHER_PROCESS = """
+import sys
+from agent.wire import PlanSource
+from server.controller import connect
+from server.db import transaction
+from server.models import Job
+from server.services import plans
+
+engine, sessions, bus = connect(sys.argv[1])
+with transaction(sessions) as s:
+    job = s.get(Job, int(sys.argv[2]))
+    plans.create(s, job, [10, 20, 30], PlanSource.MANUAL, "from another process", by="test")
+bus.close()
+engine.dispose()
+"""
+
+
+def _live_job(api: Api) -> int:
+    api.register("h", devices=3)
+    return int(api.submit(workers=3, global_batch=60)["id"])  # type: ignore[call-overload]
+
+
+def _long_poll(api: Api, job: int, known: int, wait_s: float) -> Future[httpx.Response]:
+    pool = ThreadPoolExecutor(1)
+    future = pool.submit(
+        api.client.get,
+        f"/api/v1/jobs/{job}/plan",
+        params={"known_version": known, "wait_s": wait_s},
+        headers=api.headers(),
+    )
+    pool.shutdown(wait=False)
+    return future
+
+
+def _until_waiting(api: Api, job: int) -> None:
+    """Until the long-poll has registered (so the plan is committed while it waits)."""
+    waiters = api.client.app.state.plan_waiters  # type: ignore[attr-defined]
+    deadline = time.monotonic() + 10
+    while job not in waiters._events:
+        assert time.monotonic() < deadline, "the long-poll never started waiting"
+        time.sleep(0.01)
+
+
+def test_unchanged_plan_is_304_after_the_wait(api: Api) -> None:
+    job = _live_job(api)
+    t0 = time.monotonic()
+    r = api.client.get(
+        f"/api/v1/jobs/{job}/plan",
+        params={"known_version": 1, "wait_s": 0.3},
+        headers=api.headers(),
+    )
+    assert r.status_code == 304 and r.content == b""
+    assert time.monotonic() - t0 >= 0.3  # it held the request for the whole wait
+
+
+def test_a_different_version_answers_at_once(api: Api) -> None:
+    job = _live_job(api)
+    r = api.client.get(
+        f"/api/v1/jobs/{job}/plan", params={"known_version": 7, "wait_s": 30}, headers=api.headers()
+    )
+    assert r.status_code == 200 and r.json()["version"] == 1
+
+
+def test_an_override_wakes_the_waiter(api: Api) -> None:
+    job = _live_job(api)
+    waiting = _long_poll(api, job, known=1, wait_s=30)
+    _until_waiting(api, job)
+    body = {"kind": "set_batches", "batch_sizes": [30, 20, 10], "reason": "busy node"}
+    r = api.client.post(f"/api/v1/jobs/{job}/overrides", json=body, headers=api.headers())
+    assert r.status_code == 200, r.text
+    answer = waiting.result(timeout=10)  # far less than the 30 s it may wait
+    assert answer.status_code == 200
+    assert answer.json()["version"] == 2 and answer.json()["batch_sizes"] == [30, 20, 10]
+
+
+def test_a_plan_made_in_another_process_wakes_the_waiter(api: Api, db_url: str) -> None:
+    job = _live_job(api)
+    # Cached now, so only the notification (not the cache's TTL) can make the waiter see v2.
+    assert api.client.get(f"/api/v1/jobs/{job}/plan", headers=api.headers()).status_code == 200
+    waiting = _long_poll(api, job, known=1, wait_s=30)
+    _until_waiting(api, job)
+    subprocess.run(
+        [sys.executable, "-c", OTHER_PROCESS, db_url, str(job)], cwd=ROOT, check=True, timeout=60
+    )
+    answer = waiting.result(timeout=10)
+    assert answer.status_code == 200
+    assert answer.json()["version"] == 2 and answer.json()["reason"] == "from another process"
+    # The cache was cleared by the same notification: a plain read sees v2 at once.
+    plan = api.client.get(f"/api/v1/jobs/{job}/plan", headers=api.headers()).json()
+    assert plan["version"] == 2
+
+
+def test_waiters_of_other_jobs_keep_waiting(api: Api) -> None:
+    job = _live_job(api)
+    api.register("h2", devices=3)
+    other = int(api.submit(workers=3, global_batch=60)["id"])  # type: ignore[call-overload]
+    waiting = _long_poll(api, other, known=1, wait_s=1.0)
+    _until_waiting(api, other)
+    body = {"kind": "set_batches", "batch_sizes": [30, 20, 10], "reason": "x"}
+    assert (
+        api.client.post(f"/api/v1/jobs/{job}/overrides", json=body, headers=api.headers())
+    ).status_code == 200
+    assert waiting.result(timeout=10).status_code == 304
+
+
+@pytest.mark.parametrize("wait_s", ["31", "-1", "soon"])
+def test_bad_wait_is_422_naming_it(api: Api, wait_s: str) -> None:
+    job = _live_job(api)
+    r = api.client.get(
+        f"/api/v1/jobs/{job}/plan?known_version=1&wait_s={wait_s}", headers=api.headers()
+    )
+    assert r.status_code == 422 and r.json()["field"] == "wait_s"
+
+
+def test_long_poll_of_an_unknown_job_is_404_at_once(api: Api) -> None:
+    r = api.client.get(
+        "/api/v1/jobs/999/plan", params={"known_version": 1, "wait_s": 30}, headers=api.headers()
+    )
+    assert r.status_code == 404
+
+
+def test_concurrent_misses_all_get_the_plan(api: Api) -> None:
+    job = _live_job(api)
+    answers: list[int] = []
+
+    def get() -> None:
+        r = api.client.get(f"/api/v1/jobs/{job}/plan", headers=api.headers())
+        answers.append(r.json()["version"])
+
+    threads = [threading.Thread(target=get) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert answers == [1] * 16

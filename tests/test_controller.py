@@ -1,0 +1,144 @@
+"""The controller: one per database (its lock), writers serialised across processes, and
+`evenflow server` running it in a process of its own that re-plans jobs."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from server.db import make_engine
+from server.locks import ControllerLock, WriterLock, writer_lock_for
+from tests.conftest import ADMIN_TOKEN, ROOT, free_port
+
+
+def test_one_controller_lock_per_database(db_url: str) -> None:
+    a, b = make_engine(db_url), make_engine(db_url)
+    first, second = ControllerLock(a), ControllerLock(b)
+    try:
+        assert first.try_acquire()
+        assert not second.try_acquire()  # a standby
+        first.check()
+        first.release()
+        assert second.try_acquire()  # takes over
+    finally:
+        first.release()
+        second.release()
+        a.dispose()
+        b.dispose()
+
+
+def test_writer_lock_excludes_other_processes(tmp_path: Path) -> None:
+    lock = writer_lock_for(f"sqlite:///{tmp_path / 'w.db'}")
+    assert isinstance(lock, WriterLock) and lock.path == tmp_path / "w.db.writer.lock"
+    probe = (
+        "import fcntl, os, sys\n"
+        "fd = os.open(sys.argv[1], os.O_RDWR)\n"
+        "try:\n    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\nexcept BlockingIOError:\n"
+        "    sys.exit(3)\n"
+    )
+    with lock:
+        held = subprocess.run([sys.executable, "-c", probe, str(lock.path)], check=False)
+    free = subprocess.run([sys.executable, "-c", probe, str(lock.path)], check=False)
+    assert (held.returncode, free.returncode) == (3, 0)
+    fd = os.open(lock.path, os.O_RDWR)
+    try:  # and released: this process can take it too
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(fd)
+
+
+def test_postgres_needs_no_writer_lock() -> None:
+    assert writer_lock_for("postgresql+psycopg://u@h/db") is None
+
+
+@pytest.mark.timeout(120)
+def test_evenflow_server_runs_the_controller_in_its_own_process(tmp_path: Path) -> None:
+    port = free_port()
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "EVENFLOW_DATABASE_URL": f"sqlite:///{tmp_path / 'cp.db'}",
+        "EVENFLOW_ADMIN_TOKEN": ADMIN_TOKEN,
+        "EVENFLOW_REBALANCE_INTERVAL_S": "0.1",
+    }
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "agent.cli",
+            "server",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ],
+        env=env,
+        cwd=ROOT,
+    )
+    base = f"http://127.0.0.1:{port}/api/v1"
+    h = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, "server did not start"
+            time.sleep(0.1)
+        # The controller is a child process holding the controller lock.
+        children = subprocess.run(
+            ["pgrep", "-P", str(proc.pid), "-f", "server.controller"],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout.split()
+        assert len(children) == 1
+        _until_locked(ControllerLock(make_engine(env["EVENFLOW_DATABASE_URL"])))
+        # A job whose first plans explore: the controller (not the API process) makes them,
+        # and a long-poll on the API process hears of each.
+        devices = [{"index": i, "kind": "cpu", "model": "CPU", "memory_mb": 1024} for i in range(2)]
+        host = {"protocol_version": 1, "name": "h", "address": "127.0.0.1", "devices": devices}
+        httpx.post(base + "/hosts/register", headers=h, json=host).raise_for_status()
+        spec = {"name": "j", "workload": {"builtin": "mlp"}, "global_batch": 64, "workers": 2}
+        job = httpx.post(base + "/jobs", headers=h, json={**spec, "iterations": 1000}).json()["id"]
+        records = [
+            {"rank": r, "iteration": i, "plan_version": 1, "batch_size": 32, "data_ms": 1.0,
+             "compute_ms": 10.0 * (r + 1), "sync_ms": 1.0, "ts": 1.7e9 + i}
+            for i in range(1, 40) for r in range(2)
+        ]  # fmt: skip
+        httpx.post(
+            f"{base}/jobs/{job}/telemetry", headers=h, json={"records": records}
+        ).raise_for_status()
+        r = httpx.get(
+            f"{base}/jobs/{job}/plan",
+            params={"known_version": 1, "wait_s": 20},
+            headers=h,
+            timeout=30,
+        )
+        assert r.status_code == 200 and r.json()["version"] >= 2
+        assert r.json()["source"] == "automatic"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    # Stopping the server stops its controller: the lock is free again.
+    lock = ControllerLock(make_engine(env["EVENFLOW_DATABASE_URL"]))
+    assert lock.try_acquire()
+    lock.release()
+
+
+def _until_locked(probe: ControllerLock) -> None:
+    """Until someone else holds the controller lock (the controller process takes a moment)."""
+    deadline = time.monotonic() + 30
+    while probe.try_acquire():
+        probe.release()
+        assert time.monotonic() < deadline, "nobody took the controller lock"
+        time.sleep(0.1)
