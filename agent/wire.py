@@ -517,6 +517,9 @@ class TelemetryRecord(Request):
 
 class TelemetryBatch(Request):
     records: list[TelemetryRecord] = Field(min_length=1, max_length=MAX_TELEMETRY_RECORDS)
+    urgent: bool = False
+    """Sent ahead of the usual cadence because a rank's iteration or compute time jumped (a
+    slowdown starting or ending): the control plane looks at the job at once."""
 
 
 class TelemetryAck(Response):

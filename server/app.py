@@ -132,6 +132,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     waiters = PlanWaiters()
     bus = PlanBus.for_database(settings.database_url)
     caches.plan_listeners += [waiters.notify, bus.publish]
+    wake_bus = PlanBus.for_database(settings.database_url, "wake")
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -152,6 +153,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         controller: threading.Thread | None = None
         if settings.controller == "thread":
             loop = Controller(settings, engine=engine, sessions=sessions, write_lock=write_lock)
+            app.state.wake_controller = lambda job_id: loop.poke()
             controller = threading.Thread(
                 target=loop.run, args=(stop,), name="evenflow-controller", daemon=True
             )
@@ -166,6 +168,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             if sock is not None:
                 asyncio.get_running_loop().remove_reader(sock.fileno())
             bus.close()
+            wake_bus.close()
             if isinstance(write_lock, WriterLock):
                 write_lock.close()
             engine.dispose()
@@ -186,6 +189,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.telemetry_notifier = TelemetryNotifier()
     app.state.plan_waiters = waiters
     app.state.plan_loads = {}
+    # Urgent telemetry (a worker's iteration time jumped) runs the controller's next round now:
+    # over the wake bus to a controller process, or directly when it is a thread here.
+    app.state.wake_controller = lambda job_id: wake_bus.publish([job_id])
 
     app.add_exception_handler(EvenflowError, _on_domain_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)

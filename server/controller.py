@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import select
 import signal
 import threading
 import time
@@ -39,6 +40,9 @@ log = logging.getLogger("evenflow.controller")
 STANDBY_POLL_S = 1.0
 """How often a standby controller tries to take the controller lock."""
 
+WAKE_SLICE_S = 0.1
+"""Between rounds the controller waits for a poke in slices this long, to notice ``stop``."""
+
 
 class Controller:
     """Rounds of the control loop and the reaper while :meth:`run`'s ``stop`` is unset."""
@@ -57,6 +61,23 @@ class Controller:
         self.write_lock: AbstractContextManager[Any] = write_lock or nullcontext()
         self.state = control_loop.LoopState(min_decision_interval_s=1.0)
         self.rounds = 0
+        self._wake = threading.Event()
+
+    def poke(self) -> None:
+        """Run the next round now instead of at the end of the interval: a worker sent urgent
+        telemetry (its iteration time jumped), so a straggler may have to be answered. Any
+        thread may call it; the API processes reach a controller process over the wake bus."""
+        self._wake.set()
+
+    def _pause(self, stop: threading.Event, seconds: float) -> bool:
+        """Wait ``seconds`` or until poked; True when stopping."""
+        deadline = time.monotonic() + seconds
+        while not stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0 or self._wake.wait(min(left, WAKE_SLICE_S)):
+                self._wake.clear()
+                break
+        return stop.is_set()
 
     def run(self, stop: threading.Event) -> None:
         lock = ControllerLock(self.engine)
@@ -80,7 +101,7 @@ class Controller:
     def _rounds(self, stop: threading.Event, lock: ControllerLock) -> None:
         s = self.settings
         next_reap = time.monotonic() + s.reaper_interval_s
-        while not stop.wait(s.rebalance_interval_s):
+        while not self._pause(stop, s.rebalance_interval_s):
             lock.check()
             try:
                 self.sweep()
@@ -131,13 +152,32 @@ def run_process(settings: Settings, stop: threading.Event | None = None) -> None
     stop = stop or threading.Event()
     engine, sessions, bus = connect(settings.database_url)
     write_lock = writer_lock_for(settings.database_url)
+    wake = PlanBus.for_database(settings.database_url, "wake")
+    controller = Controller(settings, engine=engine, sessions=sessions, write_lock=write_lock)
+    listener = threading.Thread(
+        target=_listen_for_pokes, args=(wake, controller, stop), name="wake-bus", daemon=True
+    )
+    listener.start()
     try:
-        Controller(settings, engine=engine, sessions=sessions, write_lock=write_lock).run(stop)
+        controller.run(stop)
     finally:
+        listener.join(1.0)
         if write_lock is not None:
             write_lock.close()
+        wake.close()
         bus.close()
         engine.dispose()
+
+
+def _listen_for_pokes(wake: PlanBus, controller: Controller, stop: threading.Event) -> None:
+    """Poke the controller whenever an API process says a job sent urgent telemetry."""
+    sock = wake.listen()
+    if sock is None:
+        return
+    while not stop.is_set():
+        ready, _, _ = select.select([sock], [], [], WAKE_SLICE_S * 5)
+        if ready and PlanBus.read(sock):
+            controller.poke()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -78,8 +78,10 @@ class PlanWaiters:
                 loop.call_soon_threadsafe(self._fire, ids)
 
 
-def bus_dir(database_url: str) -> Path | None:
-    """The bus directory of a database, or None for an in-memory SQLite database."""
+def bus_dir(database_url: str, channel: str = "") -> Path | None:
+    """The bus directory of a database, or None for an in-memory SQLite database. ``channel``
+    names another bus on the same database: ``"wake"`` carries job ids the other way, from the
+    API processes to the controller (urgent telemetry: run a round now)."""
     url = make_url(database_url)
     if url.get_backend_name() == "sqlite":
         db = sqlite_file(database_url)
@@ -89,7 +91,8 @@ def bus_dir(database_url: str) -> Path | None:
     else:
         key = url.set(password=None).render_as_string(hide_password=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return Path(tempfile.gettempdir()) / f"evenflow-{os.getuid()}-{digest}"
+    suffix = f"-{channel}" if channel else ""
+    return Path(tempfile.gettempdir()) / f"evenflow-{os.getuid()}-{digest}{suffix}"
 
 
 class PlanBus:
@@ -103,8 +106,8 @@ class PlanBus:
         self._out: socket.socket | None = None
 
     @classmethod
-    def for_database(cls, database_url: str) -> PlanBus:
-        return cls(bus_dir(database_url))
+    def for_database(cls, database_url: str, channel: str = "") -> PlanBus:
+        return cls(bus_dir(database_url, channel))
 
     def _ensure_dir(self) -> bool:
         if self.directory is None:

@@ -142,3 +142,50 @@ def _until_locked(probe: ControllerLock) -> None:
         probe.release()
         assert time.monotonic() < deadline, "nobody took the controller lock"
         time.sleep(0.1)
+
+
+def test_a_poke_runs_the_next_round_now(tmp_path: Path) -> None:
+    """Urgent telemetry must not wait out the interval: with an hour between rounds, only the
+    poke (directly, or over the wake bus from an API process) can run one."""
+    import threading
+
+    from server.config import Settings
+    from server.controller import Controller, _listen_for_pokes
+    from server.db import migrate, session_factory
+    from server.notify import PlanBus
+
+    url = f"sqlite:///{tmp_path / 'c.db'}"
+    engine = make_engine(url)
+    migrate(engine)
+    settings = Settings(database_url=url, rebalance_interval_s=3600)
+    controller = Controller(settings, engine=engine, sessions=session_factory(engine))
+    stop = threading.Event()
+    loop = threading.Thread(target=controller.run, args=(stop,), daemon=True)
+    wake = PlanBus.for_database(url, "wake")
+    listener = threading.Thread(target=_listen_for_pokes, args=(wake, controller, stop))
+    try:
+        loop.start()
+        listener.start()
+        time.sleep(0.3)
+        assert controller.rounds == 0
+        controller.poke()
+        _wait_for(lambda: controller.rounds == 1)
+        _wait_for(lambda: wake.directory is not None and any(wake.directory.glob("*.sock")))
+        api = PlanBus.for_database(url, "wake")
+        api.publish([7])  # what an API process does with an urgent telemetry batch
+        api.close()
+        _wait_for(lambda: controller.rounds == 2)
+    finally:
+        stop.set()
+        loop.join(5)
+        listener.join(5)
+        wake.close()
+        engine.dispose()
+    assert not loop.is_alive() and not listener.is_alive()
+
+
+def _wait_for(cond: object, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():  # type: ignore[operator]
+        assert time.monotonic() < end, "condition not reached"
+        time.sleep(0.01)

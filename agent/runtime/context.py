@@ -122,9 +122,10 @@ class EvenflowContext:
         """Carry the plan agreement inside the gradient all-reduce when the buffers allow."""
         self._submit = submit
         self._flush = flush
-        """Asks the telemetry sender to post now: called when :class:`JumpWatch` flags a record
-        (the control plane should hear of a slowdown's start or end at once)."""
-        self._jumps = JumpWatch()
+        """Asks the telemetry sender to post now: called when a :class:`JumpWatch` flags a
+        record (the control plane should hear of a slowdown's start or end at once)."""
+        self._jumps = (JumpWatch(), JumpWatch())
+        """On compute time, and on the whole iteration (data + compute + sync)."""
         self.timer = IterationTimer(self.device)
         self.stats = ContextStats()
         self.iteration = 0
@@ -406,9 +407,8 @@ class EvenflowContext:
             except Exception as exc:  # telemetry is best effort
                 log.warning("telemetry record for iteration %d dropped: %r", t.iteration, exc)
                 continue
-            if (
-                self._flush is not None
-                and not probe
-                and self._jumps.observe(t.batch_size, t.compute_ms)
-            ):
-                self._flush()
+            if self._flush is not None and not probe:
+                compute, whole = self._jumps
+                jumped = compute.observe(t.batch_size, t.compute_ms)
+                if whole.observe(t.plan_version, t.data_ms + t.compute_ms + t.sync_ms) or jumped:
+                    self._flush()

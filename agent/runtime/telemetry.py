@@ -20,9 +20,12 @@ Accounting is exact: ``submitted == delivered + dropped + pending``.
 Batching trades latency for load: at the default cadence the control plane hears of a worker's
 slowdown up to ``flush_interval_s`` late, which for a straggler is iterations trained on a bad
 plan. So :meth:`~TelemetrySender.flush_soon` makes the thread post at once (unless it is backing
-off after a failure). :class:`JumpWatch` decides which records are urgent: those whose compute time
-jumped away from the rank's recent level (a slowdown starting or ending), a few per change, never
-for ordinary noise.
+off after a failure), in a batch marked ``urgent`` (the control plane then runs its next round for
+the job at once). :class:`JumpWatch` decides when: the runtime watches each rank's compute time
+and its whole iteration time (a slowdown starting shows in the straggler's compute and in every
+other rank's wait; its end in the straggler's compute), a few records per change, never for
+ordinary noise. The control plane judges an iteration once every rank has reported it, which is
+why every rank flushes, not only the straggler.
 """
 
 from __future__ import annotations
@@ -169,10 +172,10 @@ class TelemetrySender:
                     self._cond.wait(max(wait, 0.001))
                 n = min(len(self._queue), self.max_batch)
                 batch = [self._queue.popleft() for _ in range(n)]
-                self._urgent = False
+                urgent, self._urgent = self._urgent, False
                 self._in_flight = n
             last_attempt = time.monotonic()
-            ok = self._send(batch)
+            ok = self._send(batch, urgent)
             with self._cond:
                 self._in_flight = 0
                 if ok:
@@ -185,9 +188,9 @@ class TelemetrySender:
                     self._trim()
                     backoff = min(self.backoff_max_s, max(self.backoff_initial_s, backoff * 2))
 
-    def _send(self, batch: list[TelemetryRecord]) -> bool:
+    def _send(self, batch: list[TelemetryRecord], urgent: bool) -> bool:
         try:
-            self._post(TelemetryBatch(records=batch))
+            self._post(TelemetryBatch(records=batch, urgent=urgent))
             return True
         except Exception as exc:  # best effort: never into the training loop
             if self._failures == 0 or self._failures % 20 == 19:
@@ -196,14 +199,14 @@ class TelemetrySender:
 
 
 class JumpWatch:
-    """Flags an iteration whose compute time jumped away from its rank's recent level.
+    """Flags a duration that jumped away from its recent level.
 
-    The reference is the median of the last ``window`` compute times measured at the same batch
-    size (a plan change resets it: another batch size has another level). A record is urgent when
-    its compute time is ``ratio`` times above or below that median: the first iterations of a
-    slowdown (and of a recovery) are flagged until the median has moved to the new level, about
-    ``window // 2 + 1`` of them; noise within ``ratio`` never is. Records with 0 samples carry
-    no compute and are never urgent.
+    The level is the median of the last ``window`` durations observed under the same ``key``:
+    what the level depends on, the batch size for compute time, the plan version for a whole
+    iteration (a new key starts a new level). A duration is flagged when it is ``ratio`` times
+    above or below that median: the first iterations of a slowdown (and of a recovery) are
+    flagged until the median has moved to the new level, ``window // 2 + 1`` of them; noise
+    within ``ratio`` never is. A key <= 0 (a compute phase with 0 samples) is ignored.
     """
 
     def __init__(self, *, ratio: float = 1.3, window: int = 5) -> None:
@@ -211,19 +214,19 @@ class JumpWatch:
             raise ValueError("ratio must exceed 1 and window be at least 1")
         self.ratio = ratio
         self.window = window
-        self._batch = -1
+        self._key = -1
         self._recent: deque[float] = deque(maxlen=window)
 
-    def observe(self, batch_size: int, compute_ms: float) -> bool:
-        if batch_size <= 0:
+    def observe(self, key: int, ms: float) -> bool:
+        if key <= 0:
             return False
-        if batch_size != self._batch:
-            self._batch = batch_size
+        if key != self._key:
+            self._key = key
             self._recent.clear()
-        urgent = False
+        jumped = False
         if len(self._recent) == self.window:
             ordered = sorted(self._recent)
             level = ordered[len(ordered) // 2]
-            urgent = level > 0 and not level / self.ratio <= compute_ms <= level * self.ratio
-        self._recent.append(compute_ms)
-        return urgent
+            jumped = level > 0 and not level / self.ratio <= ms <= level * self.ratio
+        self._recent.append(ms)
+        return jumped

@@ -129,3 +129,19 @@ def test_any_sequence_of_retries_stores_each_key_once(
         seen |= new
     stored = app.client.get(f"/api/v1/jobs/{job}/telemetry", headers=app.headers()).json()
     assert len(stored) == len(seen)
+
+
+def test_an_urgent_batch_wakes_the_controller(api: Api) -> None:
+    job = _job(api)
+    woken: list[int] = []
+    app = api.client.app  # type: ignore[attr-defined]
+    app.state.wake_controller = woken.append
+    url, h = f"/api/v1/jobs/{job}/telemetry", api.headers()
+    assert api.client.post(url, json={"records": [_rec(0, 0)]}, headers=h).status_code == 200
+    assert woken == []  # the usual cadence: the next round will do
+    body = {"records": [_rec(0, 1)], "urgent": True}
+    assert api.client.post(url, json=body, headers=h).status_code == 200
+    assert woken == [job]
+    bad = {"records": [_rec(0, 2)], "urgent": "yes"}
+    r = api.client.post(url, json=bad, headers=h)
+    assert r.status_code == 422 and "urgent" in r.text

@@ -32,6 +32,7 @@ class Poster:
         self.down = False
         self.fail_after_store = 0
         self.batches: list[list[int]] = []
+        self.urgent: list[bool] = []
         self.calls = 0
         self.lock = threading.Lock()
 
@@ -41,6 +42,7 @@ class Poster:
             if self.down:
                 raise ConnectionError("server unreachable")
             self.batches.append([r.iteration for r in batch.records])
+            self.urgent.append(batch.urgent)
             if self.fail_after_store:
                 self.fail_after_store -= 1
                 raise TimeoutError("stored, but the reply was lost")
@@ -167,6 +169,7 @@ def test_flush_soon_posts_without_waiting_for_the_cadence() -> None:
     time.sleep(0.1)
     assert poster.received == [0, 1, 2]
     assert s.close(1.0).delivered == 4
+    assert poster.urgent == [True, False]  # the server is told which batch came early
 
 
 @given(

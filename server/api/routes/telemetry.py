@@ -20,12 +20,16 @@ JobId = Path(ge=1, le=2**31 - 1)
 
 @router.post("/{job_id}/telemetry", openapi_extra=bodies.documented_body(TelemetryBatch))
 async def ingest(request: Request, principal: Authenticated, job_id: int = JobId) -> TelemetryAck:
-    """Store timings; rows already stored for (job, rank, iteration) are skipped, not duplicated."""
+    """Store timings; rows already stored for (job, rank, iteration) are skipped, not duplicated.
+    An `urgent` batch (a worker's iteration time jumped) makes the control loop look at the job
+    at once rather than at its next round."""
     if principal.role is not Role.AGENT:
         principal.require(Role.ADMIN)
     batch = bodies.parse(TelemetryBatch, await request.body())
     accepted, duplicates = await run_in_threadpool(_store, request.app, principal, job_id, batch)
     telemetry_stored(request.app, job_id, accepted)  # wake the job's live dashboard streams
+    if batch.urgent:
+        request.app.state.wake_controller(job_id)
     metrics = request.app.state.metrics
     metrics.telemetry_records.inc(accepted)
     metrics.telemetry_duplicates.inc(duplicates)
