@@ -45,7 +45,7 @@ Module buffers (e.g. BatchNorm statistics) are broadcast once at start by
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -60,6 +60,10 @@ per rank); beyond it the ring all-reduce moves less data and wins. ``bench/colle
 7.9 ms (even), 262,144: 16 vs 9.8 ms."""
 
 Exchange = Literal["auto", "all_reduce", "direct"]
+
+ControlValues = list[int] | Callable[[], list[int] | None] | None
+"""What a rank sends in the control slots: values, a callable asked as the all-reduce starts,
+or nothing (zeros)."""
 
 CONTROL_MAX = 2**24
 """Control slot values must lie in (-CONTROL_MAX, CONTROL_MAX) to travel exactly in float32."""
@@ -144,20 +148,25 @@ class GradientSync:
             if self.control_capacity
             else torch.empty(0)
         )
-        self._outgoing: list[int] | None = None
+        self._outgoing: ControlValues = None
         self._received: list[int] | None = None
 
-    def send_control(self, values: list[int] | None) -> None:
+    def send_control(self, values: ControlValues) -> None:
         """Values this rank adds to the control slots at the next all-reduce (``None``: zeros).
 
-        Exactly one rank should send; the others send ``None``.
+        Exactly one rank should send; the others send ``None``. A callable is asked for the
+        values only as the all-reduce starts, so what it reports is as fresh as it can be (the
+        plan agreement's leader passes its newest candidate this way).
         """
-        if values is not None:
-            if len(values) > self.control_capacity:
-                raise ValueError(f"{len(values)} control values, capacity {self.control_capacity}")
-            if any(abs(v) >= CONTROL_MAX for v in values):
-                raise ValueError(f"control values must be below {CONTROL_MAX} in magnitude")
+        if values is not None and not callable(values):
+            self._check_control(values)
         self._outgoing = values
+
+    def _check_control(self, values: list[int]) -> None:
+        if len(values) > self.control_capacity:
+            raise ValueError(f"{len(values)} control values, capacity {self.control_capacity}")
+        if any(abs(v) >= CONTROL_MAX for v in values):
+            raise ValueError(f"control values must be below {CONTROL_MAX} in magnitude")
 
     def received_control(self) -> list[int] | None:
         """The control slots after the last all-reduce (once; then ``None`` until the next)."""
@@ -191,11 +200,13 @@ class GradientSync:
             self._loss_slot.copy_(loss_sum.detach().reshape(1))
         if self.control_capacity:
             self._control.zero_()
-            if self._outgoing:
-                self._control[: len(self._outgoing)] = torch.tensor(
-                    self._outgoing, dtype=self._control.dtype
-                )
-            self._outgoing = None
+            outgoing, self._outgoing = self._outgoing, None
+            if callable(outgoing):
+                outgoing = outgoing()
+                if outgoing is not None:
+                    self._check_control(outgoing)
+            if outgoing:
+                self._control[: len(outgoing)] = torch.tensor(outgoing, dtype=self._control.dtype)
         scale = 1.0 / global_count
         for b in self._buckets:
             self._sum(b.flat)

@@ -162,7 +162,8 @@ class ControlChannel(Protocol):
 
     control_capacity: int
 
-    def send_control(self, values: list[int] | None) -> None: ...
+    def send_control(self, values: list[int] | Callable[[], list[int] | None] | None) -> None:
+        """``values`` may be a callable: asked for them only as the collective starts."""
 
     def received_control(self) -> list[int] | None: ...
 
@@ -181,8 +182,9 @@ class PlanAgreement:
     Three transports, all deciding identically on every rank:
 
     - *channel* (:meth:`use_channel`): the message rides in the gradient all-reduce of the
-      iteration, so the agreement costs no collective at all; a candidate seen at boundary ``i``
-      is in force from ``i + 1``. The runtime uses it whenever the gradients can carry it.
+      iteration, so the agreement costs no collective at all; the leader encodes it as that
+      all-reduce starts, so a candidate it holds by then (even one that arrived during the
+      iteration's compute) is in force from ``i + 1``. The runtime uses it whenever the gradients can carry it.
     - *pipelined* broadcast (default otherwise): one tiny async broadcast per ``every``
       boundaries, waited for at the next one, so its latency hides behind compute; a candidate
       seen at boundary ``i`` is in force from ``i + every``.
@@ -307,7 +309,9 @@ class PlanAgreement:
         if not self.active:
             return
         if self._channel is not None:
-            self._channel.send_control(self._encode())
+            # Encoded as the all-reduce starts, not now: a candidate that arrives during this
+            # iteration's compute still rides in this iteration's all-reduce.
+            self._channel.send_control(self._encode if self.rank == self.leader else None)
         elif self.pipelined and iteration % self.every == 0:
             self._broadcast(async_op=True)
 

@@ -81,6 +81,7 @@ def _agreement_worker(rank: int, world: int) -> dict[str, object]:
     rng = random.Random(rank)
     for name, kwargs in {
         "channel": {},
+        "channel_late": {},  # candidates appear only after the boundary, during the iteration
         "pipelined": {"pipelined": True},
         "blocking_every_3": {"pipelined": False, "every": 3},
     }.items():
@@ -95,12 +96,13 @@ def _agreement_worker(rank: int, world: int) -> dict[str, object]:
             initial, rank=rank, world_size=world, global_batch=B, propose=script, **kwargs
         )
         sync = GradientSync(nn.Linear(2, 1).parameters(), control_slots=agreement.message_length)
-        if name == "channel":
+        if name.startswith("channel"):
             assert agreement.use_channel(sync) and agreement.transport == "channel"
         log = []
         for it in range(24):
-            script.iteration = it
+            script.iteration = it - 1 if name == "channel_late" else it
             plan = agreement.at_boundary(it)
+            script.iteration = it
             assert sum(plan.batch_sizes) == B and len(plan.batch_sizes) == world
             log.append((it, plan.version, plan.batch_sizes))
             time.sleep(rng.random() * 0.002)  # ranks reach boundaries at different moments
@@ -115,7 +117,13 @@ def _agreement_worker(rank: int, world: int) -> dict[str, object]:
 def test_all_ranks_switch_at_the_same_iteration_and_refuse_bad_plans() -> None:
     results = run_ranks(_agreement_worker, 3)
     # every 3: boundaries 9 and 12 straddle v4's window, so v4 is superseded unseen
-    for name, refused in (("channel", {3, 4}), ("pipelined", {3, 4}), ("blocking_every_3", {3})):
+    cases = (
+        ("channel", {3, 4}),
+        ("channel_late", {3, 4}),
+        ("pipelined", {3, 4}),
+        ("blocking_every_3", {3}),
+    )
+    for name, refused in cases:
         logs = [r[name]["log"] for r in results]
         assert logs[0] == logs[1] == logs[2]
         versions = [v for _, v, _ in logs[0]]
@@ -125,8 +133,11 @@ def test_all_ranks_switch_at_the_same_iteration_and_refuse_bad_plans() -> None:
             assert set(r[name]["refused"]) == refused
             assert "sum to 13" in r[name]["refused"][3]
     assert "2 batch sizes" in results[1]["pipelined"]["refused"][4]
-    # channel and pipelined: a candidate seen at boundary i is in force from boundary i+1
+    # channel and pipelined: a candidate seen at boundary i is in force from boundary i+1; the
+    # channel reads the candidate as the all-reduce starts, so one that arrives during
+    # iteration i is in force from i+1 as well
     assert results[0]["channel"]["history"] == [(0, 1), (5, 2), (13, 5)]
+    assert results[0]["channel_late"]["history"] == [(0, 1), (5, 2), (13, 5)]
     assert results[0]["pipelined"]["history"] == [(0, 1), (5, 2), (13, 5)]
     # blocking every 3: boundaries at 0, 3, 6, ...; a candidate seen there takes effect at once
     assert results[0]["blocking_every_3"]["history"] == [(0, 1), (6, 2), (12, 5)]
