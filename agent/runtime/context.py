@@ -49,6 +49,11 @@ log = logging.getLogger(__name__)
 
 MAX_LOSSES = 4096
 
+EARLY_FLUSH_ITERATIONS = 3
+"""Records of the first iterations are posted at once: the control plane takes its first look
+at a job after three iterations (``server.services.rebalancer.FIRST_LOOK``), and until its first
+plan the job trains on a blind split."""
+
 
 @dataclass
 class ContextStats:
@@ -122,8 +127,11 @@ class EvenflowContext:
         """Carry the plan agreement inside the gradient all-reduce when the buffers allow."""
         self._submit = submit
         self._flush = flush
-        """Asks the telemetry sender to post now: called when a :class:`JumpWatch` flags a
-        record (the control plane should hear of a slowdown's start or end at once)."""
+        """Asks the telemetry sender to post now: for the first ``EARLY_FLUSH_ITERATIONS``, and
+        when a :class:`JumpWatch` flags a record (the control plane should hear of a slowdown's
+        start or end at once). The control plane judges an iteration once every rank reported
+        it, so a flagged rank also raises the gradient all-reduce's flag, and every rank that
+        sees it raised posts too."""
         self._jumps = (JumpWatch(), JumpWatch())
         """On compute time, and on the whole iteration (data + compute + sync)."""
         self.timer = IterationTimer(self.device)
@@ -184,7 +192,9 @@ class EvenflowContext:
             optimizer = torch.optim.SGD(model.parameters(), lr=self.spec.workload.learning_rate)
         self.model, self.optimizer = model, optimizer
         slots = self.agreement.message_length if self.piggyback else 0
-        self._sync = GradientSync(model.parameters(), group=self.group, control_slots=slots)
+        self._sync = GradientSync(
+            model.parameters(), group=self.group, control_slots=slots, flag=self._flush is not None
+        )
         if slots:
             self.agreement.use_channel(self._sync)
         log.info("rank %d: plan agreement via %s", self.rank, self.agreement.transport)
@@ -280,6 +290,8 @@ class EvenflowContext:
         self.optimizer.step()
         self._sync.zero_grad()
         self._emit(self.timer.finish(it, self._plan.version, b))
+        if self._sync.flag_seen() and self._flush is not None:
+            self._flush()  # another rank's time jumped: the server needs this rank's records too
         self.stats.iterations += 1
         self.stats.samples_seen += b
         self.stats.global_samples += count
@@ -411,4 +423,8 @@ class EvenflowContext:
                 compute, whole = self._jumps
                 jumped = compute.observe(t.batch_size, t.compute_ms)
                 if whole.observe(t.plan_version, t.data_ms + t.compute_ms + t.sync_ms) or jumped:
+                    self._flush()
+                    if self._sync is not None:
+                        self._sync.raise_flag()  # and every other rank posts after the next
+                elif t.iteration < EARLY_FLUSH_ITERATIONS:
                     self._flush()

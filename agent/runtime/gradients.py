@@ -100,6 +100,7 @@ class GradientSync:
         group: dist.ProcessGroup | None = None,
         *,
         control_slots: int = 0,
+        flag: bool = False,
         exchange: Exchange = "auto",
         direct_max_elements: int = DIRECT_MAX_ELEMENTS,
     ) -> None:
@@ -119,18 +120,20 @@ class GradientSync:
         self._buckets: list[_Bucket] = []
         self.control_capacity = 0
         """Control slots available (0 when no CPU float32/float64 buffer can carry them)."""
+        self.has_flag = False
+        """Whether :meth:`raise_flag` reaches the other ranks (a CPU float buffer carries it)."""
         control_bucket = -1
         for i, ((device, dtype), ps) in enumerate(by_key.items()):
             extra = 1 if i == 0 else 0  # loss slot
             if (
-                control_slots
+                (control_slots or flag)
                 and control_bucket < 0
                 and device.type == "cpu"
                 and dtype in (torch.float32, torch.float64)
             ):
-                control_bucket, self.control_capacity = i, control_slots
+                control_bucket, self.control_capacity, self.has_flag = i, control_slots, flag
             n = sum(p.numel() for p in ps) + extra
-            control = self.control_capacity if control_bucket == i else 0
+            control = self.control_capacity + self.has_flag if control_bucket == i else 0
             flat = torch.zeros(n + control, device=device, dtype=dtype)
             views = []
             offset = 0
@@ -143,11 +146,12 @@ class GradientSync:
                 views.append(view)
             self._buckets.append(_Bucket(flat, ps, views, flat[:n]))
         self._loss_slot = self._buckets[0].scaled[-1:]
-        self._control = (
-            self._buckets[control_bucket].flat[-self.control_capacity :]
-            if self.control_capacity
-            else torch.empty(0)
-        )
+        carrier = self._buckets[control_bucket].flat if control_bucket >= 0 else torch.empty(0)
+        n = carrier.numel() - self.control_capacity - self.has_flag
+        self._control = carrier[n : n + self.control_capacity]
+        self._flag = carrier[carrier.numel() - 1 :] if self.has_flag else torch.empty(0)
+        self._flag_out = False
+        self._flag_seen = False
         self._outgoing: ControlValues = None
         self._received: list[int] | None = None
 
@@ -167,6 +171,17 @@ class GradientSync:
             raise ValueError(f"{len(values)} control values, capacity {self.control_capacity}")
         if any(abs(v) >= CONTROL_MAX for v in values):
             raise ValueError(f"control values must be below {CONTROL_MAX} in magnitude")
+
+    def raise_flag(self) -> None:
+        """Tell every rank something at the next all-reduce (any rank may; see
+        :meth:`flag_seen`). The runtime uses it so that all ranks post their telemetry when one
+        of them saw its iteration time jump."""
+        self._flag_out = True
+
+    def flag_seen(self) -> bool:
+        """Whether any rank raised the flag for the last all-reduce (once; then ``False``)."""
+        seen, self._flag_seen = self._flag_seen, False
+        return seen
 
     def received_control(self) -> list[int] | None:
         """The control slots after the last all-reduce (once; then ``None`` until the next)."""
@@ -198,6 +213,9 @@ class GradientSync:
             self._loss_slot.zero_()
         else:
             self._loss_slot.copy_(loss_sum.detach().reshape(1))
+        if self.has_flag:
+            self._flag.fill_(1.0 if self._flag_out else 0.0)
+            self._flag_out = False
         if self.control_capacity:
             self._control.zero_()
             outgoing, self._outgoing = self._outgoing, None
@@ -213,6 +231,8 @@ class GradientSync:
             b.scaled.mul_(scale)
         if self.control_capacity:
             self._received = [round(v) for v in self._control.tolist()]
+        if self.has_flag:
+            self._flag_seen = float(self._flag.item()) > 0.5
         return self._loss_slot
 
     def _sum(self, flat: torch.Tensor) -> None:

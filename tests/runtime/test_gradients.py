@@ -171,3 +171,28 @@ def test_sync_keeps_grads_as_views_and_recovers_from_set_to_none() -> None:
         assert p.grad.data_ptr() >= flat.data_ptr()  # rebound into the buffer
     sync.zero_grad()
     assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+
+
+def _flag_worker(rank: int, world: int) -> list[bool]:
+    model = _model(seed=0)
+    sync = GradientSync(model.parameters(), control_slots=3, flag=True)
+    assert sync.has_flag
+    seen = []
+    for it in range(5):
+        if it == 2 and rank == 1:
+            sync.raise_flag()
+        if it == 3:  # several ranks at once count once
+            sync.raise_flag()
+        sync.send_control([it, -it, 7] if rank == 0 else None)
+        sync.all_reduce(1)
+        assert sync.received_control() == [it, -it, 7]  # the flag leaves the control slots be
+        seen.append(sync.flag_seen())
+        assert not sync.flag_seen()  # read once
+    return seen
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_any_rank_raises_the_flag_and_every_rank_sees_it_once() -> None:
+    for seen in run_ranks(_flag_worker, 3):
+        assert seen == [False, False, True, True, False]
