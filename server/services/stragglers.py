@@ -199,18 +199,21 @@ def _all_reduce_times(
     session: Session, job: Job, watch: Watch, iteration: int
 ) -> tuple[float, float | None]:
     """(normal all-reduce ms, current over normal or None). Normal: the 20 iterations before the
-    oldest open dynamic event (the last 20 when none is open); now: the last few iterations,
-    all after that onset. The ladder uses the ratio instead of assuming that a straggler slows
-    the collective as much as its compute (``server.stragglers.candidates``)."""
+    oldest open event the ladder acts on (dynamic, or extreme: ``RankHealth.straggling``; the
+    last 20 when none is open); now: the last few iterations, all after that onset (two at
+    least). The ladder uses the ratio instead of assuming that a straggler slows the collective
+    as much as its compute (``server.stragglers.candidates``)."""
     starts = [
-        e.start_iteration for e in watch.detector.open_events() if e.kind is StragglerKind.DYNAMIC
+        h.event.start_iteration
+        for h in watch.detector.health().values()
+        if h.straggling and h.event is not None
     ]
     if not starts:
         return _all_reduce_ms(session, job, iteration), None
     onset = min(starts)
     normal = _all_reduce_ms(session, job, onset - 1)
     since = iteration - onset + 1
-    if since < 3 or normal <= 0:
+    if since < 2 or normal <= 0:
         return normal, None
     now = _all_reduce_ms(session, job, iteration, window=min(SYNC_NOW_WINDOW, since))
     return normal, now / normal

@@ -33,6 +33,13 @@ job a large share of an iteration, more than a false alarm's plan costs over the
 cool-down. A spike of up to ``fast_sustain_iterations - 1`` samples still closes as TRANSIENT:
 by the time the severe rule could confirm it, a normal sample has come in.
 
+Extreme. An event still TRANSIENT whose every sample is at least ``extreme_factor`` (4x) for
+``extreme_iterations`` (2) is reported ``extreme`` (``RankHealth.extreme``), and the ladder may act
+on it before confirmation: an iteration left unanswered costs at least three iterations' worth of
+time, while a false alarm (a two-sample spike) costs a plan biased against a rank that recovered,
+for the ladder's cool-down, which is less. The classification is unchanged: such a spike still
+closes as TRANSIENT (with the action taken recorded).
+
 Recovery (a second CUSUM, towards normal). With ``level`` the median of the last
 ``level_window`` log-ratios of the event::
 
@@ -87,6 +94,11 @@ class DetectorConfig:
     """A slowdown whose every sample since the onset is this severe is confirmed sooner..."""
     fast_sustain_iterations: int = 3
     """... after this many iterations from the onset (see the module docstring)."""
+    extreme_factor: float = 4.0
+    """An unconfirmed (TRANSIENT) event whose every sample is this severe ..."""
+    extreme_iterations: int = 2
+    """... for this many iterations is reported as ``extreme``: the ladder may act before it is
+    confirmed (see the module docstring); its class is not changed by this."""
     level_window: int = 8
     """Recent samples whose median is the event's current level (and the ladder's ratio)."""
     event_memory: int = 256
@@ -101,7 +113,7 @@ class DetectorConfig:
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"DetectorConfig.{name} must be > 0")
-        for name in ("min_factor", "max_bias", "static_factor", "fast_factor"):
+        for name in ("min_factor", "max_bias", "static_factor", "fast_factor", "extreme_factor"):
             if not getattr(self, name) > 1:
                 raise ValueError(f"DetectorConfig.{name} must be > 1")
         if self.k_sigmas < 0:
@@ -111,6 +123,7 @@ class DetectorConfig:
             "baseline_window",
             "sustain_iterations",
             "fast_sustain_iterations",
+            "extreme_iterations",
             "level_window",
         )
         for name in (*counts, "event_memory"):
@@ -327,6 +340,16 @@ def _in_event(
         state.reported = event.severity
         return [EventUpdate(Change.UPDATED, event, iteration)]
     return []
+
+
+def extreme(state: RankState, iteration: int, config: DetectorConfig) -> bool:
+    """Whether the open event is an unconfirmed one the ladder may act on (module docstring)."""
+    if state.start is None or state.kind != StragglerKind.TRANSIENT.value or not state.logs:
+        return False
+    age = iteration - state.start + 1
+    return age >= config.extreme_iterations and min(state.logs) - state.mu >= math.log(
+        config.extreme_factor
+    )
 
 
 def _sustained(state: RankState, iteration: int, config: DetectorConfig) -> bool:

@@ -33,6 +33,7 @@ from server.stragglers.changepoint import (
     baseline,
     current_level,
     event_of,
+    extreme,
     observe_sample,
 )
 from server.stragglers.event import Change, EventUpdate, StragglerEvent, StragglerKind
@@ -54,11 +55,17 @@ class RankHealth:
     """Its open dynamic or transient event, if any."""
     reference: str
     """``"model"``, ``"self"`` (no model known: its own median ms/sample) or ``""`` (warming)."""
+    extreme: bool = False
+    """Its open event is still TRANSIENT but so severe that waiting for confirmation costs more
+    than a false alarm (``DetectorConfig.extreme_factor``)."""
 
     @property
     def straggling(self) -> bool:
-        """In a confirmed (DYNAMIC) event: what the ladder acts on."""
-        return self.event is not None and self.event.kind is StragglerKind.DYNAMIC
+        """In a confirmed (DYNAMIC) event, or an extreme unconfirmed one: what the ladder acts
+        on."""
+        if self.event is None:
+            return False
+        return self.event.kind is StragglerKind.DYNAMIC or self.extreme
 
 
 @dataclass
@@ -162,6 +169,7 @@ class Detector:
                 noise=sigma,
                 event=event_of(state),
                 reference=state.ref_source,
+                extreme=extreme(state, self.state.last_iteration, self.config),
             )
         return out
 

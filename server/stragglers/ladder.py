@@ -32,7 +32,8 @@ Stability. Nothing happens while operators froze the job; no plan change within
 full re-plan would gain less than ``dead_band`` of the iteration time; and each event gets at most
 ``max_changes_per_event`` plan changes (its first reaction included; a readmission is always
 allowed, since a rank must not stay out for good). A transient (unconfirmed) event changes
-nothing: the detector reports a rank as straggling only once its event is DYNAMIC.
+nothing, unless extreme: the detector reports a rank as straggling once its event is DYNAMIC, or while it is
+unconfirmed but extreme (every sample 4x or more for two iterations: see ``changepoint``).
 
 Overrides win: pinned ranks keep their pin, operator-excluded ranks stay at 0 and are never
 readmitted by the ladder, and a plan that already breaks an override is replaced at once.

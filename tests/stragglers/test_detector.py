@@ -193,3 +193,40 @@ def test_config_refuses_nonsense() -> None:
 
     with pytest.raises(ValueError, match="min_factor"):
         DetectorConfig(min_factor=1.0)
+
+
+@FAST
+@given(
+    n=st.integers(2, 6),
+    rank=st.integers(0, 5),
+    onset=st.integers(20, 80),
+    factor=st.one_of(st.floats(1.5, 3.3), st.floats(4.8, 12.0)),
+    noise=st.floats(0.0, 0.1),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_an_extreme_slowdown_is_acted_on_after_two_samples_unconfirmed(
+    n: int, rank: int, onset: int, factor: float, noise: float, seed: int
+) -> None:
+    """4x or more on both first samples: the ladder may act (``straggling``) while the event is
+    still TRANSIENT; a milder one waits for confirmation."""
+    rank %= n
+    models, batches = fleet(n)
+    window = series(
+        models,
+        batches,
+        onset + 10,
+        [Slowdown(rank, onset, onset + 10, factor)],
+        noise=noise,
+        seed=seed,
+    )
+    detector = Detector()
+    told = dict(enumerate(models))
+    for it in range(onset + 2):
+        detector.observe([t for t in window if t.iteration == it], told)
+    health = detector.health()[rank]
+    if factor >= 4.8:
+        assert health.event is not None and health.event.kind is StragglerKind.TRANSIENT
+        assert health.straggling and health.extreme
+    else:  # open or not yet: either way not acted on before confirmation
+        assert not health.straggling and not health.extreme
+    assert not any(h.straggling for r, h in detector.health().items() if r != rank)
