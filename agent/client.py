@@ -47,6 +47,14 @@ def make_http(server: str, token: str | None, *, timeout: float = 10.0) -> httpx
     return httpx.Client(base_url=server.rstrip("/"), headers=headers, timeout=timeout)
 
 
+def long_poll_timeout(client: httpx.Client, wait_s: float) -> httpx.Timeout:
+    """The client's timeouts with the read timeout extended by ``wait_s``: a long-poll's
+    server may hold the request that long before it starts answering."""
+    t = client.timeout
+    read = None if t.read is None else t.read + wait_s
+    return httpx.Timeout(connect=t.connect, read=read, write=t.write, pool=t.pool)
+
+
 class ApiClient:
     def __init__(self, http: httpx.Client, token: str | None = None) -> None:
         self.http = http
@@ -125,13 +133,7 @@ class ApiClient:
             params = {"known_version": known_version}
             if wait_s > 0:
                 params["wait_s"] = wait_s
-                t = self.http.timeout
-                timeout = httpx.Timeout(
-                    connect=t.connect,
-                    read=None if t.read is None else t.read + wait_s,
-                    write=t.write,
-                    pool=t.pool,
-                )
+                timeout = long_poll_timeout(self.http, wait_s)
         resp = self._call(
             "GET", f"/jobs/{job_id}/plan", params=params, ok=(200, 304), timeout=timeout
         )

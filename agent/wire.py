@@ -24,6 +24,10 @@ PROTOCOL_VERSION = 1
 MAX_TELEMETRY_RECORDS = 5000
 """Largest telemetry batch one request may carry."""
 
+MAX_PLAN_WAIT_S = 30.0
+"""Longest a plan long-poll (``GET /jobs/{id}/plan?wait_s=``) is held; clients' read timeouts
+must exceed it."""
+
 MAX_WORKERS = 10_000
 MAX_MS = 1e7
 MAX_ID = 2**31 - 1

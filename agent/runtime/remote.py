@@ -11,8 +11,8 @@ with the last ETag, if the server gives one) and answers ``None`` on 304. With `
 it is a long-poll: the server holds the request until a newer plan is committed (then answers
 at once) or ``plan_wait_s`` passes (then 304), so a new plan arrives within milliseconds
 instead of a poll interval later; the request's read timeout is the client's plus
-``plan_wait_s``. It raises on anything else that is not a 2xx. ``post_telemetry`` raises on failure, which makes the
-telemetry sender retry. Both run on the runtime's background threads, never in the loop.
+``plan_wait_s``. It raises on anything else that is not a 2xx. ``post_telemetry`` raises on
+failure, which makes the telemetry sender retry. Both run on the runtime's background threads, never in the loop.
 """
 
 from __future__ import annotations
@@ -21,10 +21,8 @@ from typing import Any
 
 import httpx
 
-from agent.wire import PlanOut, TelemetryAck, TelemetryBatch
-
-MAX_PLAN_WAIT_S = 30.0
-"""The server's bound on ``wait_s`` (``server.api.routes.plans.MAX_WAIT_S``)."""
+from agent.client import long_poll_timeout
+from agent.wire import MAX_PLAN_WAIT_S, PlanOut, TelemetryAck, TelemetryBatch
 
 
 class RemoteControlPlane:
@@ -62,9 +60,7 @@ class RemoteControlPlane:
             params["known_version"] = self._version
             if self.plan_wait_s > 0:
                 params["wait_s"] = self.plan_wait_s
-                t = self._client.timeout
-                read = None if t.read is None else t.read + self.plan_wait_s
-                timeout = httpx.Timeout(connect=t.connect, read=read, write=t.write, pool=t.pool)
+                timeout = long_poll_timeout(self._client, self.plan_wait_s)
         response = self._client.get(self.plan_url, params=params, headers=headers, timeout=timeout)
         if response.status_code == httpx.codes.NOT_MODIFIED:
             return None

@@ -35,9 +35,9 @@ import traceback
 import httpx
 from pydantic import ValidationError
 
-from agent.runtime.remote import MAX_PLAN_WAIT_S, RemoteControlPlane
+from agent.runtime.remote import RemoteControlPlane
 from agent.runtime.trainer import RunResult, RuntimeOptions, run_training
-from agent.wire import JobSpec
+from agent.wire import MAX_PLAN_WAIT_S, JobSpec
 
 log = logging.getLogger("agent.runtime.worker")
 

@@ -10,17 +10,13 @@ from fastapi import APIRouter, Path, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from sqlalchemy.orm import Session, sessionmaker
 
-from agent.wire import ModelOut, PlanOut
+from agent.wire import MAX_PLAN_WAIT_S, ModelOut, PlanOut
 from server.api.deps import SessionDep, Viewer
 from server.notify import RECHECK_S, PlanWaiters
 from server.services import jobs, plans, rebalancer
 
 router = APIRouter(prefix="/jobs", tags=["plans"])
 JobId = Path(ge=1, le=2**31 - 1)
-
-
-MAX_WAIT_S = 30.0
-"""The longest a plan long-poll is held (``wait_s``); clients' read timeouts must exceed it."""
 
 
 @router.get(
@@ -36,7 +32,7 @@ async def current_plan(
     wait_s: float = Query(
         0.0,
         ge=0.0,
-        le=MAX_WAIT_S,
+        le=MAX_PLAN_WAIT_S,
         description="With `known_version`: hold the request up to this many seconds until a "
         "newer plan is committed (a long-poll), then answer it, or 304 when none came.",
     ),
