@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import func, select
+from sqlalchemy import Connection, bindparam, func, select
 from sqlalchemy.orm import Session, selectinload
 
 from agent.wire import (
@@ -153,14 +153,17 @@ def apply_worker_report(
         job.started_at = now
 
 
-def check_agent_may_write(session: Session, principal: Principal, job: Job) -> None:
-    """An agent token writes only for jobs with a rank on its own host."""
+_RANKS_ON_HOST = (
+    select(func.count(Worker.id))
+    .join(Host, Worker.host_id == Host.id)
+    .where(Worker.job_id == bindparam("job_id"), Host.name == bindparam("host"))
+)
+
+
+def check_agent_may_write(db: Session | Connection, principal: Principal, job_id: int) -> None:
+    """An agent token writes only for jobs with a rank on its own host (``db``: a session, or
+    the Core connection of the telemetry ingest's hot path)."""
     if principal.role is not Role.AGENT:
         return
-    on_host = session.scalar(
-        select(func.count(Worker.id))
-        .join(Host, Worker.host_id == Host.id)
-        .where(Worker.job_id == job.id, Host.name == principal.host)
-    )
-    if not on_host:
-        raise Forbidden(f"job {job.id} has no rank on host '{principal.host}'")
+    if not db.scalar(_RANKS_ON_HOST, {"job_id": job_id, "host": principal.host}):
+        raise Forbidden(f"job {job_id} has no rank on host '{principal.host}'")

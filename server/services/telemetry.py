@@ -7,9 +7,10 @@ from typing import Any
 from sqlalchemy import Connection, bindparam, func, select, text
 from sqlalchemy.orm import Session
 
-from agent.wire import JobStatus, Role, TelemetryBatch
-from server.errors import Conflict, Forbidden, Invalid, NotFound
-from server.models import Host, IterationTelemetry, Job, Worker
+from agent.wire import JobStatus, TelemetryBatch
+from server.errors import Conflict, Invalid, NotFound
+from server.models import IterationTelemetry, Job, Worker
+from server.services.jobs import check_agent_may_write
 from server.services.tokens import Principal
 
 Row = tuple[int, int, int, int, int, float, float, float, float, bool]
@@ -29,10 +30,7 @@ def ingest(
     if found is None:
         raise NotFound(f"job {job_id} not found")
     status, world = found
-    if principal.role is Role.AGENT and not conn.scalar(
-        _RANKS_ON_HOST, {"job_id": job_id, "host": principal.host}
-    ):
-        raise Forbidden(f"job {job_id} has no rank on host '{principal.host}'")
+    check_agent_may_write(conn, principal, job_id)
     if status == JobStatus.PENDING.value:
         raise Conflict(
             f"job {job_id} is pending; it has no workers to report timings", field="status"
@@ -69,11 +67,6 @@ _JOB_STATE = select(
     Job.status,
     select(func.count(Worker.id)).where(Worker.job_id == Job.id).scalar_subquery(),
 ).where(Job.id == bindparam("job_id"))
-_RANKS_ON_HOST = (
-    select(func.count(Worker.id))
-    .join(Host, Worker.host_id == Host.id)
-    .where(Worker.job_id == bindparam("job_id"), Host.name == bindparam("host"))
-)
 
 # Bulk inserts, measured (bench/ingest.py): on PostgreSQL one INSERT ... SELECT FROM unnest()
 # of per-column arrays is ~3x faster than a multi-row VALUES insert; on SQLite a plain
