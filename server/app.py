@@ -16,6 +16,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session, sessionmaker
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -136,18 +138,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if settings.run_migrations:
-            await asyncio.to_thread(migrate, engine)
-        secret = settings.admin_token.get_secret_value() if settings.admin_token else None
-        with transaction(sessions) as s:
-            generated = token_service.ensure_admin(s, secret)
-        if generated:
-            app.state.generated_admin_token = generated
-            print(
-                f"evenflow: generated admin token (shown once): {generated}",
-                file=sys.stderr,
-                flush=True,
-            )
+        app.state.generated_admin_token = await asyncio.to_thread(
+            bootstrap, engine, sessions, settings
+        )
         _listen_for_plans(bus, caches, waiters)
         stop = threading.Event()
         controller: threading.Thread | None = None
@@ -229,6 +222,23 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
     return app
+
+
+def bootstrap(engine: Engine, sessions: sessionmaker[Session], settings: Settings) -> str | None:
+    """Migrate (when ``settings.run_migrations``) and make sure an admin token exists; returns
+    a generated one, printed once (``evenflow server`` runs this before its processes start)."""
+    if settings.run_migrations:
+        migrate(engine)
+    secret = settings.admin_token.get_secret_value() if settings.admin_token else None
+    with transaction(sessions) as s:
+        generated = token_service.ensure_admin(s, secret)
+    if generated:
+        print(
+            f"evenflow: generated admin token (shown once): {generated}",
+            file=sys.stderr,
+            flush=True,
+        )
+    return generated
 
 
 def _replace_refs(node: Any, old: str, new: str) -> Any:

@@ -37,18 +37,12 @@ def worker_app() -> FastAPI:
 
 def prepare(settings: Settings) -> None:
     """Migrate and make sure an admin token exists (printing a generated one once)."""
-    from server.db import make_engine, migrate, session_factory, transaction
-    from server.services import tokens
+    from server.app import bootstrap
+    from server.db import make_engine, session_factory
 
     engine = make_engine(settings.database_url, pool_size=1)
     try:
-        if settings.run_migrations:
-            migrate(engine)
-        secret = settings.admin_token.get_secret_value() if settings.admin_token else None
-        with transaction(session_factory(engine)) as s:
-            generated = tokens.ensure_admin(s, secret)
-        if generated:
-            print(f"evenflow: generated admin token (shown once): {generated}", file=sys.stderr)
+        bootstrap(engine, session_factory(engine), settings)
     finally:
         engine.dispose()
 
