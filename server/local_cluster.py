@@ -8,9 +8,12 @@ from __future__ import annotations
 import logging
 import secrets
 import socket
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -32,6 +35,40 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@contextmanager
+def server_process(
+    env: Mapping[str, str], args: Sequence[str] = (), start_timeout_s: float = 60.0
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """``evenflow server`` (its API and controller processes) on a free port, configured by
+    ``env`` (``EVENFLOW_DATABASE_URL``, ``EVENFLOW_ADMIN_TOKEN``, ...); yields its base URL and
+    process once ``/api/v1/health`` answers, and stops it on exit. For benchmarks and tests
+    that need the real process model rather than an app in this process."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "agent.cli", "server", "--port", str(port)]
+    cmd += ["--log-level", "warning", *args]
+    proc = subprocess.Popen(cmd, env=dict(env), cwd=Path(__file__).resolve().parents[1])
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while True:
+            try:
+                if httpx.get(base + "/api/v1/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError("server did not start")
+            time.sleep(0.1)
+        yield base, proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 @dataclass

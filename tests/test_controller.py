@@ -14,8 +14,9 @@ import httpx
 import pytest
 
 from server.db import make_engine
+from server.local_cluster import server_process
 from server.locks import ControllerLock, WriterLock, writer_lock_for
-from tests.conftest import ADMIN_TOKEN, ROOT, free_port
+from tests.conftest import ADMIN_TOKEN, ROOT
 
 
 def test_one_controller_lock_per_database(db_url: str) -> None:
@@ -60,7 +61,6 @@ def test_postgres_needs_no_writer_lock() -> None:
 
 @pytest.mark.timeout(120)
 def test_evenflow_server_runs_the_controller_in_its_own_process(tmp_path: Path) -> None:
-    port = free_port()
     env = {
         **os.environ,
         "PYTHONPATH": str(ROOT),
@@ -68,32 +68,9 @@ def test_evenflow_server_runs_the_controller_in_its_own_process(tmp_path: Path) 
         "EVENFLOW_ADMIN_TOKEN": ADMIN_TOKEN,
         "EVENFLOW_REBALANCE_INTERVAL_S": "0.1",
     }
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "agent.cli",
-            "server",
-            "--port",
-            str(port),
-            "--log-level",
-            "warning",
-        ],
-        env=env,
-        cwd=ROOT,
-    )
-    base = f"http://127.0.0.1:{port}/api/v1"
     h = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline and proc.poll() is None, "server did not start"
-            time.sleep(0.1)
+    with server_process(env) as (root, proc):
+        base = root + "/api/v1"
         # The controller is a child process holding the controller lock.
         children = subprocess.run(
             ["pgrep", "-P", str(proc.pid), "-f", "server.controller"],
@@ -126,9 +103,6 @@ def test_evenflow_server_runs_the_controller_in_its_own_process(tmp_path: Path) 
         )
         assert r.status_code == 200 and r.json()["version"] >= 2
         assert r.json()["source"] == "automatic"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
     # Stopping the server stops its controller: the lock is free again.
     lock = ControllerLock(make_engine(env["EVENFLOW_DATABASE_URL"]))
     assert lock.try_acquire()
