@@ -104,7 +104,7 @@ class GradientSync:
         exchange: Exchange = "auto",
         direct_max_elements: int = DIRECT_MAX_ELEMENTS,
     ) -> None:
-        self.group = group
+        self.group = group  # (the setter)
         self.exchange: Exchange = exchange
         """``auto``: the direct exchange for small CPU buffers on gloo, else ``all_reduce``."""
         self.direct_max_elements = direct_max_elements
@@ -148,8 +148,10 @@ class GradientSync:
         self._loss_slot = self._buckets[0].scaled[-1:]
         carrier = self._buckets[control_bucket].flat if control_bucket >= 0 else torch.empty(0)
         n = carrier.numel() - self.control_capacity - self.has_flag
-        self._control = carrier[n : n + self.control_capacity]
-        self._flag = carrier[carrier.numel() - 1 :] if self.has_flag else torch.empty(0)
+        self._tail = carrier[n:]
+        """The control slots, then the flag slot: read back with one copy per iteration."""
+        self._control = self._tail[: self.control_capacity]
+        self._flag = self._tail[self.control_capacity :]
         self._flag_out = False
         self._flag_seen = False
         self._outgoing: ControlValues = None
@@ -229,19 +231,33 @@ class GradientSync:
         for b in self._buckets:
             self._sum(b.flat)
             b.scaled.mul_(scale)
-        if self.control_capacity:
-            self._received = [round(v) for v in self._control.tolist()]
-        if self.has_flag:
-            self._flag_seen = float(self._flag.item()) > 0.5
+        if self._tail.numel():
+            tail = self._tail.tolist()
+            if self.control_capacity:
+                self._received = [round(v) for v in tail[: self.control_capacity]]
+            self._flag_seen = self.has_flag and tail[-1] > 0.5
         return self._loss_slot
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The process group gradients are summed over (``None``: the default group)."""
+        return self._group
+
+    @group.setter
+    def group(self, group: dist.ProcessGroup | None) -> None:
+        self._group = group
+        self._peers: tuple[int, bool] | None = None
+        """(group size, gloo backend), read from torch.distributed once per group."""
 
     def _sum(self, flat: torch.Tensor) -> None:
         """Sum ``flat`` over the group's ranks in place."""
         if not dist.is_initialized():
             self.last_method = "local"
             return
-        k = dist.get_world_size(self.group)
-        if self._direct(flat, k):
+        if self._peers is None:
+            self._peers = (dist.get_world_size(self.group), dist.get_backend(self.group) == "gloo")
+        k, gloo = self._peers
+        if self._direct(flat, k, gloo):
             received = torch.empty(k * flat.numel(), dtype=flat.dtype)
             dist.all_to_all_single(received, flat.repeat(k), group=self.group)
             parts = received.view(k, -1)
@@ -253,10 +269,10 @@ class GradientSync:
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
             self.last_method = "all_reduce"
 
-    def _direct(self, flat: torch.Tensor, k: int) -> bool:
+    def _direct(self, flat: torch.Tensor, k: int, gloo: bool) -> bool:
         if self.exchange == "all_reduce" or k == 1:
             return False
-        usable = flat.device.type == "cpu" and dist.get_backend(self.group) == "gloo"
+        usable = flat.device.type == "cpu" and gloo
         if self.exchange == "direct":
             if not usable:
                 raise ValueError("the direct exchange needs CPU buffers on a gloo group")

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from agent.runtime.fetcher import FetchPlan, PlanFetcher
-from agent.runtime.gradients import CONTROL_MAX
+from agent.runtime.gradients import CONTROL_MAX, ControlValues
 from agent.wire import PlanOut
 
 __all__ = [
@@ -162,7 +162,7 @@ class ControlChannel(Protocol):
 
     control_capacity: int
 
-    def send_control(self, values: list[int] | Callable[[], list[int] | None] | None) -> None:
+    def send_control(self, values: ControlValues) -> None:
         """``values`` may be a callable: asked for them only as the collective starts."""
 
     def received_control(self) -> list[int] | None: ...
@@ -184,7 +184,8 @@ class PlanAgreement:
     - *channel* (:meth:`use_channel`): the message rides in the gradient all-reduce of the
       iteration, so the agreement costs no collective at all; the leader encodes it as that
       all-reduce starts, so a candidate it holds by then (even one that arrived during the
-      iteration's compute) is in force from ``i + 1``. The runtime uses it whenever the gradients can carry it.
+      iteration's compute) is in force from ``i + 1``. The runtime uses it whenever the
+      gradients can carry it.
     - *pipelined* broadcast (default otherwise): one tiny async broadcast per ``every``
       boundaries, waited for at the next one, so its latency hides behind compute; a candidate
       seen at boundary ``i`` is in force from ``i + every``.
