@@ -37,6 +37,7 @@ from server.stragglers import (
     LadderConfig,
     LadderState,
     Overrides,
+    RankHealth,
     Situation,
     StragglerKind,
     decide,
@@ -192,22 +193,18 @@ def _all_reduce_ms(session: Session, job: Job, through: int, window: int = 20) -
 
 SYNC_NOW_WINDOW = 5
 """Iterations (since the onset of the oldest open event) whose all-reduce is the 'now' of
-``_all_reduce_times``; fewer than 3 and the ladder assumes instead of measuring."""
+``_all_reduce_times``; fewer than 2 and the ladder assumes instead of measuring."""
 
 
 def _all_reduce_times(
-    session: Session, job: Job, watch: Watch, iteration: int
+    session: Session, job: Job, health: dict[int, RankHealth], iteration: int
 ) -> tuple[float, float | None]:
     """(normal all-reduce ms, current over normal or None). Normal: the 20 iterations before the
     oldest open event the ladder acts on (dynamic, or extreme: ``RankHealth.straggling``; the
     last 20 when none is open); now: the last few iterations, all after that onset (two at
     least). The ladder uses the ratio instead of assuming that a straggler slows the collective
     as much as its compute (``server.stragglers.candidates``)."""
-    starts = [
-        h.event.start_iteration
-        for h in watch.detector.health().values()
-        if h.straggling and h.event is not None
-    ]
+    starts = [h.event.start_iteration for h in health.values() if h.straggling and h.event]
     if not starts:
         return _all_reduce_ms(session, job, iteration), None
     onset = min(starts)
@@ -257,11 +254,12 @@ def _mitigate(
     pins, excluded = rebalancer.controls(job)
     batches = dict(enumerate(current.batch_sizes))
     cap = spec.max_batch_per_worker
-    sync_ms, sync_ratio = _all_reduce_times(session, job, watch, iteration)
+    health = watch.detector.health()
+    sync_ms, sync_ratio = _all_reduce_times(session, job, health, iteration)
     views = rank_views(
         watch.normal,
         batches,
-        watch.detector.health(),
+        health,
         dict.fromkeys(batches, cap),
         all_reduce_ratio=sync_ratio,
         excluded=set(current.excluded or []),  # out of the all-reduce group now
