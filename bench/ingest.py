@@ -17,9 +17,10 @@ Latencies are client-observed; beside them, in brackets, the app's own time unti
 started (the `Server-Timing` header every response carries): the rest is the connection,
 uvicorn's HTTP parsing, the event loop's queue and the load generator's own scheduling.
 
-The load generator is this process: one asyncio loop with a small keep-alive HTTP/1.1 client
-(`Http`, about a tenth of httpx's CPU per request), on the same 2 cores as the server, so its
-scheduling delay is inside the client-side figures. Run it alone:
+The load generator is this process: one asyncio loop, one keep-alive aiohttp connection per
+client (`Http`; httpx's pure-Python client cost several times the CPU per request and was most
+of the old poll tail), on the same 2 cores as the server, so its scheduling delay is inside the
+client-side figures. Run it alone:
 `flock /tmp/evenflow-bench.lock python bench/ingest.py`.
 Targets (issue 2, 2-core machine): >= 50,000 records/s, p99 <= 20 ms.
 """
@@ -39,8 +40,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
+import aiohttp
 import httpx
 from sqlalchemy import create_engine, text
 from stack import TOKEN, server  # bench/ is the script's directory
@@ -130,43 +131,31 @@ def bodies(client: int, count: int) -> list[bytes]:
 
 
 class Http:
-    """A lean HTTP/1.1 keep-alive client on asyncio streams (GET and POST, Content-Length
-    bodies only): about a tenth of httpx's CPU per request, so the load generator, which shares
-    the 2 cores with the server, adds less of its own scheduling delay to what it measures."""
+    """One keep-alive connection through aiohttp (its C-accelerated HTTP client costs a fraction
+    of httpx's CPU per request), so the load generator, which shares the 2 cores with the
+    server, adds less of its own scheduling delay to what it measures."""
 
     def __init__(self, base: str, headers: dict[str, str]) -> None:
-        u = urlsplit(base)
-        self.host, self.port = u.hostname or "127.0.0.1", u.port or 80
-        self.extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-        self._rw: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        self.base, self.headers = base, headers
+        self._session: aiohttp.ClientSession | None = None
 
     async def request(
         self, method: str, path: str, body: bytes = b""
     ) -> tuple[int, dict[str, str], bytes]:
-        if self._rw is None:
-            self._rw = await asyncio.open_connection(self.host, self.port)
-        reader, writer = self._rw
-        head = f"{method} {path} HTTP/1.1\r\nhost: {self.host}\r\n{self.extra}"
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                self.base, headers=self.headers, connector=aiohttp.TCPConnector(limit=1)
+            )
+        kw: dict[str, Any] = {}
         if body:
-            head += f"content-type: application/json\r\ncontent-length: {len(body)}\r\n"
-        writer.write(head.encode() + b"\r\n" + body)
-        raw = await reader.readuntil(b"\r\n\r\n")
-        lines = raw.decode("latin-1").split("\r\n")
-        status = int(lines[0].split(" ", 2)[1])
-        headers = {}
-        for line in lines[1:]:
-            if line:
-                k, _, v = line.partition(":")
-                headers[k.strip().lower()] = v.strip()
-        content = await reader.readexactly(int(headers.get("content-length", "0")))
-        if headers.get("connection", "").lower() == "close":
-            await self.close()
-        return status, headers, content
+            kw = {"data": body, "headers": {"content-type": "application/json"}}
+        async with self._session.request(method, path, **kw) as r:
+            return r.status, {k.lower(): v for k, v in r.headers.items()}, await r.read()
 
     async def close(self) -> None:
-        if self._rw is not None:
-            self._rw[1].close()
-            self._rw = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
 
 
 def server_s(headers: dict[str, str], into: list[float]) -> None:
@@ -257,7 +246,9 @@ async def delivery(base: str, job: int, plans: int = 5) -> dict[str, Any]:
     holding the new plan."""
     sent: dict[int, float] = {}
     got: list[tuple[int, float]] = []
-    current = json.loads((await Http(base, AUTH).request("GET", f"/api/v1/jobs/{job}/plan"))[2])
+    reader = Http(base, AUTH)
+    current = json.loads((await reader.request("GET", f"/api/v1/jobs/{job}/plan"))[2])
+    await reader.close()
     final = current["version"] + plans
 
     async def waiter() -> None:
