@@ -193,15 +193,16 @@ def _all_reduce_ms(session: Session, job: Job, through: int, window: int = 20) -
 
 SYNC_NOW_WINDOW = 5
 """Iterations (since the onset of the oldest open event) whose all-reduce is the 'now' of
-``_all_reduce_times``; fewer than 2 and the ladder assumes instead of measuring."""
+``_all_reduce_times``: the onset's own iteration is enough, since the ladder may act on it (an
+actionable first sample)."""
 
 
 def _all_reduce_times(
     session: Session, job: Job, health: dict[int, RankHealth], iteration: int
 ) -> tuple[float, float | None]:
     """(normal all-reduce ms, current over normal or None). Normal: the 20 iterations before the
-    oldest open event the ladder acts on (dynamic, or extreme: ``RankHealth.straggling``; the
-    last 20 when none is open); now: the last few iterations, all after that onset (two at
+    oldest open event the ladder acts on (dynamic, or actionable: ``RankHealth.straggling``; the
+    last 20 when none is open); now: the last few iterations from that onset on (one at
     least). The ladder uses the ratio instead of assuming that a straggler slows the collective
     as much as its compute (``server.stragglers.candidates``)."""
     starts = [h.event.start_iteration for h in health.values() if h.straggling and h.event]
@@ -210,7 +211,7 @@ def _all_reduce_times(
     onset = min(starts)
     normal = _all_reduce_ms(session, job, onset - 1)
     since = iteration - onset + 1
-    if since < 2 or normal <= 0:
+    if since < 1 or normal <= 0:
         return normal, None
     now = _all_reduce_ms(session, job, iteration, window=min(SYNC_NOW_WINDOW, since))
     return normal, now / normal

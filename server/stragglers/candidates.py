@@ -60,9 +60,11 @@ class RankView:
     ratio: float = 1.0
     """Measured / predicted time now (1 for a rank that is not straggling)."""
     straggling: bool = False
-    """In a confirmed DYNAMIC event."""
+    """In a confirmed DYNAMIC event, or an actionable unconfirmed one (``provisional``)."""
     event_start: int | None = None
-    """Onset of its open dynamic event, when straggling."""
+    """Onset of its open event, when straggling."""
+    provisional: bool = False
+    """Straggling on an event that is not confirmed yet (actionable: see ``changepoint``)."""
     max_batch: int | None = None
     min_batch: int = 0
     sync_ratio: float | None = None
@@ -141,6 +143,14 @@ def respects(situation: Situation, batches: Mapping[int, int], excluded: Collect
     return True
 
 
+def floor(situation: Situation, view: RankView) -> int:
+    """The least batch a rank in the group may be given: its ``min_batch``, and one granule for
+    a straggling rank. A straggler planned down to 0 samples would never be measured again, so
+    its recovery could not be seen; taking it off the critical path altogether is exclusion,
+    which leaves the group and probes its speed off it."""
+    return max(view.min_batch, situation.granularity if view.straggling else 0)
+
+
 def replan(situation: Situation, excluded: Collection[int]) -> dict[int, int] | None:
     """The exact min-max plan for the effective models; None when infeasible."""
     pins = situation.overrides.pins
@@ -151,7 +161,7 @@ def replan(situation: Situation, excluded: Collection[int]) -> dict[int, int] | 
             WorkerSpec(
                 str(r.rank),
                 effective(r),
-                min_batch=0 if out else r.min_batch,
+                min_batch=0 if out else floor(situation, r),
                 max_batch=r.max_batch,
                 pinned_batch=0 if out else pins.get(r.rank),
             )
@@ -184,7 +194,7 @@ def fine_tune(
     while moved + g <= max_samples:
         times = {k: models[k].predict(b) for k, b in batches.items()}
         free = [k for k in batches if k not in fixed]
-        givers = [k for k in free if batches[k] - g >= views[k].min_batch]
+        givers = [k for k in free if batches[k] - g >= floor(situation, views[k])]
         if not givers:
             break
         slow = max(givers, key=lambda k: (times[k], -k))

@@ -26,19 +26,24 @@ worth six sigmas (Siegmund's approximation puts the in-control run length near 1
 fired in 4 * 10^5 simulated ones).
 
 Class. The event opens as TRANSIENT and becomes DYNAMIC once it has lasted
-``sustain_iterations`` iterations from its onset without recovering (see ``StragglerKind``), or
+``sustain_iterations`` iterations from its onset without recovering (see ``StragglerKind``) and
+its newest sample is not on its way back (the recovery test below is not running: a rank measured
+only now and then, by probes while excluded, is not confirmed on age alone), or
 sooner, after ``fast_sustain_iterations``, when every sample since the onset is at least
 ``fast_factor`` times the normal level: every iteration such a slowdown goes unanswered costs the
 job a large share of an iteration, more than a false alarm's plan costs over the ladder's
 cool-down. A spike of up to ``fast_sustain_iterations - 1`` samples still closes as TRANSIENT:
 by the time the severe rule could confirm it, a normal sample has come in.
 
-Extreme. An event still TRANSIENT whose every sample is at least ``extreme_factor`` (4x) for
-``extreme_iterations`` (2) is reported ``extreme`` (``RankHealth.extreme``), and the ladder may act
-on it before confirmation: an iteration left unanswered costs at least three iterations' worth of
-time, while a false alarm (a two-sample spike) costs a plan biased against a rank that recovered,
-for the ladder's cool-down, which is less. The classification is unchanged: such a spike still
-closes as TRANSIENT (with the action taken recorded).
+Acting before confirmation. An event still TRANSIENT whose every sample is at least
+``act_factor`` (1.75x) for ``act_iterations`` (1) is reported ``actionable``
+(``RankHealth.actionable``): the ladder may act on it at once, provisionally. Every iteration such
+a slowdown goes unanswered costs the job a large share of an iteration, while a false alarm (a
+spike) costs a plan biased against a rank that recovered for the iterations it takes to see the
+recovery (a 3x event closes after two normal samples, a 4x one after one) and two plan changes,
+because the ladder undoes a provisional change as soon as its event closes unconfirmed, without
+waiting out its cool-down. The classification is unchanged: such a spike still closes as
+TRANSIENT (with the action taken recorded).
 
 Recovery (a second CUSUM, towards normal). With ``level`` the median of the last
 ``level_window`` log-ratios of the event::
@@ -94,10 +99,10 @@ class DetectorConfig:
     """A slowdown whose every sample since the onset is this severe is confirmed sooner..."""
     fast_sustain_iterations: int = 3
     """... after this many iterations from the onset (see the module docstring)."""
-    extreme_factor: float = 4.0
+    act_factor: float = 1.75
     """An unconfirmed (TRANSIENT) event whose every sample is this severe ..."""
-    extreme_iterations: int = 2
-    """... for this many iterations is reported as ``extreme``: the ladder may act before it is
+    act_iterations: int = 1
+    """... for this many iterations is reported as ``actionable``: the ladder may act before it is
     confirmed (see the module docstring); its class is not changed by this."""
     level_window: int = 8
     """Recent samples whose median is the event's current level (and the ladder's ratio)."""
@@ -113,7 +118,7 @@ class DetectorConfig:
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"DetectorConfig.{name} must be > 0")
-        for name in ("min_factor", "max_bias", "static_factor", "fast_factor", "extreme_factor"):
+        for name in ("min_factor", "max_bias", "static_factor", "fast_factor", "act_factor"):
             if not getattr(self, name) > 1:
                 raise ValueError(f"DetectorConfig.{name} must be > 1")
         if self.k_sigmas < 0:
@@ -123,7 +128,7 @@ class DetectorConfig:
             "baseline_window",
             "sustain_iterations",
             "fast_sustain_iterations",
-            "extreme_iterations",
+            "act_iterations",
             "level_window",
         )
         for name in (*counts, "event_memory"):
@@ -342,19 +347,21 @@ def _in_event(
     return []
 
 
-def extreme(state: RankState, iteration: int, config: DetectorConfig) -> bool:
+def actionable(state: RankState, iteration: int, config: DetectorConfig) -> bool:
     """Whether the open event is an unconfirmed one the ladder may act on (module docstring)."""
     if state.start is None or state.kind != StragglerKind.TRANSIENT.value or not state.logs:
         return False
     age = iteration - state.start + 1
-    return age >= config.extreme_iterations and min(state.logs) - state.mu >= math.log(
-        config.extreme_factor
+    return age >= config.act_iterations and min(state.logs) - state.mu >= math.log(
+        config.act_factor
     )
 
 
 def _sustained(state: RankState, iteration: int, config: DetectorConfig) -> bool:
     """Whether the open event has lasted long enough to be DYNAMIC (module docstring)."""
     assert state.start is not None
+    if state.down > 0:
+        return False  # the newest sample is on its way back to normal: not evidence it lasts
     age = iteration - state.start + 1
     if age >= config.sustain_iterations:
         return True

@@ -30,10 +30,10 @@ from server.planner import PerfModel
 from server.stragglers.changepoint import (
     DetectorConfig,
     RankState,
+    actionable,
     baseline,
     current_level,
     event_of,
-    extreme,
     observe_sample,
 )
 from server.stragglers.event import Change, EventUpdate, StragglerEvent, StragglerKind
@@ -55,17 +55,17 @@ class RankHealth:
     """Its open dynamic or transient event, if any."""
     reference: str
     """``"model"``, ``"self"`` (no model known: its own median ms/sample) or ``""`` (warming)."""
-    extreme: bool = False
+    actionable: bool = False
     """Its open event is still TRANSIENT but so severe that waiting for confirmation costs more
-    than a false alarm (``DetectorConfig.extreme_factor``)."""
+    than a false alarm (``DetectorConfig.act_factor``): the ladder may act provisionally."""
 
     @property
     def straggling(self) -> bool:
-        """In a confirmed (DYNAMIC) event, or an extreme unconfirmed one: what the ladder acts
+        """In a confirmed (DYNAMIC) event, or an actionable unconfirmed one: what the ladder acts
         on."""
         if self.event is None:
             return False
-        return self.event.kind is StragglerKind.DYNAMIC or self.extreme
+        return self.event.kind is StragglerKind.DYNAMIC or self.actionable
 
 
 @dataclass
@@ -169,7 +169,7 @@ class Detector:
                 noise=sigma,
                 event=event_of(state),
                 reference=state.ref_source,
-                extreme=extreme(state, self.state.last_iteration, self.config),
+                actionable=actionable(state, self.state.last_iteration, self.config),
             )
         return out
 

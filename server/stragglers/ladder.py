@@ -32,8 +32,13 @@ Stability. Nothing happens while operators froze the job; no plan change within
 full re-plan would gain less than ``dead_band`` of the iteration time; and each event gets at most
 ``max_changes_per_event`` plan changes (its first reaction included; a readmission is always
 allowed, since a rank must not stay out for good). A transient (unconfirmed) event changes
-nothing, unless extreme: the detector reports a rank as straggling once its event is DYNAMIC, or while it is
-unconfirmed but extreme (every sample 4x or more for two iterations: see ``changepoint``).
+nothing, unless actionable: the detector reports a rank as straggling once its event is DYNAMIC,
+or while it is unconfirmed but severe (every sample 1.75x or more: see ``changepoint``).
+
+Provisional changes. A change that reacts to an unconfirmed event is provisional: should that
+event close before it is confirmed (a spike, a false alarm), the plan that restores the normal
+speeds may be made at once instead of after the cool-down. Otherwise a one-sample spike would
+leave a plan biased against a healthy rank in force for ``cooldown_iterations``.
 
 Overrides win: pinned ranks keep their pin, operator-excluded ranks stay at 0 and are never
 readmitted by the ladder, and a plan that already breaks an override is replaced at once.
@@ -57,6 +62,7 @@ from server.stragglers.candidates import (
     respects,
 )
 from server.stragglers.detector import RankHealth
+from server.stragglers.event import StragglerKind
 from server.stragglers.timing import imbalance
 
 
@@ -166,20 +172,26 @@ class LadderState:
     excluded: tuple[int, ...] = ()
     """Ranks the ladder (not an operator) excluded."""
     ledger: tuple[EventLedger, ...] = ()
+    provisional: tuple[int, int] | None = None
+    """``(rank, start)`` of the unconfirmed event the last change reacted to, until that event
+    is confirmed or the change is undone (module docstring)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "last_change": self.last_change,
             "excluded": list(self.excluded),
             "ledger": [vars(e).copy() for e in self.ledger],
+            "provisional": list(self.provisional) if self.provisional else None,
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> LadderState:
+        p = data.get("provisional")
         return cls(
             last_change=data.get("last_change"),
             excluded=tuple(int(r) for r in data.get("excluded", ())),
             ledger=tuple(EventLedger(**e) for e in data.get("ledger", ())),
+            provisional=(int(p[0]), int(p[1])) if p else None,
         )
 
 
@@ -219,6 +231,10 @@ def rank_views(
                 ratio=ratio,
                 straggling=straggling,
                 event_start=h.event.start_iteration if h and h.event and straggling else None,
+                provisional=straggling
+                and h is not None
+                and h.event is not None
+                and h.event.kind is StragglerKind.TRANSIENT,
                 max_batch=(max_batch or {}).get(rank),
                 min_batch=(min_batch or {}).get(rank, 0),
                 sync_ratio=sync_ratio,
@@ -296,7 +312,17 @@ def decide(
             imbalance=imb,
         )
         return decision, replace(state, last_change=situation.iteration)
-    if state.last_change is not None:
+    if state.provisional is not None:
+        view = next((r for r in situation.ranks if r.rank == state.provisional[0]), None)
+        if view is None or view.event_start != state.provisional[1]:
+            false_alarm = True  # the event closed unconfirmed: undo at once
+        else:
+            false_alarm = False
+            if not view.provisional:  # confirmed: the change stands, as any other
+                state = replace(state, provisional=None)
+    else:
+        false_alarm = False
+    if state.last_change is not None and not false_alarm:
         ready = state.last_change + config.cooldown_iterations
         if situation.iteration < ready:
             return hold(f"cool-down until iteration {ready}")
@@ -431,7 +457,11 @@ def _apply(
         imbalance=imb,
         candidates=candidates,
     )
+    reacts_to = next((r for r in situation.ranks if chosen.event == (r.rank, r.event_start)), None)
     new_state = LadderState(
-        last_change=situation.iteration, excluded=tuple(sorted(excluded)), ledger=ledger
+        last_change=situation.iteration,
+        excluded=tuple(sorted(excluded)),
+        ledger=ledger,
+        provisional=chosen.event if reacts_to is not None and reacts_to.provisional else None,
     )
     return decision, new_state

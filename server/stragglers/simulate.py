@@ -160,7 +160,8 @@ class _Run:
     def _adaptive(self, k: int, records: list[IterationTiming], iteration_ms: float) -> None:
         for u in self.detector.observe(records, self.models):
             if u.event.kind is not StragglerKind.STATIC:
-                self.events[u.event.key] = u.event
+                known = self.events.get(u.event.key)  # the detector does not carry actions
+                self.events[u.event.key] = replace(u.event, action=known.action if known else "")
                 if u.event.end_iteration is not None:
                     self.closed_at[u.event.key] = k
         caps = {r: self.sc.cap(r) for r in range(self.sc.ranks)}
@@ -206,7 +207,7 @@ class _Run:
     def _all_reduce_ratio(self, k: int, health: dict[int, RankHealth]) -> float | None:
         """As the server measures it (``server.services.stragglers``): the median all-reduce of
         the last few iterations since the oldest open event's onset over the median of the 20
-        before it; None before three such iterations."""
+        before it (from the onset's own iteration on)."""
         starts = [
             h.event.start_iteration for h in health.values() if h.straggling and h.event is not None
         ]
@@ -215,7 +216,7 @@ class _Run:
         onset = min(starts)
         since = k - onset + 1
         before = self.all_reduce[max(0, onset - 20) : max(0, onset)]
-        if since < 3 or not before:
+        if since < 1 or not before:
             return None
         now = median(self.all_reduce[k + 1 - min(5, since) : k + 1])
         return now / median(before)
