@@ -146,7 +146,8 @@ class ApiClient:
 
     # -- telemetry
     def post_telemetry(self, job_id: int, batch: TelemetryBatch) -> TelemetryAck:
-        resp = self._call("POST", f"/jobs/{job_id}/telemetry", json=batch.model_dump(mode="json"))
+        body = batch.columnar().model_dump(mode="json", exclude_none=True)
+        resp = self._call("POST", f"/jobs/{job_id}/telemetry", json=body)
         return TelemetryAck.model_validate(resp.json())
 
     def telemetry(

@@ -1,6 +1,7 @@
 """Telemetry ingest rate and current-plan fetch latency against a real uvicorn server.
 
     python bench/ingest.py [--json] [--backends sqlite,postgresql] [--seconds 10] [--workers N]
+                           [--form columns|records]
 
 For each backend: start `evenflow server` (API process(es) plus its controller process) in a
 subprocess on a fresh database, register a host with 64 devices and a 64-worker job, then
@@ -11,7 +12,8 @@ subprocess on a fresh database, register a host with 64 devices and a 64-worker 
      override to each poller holding the new plan;
 and on a second server:
   3. ingest: 8 concurrent clients post telemetry batches of 500 records as fast as the server
-     takes them; report records/s and the batch latency;
+     takes them, as one array per field (``--form columns``, what the runtime posts) or as
+     one object per record (``--form records``); report records/s and the batch latency;
   4. plan polling again right after that flood, while the controller digests it.
 Latencies are client-observed; beside them, in brackets, the app's own time until its response
 started (the `Server-Timing` header every response carries): the rest is the connection,
@@ -105,8 +107,9 @@ def setup_job(base: str) -> int:
     return int(r.json()["id"])
 
 
-def bodies(client: int, count: int) -> list[bytes]:
-    """Pre-encoded batches so the clients spend their CPU on sending, not on JSON."""
+def bodies(client: int, count: int, form: str = "columns") -> list[bytes]:
+    """Pre-encoded batches so the clients spend their CPU on sending, not on JSON; ``columns``
+    (one array per field, what the runtime posts) or ``records`` (one object per record)."""
     out = []
     per_iter = WORKERS
     for b in range(count):
@@ -126,7 +129,11 @@ def bodies(client: int, count: int) -> list[bytes]:
                     "ts": 1.7e9 + n,
                 }
             )
-        out.append(json.dumps({"records": recs}).encode())
+        if form == "columns":
+            body: dict[str, Any] = {"columns": {f: [r[f] for r in recs] for f in recs[0]}}
+        else:
+            body = {"records": recs}
+        out.append(json.dumps(body).encode())
     return out
 
 
@@ -177,9 +184,9 @@ def quantiles(values: list[float], prefix: str = "") -> dict[str, float]:
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
-async def ingest(base: str, job: int, seconds: float) -> dict[str, Any]:
+async def ingest(base: str, job: int, seconds: float, form: str = "columns") -> dict[str, Any]:
     per_client = max(4, int(seconds * 15))
-    payloads = [bodies(c, per_client) for c in range(CLIENTS)]
+    payloads = [bodies(c, per_client, form) for c in range(CLIENTS)]
     accepted = 0
     latencies: list[float] = []
     server: list[float] = []
@@ -296,6 +303,12 @@ def main() -> None:
         "--no-delivery", action="store_true", help="skip the long-poll phase (older servers)"
     )
     ap.add_argument("--workers", type=int, default=1, help="evenflow server --workers N")
+    ap.add_argument(
+        "--form",
+        choices=("columns", "records"),
+        default="columns",
+        help="telemetry body form (the runtime posts columns)",
+    )
     args = ap.parse_args()
     results: dict[str, Any] = {}
     extra = ["--workers", str(args.workers)] if args.workers > 1 else []
@@ -310,7 +323,7 @@ def main() -> None:
         # one 64-worker job sends): reported beside the target, not instead of it.
         with database(backend) as url, server(url, args=extra) as base:
             job = setup_job(base)
-            flood = asyncio.run(ingest(base, job, args.seconds))
+            flood = asyncio.run(ingest(base, job, args.seconds, args.form))
             results[backend] = {
                 "ingest": flood,
                 "plan_poll": steady,

@@ -74,7 +74,7 @@ class RemoteControlPlane:
         """Send one batch; raises ``httpx.HTTPError`` on failure (the sender retries)."""
         response = self._client.post(
             self.telemetry_url,
-            content=batch.model_dump_json(),
+            content=batch.wire_json(),  # the columnar form: half the bytes to send and parse
             headers={**self._auth, "Content-Type": "application/json"},
         )
         response.raise_for_status()

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from itertools import repeat
 from typing import Any
 
 from sqlalchemy import Connection, bindparam, func, select, text
 from sqlalchemy.orm import Session
 
-from agent.wire import JobStatus, TelemetryBatch
+from agent.wire import TELEMETRY_FIELDS, JobStatus, TelemetryBatch
 from server.errors import Conflict, Invalid, NotFound
 from server.models import IterationTelemetry, Job, Worker
 from server.services.jobs import check_agent_may_write
@@ -25,7 +26,8 @@ def ingest(
 
     The hot write path (bench/ingest.py), so it works on a Core connection, not an ORM session:
     one query for the job's status and size (and one for an agent's rights), then one bulk
-    insert of tuples built straight from the parsed records."""
+    insert straight from the batch's per-field arrays (``TelemetryBatch.arrays``; a columnar
+    batch hands over the lists it was parsed into)."""
     found = conn.execute(_JOB_STATE, {"job_id": job_id}).first()
     if found is None:
         raise NotFound(f"job {job_id} not found")
@@ -35,32 +37,21 @@ def ingest(
         raise Conflict(
             f"job {job_id} is pending; it has no workers to report timings", field="status"
         )
-    rows = [
-        (
-            job_id,
-            r.rank,
-            r.iteration,
-            r.plan_version,
-            r.batch_size,
-            r.data_ms,
-            r.compute_ms,
-            r.sync_ms,
-            r.ts,
-            r.probe,
+    arrays = batch.arrays()  # one list per field, in COLUMNS order
+    ranks = arrays[0]
+    if max(ranks) >= world:
+        i = next(i for i, rank in enumerate(ranks) if rank >= world)
+        where, shown = (
+            (f"records.{i}.rank", f"records[{i}].rank")
+            if batch.records is not None
+            else (f"columns.rank.{i}", f"columns.rank[{i}]")
         )
-        for r in batch.records
-    ]
-    if max(row[1] for row in rows) >= world:
-        i = next(i for i, row in enumerate(rows) if row[1] >= world)
-        raise Invalid(
-            f"records[{i}].rank is {rows[i][1]}; job {job_id} has {world} workers",
-            field=f"records.{i}.rank",
-        )
+        raise Invalid(f"{shown} is {ranks[i]}; job {job_id} has {world} workers", field=where)
     if conn.dialect.name == "postgresql":
-        accepted = _insert_postgresql(conn, job_id, rows)
+        accepted = _insert_postgresql(conn, job_id, arrays)
     else:
-        accepted = _insert_sqlite(conn, rows)
-    return accepted, len(rows) - accepted
+        accepted = _insert_sqlite(conn, list(zip(repeat(job_id), *arrays)))
+    return accepted, len(ranks) - accepted
 
 
 _JOB_STATE = select(
@@ -71,18 +62,8 @@ _JOB_STATE = select(
 # Bulk inserts, measured (bench/ingest.py): on PostgreSQL one INSERT ... SELECT FROM unnest()
 # of per-column arrays is ~3x faster than a multi-row VALUES insert; on SQLite a plain
 # executemany is fastest. Both skip existing keys and report how many rows they inserted.
-COLUMNS = (  # a row's values, after its job id
-    "rank",
-    "iteration",
-    "plan_version",
-    "batch_size",
-    "data_ms",
-    "compute_ms",
-    "sync_ms",
-    "ts",
-    "probe",
-)
-_PG_TYPES = (
+COLUMNS = TELEMETRY_FIELDS  # a row's values, after its job id
+_PG_TYPES = (  # of COLUMNS, in order
     "integer",
     "bigint",
     "integer",
@@ -106,9 +87,8 @@ _SQLITE_INSERT = (
 )
 
 
-def _insert_postgresql(conn: Connection, job_id: int, rows: list[Row]) -> int:
-    columns = list(zip(*rows, strict=True))[1:]  # per-column arrays, after the job id
-    params: dict[str, Any] = {c: list(v) for c, v in zip(COLUMNS, columns, strict=True)}
+def _insert_postgresql(conn: Connection, job_id: int, arrays: tuple[list[Any], ...]) -> int:
+    params: dict[str, Any] = dict(zip(COLUMNS, arrays, strict=True))
     params["job_id"] = job_id
     return int(conn.execute(_PG_INSERT, params).rowcount)
 

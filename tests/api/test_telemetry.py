@@ -73,6 +73,62 @@ def test_bad_records_are_422_and_store_nothing(api: Api) -> None:
     assert api.client.get(f"/api/v1/jobs/{job}/telemetry", headers=api.headers()).json() == []
 
 
+def _columns(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The same records as one array per field (the form the runtime posts)."""
+    fields = list(records[0])
+    return {f: [r.get(f, False) for r in records] for f in fields}
+
+
+def test_a_columnar_batch_stores_what_the_same_records_would(api: Api) -> None:
+    job = _job(api)
+    records = [_rec(r, i, probe=(i == 3 and r == 1)) for i in range(5) for r in range(2)]
+    ack = api.client.post(
+        f"/api/v1/jobs/{job}/telemetry",
+        json={"columns": _columns(records)},
+        headers=api.headers(),
+    ).json()
+    assert ack == {"accepted": 10, "duplicates": 0}
+    rows = api.client.get(f"/api/v1/jobs/{job}/telemetry", headers=api.headers()).json()
+    assert rows == records
+    # The records form of an overlapping batch sees them as duplicates, and the reverse.
+    again = {"records": [_rec(0, 4), _rec(0, 5)]}
+    assert api.client.post(
+        f"/api/v1/jobs/{job}/telemetry", json=again, headers=api.headers()
+    ).json() == {"accepted": 1, "duplicates": 1}
+    without_probe = _columns([_rec(1, 5), _rec(1, 4)])
+    assert "probe" not in without_probe  # absent: no probes
+    assert api.client.post(
+        f"/api/v1/jobs/{job}/telemetry", json={"columns": without_probe}, headers=api.headers()
+    ).json() == {"accepted": 1, "duplicates": 1}
+    last = api.client.get(
+        f"/api/v1/jobs/{job}/telemetry?since_iteration=5&rank=1", headers=api.headers()
+    ).json()
+    assert last == [{**_rec(1, 5), "probe": False}]
+
+
+def test_bad_columns_are_422_naming_the_column_and_store_nothing(api: Api) -> None:
+    job = _job(api)
+    good = _columns([_rec(0, 0), _rec(1, 0)])
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"columns": {**good, "rank": [0, 5]}}, "columns.rank.1"),
+        ({"columns": {**good, "compute_ms": [1.0, -1.0]}}, "columns.compute_ms.1"),
+        ({"columns": {**good, "compute_ms": [1.0, "3"]}}, "columns.compute_ms.1"),
+        ({"columns": {**good, "sync_ms": [1.0]}}, "columns"),
+        ({"columns": {**good, "extra": [1, 2]}}, "columns.extra"),
+        ({"columns": {k: v for k, v in good.items() if k != "ts"}}, "columns.ts"),
+        ({"columns": {**good, "rank": []}}, "columns.rank"),
+        ({"columns": good, "records": [_rec(0, 1)]}, "body"),
+        ({"urgent": True}, "body"),
+    ]
+    for body, field in cases:
+        r = api.client.post(f"/api/v1/jobs/{job}/telemetry", json=body, headers=api.headers())
+        assert r.status_code == 422, (field, r.text)
+        assert r.json()["field"] == field, r.json()
+        if field == "columns":
+            assert "columns.sync_ms has 1 values" in r.json()["detail"]
+    assert api.client.get(f"/api/v1/jobs/{job}/telemetry", headers=api.headers()).json() == []
+
+
 def test_nan_and_infinity_are_refused(sqlite_api: Api) -> None:
     job = _job(sqlite_api)
     raw = (
@@ -119,8 +175,9 @@ def test_any_sequence_of_retries_stores_each_key_once(
         for r in app.client.get(f"/api/v1/jobs/{job}/telemetry", headers=app.headers()).json()
     }
     seen = set(before)
-    for batch in batches:
-        body = {"records": [_rec(r, i) for r, i in batch]}
+    for n, batch in enumerate(batches):
+        records = [_rec(r, i) for r, i in batch]
+        body = {"columns": _columns(records)} if n % 2 else {"records": records}
         ack = app.client.post(
             f"/api/v1/jobs/{job}/telemetry", json=body, headers=app.headers()
         ).json()

@@ -60,13 +60,13 @@ class FakeControlPlane:
     def post_telemetry(self, batch: TelemetryBatch) -> TelemetryAck:
         with self.lock:
             dup = 0
-            for r in batch.records:
+            for r in batch.all_records():
                 key = (r.rank, r.iteration)
                 dup += key in self.rows
                 self.rows[key] = (r.plan_version, r.batch_size, r.compute_ms)
             if any(i >= SWITCH_AFTER for _, i in self.rows) and self.plan.version == 1:
                 self.plan = plan(2, BALANCED)
-            return TelemetryAck(accepted=len(batch.records) - dup, duplicates=dup)
+            return TelemetryAck(accepted=len(batch.all_records()) - dup, duplicates=dup)
 
 
 def _worker(rank: int, world: int) -> tuple[RunResult, dict[tuple[int, int], tuple]]:

@@ -49,7 +49,7 @@ class ControlPlane(ThreadingHTTPServer):
         )
 
     def ingest(self, batch: TelemetryBatch) -> None:
-        for r in batch.records:
+        for r in batch.all_records():
             key = (r.rank, r.iteration)
             self.duplicates += key in self.rows
             self.rows[key] = (r.plan_version, r.batch_size, r.probe)

@@ -41,7 +41,7 @@ class Poster:
             self.calls += 1
             if self.down:
                 raise ConnectionError("server unreachable")
-            self.batches.append([r.iteration for r in batch.records])
+            self.batches.append([r.iteration for r in batch.all_records()])
             self.urgent.append(batch.urgent)
             if self.fail_after_store:
                 self.fail_after_store -= 1

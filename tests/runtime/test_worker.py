@@ -76,11 +76,13 @@ class Handler(BaseHTTPRequestHandler):
         body = self.rfile.read(int(self.headers["Content-Length"]))
         batch = TelemetryBatch.model_validate_json(body)
         with self.server.lock:
-            for r in batch.records:
+            for r in batch.all_records():
                 self.server.rows[(r.rank, r.iteration)] = (r.plan_version, r.batch_size)
             if any(i >= SWITCH_AFTER for _, i in self.server.rows):
                 self.server.version = 2
-        self._send(200, json.dumps({"accepted": len(batch.records), "duplicates": 0}).encode())
+        self._send(
+            200, json.dumps({"accepted": len(batch.all_records()), "duplicates": 0}).encode()
+        )
 
     def log_message(self, format: str, *args: object) -> None:
         pass
