@@ -221,13 +221,18 @@ async def ingest(base: str, job: int, seconds: float, form: str = "columns") -> 
 
 async def poll(base: str, job: int, seconds: float, interval: float = 1.0) -> dict[str, Any]:
     """256 pollers, each fetching the current plan (no known version: the full body) once a
-    second, as the runtime did before the long-poll: the issue's target."""
+    second, as the runtime did before the long-poll: the issue's target. Each opens its
+    keep-alive connection first (one untimed health request, as a running worker holds one),
+    and the timed polls start together after that, each at a random phase of the second."""
     lat: list[float] = []
     server: list[float] = []
     end = time.monotonic() + seconds
 
     async def poller() -> None:
         http = Http(base, AUTH)
+        await asyncio.sleep(random.random() * interval)
+        await http.request("GET", "/api/v1/health")  # connect first, as a runtime has
+        await start.wait()
         await asyncio.sleep(random.random() * interval)
         while time.monotonic() < end:
             t0 = time.perf_counter()
@@ -238,7 +243,14 @@ async def poll(base: str, job: int, seconds: float, interval: float = 1.0) -> di
             await asyncio.sleep(max(0.0, interval - (time.perf_counter() - t0)))
         await http.close()
 
-    await asyncio.gather(*(poller() for _ in range(POLLERS)))
+    async def starter() -> None:
+        nonlocal end
+        await asyncio.sleep(interval + 0.5)
+        end = time.monotonic() + seconds
+        start.set()
+
+    start = asyncio.Event()
+    await asyncio.gather(starter(), *(poller() for _ in range(POLLERS)))
     return {
         "requests": len(lat),
         "requests_per_s": round(len(lat) / seconds),

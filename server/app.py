@@ -181,7 +181,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.generated_admin_token = None
     app.state.telemetry_notifier = TelemetryNotifier()
     app.state.plan_waiters = waiters
-    app.state.plan_loads = {}
     # Urgent telemetry (a worker's iteration time jumped) runs the controller's next round now:
     # over the wake bus to a controller process, or directly when it is a thread here.
     app.state.wake_controller = lambda job_id: wake_bus.publish([job_id])

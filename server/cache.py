@@ -11,12 +11,14 @@ processes see a revocation within the TTL.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
 from collections.abc import Callable, Hashable
 from typing import Any, Generic, TypeVar
 
+from fastapi.concurrency import run_in_threadpool
 from sqlalchemy import event
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -37,12 +39,47 @@ class TTLCache(Generic[K, V]):
         self._data: dict[K, tuple[float, V]] = {}
         self._generations: dict[K, int] = {}
         self._lock = threading.Lock()
+        self._loads: dict[K, tuple[int, asyncio.Future[V]]] = {}
+        """Loads in flight (``get_or_load``; touched only from the event loop)."""
 
     def get(self, key: K) -> V | None:
         hit = self._data.get(key)
         if hit is None or hit[0] < self.clock():
             return None
         return hit[1]
+
+    async def get_or_load(self, key: K, load: Callable[[], V]) -> V:
+        """The cached value, or else ``load()`` run in a worker thread and cached; every miss
+        that arrives while a load is in flight awaits that one load instead of starting its own
+        (at hundreds of requests a second, an entry expiring would otherwise send a burst of
+        identical database reads through the thread pool at once). A load joins only if it
+        started after the key's last invalidation: an older one may return what the
+        invalidating commit replaced. A failed load is not cached; its waiters get the error."""
+        hit = self.get(key)
+        if hit is not None:
+            return hit
+        generation = self.generation(key)
+        pending = self._loads.get(key)
+        task: asyncio.Future[V]
+        if pending is None or pending[0] != generation:
+            task = asyncio.ensure_future(self._load(key, generation, load))
+            self._loads[key] = (generation, task)
+            task.add_done_callback(lambda done: self._loaded(key, done))
+        else:
+            task = pending[1]
+        return await asyncio.shield(task)  # one waiter giving up does not cancel the others'
+
+    async def _load(self, key: K, generation: int, load: Callable[[], V]) -> V:
+        value = await run_in_threadpool(load)
+        self.put(key, value, generation)
+        return value
+
+    def _loaded(self, key: K, done: asyncio.Future[V]) -> None:
+        pending = self._loads.get(key)
+        if pending is not None and pending[1] is done:
+            del self._loads[key]
+        if not done.cancelled():
+            done.exception()  # retrieved, so a load nobody waits for any more is not logged
 
     def generation(self, key: K) -> int:
         """Take it before loading a value: :meth:`put` with it drops the value if the key was

@@ -8,11 +8,11 @@ from datetime import UTC, datetime
 from typing import Annotated, cast
 
 from fastapi import Depends, Request
-from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
 from agent.wire import Role
+from server.cache import TTLCache
 from server.config import Settings
 from server.services import tokens
 from server.services.tokens import Principal
@@ -42,20 +42,16 @@ async def _principal(
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> Principal:
     """The caller. Known tokens come from a 2-second cache (cleared in this process when a
-    token is revoked). A miss reads the database in a worker thread in its own short session;
-    the request's session has not connected yet, so no request ever holds two connections."""
+    token is revoked). A miss reads the database in a worker thread in its own short session,
+    one read for all the requests that miss together; the request's session has not connected
+    yet, so no request ever holds two connections."""
     cookie = request.cookies.get("evenflow_session")
     secret = credentials.credentials if credentials is not None else cookie
     secret = tokens.require_secret(secret)
     key = tokens.hash_token(secret)
-    cache = request.app.state.caches.tokens
-    principal: Principal | None = cache.get(key)
-    if principal is None:
-        principal = await run_in_threadpool(
-            tokens.authenticate_with, request.app.state.sessions, secret
-        )
-        cache.put(key, principal)
-    return principal
+    sessions = request.app.state.sessions
+    cache: TTLCache[str, Principal] = request.app.state.caches.tokens
+    return await cache.get_or_load(key, lambda: tokens.authenticate_with(sessions, secret))
 
 
 def _role(role: Role) -> object:

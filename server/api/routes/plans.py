@@ -7,7 +7,6 @@ import contextlib
 from typing import Any
 
 from fastapi import APIRouter, Path, Query, Request, Response
-from fastapi.concurrency import run_in_threadpool
 from sqlalchemy.orm import Session, sessionmaker
 
 from agent.wire import MAX_PLAN_WAIT_S, ModelOut, PlanOut
@@ -63,35 +62,7 @@ async def current_plan(
 async def _current(app: Any, job_id: int) -> tuple[int, bytes]:
     """The cached (version, body) of the job's current plan; concurrent misses share one load."""
     cache = app.state.caches.plans
-    hit: tuple[int, bytes] | None = cache.get(job_id)
-    if hit is not None:
-        return hit
-    # Join a load only if it started after the last invalidation: one that started before
-    # may return the plan the invalidating commit replaced.
-    generation = cache.generation(job_id)
-    loads: dict[int, tuple[int, asyncio.Task[tuple[int, bytes]]]] = app.state.plan_loads
-    pending = loads.get(job_id)
-    if pending is None or pending[0] != generation:
-        load = asyncio.ensure_future(_load_and_cache(app, job_id, generation))
-        loads[job_id] = (generation, load)
-        load.add_done_callback(lambda done: _loaded(loads, job_id, done))
-    else:
-        load = pending[1]
-    return await asyncio.shield(load)  # one waiter giving up does not cancel the others' load
-
-
-async def _load_and_cache(app: Any, job_id: int, generation: int) -> tuple[int, bytes]:
-    hit = await run_in_threadpool(_load_current, app.state.sessions, job_id)
-    app.state.caches.plans.put(job_id, hit, generation)
-    return hit
-
-
-def _loaded(loads: dict[int, Any], job_id: int, done: asyncio.Task[tuple[int, bytes]]) -> None:
-    pending = loads.get(job_id)
-    if pending is not None and pending[1] is done:
-        del loads[job_id]
-    if not done.cancelled():
-        done.exception()  # retrieved, so a load nobody waits for any more is not logged
+    return await cache.get_or_load(job_id, lambda: _load_current(app.state.sessions, job_id))
 
 
 def _load_current(sessions: sessionmaker[Session], job_id: int) -> tuple[int, bytes]:
