@@ -120,10 +120,13 @@ class Controller:
 
     def sweep(self) -> None:
         """Re-plan running jobs on their cadence and watch for stragglers; each job in its own
-        short transaction, so ingest is never held up for a whole round."""
+        short transaction, so ingest is never held up for a whole round. The job's new telemetry
+        is read first, outside the writer lock (``control_loop.prefetch``)."""
         with transaction(self.sessions) as s:
             live = control_loop.live_jobs(s)
         for job_id in live:
+            with transaction(self.sessions) as s:  # reads only: no writer lock
+                control_loop.prefetch(s, self.state, job_id)
             with self.write_lock, transaction(self.sessions) as s:
                 for job, version in control_loop.sweep_job(s, self.state, job_id):
                     log.info("job %d: plan v%d", job, version)

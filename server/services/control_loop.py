@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 
 from agent.wire import JobStatus, PlanSource
 from server.models import Job
-from server.services import rebalancer
+from server.services import rebalancer, stragglers
 from server.services.audit import record
 from server.services.rebalancer import LastDecision, Progress, Tracker
 from server.services.stragglers import Watch, watch_job
@@ -62,6 +62,17 @@ def sweep(session: Session, state: LoopState, *, watch: bool = True) -> list[tup
         made += sweep_job(session, state, job_id, watch=watch)
     state.forget(set(live))
     return made
+
+
+def prefetch(session: Session, state: LoopState, job_id: int) -> None:
+    """The reading part of ``sweep_job``'s next call: the job's new telemetry rows (progress,
+    and the straggler watch's timings). The server runs it in a transaction of its own before
+    taking SQLite's writer lock for ``sweep_job``, which then reads only what came since."""
+    job = session.get(Job, job_id)
+    if job is None or JobStatus(job.status).terminal:
+        return
+    progress = state.trackers.setdefault(job.id, Tracker()).update(session, job)
+    stragglers.prefetch(session, job, state.watches.setdefault(job.id, Watch()), progress)
 
 
 def sweep_job(

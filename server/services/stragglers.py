@@ -70,6 +70,31 @@ class Watch:
     quiet_since: dict[int, int] = field(default_factory=dict)
     """rank -> the iteration its last event ended: its fits mix slow and normal timings until a
     whole fit window has passed after that."""
+    prefetched: tuple[int, list[IterationTiming]] | None = None
+    """``(after, timings)`` read by ``prefetch`` for the next round, outside its transaction."""
+
+
+def _feed_from(session: Session, job: Job, watch: Watch) -> int:
+    """The last iteration already fed to the detector (on a fresh watch: ``REPLAY`` back)."""
+    if watch.fed_through >= 0:
+        return watch.fed_through
+    last = session.scalar(
+        select(IterationTelemetry.iteration)
+        .where(IterationTelemetry.job_id == job.id)
+        .order_by(IterationTelemetry.iteration.desc())
+        .limit(1)
+    )
+    return -1 if last is None else max(-1, int(last) - REPLAY)
+
+
+def prefetch(session: Session, job: Job, watch: Watch, progress: Progress) -> None:
+    """Read the timings the next ``watch_job`` round will feed, ahead of it. Telemetry rows are
+    never changed once stored, so the server reads them before it takes SQLite's writer lock
+    for the round (a flood's worth of rows took that lock from ingest for 100s of ms)."""
+    if progress.complete_through is None:
+        return
+    after = _feed_from(session, job, watch)
+    watch.prefetched = (after, _timings(session, job, after, progress.complete_through))
 
 
 def _timings(session: Session, job: Job, after: int, through: int) -> list[IterationTiming]:
@@ -306,19 +331,15 @@ def watch_job(
     """One round for one job: detect and store events; with ``mitigate`` (an ``adaptive`` job
     whose models the rebalancer has identified) ask the ladder too."""
     spec = JobSpec.model_validate(job.spec)
-    after = watch.fed_through
-    if after < 0:
-        last = session.scalar(
-            select(IterationTelemetry.iteration)
-            .where(IterationTelemetry.job_id == job.id)
-            .order_by(IterationTelemetry.iteration.desc())
-            .limit(1)
-        )
-        after = -1 if last is None else max(-1, int(last) - REPLAY)
+    after = _feed_from(session, job, watch)
+    ahead, watch.prefetched = watch.prefetched, None
     # Feed only iterations every rank has reported: later rows come next round.
     if progress.complete_through is None:
         return None
-    timings = _timings(session, job, after, progress.complete_through)
+    if ahead is not None and ahead[0] == after and ahead[1]:
+        timings = ahead[1]  # read by ``prefetch``; what came since is next round's
+    else:
+        timings = _timings(session, job, after, progress.complete_through)
     if not timings:
         return None
     complete = timings[-1].iteration

@@ -7,7 +7,10 @@ background loop would."""
 from __future__ import annotations
 
 import random
+import threading
 from typing import Any
+
+import pytest
 
 from server.db import transaction
 from server.models import Job
@@ -30,8 +33,12 @@ class Cluster:
         sync_ms: float = 1.0,
         *,
         slow_all_reduce: bool = True,
+        prefetch: bool = False,
     ) -> None:
         self.api, self.slow, self.sync_ms = api, slow, sync_ms
+        self.prefetch = prefetch
+        """Read each round's telemetry ahead, in a transaction of its own, and hold the writer
+        lock meanwhile from another thread, as the controller process does (``Controller``)."""
         self.slow_all_reduce = slow_all_reduce
         """A slowed rank slows the all-reduce of its group by its factor (else it does not)."""
         self.host = api.register("sim", devices=4)
@@ -93,8 +100,32 @@ class Cluster:
             )
             assert r.status_code == 200, r.text
             self.iteration += 1
-            with transaction(self.api.client.app.state.sessions) as s:  # type: ignore[attr-defined]
+            sessions = self.api.client.app.state.sessions  # type: ignore[attr-defined]
+            if self.prefetch:
+                self._prefetch_while_a_writer_holds_the_lock(sessions)
+            with transaction(sessions) as s:
                 control_loop.sweep(s, self.state)
+
+    def _prefetch_while_a_writer_holds_the_lock(self, sessions: Any) -> None:
+        lock = self.api.client.app.state.write_lock  # type: ignore[attr-defined]
+        held, done, released = threading.Event(), threading.Event(), threading.Event()
+
+        def writer() -> None:
+            with lock:
+                held.set()
+                done.wait(5)
+            released.set()
+
+        t = threading.Thread(target=writer)
+        t.start()
+        try:
+            assert held.wait(10)
+            with transaction(sessions) as s:  # must not need the lock the writer holds
+                control_loop.prefetch(s, self.state, self.job)
+            assert not released.is_set(), "the read-ahead waited for the writer lock"
+        finally:
+            done.set()
+            t.join()
 
     def events(self) -> list[dict[str, Any]]:
         data: list[dict[str, Any]] = self.api.client.get(
@@ -109,8 +140,9 @@ class Cluster:
         return data[::-1]
 
 
-def test_a_3x_slowdown_is_detected_mitigated_and_undone(api: Api) -> None:
-    c = Cluster(api, "adaptive", slow={2: (80, 160, 3.0)})
+@pytest.mark.parametrize("prefetch", [False, True], ids=["in-round", "read-ahead"])
+def test_a_3x_slowdown_is_detected_mitigated_and_undone(api: Api, prefetch: bool) -> None:
+    c = Cluster(api, "adaptive", slow={2: (80, 160, 3.0)}, prefetch=prefetch)
     c.run(80)
     settled = len(c.plans())
     assert c.events() == [], "no event for +-5% noise"
