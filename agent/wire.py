@@ -574,11 +574,6 @@ class TelemetryBatch(Request):
             raise ValueError("give exactly one of records and columns")
         return self
 
-    def __len__(self) -> int:
-        if self.records is not None:
-            return len(self.records)
-        return len(self.columns.rank) if self.columns is not None else 0
-
     def arrays(self) -> tuple[list[Any], ...]:
         """Every field's values as one list each, in ``TELEMETRY_FIELDS`` order."""
         if self.columns is not None:

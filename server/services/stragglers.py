@@ -235,8 +235,8 @@ def _all_reduce_times(
         return _all_reduce_ms(session, job, iteration), None
     onset = min(starts)
     normal = _all_reduce_ms(session, job, onset - 1)
-    since = iteration - onset + 1
-    if since < 1 or normal <= 0:
+    since = iteration - onset + 1  # at least 1: the onset's own iteration
+    if normal <= 0:
         return normal, None
     now = _all_reduce_ms(session, job, iteration, window=min(SYNC_NOW_WINDOW, since))
     return normal, now / normal
@@ -331,12 +331,13 @@ def watch_job(
     """One round for one job: detect and store events; with ``mitigate`` (an ``adaptive`` job
     whose models the rebalancer has identified) ask the ladder too."""
     spec = JobSpec.model_validate(job.spec)
-    after = _feed_from(session, job, watch)
+    # Only ``watch_job`` moves ``fed_through``, so a prefetch always starts where this would.
     ahead, watch.prefetched = watch.prefetched, None
+    after = ahead[0] if ahead is not None else _feed_from(session, job, watch)
     # Feed only iterations every rank has reported: later rows come next round.
     if progress.complete_through is None:
         return None
-    if ahead is not None and ahead[0] == after and ahead[1]:
+    if ahead is not None and ahead[1]:
         timings = ahead[1]  # read by ``prefetch``; what came since is next round's
     else:
         timings = _timings(session, job, after, progress.complete_through)

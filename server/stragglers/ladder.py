@@ -62,7 +62,6 @@ from server.stragglers.candidates import (
     respects,
 )
 from server.stragglers.detector import RankHealth
-from server.stragglers.event import StragglerKind
 from server.stragglers.timing import imbalance
 
 
@@ -231,10 +230,7 @@ def rank_views(
                 ratio=ratio,
                 straggling=straggling,
                 event_start=h.event.start_iteration if h and h.event and straggling else None,
-                provisional=straggling
-                and h is not None
-                and h.event is not None
-                and h.event.kind is StragglerKind.TRANSIENT,
+                provisional=h is not None and h.actionable,  # straggling, not confirmed yet
                 max_batch=(max_batch or {}).get(rank),
                 min_batch=(min_batch or {}).get(rank, 0),
                 sync_ratio=sync_ratio,
@@ -312,16 +308,14 @@ def decide(
             imbalance=imb,
         )
         return decision, replace(state, last_change=situation.iteration)
+    false_alarm = False
     if state.provisional is not None:
-        view = next((r for r in situation.ranks if r.rank == state.provisional[0]), None)
-        if view is None or view.event_start != state.provisional[1]:
+        rank, start = state.provisional
+        view = next((r for r in situation.ranks if r.rank == rank), None)
+        if view is None or view.event_start != start:
             false_alarm = True  # the event closed unconfirmed: undo at once
-        else:
-            false_alarm = False
-            if not view.provisional:  # confirmed: the change stands, as any other
-                state = replace(state, provisional=None)
-    else:
-        false_alarm = False
+        elif not view.provisional:  # confirmed: the change stands, as any other
+            state = replace(state, provisional=None)
     if state.last_change is not None and not false_alarm:
         ready = state.last_change + config.cooldown_iterations
         if situation.iteration < ready:
@@ -457,11 +451,11 @@ def _apply(
         imbalance=imb,
         candidates=candidates,
     )
-    reacts_to = next((r for r in situation.ranks if chosen.event == (r.rank, r.event_start)), None)
+    unconfirmed = {(r.rank, r.event_start) for r in situation.ranks if r.provisional}
     new_state = LadderState(
         last_change=situation.iteration,
         excluded=tuple(sorted(excluded)),
         ledger=ledger,
-        provisional=chosen.event if reacts_to is not None and reacts_to.provisional else None,
+        provisional=chosen.event if chosen.event in unconfirmed else None,
     )
     return decision, new_state

@@ -216,7 +216,7 @@ class _Run:
         onset = min(starts)
         since = k - onset + 1
         before = self.all_reduce[max(0, onset - 20) : max(0, onset)]
-        if since < 1 or not before:
+        if not before:
             return None
         now = median(self.all_reduce[k + 1 - min(5, since) : k + 1])
         return now / median(before)
