@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 
 from hypothesis import given, settings
@@ -77,13 +78,16 @@ def test_cool_down_blocks_the_next_change() -> None:
     assert again.action is Action.NONE and "cool-down" in again.reason
 
 
-def _spike(iteration: int, ratio: float, *, provisional: bool) -> Situation:
-    """Rank 1 at ``ratio`` on an event that opened at iteration 100 (none when ratio is 1)."""
+def _spike(
+    iteration: int, ratio: float, *, provisional: bool, plan: Mapping[int, int] = PLAN
+) -> Situation:
+    """Rank 1 at ``ratio`` on an event that opened at iteration 100 (none when ratio is 1),
+    under ``plan``."""
     views = tuple(
         replace(r, ratio=ratio, straggling=True, event_start=100, provisional=provisional)
         if r.rank == 1 and ratio > 1
         else replace(r, ratio=1.0, straggling=False, event_start=None)
-        for r in situation().ranks
+        for r in situation(plan=plan).ranks
     )
     return Situation(iteration, 256, views, 1, Overrides(), sync_ms=60.0)
 
@@ -92,18 +96,9 @@ def test_a_false_alarm_on_an_unconfirmed_event_is_undone_without_the_cool_down()
     acted, state = decide(_spike(100, 8.0, provisional=True), LadderState())
     assert acted.new_batch_sizes is not None and acted.new_batch_sizes[1] < PLAN[1]
     assert state.provisional == (1, 100)
-    moved = {r: acted.new_batch_sizes[r] for r in PLAN}
+    moved = acted.new_batch_sizes
     # One iteration later the event has closed (a spike): the plan goes back at once.
-    back, state = decide(
-        replace(
-            _spike(101, 1.0, provisional=False),
-            ranks=tuple(
-                replace(r, batch_size=moved[r.rank])
-                for r in _spike(101, 1.0, provisional=False).ranks
-            ),
-        ),
-        state,
-    )
+    back, state = decide(_spike(101, 1.0, provisional=False, plan=moved), state)
     assert back.new_batch_sizes is not None and back.new_batch_sizes[1] > moved[1]
     assert state.provisional is None and state.last_change == 101
 
@@ -111,9 +106,7 @@ def test_a_false_alarm_on_an_unconfirmed_event_is_undone_without_the_cool_down()
 def test_a_confirmed_change_keeps_its_cool_down() -> None:
     acted, state = decide(_spike(100, 8.0, provisional=False), LadderState())
     assert acted.new_batch_sizes is not None and state.provisional is None
-    after = _spike(101, 1.0, provisional=False)
-    moved = tuple(replace(r, batch_size=acted.new_batch_sizes[r.rank]) for r in after.ranks)
-    held, _ = decide(replace(after, ranks=moved), state)
+    held, _ = decide(_spike(101, 1.0, provisional=False, plan=acted.new_batch_sizes), state)
     assert held.action is Action.NONE and "cool-down" in held.reason
 
 
@@ -121,16 +114,10 @@ def test_a_provisional_change_whose_event_is_confirmed_keeps_its_cool_down() -> 
     acted, state = decide(_spike(100, 8.0, provisional=True), LadderState())
     assert acted.new_batch_sizes is not None
     sizes = acted.new_batch_sizes
-    confirmed = _spike(103, 8.0, provisional=False)
-    now = replace(
-        confirmed, ranks=tuple(replace(r, batch_size=sizes[r.rank]) for r in confirmed.ranks)
-    )
-    held, state = decide(now, state)
+    held, state = decide(_spike(103, 8.0, provisional=False, plan=sizes), state)
     assert held.action is Action.NONE and state.provisional is None
     # ... and when the (now confirmed) event ends, the restore waits for the cool-down.
-    ended = _spike(105, 1.0, provisional=False)
-    ended = replace(ended, ranks=tuple(replace(r, batch_size=sizes[r.rank]) for r in ended.ranks))
-    held, _ = decide(ended, state)
+    held, _ = decide(_spike(105, 1.0, provisional=False, plan=sizes), state)
     assert held.action is Action.NONE and "cool-down" in held.reason
 
 
