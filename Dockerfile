@@ -4,8 +4,10 @@ FROM python:3.11-slim
 WORKDIR /app
 RUN pip install --no-cache-dir torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 COPY pyproject.toml README.md ./
+COPY contract contract
 COPY server server
 COPY agent agent
+COPY evenflow evenflow
 COPY frontend frontend
 COPY migrations migrations
 RUN pip install --no-cache-dir .

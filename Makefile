@@ -29,11 +29,11 @@ browser-deps:
 	  { [ "$$(id -u)" = 0 ] && (apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium docker-compose >/dev/null) || echo "note: could not install chromium/docker-compose"; }
 
 lint: setup
-	$(BIN)/ruff check server agent frontend migrations tests bench
-	$(BIN)/ruff format --check server agent frontend migrations tests bench
+	$(BIN)/ruff check contract server agent evenflow frontend migrations tests bench
+	$(BIN)/ruff format --check contract server agent evenflow frontend migrations tests bench
 
 typecheck: setup
-	$(BIN)/mypy server agent
+	$(BIN)/mypy contract server agent evenflow
 
 pytest: setup browser-deps
 	$(BIN)/pytest -q

@@ -10,26 +10,28 @@ from typing import Any
 
 import httpx
 
-from agent.wire import (
-    AuditOut,
-    EventOut,
+from contract.agent import (
     Heartbeat,
     HeartbeatAck,
-    HostOut,
     HostRegister,
-    JobList,
-    JobOut,
-    JobSpec,
-    OverrideCreate,
-    OverrideOut,
     PlanOut,
     TelemetryAck,
     TelemetryBatch,
+)
+from contract.api import (
+    AuditOut,
+    EventOut,
+    HostOut,
+    JobList,
+    JobOut,
+    OverrideCreate,
+    OverrideOut,
     TelemetryOut,
     TokenCreate,
     TokenCreated,
     TokenOut,
 )
+from contract.spec import JobSpec
 
 API = "/api/v1"
 

@@ -4,7 +4,7 @@ control plane places here as ``python -m agent.runtime.worker`` processes.
 Every tick the agent polls its processes, sends their states in a heartbeat, and reconciles
 with the answer (``HeartbeatAck.assignments``): ranks to run are launched, ranks to stop (their
 job was cancelled or failed elsewhere) are stopped, and processes the control plane no longer
-knows are stopped too. States follow ``agent.wire.WorkerState``::
+knows are stopped too. States follow ``contract.enums.WorkerState``::
 
     (assigned) --launch--> RUNNING --exit 0--> SUCCEEDED
                               |----exit != 0--> FAILED (root-cause traceback from the error file)
@@ -33,17 +33,16 @@ from pathlib import Path
 import httpx
 
 from agent.client import ApiClient, ApiError
-from agent.wire import (
-    PROTOCOL_VERSION,
+from contract.agent import (
     Assignment,
     DeviceInfo,
-    DeviceKind,
     Heartbeat,
     HeartbeatAck,
     HostRegister,
     WorkerReport,
-    WorkerState,
 )
+from contract.base import PROTOCOL_VERSION
+from contract.enums import DeviceKind, WorkerState
 
 log = logging.getLogger("evenflow.agent")
 

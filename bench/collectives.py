@@ -61,7 +61,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="2200,65536,262144,1048576")
     ap.add_argument("--rounds", type=int, default=30)
     args = ap.parse_args()
-    from server.local_cluster import free_port
+    from evenflow.local_cluster import free_port
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()

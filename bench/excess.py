@@ -46,7 +46,7 @@ from datetime import datetime
 from functools import cache
 from typing import Any
 
-from server.experiment import optimum_ms
+from evenflow.experiment import optimum_ms
 from server.planner import PerfModel
 
 Schedule = Mapping[int, Sequence[tuple[int, int, float]]]

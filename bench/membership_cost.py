@@ -37,7 +37,7 @@ from torch import nn
 from agent.runtime.context import EvenflowContext
 from agent.runtime.membership import ExclusionOptions
 from agent.runtime.plan_sync import Plan, PlanAgreement
-from agent.wire import JobSpec
+from contract.spec import JobSpec
 
 B, FEATURES = 48, 64
 SIZES = {"small": (64, 1), "medium": (512, 2), "large": (1024, 4)}

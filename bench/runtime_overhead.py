@@ -35,7 +35,7 @@ from agent.runtime.context import EvenflowContext
 from agent.runtime.gradients import GradientSync
 from agent.runtime.plan_sync import Plan, PlanAgreement
 from agent.runtime.telemetry import TelemetrySender
-from agent.wire import JobSpec
+from contract.spec import JobSpec
 
 FEATURES, HIDDEN, PER_RANK = 256, 512, 64
 

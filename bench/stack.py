@@ -6,7 +6,7 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
-from server.local_cluster import server_process
+from evenflow.local_cluster import server_process
 
 TOKEN = "ef_bench-admin-token-0123456789"
 

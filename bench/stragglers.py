@@ -39,9 +39,12 @@ from typing import Any
 
 from excess import decompose  # bench/ is the script's directory
 
-from agent.wire import EventOut, PlanOut, PolicyName, Slowdown, TelemetryOut
-from server.experiment import Profile, ProfileWorker, measure, optimum_ms
-from server.local_cluster import LocalCluster
+from contract.agent import PlanOut
+from contract.api import EventOut, TelemetryOut
+from contract.enums import PolicyName
+from contract.spec import Slowdown
+from evenflow.experiment import Profile, ProfileWorker, measure, optimum_ms
+from evenflow.local_cluster import LocalCluster
 from server.planner import PerfModel
 
 PER_SAMPLE = (1.0, 1.0, 2.0, 4.0)

@@ -24,9 +24,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from agent.wire import PolicyName
-from server.experiment import Profile, ProfileWorker, measure, optimum_ms
-from server.local_cluster import LocalCluster
+from contract.enums import PolicyName
+from evenflow.experiment import Profile, ProfileWorker, measure, optimum_ms
+from evenflow.local_cluster import LocalCluster
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -21,7 +21,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from agent.wire import ErrorOut, TelemetryBatch
+from contract.agent import TelemetryBatch
+from contract.base import ErrorOut
 from server.api.bodies import component_schemas
 from server.api.routes import audit, events, health, hosts, jobs, planner, plans, telemetry, tokens
 from server.api.routes.ui import mount_dashboard

@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.routing import compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from agent.wire import HostStatus, JobStatus
+from contract.enums import HostStatus, JobStatus
 from server.models import Host, Job
 
 

@@ -23,7 +23,8 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, text
 
-from agent.wire import PROTOCOL_VERSION, Role
+from contract.base import PROTOCOL_VERSION
+from contract.enums import Role
 from server.app import create_app
 from server.config import Settings
 from server.db import make_engine, migrate

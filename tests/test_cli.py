@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from agent.cli import main
 from agent.client import ApiClient, make_http
-from agent.wire import PROTOCOL_VERSION, DeviceInfo, DeviceKind, HostRegister
+from contract.agent import DeviceInfo, HostRegister
+from contract.base import PROTOCOL_VERSION
+from contract.enums import DeviceKind
+from evenflow.cli import main
 from tests.conftest import LiveServer
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from evenflow.local_cluster import server_process
 from server.db import make_engine
-from server.local_cluster import server_process
 from server.locks import ControllerLock, WriterLock, writer_lock_for
 from tests.conftest import ADMIN_TOKEN, ROOT
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from agent.cli import main
-from agent.wire import TelemetryOut
-from server.experiment import Profile, measure, optimum_ms
+from contract.api import TelemetryOut
+from evenflow.cli import main
+from evenflow.experiment import Profile, measure, optimum_ms
 
 
 def _row(

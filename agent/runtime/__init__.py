@@ -18,5 +18,5 @@ Modules, by what they are:
 - :mod:`~agent.runtime.trainer`: ``run_training``; :mod:`~agent.runtime.worker`: the process
   entry (``python -m agent.runtime.worker``); :mod:`~agent.runtime.remote`: the REST adapter.
 
-The runtime never imports the server; it shares only :mod:`agent.wire` with it.
+The runtime never imports the server; it shares only :mod:`contract` with it.
 """

@@ -41,7 +41,8 @@ from agent.runtime.resync import resync
 from agent.runtime.sampler import GlobalBatchSampler
 from agent.runtime.telemetry import JumpWatch, clamp_ms
 from agent.runtime.timing import IterationTimer, IterationTiming
-from agent.wire import JobSpec, TelemetryRecord
+from contract.agent import TelemetryRecord
+from contract.spec import JobSpec
 
 __all__ = ["ContextStats", "DatasetLike", "EvenflowContext", "dataset_size"]
 

@@ -1,12 +1,12 @@
 """Emulated heterogeneity: make a CPU worker take as long as a slower (or faster) GPU would.
 
 On machines without mixed GPUs every rank runs on the same kind of hardware, so Evenflow pads each
-worker's *real* compute phase up to a target from its :class:`~agent.wire.EmulatedWorker`::
+worker's *real* compute phase up to a target from its :class:`~contract.spec.EmulatedWorker`::
 
     target_ms(iteration, b) = factor(iteration) * (intercept_ms + per_sample_ms * b)   for b > 0
     target_ms(iteration, 0) = 0         (a worker given 0 samples computes nothing, sleeps not)
 
-``factor`` is the product of the factors of every :class:`~agent.wire.Slowdown` whose
+``factor`` is the product of the factors of every :class:`~contract.spec.Slowdown` whose
 ``[from_iteration, to_iteration)`` covers the iteration (1 when none does). When the real compute
 already took longer than the target nothing is padded; the measured time is what is reported.
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from agent.wire import EmulatedWorker
+from contract.spec import EmulatedWorker
 
 EMULATED_LABEL = "emulated"
 

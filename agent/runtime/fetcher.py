@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from agent.wire import PlanOut
+from contract.agent import PlanOut
 
 log = logging.getLogger(__name__)
 

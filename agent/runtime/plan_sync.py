@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from agent.runtime.fetcher import FetchPlan, PlanFetcher
 from agent.runtime.gradients import CONTROL_MAX, ControlValues
-from agent.wire import PlanOut
+from contract.agent import PlanOut
 
 __all__ = [
     "FetchPlan",

@@ -3,7 +3,7 @@
 While excluded, a rank still has to show the control plane whether it has recovered. On each tick
 from the leader (see :mod:`agent.runtime.membership`) it times one forward + backward of a small
 batch (the plan's mean local batch, capped), pads it to its emulated speed when the job is
-emulated, throws the gradients away, and reports a :class:`~agent.wire.TelemetryRecord` with
+emulated, throws the gradients away, and reports a :class:`~contract.agent.TelemetryRecord` with
 ``probe=True``, numbered with the active ranks' iteration the tick carried. The samples are read,
 never trained on: the probe does not count towards any epoch.
 

@@ -22,7 +22,8 @@ from typing import Any
 import httpx
 
 from agent.client import long_poll_timeout
-from agent.wire import MAX_PLAN_WAIT_S, PlanOut, TelemetryAck, TelemetryBatch
+from contract.agent import PlanOut, TelemetryAck, TelemetryBatch
+from contract.base import MAX_PLAN_WAIT_S
 
 
 class RemoteControlPlane:

@@ -2,7 +2,7 @@
 
 :class:`TelemetrySender` owns a daemon thread. The training loop calls :meth:`~TelemetrySender.
 submit`, which only appends to a bounded queue under a lock: it never blocks on the network and
-never raises. The thread posts a :class:`~agent.wire.TelemetryBatch` through the injected
+never raises. The thread posts a :class:`~contract.agent.TelemetryBatch` through the injected
 ``post`` callable whenever ``flush_records`` records are queued or ``flush_interval_s`` has passed,
 and on failure retries with exponential back-off.
 
@@ -37,7 +37,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from agent.wire import MAX_MS, MAX_TELEMETRY_RECORDS, TelemetryBatch, TelemetryRecord
+from contract.agent import TelemetryBatch, TelemetryRecord
+from contract.base import MAX_MS, MAX_TELEMETRY_RECORDS
 
 log = logging.getLogger(__name__)
 

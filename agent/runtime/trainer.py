@@ -29,7 +29,8 @@ from agent.runtime.membership import ExclusionOptions
 from agent.runtime.plan_sync import Plan, PlanAgreement, agree_initial
 from agent.runtime.telemetry import PostTelemetry, TelemetrySender, TelemetryStats
 from agent.runtime.workloads import Workload, builtin, load_entrypoint
-from agent.wire import JobSpec, PlanOut
+from contract.agent import PlanOut
+from contract.spec import JobSpec
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ The agent daemon launches one process per rank with this environment:
 ``EVENFLOW_SERVER``         control plane base URL, e.g. ``http://cp:8000``
 ``EVENFLOW_TOKEN``          Bearer token allowed to read the plan and post telemetry
 ``EVENFLOW_JOB_ID``         the job's integer id
-``EVENFLOW_SPEC``           the job's :class:`~agent.wire.JobSpec` as JSON
+``EVENFLOW_SPEC``           the job's :class:`~contract.spec.JobSpec` as JSON
 ``RANK``, ``WORLD_SIZE``    this process's rank and the job's world size
 ``MASTER_ADDR``,            rendezvous of ``torch.distributed`` (``env://``)
 ``MASTER_PORT``
@@ -37,7 +37,8 @@ from pydantic import ValidationError
 
 from agent.runtime.remote import RemoteControlPlane
 from agent.runtime.trainer import RunResult, RuntimeOptions, run_training
-from agent.wire import MAX_PLAN_WAIT_S, JobSpec
+from contract.base import MAX_PLAN_WAIT_S
+from contract.spec import JobSpec
 
 log = logging.getLogger("agent.runtime.worker")
 

@@ -62,7 +62,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from agent.wire import WorkloadSpec
+from contract.spec import WorkloadSpec
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """``loss_fn(model_output, targets)`` -> the SUM of per-sample losses (a scalar)."""

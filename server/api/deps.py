@@ -11,7 +11,7 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
-from agent.wire import Role
+from contract.enums import Role
 from server.cache import TTLCache
 from server.config import Settings
 from server.services import tokens

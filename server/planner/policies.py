@@ -116,7 +116,7 @@ def proportional(problem: PlanProblem) -> Plan:
 POLICIES: Mapping[str, Policy] = MappingProxyType(
     {"equal": equal, "proportional": proportional, "minmax": minmax}
 )
-"""Every policy by name; the names match ``agent.wire.PolicyName``."""
+"""Every policy by name; the names match ``contract.enums.PolicyName``."""
 
 
 def solve(problem: PlanProblem, policy: str = "minmax") -> Plan:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from agent.wire import JobStatus, PlanSource
+from contract.enums import JobStatus, PlanSource
 from server.models import Job
 from server.services import rebalancer, stragglers
 from server.services.audit import record

@@ -7,18 +7,9 @@ from datetime import datetime, timedelta
 from sqlalchemy import select
 from sqlalchemy.orm import Session, selectinload
 
-from agent.wire import (
-    PROTOCOL_VERSION,
-    Assignment,
-    DeviceKind,
-    DeviceStatus,
-    Heartbeat,
-    HeartbeatAck,
-    HostRegister,
-    HostStatus,
-    JobStatus,
-    Role,
-)
+from contract.agent import Assignment, Heartbeat, HeartbeatAck, HostRegister
+from contract.base import PROTOCOL_VERSION
+from contract.enums import DeviceKind, DeviceStatus, HostStatus, JobStatus, Role
 from server.errors import Forbidden, NotFound, ProtocolMismatch
 from server.models import Device, Host, Job, Worker
 from server.services import jobs, scheduler

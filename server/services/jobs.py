@@ -1,5 +1,5 @@
 """Jobs: submission, cancellation, worker reports and the job state machine
-(``agent.wire.JobStatus`` draws it)."""
+(``contract.enums.JobStatus`` draws it)."""
 
 from __future__ import annotations
 
@@ -8,16 +8,16 @@ from datetime import datetime
 from sqlalchemy import Connection, bindparam, func, select
 from sqlalchemy.orm import Session, selectinload
 
-from agent.wire import (
+from contract.agent import WorkerReport
+from contract.enums import (
     JOB_TRANSITIONS,
     WORKER_TRANSITIONS,
     DeviceStatus,
-    JobSpec,
     JobStatus,
     Role,
-    WorkerReport,
     WorkerState,
 )
+from contract.spec import JobSpec
 from server.errors import Conflict, Forbidden, Invalid, NotFound
 from server.models import Device, Host, Job, Worker
 from server.services import scheduler

@@ -23,7 +23,9 @@ from __future__ import annotations
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from agent.wire import JobStatus, OverrideCreate, OverrideKind, OverrideOut, PlanOut, PlanSource
+from contract.agent import PlanOut
+from contract.api import OverrideCreate, OverrideOut
+from contract.enums import JobStatus, OverrideKind, PlanSource
 from server.errors import Conflict, Invalid
 from server.models import Job, Override, utcnow
 from server.planner import Infeasible

@@ -5,7 +5,7 @@ from __future__ import annotations
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from agent.wire import PlanSource
+from contract.enums import PlanSource
 from server.cache import mark_plan_changed
 from server.errors import Invalid, NotFound
 from server.models import Job, Plan

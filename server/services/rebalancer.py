@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from agent.wire import JobSpec, PlanSource, PolicyName
+from contract.enums import PlanSource, PolicyName
+from contract.spec import JobSpec
 from server.models import IterationTelemetry, Job
 from server.planner import ModelFit, Observation, fit_model
 from server.planner.rebalance import RebalanceDecision, RebalanceInput, decide

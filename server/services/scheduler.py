@@ -20,15 +20,8 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from agent.wire import (
-    DeviceKind,
-    DeviceStatus,
-    HostStatus,
-    JobSpec,
-    JobStatus,
-    PlanSource,
-    WorkerState,
-)
+from contract.enums import DeviceKind, DeviceStatus, HostStatus, JobStatus, PlanSource, WorkerState
+from contract.spec import JobSpec
 from server.models import Device, Host, IterationTelemetry, Job, Worker
 from server.planner import Device as Candidate
 from server.planner import (

@@ -10,7 +10,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from agent.wire import PlanEffect, RankSeries, RankWindow, SeriesOut, ThroughputOut
+from contract.dashboard import PlanEffect, RankSeries, RankWindow, SeriesOut, ThroughputOut
 from server.models import IterationTelemetry, Job, StragglerEvent
 from server.services import telemetry
 

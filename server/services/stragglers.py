@@ -21,7 +21,8 @@ from dataclasses import dataclass, field, replace
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from agent.wire import JobSpec, PlanSource, PolicyName
+from contract.enums import PlanSource, PolicyName
+from contract.spec import JobSpec
 from server.models import Device, IterationTelemetry, Job
 from server.models import StragglerEvent as EventRow
 from server.planner import PerfModel

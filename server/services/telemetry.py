@@ -8,7 +8,8 @@ from typing import Any
 from sqlalchemy import Connection, bindparam, func, select, text
 from sqlalchemy.orm import Session
 
-from agent.wire import TELEMETRY_FIELDS, JobStatus, TelemetryBatch
+from contract.agent import TELEMETRY_FIELDS, TelemetryBatch
+from contract.enums import JobStatus
 from server.errors import Conflict, Invalid, NotFound
 from server.models import IterationTelemetry, Job, Worker
 from server.services.jobs import check_agent_may_write

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from agent.wire import Role, TokenCreate
+from contract.api import TokenCreate
+from contract.enums import Role
 from server.cache import mark_tokens_changed
 from server.errors import Conflict, Forbidden, NotFound, Unauthorized
 from server.models import ApiToken, utcnow

@@ -13,7 +13,7 @@ import pytest
 
 from agent.client import ApiClient, make_http
 from agent.daemon import Agent, discover_devices
-from agent.wire import DeviceKind, JobStatus
+from contract.enums import DeviceKind, JobStatus
 from tests.conftest import ROOT, LiveServer
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]

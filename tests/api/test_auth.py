@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from agent.wire import Role
+from contract.enums import Role
 from tests.conftest import Api
 
 

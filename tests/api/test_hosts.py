@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from agent.wire import Role
+from contract.enums import Role
 from server.db import transaction
 from server.services import hosts
 from tests.conftest import Api

@@ -17,7 +17,7 @@ from tests.conftest import ROOT, Api
 # A plan made in a process of its own, wired the way the controller process is.
 OTHER_PROCESS = """
 import sys
-from agent.wire import PlanSource
+from contract.enums import PlanSource
 from server.controller import connect
 from server.db import transaction
 from server.models import Job

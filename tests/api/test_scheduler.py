@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from agent.wire import Role
+from contract.enums import Role
 from tests.conftest import Api
 
 

@@ -133,7 +133,8 @@ def test_unknown_policy_is_refused_by_name() -> None:
 def test_registry_names_match_the_wire_contract() -> None:
     from typing import get_args
 
-    from agent.wire import PolicyName, SolvePolicy
+    from contract.api import SolvePolicy
+    from contract.enums import PolicyName
     from server.services.rebalancer import SOLVER
 
     assert set(POLICIES) == set(get_args(SolvePolicy))

@@ -15,7 +15,8 @@ from agent.runtime.plan_sync import Plan, PlanAgreement
 from agent.runtime.telemetry import JumpWatch
 from agent.runtime.trainer import run_workload
 from agent.runtime.workloads import builtin, load_entrypoint
-from agent.wire import JobSpec, TelemetryRecord, WorkloadSpec
+from contract.agent import TelemetryRecord
+from contract.spec import JobSpec, WorkloadSpec
 
 
 def spec(workload: dict[str, object], world: int = 1, **extra: object) -> JobSpec:
@@ -143,7 +144,7 @@ def test_a_compute_jump_asks_the_sender_to_flush_now() -> None:
     all-reduce) the iteration after each jump. Nothing else does, unless the machine itself
     made a compute time jump: replayed below."""
     from agent.runtime.emulation import Emulator
-    from agent.wire import EmulatedWorker
+    from contract.spec import EmulatedWorker
 
     job = spec({"builtin": "mlp"})
     records: list[TelemetryRecord] = []

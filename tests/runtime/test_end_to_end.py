@@ -10,7 +10,9 @@ import pytest
 
 from agent.runtime.sampler import GlobalBatchSampler
 from agent.runtime.trainer import RunResult, RuntimeOptions, run_training
-from agent.wire import JobSpec, PlanOut, PlanSource, TelemetryAck, TelemetryBatch
+from contract.agent import PlanOut, TelemetryAck, TelemetryBatch
+from contract.enums import PlanSource
+from contract.spec import JobSpec
 
 from .spawn import run_ranks
 

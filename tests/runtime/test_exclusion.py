@@ -21,7 +21,8 @@ from agent.runtime.membership import ExclusionOptions
 from agent.runtime.plan_sync import Plan, PlanAgreement
 from agent.runtime.resync import resync
 from agent.runtime.sampler import GlobalBatchSampler
-from agent.wire import EmulatedWorker, JobSpec, Slowdown, TelemetryRecord
+from contract.agent import TelemetryRecord
+from contract.spec import EmulatedWorker, JobSpec, Slowdown
 
 from .spawn import run_ranks
 

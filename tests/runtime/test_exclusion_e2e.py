@@ -15,7 +15,9 @@ import pytest
 from agent.runtime.membership import ExclusionOptions
 from agent.runtime.remote import RemoteControlPlane
 from agent.runtime.trainer import RunResult, RuntimeOptions, run_training
-from agent.wire import JobSpec, PlanOut, PlanSource, TelemetryBatch
+from contract.agent import PlanOut, TelemetryBatch
+from contract.enums import PlanSource
+from contract.spec import JobSpec
 
 from .spawn import run_ranks
 

@@ -11,7 +11,8 @@ import httpx
 
 from agent.runtime.fetcher import PlanFetcher
 from agent.runtime.remote import RemoteControlPlane
-from agent.wire import PlanOut, PlanSource
+from contract.agent import PlanOut
+from contract.enums import PlanSource
 from tests.conftest import LiveServer
 
 

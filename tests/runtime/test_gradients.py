@@ -11,7 +11,7 @@ from agent.runtime.context import EvenflowContext
 from agent.runtime.gradients import Exchange, GradientSync, broadcast_module
 from agent.runtime.plan_sync import Plan, PlanAgreement
 from agent.runtime.sampler import GlobalBatchSampler
-from agent.wire import JobSpec
+from contract.spec import JobSpec
 
 from .spawn import run_ranks
 

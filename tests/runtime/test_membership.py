@@ -16,7 +16,7 @@ from agent.runtime.fetcher import PlanFetcher
 from agent.runtime.membership import ExclusionOptions, Membership, Notice
 from agent.runtime.plan_sync import Plan, PlanAgreement, decode_plan, encode_plan, plan_problem
 from agent.runtime.probes import forward_sum, probe_size
-from agent.wire import JobSpec
+from contract.spec import JobSpec
 
 B = 12
 

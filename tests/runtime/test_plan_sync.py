@@ -20,7 +20,8 @@ from agent.runtime.plan_sync import (
     message_length,
     plan_problem,
 )
-from agent.wire import PlanOut, PlanSource
+from contract.agent import PlanOut
+from contract.enums import PlanSource
 
 from .spawn import run_ranks
 

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from agent.runtime.remote import RemoteControlPlane
-from agent.wire import TelemetryBatch, TelemetryRecord
+from contract.agent import TelemetryBatch, TelemetryRecord
 
 PLAN = {
     "job_id": 7,

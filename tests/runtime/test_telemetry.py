@@ -9,7 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from agent.runtime.telemetry import JumpWatch, TelemetrySender, clamp_ms
-from agent.wire import MAX_MS, TelemetryBatch, TelemetryRecord
+from contract.agent import TelemetryBatch, TelemetryRecord
+from contract.base import MAX_MS
 
 
 def record(i: int, rank: int = 0) -> TelemetryRecord:

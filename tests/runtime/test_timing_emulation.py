@@ -8,7 +8,7 @@ import pytest
 
 from agent.runtime.emulation import Emulator
 from agent.runtime.timing import IterationTimer
-from agent.wire import EmulatedWorker, Slowdown
+from contract.spec import EmulatedWorker, Slowdown
 
 
 def test_target_follows_model_and_slowdowns() -> None:

@@ -17,7 +17,8 @@ from urllib.parse import urlsplit
 import pytest
 
 from agent.runtime.worker import worker_main
-from agent.wire import PlanOut, PlanSource, TelemetryBatch
+from contract.agent import PlanOut, TelemetryBatch
+from contract.enums import PlanSource
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent

@@ -141,7 +141,7 @@ def minmax_batches(per_sample_ms: list[float], global_batch: int) -> list[int]:
 
 def issue_plan(live: LiveApp, job_id: int, batches: list[int], predicted_ms: float) -> int:
     """Store an automatic plan with a prediction, as the rebalancer (built on main) will."""
-    from agent.wire import PlanSource
+    from contract.enums import PlanSource
     from server.db import transaction
     from server.services import jobs, plans
 

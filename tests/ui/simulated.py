@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from agent.wire import PROTOCOL_VERSION
+from contract.base import PROTOCOL_VERSION
 
 
 @dataclass

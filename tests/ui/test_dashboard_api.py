@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from agent.wire import Role
+from contract.enums import Role
 from tests.conftest import Api
 from tests.ui.simulated import emulated_iteration
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Query
 
-from agent.wire import AuditOut
+from contract.api import AuditOut
 from server.api.deps import SessionDep, Viewer
 from server.services import audit
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Path, Query
 from sqlalchemy import select
 
-from agent.wire import EventOut, OverrideCreate, OverrideKind, OverrideOut
+from contract.api import EventOut, OverrideCreate, OverrideOut
+from contract.enums import OverrideKind
 from server.api.deps import Operator, SessionDep, Viewer
 from server.models import StragglerEvent
 from server.services import jobs, overrides

@@ -6,7 +6,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel
 from sqlalchemy import text
 
-from agent.wire import PROTOCOL_VERSION
+from contract.base import PROTOCOL_VERSION
 from server.api.deps import SessionDep
 
 router = APIRouter(tags=["health"])

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Path
 
-from agent.wire import Heartbeat, HeartbeatAck, HostOut, HostRegister
+from contract.agent import Heartbeat, HeartbeatAck, HostRegister
+from contract.api import HostOut
 from server.api.deps import Authenticated, Now, SessionDep, Viewer
 from server.services import hosts
 

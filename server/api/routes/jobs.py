@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Path, Query
 
-from agent.wire import JobList, JobOut, JobSpec, JobStatus
+from contract.api import JobList, JobOut
+from contract.enums import JobStatus
+from contract.spec import JobSpec
 from server.api.deps import Now, Operator, SessionDep, Viewer
 from server.services import jobs
 

@@ -6,7 +6,7 @@ import time
 
 from fastapi import APIRouter
 
-from agent.wire import SolveRequest, SolveResponse
+from contract.api import SolveRequest, SolveResponse
 from server.api.deps import Viewer
 from server.errors import Invalid
 from server.planner import Infeasible, InvalidInput, PerfModel, PlanProblem, WorkerSpec, solve

@@ -9,7 +9,9 @@ from typing import Any
 from fastapi import APIRouter, Path, Query, Request, Response
 from sqlalchemy.orm import Session, sessionmaker
 
-from agent.wire import MAX_PLAN_WAIT_S, ModelOut, PlanOut
+from contract.agent import PlanOut
+from contract.api import ModelOut
+from contract.base import MAX_PLAN_WAIT_S
 from server.api.deps import SessionDep, Viewer
 from server.notify import RECHECK_S, PlanWaiters
 from server.services import jobs, plans, rebalancer

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Path, Query
 
-from agent.wire import SeriesOut, ThroughputOut
+from contract.dashboard import SeriesOut, ThroughputOut
 from server.api.deps import SessionDep, Viewer
 from server.errors import Invalid
 from server.services import jobs, series

@@ -35,7 +35,9 @@ from fastapi.responses import StreamingResponse
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from agent.wire import EventOut, JobStatus, PlanOut
+from contract.agent import PlanOut
+from contract.api import EventOut
+from contract.enums import JobStatus
 from server.api.deps import Viewer
 from server.errors import NotFound
 from server.live import TelemetryNotifier

@@ -7,7 +7,9 @@ from typing import Any
 from fastapi import APIRouter, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
 
-from agent.wire import Role, TelemetryAck, TelemetryBatch, TelemetryOut
+from contract.agent import TelemetryAck, TelemetryBatch
+from contract.api import TelemetryOut
+from contract.enums import Role
 from server.api import bodies
 from server.api.deps import Authenticated, SessionDep, Viewer
 from server.live import telemetry_stored

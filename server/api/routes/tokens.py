@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Path
 
-from agent.wire import TokenCreate, TokenCreated, TokenOut
+from contract.api import TokenCreate, TokenCreated, TokenOut
 from server.api.deps import Admin, SessionDep
 from server.services import tokens
 

@@ -37,16 +37,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from agent.wire import (
-    EmulatedWorker,
-    JobSpec,
-    PolicyName,
-    PolicySpec,
-    Slowdown,
-    TelemetryOut,
-    WorkloadSpec,
-)
-from server.local_cluster import LocalCluster
+from contract.api import TelemetryOut
+from contract.enums import PolicyName
+from contract.spec import EmulatedWorker, JobSpec, PolicySpec, Slowdown, WorkloadSpec
+from evenflow.local_cluster import LocalCluster
 from server.planner import PerfModel, PlanProblem, WorkerSpec, solve
 
 

@@ -24,7 +24,9 @@ import uvicorn
 
 from agent.client import ApiClient
 from agent.daemon import Agent, discover_devices
-from agent.wire import JobOut, JobSpec, Role, TokenCreate
+from contract.api import JobOut, TokenCreate
+from contract.enums import Role
+from contract.spec import JobSpec
 from server.app import create_app
 from server.config import Settings
 
@@ -46,7 +48,7 @@ def server_process(
     process once ``/api/v1/health`` answers, and stops it on exit. For benchmarks and tests
     that need the real process model rather than an app in this process."""
     port = free_port()
-    cmd = [sys.executable, "-m", "agent.cli", "server", "--port", str(port)]
+    cmd = [sys.executable, "-m", "evenflow.cli", "server", "--port", str(port)]
     cmd += ["--log-level", "warning", *args]
     proc = subprocess.Popen(cmd, env=dict(env), cwd=Path(__file__).resolve().parents[1])
     base = f"http://127.0.0.1:{port}"

@@ -24,7 +24,9 @@ from rich.console import Console
 from rich.table import Table
 
 from agent.client import ApiClient, ApiError, make_http
-from agent.wire import JobSpec, Role, TokenCreate
+from contract.api import TokenCreate
+from contract.enums import Role
+from contract.spec import JobSpec
 
 DEFAULT_SERVER = "http://127.0.0.1:8000"
 console = Console()
@@ -245,7 +247,7 @@ def _progress(stream: Any = None) -> Any:
 def _run_policies(
     cluster: Any, profile: Any, iterations: dict[Any, int], stream: Any = None
 ) -> dict[Any, Any]:
-    from server.experiment import run_policy
+    from evenflow.experiment import run_policy
 
     results = {}
     with _progress(stream) as progress:
@@ -262,8 +264,8 @@ def _run_policies(
 def cmd_compare(args: argparse.Namespace) -> None:
     import tempfile
 
-    from server.experiment import Profile, report
-    from server.local_cluster import LocalCluster
+    from evenflow.experiment import Profile, report
+    from evenflow.local_cluster import LocalCluster
 
     try:
         profile = Profile.model_validate(yaml.safe_load(Path(args.profile).read_text()))
@@ -318,9 +320,9 @@ def cmd_demo(args: argparse.Namespace) -> None:
     import tempfile
     import threading
 
-    from agent.wire import PolicyName
-    from server.experiment import Profile, ProfileWorker, optimum_ms, report
-    from server.local_cluster import LocalCluster
+    from contract.enums import PolicyName
+    from evenflow.experiment import Profile, ProfileWorker, optimum_ms, report
+    from evenflow.local_cluster import LocalCluster
 
     n = args.workers
     profile = Profile(
@@ -448,7 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "compare", help="run an emulated profile under several policies and measure each"
     )
-    p.add_argument("--profile", required=True, help="profile YAML (see server/experiment.py)")
+    p.add_argument("--profile", required=True, help="profile YAML (see evenflow/experiment.py)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--workdir", default=None)
     p.set_defaults(func=cmd_compare)

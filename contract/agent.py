@@ -1,0 +1,208 @@
+"""The agent protocol: host registration, heartbeats and their assignments, the plan a training
+leader polls, and the telemetry workers post.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from contract.base import (
+    MAX_ID,
+    MAX_TELEMETRY_RECORDS,
+    MAX_WORKERS,
+    Id,
+    Ms,
+    Name,
+    Request,
+    Response,
+    Text,
+)
+from contract.enums import DeviceKind, HostStatus, PlanSource, WorkerState
+
+
+class DeviceInfo(Request):
+    index: int = Field(ge=0, le=1023)
+    kind: DeviceKind = Field(strict=False)
+    model: Text = Field(min_length=1, max_length=128)
+    memory_mb: int = Field(ge=0, le=10_000_000)
+
+
+class HostRegister(Request):
+    protocol_version: int = Field(ge=0, le=MAX_ID)
+    name: Name
+    address: Text = Field(min_length=1, max_length=255)
+    devices: list[DeviceInfo] = Field(min_length=1, max_length=256)
+
+    @field_validator("devices")
+    @classmethod
+    def _unique_indices(cls, devices: list[DeviceInfo]) -> list[DeviceInfo]:
+        seen: set[tuple[DeviceKind, int]] = set()
+        for d in devices:
+            key = (d.kind, d.index)
+            if key in seen:
+                raise ValueError(f"device {d.kind}:{d.index} listed twice")
+            seen.add(key)
+        return devices
+
+
+class WorkerReport(Request):
+    """What an agent says about one of its workers."""
+
+    job_id: Id
+    rank: int = Field(ge=0, lt=MAX_WORKERS)
+    state: WorkerState = Field(strict=False)
+    exit_code: int | None = Field(default=None, ge=-(2**31), le=MAX_ID)
+    error: Text | None = Field(default=None, max_length=65_536)
+
+
+class Heartbeat(Request):
+    workers: list[WorkerReport] = Field(default_factory=list, max_length=1024)
+
+
+class Assignment(Response):
+    """One rank an agent must run (``desired='run'``) or stop (``desired='stop'``)."""
+
+    job_id: int
+    rank: int
+    world_size: int
+    device_index: int
+    device_kind: DeviceKind
+    master_addr: str
+    master_port: int
+    backend: Literal["nccl", "gloo"]
+    desired: Literal["run", "stop"]
+    spec: dict[str, Any]
+    """The job's JobSpec as JSON."""
+
+
+class HeartbeatAck(Response):
+    host_id: int
+    status: HostStatus
+    assignments: list[Assignment] = []
+
+
+class PlanOut(Response):
+    job_id: int
+    version: int
+    batch_sizes: list[int]
+    """Local batch size per rank; sums to ``global_batch``."""
+    excluded: list[int] = []
+    """Ranks out of the all-reduce group under this plan (partial all-reduce); their batch is 0.
+    They only probe their speed off the critical path until a later plan readmits them."""
+    global_batch: int
+    source: PlanSource
+    reason: str
+    predicted_ms: float | None = None
+    created_at: datetime
+    created_by: str | None = None
+
+
+class TelemetryRecord(Request):
+    """One rank's timing of one iteration."""
+
+    rank: int = Field(ge=0, lt=MAX_WORKERS)
+    iteration: int = Field(ge=0, le=10**12)
+    plan_version: Id
+    batch_size: int = Field(ge=0, le=10_000_000)
+    data_ms: Ms
+    compute_ms: Ms
+    sync_ms: Ms
+    ts: float = Field(ge=0, le=1e11, allow_inf_nan=False)
+    """Unix time (seconds) at the end of the iteration on the worker."""
+    probe: bool = False
+    """A timing an excluded rank took off the critical path (its gradients are discarded);
+    ``batch_size`` is the probe's size, not part of the global batch."""
+
+
+TELEMETRY_FIELDS = tuple(TelemetryRecord.model_fields)
+"""The fields of a record, in the order of ``TelemetryColumns``' arrays."""
+
+
+class TelemetryColumns(Request):
+    """Records as one array per field (entry i of every array is record i): the same bounds as
+    ``TelemetryRecord``, in half the bytes of the record objects and about a fifth of the server's
+    parsing (``bench/ingest.py``). The form the runtime posts."""
+
+    rank: list[Annotated[int, Field(ge=0, lt=MAX_WORKERS)]] = Field(
+        min_length=1, max_length=MAX_TELEMETRY_RECORDS
+    )
+    iteration: list[Annotated[int, Field(ge=0, le=10**12)]]
+    plan_version: list[Id]
+    batch_size: list[Annotated[int, Field(ge=0, le=10_000_000)]]
+    data_ms: list[Ms]
+    compute_ms: list[Ms]
+    sync_ms: list[Ms]
+    ts: list[Annotated[float, Field(ge=0, le=1e11, allow_inf_nan=False)]]
+    probe: list[bool] | None = None
+    """Absent: no record is a probe."""
+
+    @model_validator(mode="after")
+    def _same_length(self) -> TelemetryColumns:
+        n = len(self.rank)
+        for name in TELEMETRY_FIELDS:
+            values = getattr(self, name)
+            if values is not None and len(values) != n:
+                raise ValueError(f"columns.{name} has {len(values)} values; columns.rank has {n}")
+        return self
+
+    def arrays(self) -> tuple[list[Any], ...]:
+        """Every field's array in ``TELEMETRY_FIELDS`` order (``probe`` filled in)."""
+        probe = self.probe if self.probe is not None else [False] * len(self.rank)
+        return tuple(probe if n == "probe" else getattr(self, n) for n in TELEMETRY_FIELDS)
+
+
+class TelemetryBatch(Request):
+    """Timings of a job's ranks: as ``records`` (objects) or as ``columns`` (arrays), exactly
+    one of the two."""
+
+    records: list[TelemetryRecord] | None = Field(
+        default=None, min_length=1, max_length=MAX_TELEMETRY_RECORDS
+    )
+    columns: TelemetryColumns | None = None
+    urgent: bool = False
+    """Sent ahead of the usual cadence because a rank's iteration or compute time jumped (a
+    slowdown starting or ending): the control plane looks at the job at once."""
+
+    @model_validator(mode="after")
+    def _one_form(self) -> TelemetryBatch:
+        if (self.records is None) == (self.columns is None):
+            raise ValueError("give exactly one of records and columns")
+        return self
+
+    def arrays(self) -> tuple[list[Any], ...]:
+        """Every field's values as one list each, in ``TELEMETRY_FIELDS`` order."""
+        if self.columns is not None:
+            return self.columns.arrays()
+        records = self.records or []
+        return tuple([getattr(r, n) for r in records] for n in TELEMETRY_FIELDS)
+
+    def all_records(self) -> list[TelemetryRecord]:
+        """The records as objects, whichever form the batch came in."""
+        if self.records is not None:
+            return self.records
+        return [
+            TelemetryRecord.model_construct(**dict(zip(TELEMETRY_FIELDS, values, strict=True)))
+            for values in zip(*self.arrays(), strict=True)
+        ]
+
+    def columnar(self) -> TelemetryBatch:
+        """The same batch as ``columns``: what goes on the wire."""
+        if self.columns is not None:
+            return self
+        arrays: dict[str, Any] = dict(zip(TELEMETRY_FIELDS, self.arrays(), strict=True))
+        if not any(arrays["probe"]):
+            arrays["probe"] = None
+        columns = TelemetryColumns.model_construct(None, **arrays)
+        return TelemetryBatch.model_construct(records=None, columns=columns, urgent=self.urgent)
+
+    def wire_json(self) -> str:
+        """The body to post: the columnar form, absent fields left out."""
+        return self.columnar().model_dump_json(exclude_none=True)
+
+
+class TelemetryAck(Response):
+    accepted: int
+    duplicates: int

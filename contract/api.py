@@ -1,0 +1,204 @@
+"""The public REST API's bodies: hosts, jobs, what-if plans, models, events, overrides, audit and
+tokens, as people and scripts read and write them.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import Field
+
+from contract.agent import PlanOut
+from contract.base import MAX_WORKERS, Batch, Name, Request, Response, Text
+from contract.enums import (
+    DeviceKind,
+    DeviceStatus,
+    HostStatus,
+    JobStatus,
+    OverrideKind,
+    Role,
+    WorkerState,
+)
+
+
+class DeviceOut(Response):
+    id: int
+    index: int
+    kind: DeviceKind
+    model: str
+    memory_mb: int
+    status: DeviceStatus
+    job_id: int | None = None
+
+
+class HostOut(Response):
+    id: int
+    name: str
+    address: str
+    status: HostStatus
+    protocol_version: int
+    registered_at: datetime
+    last_heartbeat: datetime
+    devices: list[DeviceOut] = []
+
+
+class WorkerOut(Response):
+    rank: int
+    device_id: int | None
+    host_id: int | None
+    state: WorkerState
+    exit_code: int | None = None
+    error: str | None = None
+
+
+class JobOut(Response):
+    id: int
+    name: str
+    status: JobStatus
+    owner: str
+    spec: dict[str, Any]
+    emulated: bool
+    created_at: datetime
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    error: str | None = None
+    plan_version: int | None = None
+    frozen: bool = False
+    workers: list[WorkerOut] = []
+
+
+class JobList(Response):
+    items: list[JobOut]
+    total: int
+
+
+SolvePolicy = Literal["minmax", "equal", "proportional"]
+"""The planner's one-shot policies (static and adaptive are ways of running a job, not solvers)."""
+
+
+class SolveWorker(Request):
+    """One worker of a what-if plan: its performance model and constraints."""
+
+    id: Text = Field(min_length=1, max_length=128)
+    per_sample_ms: float = Field(gt=0, le=1e6, allow_inf_nan=False)
+    intercept_ms: float = Field(default=0.0, ge=0, le=1e7, allow_inf_nan=False)
+    floor_ms: float = Field(default=0.0, ge=0, le=1e7, allow_inf_nan=False)
+    min_batch: int = Field(default=0, ge=0, le=10_000_000)
+    max_batch: int | None = Field(default=None, ge=0, le=10_000_000)
+    pinned_batch: int | None = Field(default=None, ge=0, le=10_000_000)
+
+
+class SolveRequest(Request):
+    """A stateless what-if: the plan a policy would make for these workers."""
+
+    global_batch: int = Field(ge=1, le=100_000_000)
+    policy: SolvePolicy = "minmax"
+    granularity: int = Field(default=1, ge=1, le=65_536)
+    workers: list[SolveWorker] = Field(min_length=1, max_length=MAX_WORKERS)
+
+
+class SolveResponse(Response):
+    batch_sizes: dict[str, int]
+    predicted_ms: dict[str, float]
+    makespan_ms: float
+    lower_bound_ms: float
+    optimal: bool
+    policy: SolvePolicy
+    solve_ms: float
+
+
+class ModelOut(Response):
+    """A worker's fitted performance model: t(b) = max(floor, intercept + per_sample * b)."""
+
+    rank: int
+    identifiable: bool
+    """False while the worker has been seen at one batch size only; the numbers are then a guess."""
+    per_sample_ms: float | None
+    intercept_ms: float | None
+    floor_ms: float | None
+    r2: float | None = None
+    relative_rmse: float | None = None
+    observations: int = 0
+    distinct_batch_sizes: int = 0
+    reason: str = ""
+
+
+class TelemetryOut(Response):
+    probe: bool = False
+    rank: int
+    iteration: int
+    plan_version: int
+    batch_size: int
+    data_ms: float
+    compute_ms: float
+    sync_ms: float
+    ts: float
+
+
+class EventOut(Response):
+    id: int
+    job_id: int
+    rank: int | None
+    kind: str
+    severity: float
+    start_iteration: int
+    end_iteration: int | None
+    action: str
+    detail: dict[str, Any] = {}
+    created_at: datetime
+
+
+class OverrideCreate(Request):
+    kind: OverrideKind = Field(strict=False)
+    reason: Text = Field(min_length=1, max_length=1000)
+    batch_sizes: list[Batch] | None = Field(default=None, max_length=MAX_WORKERS)
+    rank: int | None = Field(default=None, ge=0, lt=MAX_WORKERS)
+    batch_size: int | None = Field(default=None, ge=0, le=10_000_000)
+    preview: bool = False
+    """Compute and return the resulting plan without applying it."""
+
+
+class OverrideOut(Response):
+    id: int | None
+    job_id: int
+    kind: OverrideKind
+    reason: str
+    payload: dict[str, Any]
+    created_by: str
+    created_at: datetime | None
+    applied: bool
+    plan: PlanOut | None = None
+    current_predicted_ms: float | None = None
+
+
+class AuditOut(Response):
+    id: int
+    at: datetime
+    actor: str
+    action: str
+    target: str
+    detail: dict[str, Any] = {}
+
+
+class TokenCreate(Request):
+    name: Name
+    role: Role = Field(strict=False)
+    host: Name | None = None
+    """For agent tokens: the host name this token may register and write for."""
+
+
+class TokenOut(Response):
+    id: int
+    name: str
+    role: Role
+    prefix: str
+    host: str | None = None
+    created_at: datetime
+    created_by: str
+    revoked_at: datetime | None = None
+
+
+class TokenCreated(TokenOut):
+    token: str
+    """The secret, shown once."""

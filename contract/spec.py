@@ -1,0 +1,119 @@
+"""The job spec: what a user submits (workload, global batch, workers, policy, emulation).
+
+The control plane stores it; agents and workers read it back from their assignment.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from contract.base import Id, Name, Request, Text
+from contract.enums import PolicyName
+
+
+class Slowdown(Request):
+    """Multiply a worker's emulated compute time by ``factor`` on iterations [from, to)."""
+
+    from_iteration: int = Field(ge=0, le=10**12)
+    to_iteration: int = Field(ge=1, le=10**12)
+    factor: float = Field(gt=0, le=1000, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Slowdown:
+        if self.to_iteration <= self.from_iteration:
+            raise ValueError("to_iteration must be greater than from_iteration")
+        return self
+
+
+class EmulatedWorker(Request):
+    """Emulated speed: pad real compute to factor * (intercept + per_sample * b)."""
+
+    per_sample_ms: float = Field(ge=0, le=1e5, allow_inf_nan=False)
+    intercept_ms: float = Field(default=0.0, ge=0, le=1e5, allow_inf_nan=False)
+    slowdowns: list[Slowdown] = Field(default_factory=list, max_length=64)
+    name: Name | None = None
+
+
+ENTRYPOINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+class WorkloadSpec(Request):
+    """What to train: a built-in workload or a user entrypoint ``module:function``."""
+
+    builtin: Literal["mlp", "cnn-digits"] | None = None
+    entrypoint: Text | None = Field(default=None, max_length=255)
+    learning_rate: float = Field(default=0.05, gt=0, le=10, allow_inf_nan=False)
+    seed: int = Field(default=0, ge=0, le=2**31 - 1)
+    args: dict[Text, Text | int | float | bool] = Field(default_factory=dict, max_length=64)
+
+    @model_validator(mode="after")
+    def _one_of(self) -> WorkloadSpec:
+        if (self.builtin is None) == (self.entrypoint is None):
+            raise ValueError("give exactly one of builtin or entrypoint")
+        if self.entrypoint is not None and not ENTRYPOINT.match(self.entrypoint):
+            raise ValueError("entrypoint must look like 'package.module:function'")
+        return self
+
+
+class PolicySpec(Request):
+    name: PolicyName = Field(default=PolicyName.ADAPTIVE, strict=False)
+    rebalance_every: int = Field(default=20, ge=1, le=1_000_000)
+    """Re-plan cadence in iterations."""
+    min_gain: float = Field(default=0.03, ge=0, le=1, allow_inf_nan=False)
+    """Issue a new plan only if it predicts at least this fractional cut in iteration time."""
+    explore_iterations: int = Field(default=10, ge=0, le=10_000)
+    """Iterations at the start that perturb batch sizes so each worker's model is identifiable."""
+    granularity: int = Field(default=1, ge=1, le=4096)
+
+
+class JobSpec(Request):
+    name: Name
+    workload: WorkloadSpec
+    global_batch: int = Field(ge=1, le=10_000_000)
+    iterations: int | None = Field(default=None, ge=1, le=100_000_000)
+    epochs: int | None = Field(default=None, ge=1, le=100_000)
+    workers: int | None = Field(default=None, ge=1, le=1024)
+    max_workers: int | None = Field(default=None, ge=1, le=1024)
+    """With ``workers``: take up to this many devices when they are free (``workers`` is then
+    the minimum); placement picks the count that maximises predicted throughput."""
+    devices: list[Id] | None = Field(default=None, min_length=1, max_length=1024)
+    """Explicit device ids (from GET /hosts); instead of ``workers``."""
+    policy: PolicySpec = Field(default_factory=PolicySpec)
+    emulation: list[EmulatedWorker] | None = Field(default=None, max_length=1024)
+    """One entry per rank; labels the job as emulated everywhere it shows."""
+    max_batch_per_worker: int | None = Field(default=None, ge=1, le=10_000_000)
+    priority: int = Field(default=0, ge=-100, le=100)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> JobSpec:
+        if (self.iterations is None) == (self.epochs is None):
+            raise ValueError("give exactly one of iterations or epochs")
+        if (self.workers is None) == (self.devices is None):
+            raise ValueError("give exactly one of workers or devices")
+        if self.devices is not None and len(set(self.devices)) != len(self.devices):
+            raise ValueError("devices lists a device twice")
+        if self.max_workers is not None:
+            if self.workers is None or self.max_workers < self.workers:
+                raise ValueError("max_workers needs workers (the minimum) and must be at least it")
+            if self.emulation is not None and self.max_workers != self.workers:
+                raise ValueError(
+                    "an emulated job has one emulation entry per rank: give no max_workers"
+                )
+        n = self.world_size
+        if self.emulation is not None and len(self.emulation) != n:
+            raise ValueError(f"emulation has {len(self.emulation)} entries for {n} workers")
+        if (
+            self.max_batch_per_worker is not None
+            and self.max_batch_per_worker * n < self.global_batch
+        ):
+            raise ValueError("global_batch exceeds workers * max_batch_per_worker")
+        if self.global_batch % self.policy.granularity:
+            raise ValueError("global_batch must be a multiple of policy.granularity")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.workers if self.workers is not None else len(self.devices or [])
