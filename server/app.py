@@ -34,7 +34,7 @@ from server.errors import EvenflowError
 from server.live import TelemetryNotifier
 from server.locks import WriterLock, writer_lock_for
 from server.metrics import Metrics, MetricsMiddleware
-from server.notify import PlanBus, PlanWaiters
+from server.notify import Bus, PgNotifyBus, PlanWaiters, open_bus
 from server.services import tokens as token_service
 
 log = logging.getLogger("evenflow.server")
@@ -133,9 +133,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     metrics = Metrics(sessions)
     caches = Caches(sessions)
     waiters = PlanWaiters()
-    bus = PlanBus.for_database(settings.database_url)
+    bus = open_bus(settings.database_url)
     caches.plan_listeners += [waiters.notify, bus.publish]
-    wake_bus = PlanBus.for_database(settings.database_url, "wake")
+    wake_bus = open_bus(settings.database_url, "wake")
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -158,8 +158,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             stop.set()
             if controller is not None:
                 await asyncio.to_thread(controller.join, 30)
-            sock = bus.listen()
-            if sock is not None:
+            if not isinstance(bus, PgNotifyBus) and (sock := bus.listen()) is not None:
                 asyncio.get_running_loop().remove_reader(sock.fileno())
             bus.close()
             wake_bus.close()
@@ -252,9 +251,19 @@ def _replace_refs(node: Any, old: str, new: str) -> Any:
     return node
 
 
-def _listen_for_plans(bus: PlanBus, caches: Caches, waiters: PlanWaiters) -> None:
-    """Plans committed by other processes (the controller, other API workers): clear their
-    cache entries and wake their long-polls, on the event loop as the ids arrive."""
+def _listen_for_plans(bus: Bus, caches: Caches, waiters: PlanWaiters) -> None:
+    """Plans committed by other processes (the controller, other API workers, other servers on
+    the same PostgreSQL): clear their cache entries and wake their long-polls, as the ids
+    arrive (on the event loop from the Unix socket bus; from the LISTEN thread on PostgreSQL)."""
+    if isinstance(bus, PgNotifyBus):
+
+        def on_ids(ids: set[int]) -> None:
+            for job_id in ids:
+                caches.plans.invalidate(job_id)
+            waiters.notify(ids)
+
+        bus.subscribe(on_ids)
+        return
     sock = bus.listen()
     if sock is None:
         return

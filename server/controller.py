@@ -31,7 +31,7 @@ from server.cache import Caches
 from server.config import Settings
 from server.db import checkpoint, make_engine, session_factory, transaction
 from server.locks import ControllerLock, writer_lock_for
-from server.notify import PlanBus
+from server.notify import Bus, PgNotifyBus, open_bus
 from server.services import control_loop
 from server.services import hosts as host_service
 
@@ -140,12 +140,12 @@ class Controller:
                 log.warning("host %s marked lost", host.name)
 
 
-def connect(database_url: str, pool_size: int = 2) -> tuple[Engine, sessionmaker[Session], PlanBus]:
+def connect(database_url: str, pool_size: int = 2) -> tuple[Engine, sessionmaker[Session], Bus]:
     """An engine and sessions for a process other than an API one (the controller): the job
     ids of the plans its sessions commit go out on the plan bus to the API processes."""
     engine = make_engine(database_url, pool_size=pool_size)
     sessions = session_factory(engine)
-    bus = PlanBus.for_database(database_url)
+    bus = open_bus(database_url)
     Caches(sessions).plan_listeners.append(bus.publish)
     return engine, sessions, bus
 
@@ -155,7 +155,7 @@ def run_process(settings: Settings, stop: threading.Event | None = None) -> None
     stop = stop or threading.Event()
     engine, sessions, bus = connect(settings.database_url)
     write_lock = writer_lock_for(settings.database_url)
-    wake = PlanBus.for_database(settings.database_url, "wake")
+    wake = open_bus(settings.database_url, "wake")
     controller = Controller(settings, engine=engine, sessions=sessions, write_lock=write_lock)
     listener = threading.Thread(
         target=_listen_for_pokes, args=(wake, controller, stop), name="wake-bus", daemon=True
@@ -172,14 +172,17 @@ def run_process(settings: Settings, stop: threading.Event | None = None) -> None
         engine.dispose()
 
 
-def _listen_for_pokes(wake: PlanBus, controller: Controller, stop: threading.Event) -> None:
+def _listen_for_pokes(wake: Bus, controller: Controller, stop: threading.Event) -> None:
     """Poke the controller whenever an API process says a job sent urgent telemetry."""
+    if isinstance(wake, PgNotifyBus):
+        wake.subscribe(lambda _ids: controller.poke())
+        return
     sock = wake.listen()
     if sock is None:
         return
     while not stop.is_set():
         ready, _, _ = select.select([sock], [], [], WAKE_SLICE_S * 5)
-        if ready and PlanBus.read(sock):
+        if ready and wake.read(sock):
             controller.poke()
 
 

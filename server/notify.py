@@ -12,6 +12,11 @@ separated job ids to each. That needs no broker and works on SQLite and PostgreS
 processes on one machine (the API workers and the controller ``evenflow server`` starts).
 Delivery is best effort: a lost datagram only means the long-poll notices the change at its
 next re-check (every ``RECHECK_S``) and the cache within its TTL, as before notifications.
+
+On PostgreSQL the same ids travel by ``LISTEN``/``NOTIFY`` instead (:class:`PgNotifyBus`), so
+any number of ``evenflow server`` instances on different machines share one database: a plan
+committed by any of them wakes long-polls held by any other. :func:`open_bus` picks the bus for
+a database URL; both kinds publish, listen and close alike.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+import psycopg
 from sqlalchemy import make_url
 
 from server.locks import sqlite_file
@@ -195,3 +201,115 @@ class PlanBus:
 
 
 PlanListener = Callable[[set[int]], None]
+
+
+PG_CHANNELS = {"": "evenflow_plans", "wake": "evenflow_wake"}
+"""The NOTIFY channel of each bus; NOTIFY is scoped to one database, so the names need no hash."""
+
+PG_PAYLOAD_BYTES = 7_900
+"""A NOTIFY payload must stay under 8,000 bytes: longer id lists go out as several."""
+
+
+class PgNotifyBus:
+    """Job ids between processes on any machines sharing one PostgreSQL database.
+
+    :meth:`publish` sends ``pg_notify`` on a connection of its own (autocommit, opened on first
+    use and again after it breaks); :meth:`subscribe` runs a thread that holds a ``LISTEN``
+    connection and hands each notification's ids to a callback, reconnecting when the
+    connection is lost. Like :class:`PlanBus` it never raises into the committing code: a lost
+    notification only means the waiter notices at its next re-check.
+    """
+
+    def __init__(self, conninfo: str, channel: str = "") -> None:
+        self.conninfo = conninfo
+        self.channel = PG_CHANNELS[channel]
+        self._out: psycopg.Connection | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    @classmethod
+    def for_database(cls, database_url: str, channel: str = "") -> PgNotifyBus:
+        url = make_url(database_url).set(drivername="postgresql")
+        return cls(url.render_as_string(hide_password=False), channel)
+
+    def publish(self, job_ids: Iterable[int]) -> None:
+        """Notify every listener of the database (this process's own included); never raises."""
+        ids = sorted(set(job_ids))
+        if not ids:
+            return
+        with self._lock:
+            for attempt in range(2):  # once more on a fresh connection if the pooled one broke
+                try:
+                    if self._out is None or self._out.closed:
+                        self._out = psycopg.connect(self.conninfo, autocommit=True)
+                    for payload in _payloads(ids):
+                        self._out.execute("SELECT pg_notify(%s, %s)", (self.channel, payload))
+                    return
+                except (psycopg.Error, OSError):
+                    self._drop_out()
+                    if attempt:
+                        log.debug("plan bus: NOTIFY on %s failed", self.channel, exc_info=True)
+
+    def subscribe(self, on_ids: Callable[[set[int]], None]) -> None:
+        """Call ``on_ids`` with each notification's job ids, from a thread, until :meth:`close`."""
+        thread = threading.Thread(
+            target=self._listen, args=(on_ids,), name=f"{self.channel}-listen", daemon=True
+        )
+        self._threads.append(thread)
+        thread.start()
+
+    def _listen(self, on_ids: Callable[[set[int]], None]) -> None:
+        while not self._stop.is_set():
+            try:
+                with psycopg.connect(self.conninfo, autocommit=True) as conn:
+                    conn.execute(f"LISTEN {self.channel}")
+                    while not self._stop.is_set():
+                        for note in conn.notifies(timeout=RECHECK_S / 2):
+                            ids = {int(p) for p in note.payload.split(",") if p.isdigit()}
+                            if ids:
+                                on_ids(ids)
+            except (psycopg.Error, OSError):
+                log.warning("plan bus: LISTEN %s lost; reconnecting", self.channel, exc_info=True)
+                self._stop.wait(RECHECK_S)
+            except Exception:  # a callback's bug must not end notifications for good
+                log.exception("plan bus: a listener of %s failed", self.channel)
+
+    def _drop_out(self) -> None:
+        if self._out is not None:
+            with contextlib.suppress(Exception):
+                self._out.close()
+            self._out = None
+
+    def close(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(RECHECK_S + 1)
+        self._threads.clear()
+        with self._lock:
+            self._drop_out()
+
+
+def _payloads(ids: list[int]) -> Iterable[str]:
+    """Comma-separated ids, cut so that no payload passes :data:`PG_PAYLOAD_BYTES`."""
+    chunk: list[str] = []
+    size = 0
+    for job_id in ids:
+        part = str(job_id)
+        if chunk and size + len(part) + 1 > PG_PAYLOAD_BYTES:
+            yield ",".join(chunk)
+            chunk, size = [], 0
+        chunk.append(part)
+        size += len(part) + 1
+    if chunk:
+        yield ",".join(chunk)
+
+
+Bus = PlanBus | PgNotifyBus
+
+
+def open_bus(database_url: str, channel: str = "") -> Bus:
+    """The notification bus of a database: LISTEN/NOTIFY on PostgreSQL, Unix sockets else."""
+    if make_url(database_url).get_backend_name() == "postgresql":
+        return PgNotifyBus.for_database(database_url, channel)
+    return PlanBus.for_database(database_url, channel)

@@ -1,0 +1,250 @@
+"""A control plane on several machines: servers that share one PostgreSQL database and nothing
+else (each its own runtime directory, so no Unix socket bus joins them) hear each other's plans
+by LISTEN/NOTIFY, and the controller fails over from one to the other."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from pathlib import Path
+
+import httpx
+import pytest
+from sqlalchemy import create_engine, text
+
+from contract.base import PROTOCOL_VERSION
+from evenflow.local_cluster import server_process
+from server.locks import CONTROLLER_LOCK_KEY
+from server.notify import PG_PAYLOAD_BYTES, PgNotifyBus, open_bus
+from tests.conftest import ADMIN_TOKEN, ROOT
+
+POSTGRES_ONLY = pytest.mark.parametrize(
+    "db_url", [pytest.param("postgresql", marks=pytest.mark.postgres)], indirect=True
+)
+
+
+class Inbox:
+    """What a subscriber heard, with a way to wait for it."""
+
+    def __init__(self) -> None:
+        self.ids: set[int] = set()
+        self.calls = 0
+        self._cond = threading.Condition()
+
+    def __call__(self, ids: set[int]) -> None:
+        with self._cond:
+            self.ids |= ids
+            self.calls += 1
+            self._cond.notify_all()
+
+    def wait_for(self, expected: set[int], timeout: float = 10.0) -> None:
+        with self._cond:
+            assert self._cond.wait_for(lambda: expected <= self.ids, timeout), (
+                f"heard {sorted(self.ids)[:10]}..., not all of the expected ids"
+            )
+
+
+def test_open_bus_picks_notify_on_postgresql_and_sockets_on_sqlite(tmp_path: Path) -> None:
+    assert isinstance(open_bus("postgresql+psycopg://u@h/db"), PgNotifyBus)
+    assert not isinstance(open_bus(f"sqlite:///{tmp_path / 'x.db'}"), PgNotifyBus)
+
+
+@POSTGRES_ONLY
+def test_notify_reaches_a_listener_of_another_connection(db_url: str) -> None:
+    listener, publisher = open_bus(db_url), open_bus(db_url)
+    other_channel = open_bus(db_url, "wake")
+    inbox, wake_inbox = Inbox(), Inbox()
+    assert isinstance(listener, PgNotifyBus) and isinstance(other_channel, PgNotifyBus)
+    try:
+        listener.subscribe(inbox)
+        other_channel.subscribe(wake_inbox)
+        _until_listening(db_url, 2)
+        publisher.publish([3, 1, 2, 2])
+        inbox.wait_for({1, 2, 3})
+        many = list(range(1, 5_001))  # about 24 kB of ids: more than one NOTIFY payload
+        publisher.publish(many)
+        inbox.wait_for(set(many))
+        assert inbox.calls >= 1 + len(str(many)) // PG_PAYLOAD_BYTES
+        assert wake_inbox.ids == set()  # the wake channel heard none of the plan ids
+    finally:
+        for bus in (listener, publisher, other_channel):
+            bus.close()
+
+
+@POSTGRES_ONLY
+def test_a_listener_reconnects_after_its_connection_is_killed(db_url: str) -> None:
+    listener, publisher = open_bus(db_url), open_bus(db_url)
+    inbox = Inbox()
+    assert isinstance(listener, PgNotifyBus)
+    try:
+        listener.subscribe(inbox)
+        _until_listening(db_url, 1)
+        engine = create_engine(db_url, isolation_level="AUTOCOMMIT")
+        with engine.connect() as c:  # what a database fail-over or an idle-session reaper does
+            killed = c.execute(
+                text(
+                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                    "WHERE datname = current_database() AND query LIKE 'LISTEN%'"
+                )
+            ).scalar()
+        engine.dispose()
+        assert killed == 1
+        publisher.publish([41])  # the publisher's own connection survives; nobody listens yet
+        _until_listening(db_url, 1)
+        publisher.publish([42])
+        inbox.wait_for({42})
+    finally:
+        listener.close()
+        publisher.close()
+
+
+def _until_listening(db_url: str, n: int, timeout: float = 10.0) -> None:
+    engine = create_engine(db_url)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            with engine.connect() as c:
+                count = c.execute(
+                    text(
+                        "SELECT count(*) FROM pg_stat_activity "
+                        "WHERE datname = current_database() AND query LIKE 'LISTEN%'"
+                    )
+                ).scalar()
+            if count == n:
+                return
+            assert time.monotonic() < deadline, f"{count} listeners, not {n}"
+            time.sleep(0.05)
+    finally:
+        engine.dispose()
+
+
+# ------------------------------------------------------------------ two servers, one database
+
+
+def _server_env(db_url: str, name: str, runtime: Path) -> dict[str, str]:
+    runtime.mkdir()
+    return {
+        **os.environ,
+        "EVENFLOW_DATABASE_URL": f"{db_url}?application_name={name}",
+        "EVENFLOW_ADMIN_TOKEN": ADMIN_TOKEN,
+        "TMPDIR": str(runtime),  # each its own bus directory: only the database joins them
+        "PYTHONPATH": str(ROOT),
+    }
+
+
+@pytest.fixture
+def two_servers(db_url: str, tmp_path: Path) -> Iterator[tuple[str, str, list[object]]]:
+    with ExitStack() as stack:
+        procs: list[object] = []
+        bases = []
+        for name in ("server-a", "server-b"):
+            env = _server_env(db_url, name, tmp_path / name)
+            base, proc = stack.enter_context(server_process(env))
+            bases.append(base)
+            procs.append(proc)
+            if name == "server-a":  # a's controller is active before b's starts as a standby
+                _until_controller(db_url, "server-a")
+        yield bases[0], bases[1], procs
+
+
+def _controller_holder(db_url: str) -> str | None:
+    """The application name of the server whose controller holds the advisory lock."""
+    key = CONTROLLER_LOCK_KEY & 0xFFFFFFFFFFFFFFFF  # a bigint key: classid high, objid low
+    engine = create_engine(db_url)
+    try:
+        with engine.connect() as c:
+            return c.execute(
+                text(
+                    "SELECT a.application_name FROM pg_locks l JOIN pg_stat_activity a "
+                    "USING (pid) WHERE l.locktype = 'advisory' AND l.granted "
+                    "AND l.objsubid = 1 AND l.classid::bigint = :hi AND l.objid::bigint = :lo"
+                ),
+                {"hi": (key >> 32) & 0xFFFFFFFF, "lo": key & 0xFFFFFFFF},
+            ).scalar()
+    finally:
+        engine.dispose()
+
+
+def _until_controller(db_url: str, name: str, timeout: float = 20.0) -> float:
+    t0 = time.monotonic()
+    while _controller_holder(db_url) != name:
+        assert time.monotonic() - t0 < timeout, f"the controller lock is not held by {name}"
+        time.sleep(0.1)
+    return time.monotonic() - t0
+
+
+def _job_with_plan(base: str) -> int:
+    auth = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    token = httpx.post(
+        f"{base}/api/v1/tokens",
+        json={"name": "agent-h", "role": "agent", "host": "h"},
+        headers=auth,
+    ).json()["token"]
+    host = {
+        "protocol_version": PROTOCOL_VERSION,
+        "name": "h",
+        "address": "127.0.0.1",
+        "devices": [{"index": i, "kind": "cpu", "model": "CPU", "memory_mb": 1024} for i in (0, 1)],
+    }
+    r = httpx.post(
+        f"{base}/api/v1/hosts/register", json=host, headers={"Authorization": f"Bearer {token}"}
+    )
+    assert r.status_code == 201, r.text
+    spec = {
+        "name": "shared",
+        "workload": {"builtin": "mlp"},
+        "global_batch": 64,
+        "iterations": 100,
+        "workers": 2,
+    }
+    r = httpx.post(f"{base}/api/v1/jobs", json=spec, headers=auth)
+    assert r.status_code == 201, r.text
+    job = int(r.json()["id"])
+    deadline = time.monotonic() + 20
+    while httpx.get(f"{base}/api/v1/jobs/{job}/plan", headers=auth).status_code != 200:
+        assert time.monotonic() < deadline, "the job never got its first plan"
+        time.sleep(0.1)
+    return job
+
+
+@POSTGRES_ONLY
+@pytest.mark.slow
+def test_an_override_through_one_server_answers_a_long_poll_held_by_the_other(
+    two_servers: tuple[str, str, list[object]],
+) -> None:
+    a, b, _ = two_servers
+    auth = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    job = _job_with_plan(a)
+    known = httpx.get(f"{b}/api/v1/jobs/{job}/plan", headers=auth).json()["version"]
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(
+            httpx.get,
+            f"{b}/api/v1/jobs/{job}/plan",
+            params={"known_version": known, "wait_s": 30},
+            headers=auth,
+            timeout=40,
+        )
+        time.sleep(0.5)  # the long-poll is held by b
+        body = {"kind": "set_batches", "batch_sizes": [40, 24], "reason": "through a"}
+        r = httpx.post(f"{a}/api/v1/jobs/{job}/overrides", json=body, headers=auth)
+        assert r.status_code in (200, 201), r.text
+        answer = waiting.result(timeout=30)
+    assert answer.status_code == 200
+    assert answer.json()["version"] > known and answer.json()["batch_sizes"] == [40, 24]
+
+
+@POSTGRES_ONLY
+@pytest.mark.slow
+def test_killing_the_active_controllers_server_hands_the_controller_over(
+    two_servers: tuple[str, str, list[object]], db_url: str
+) -> None:
+    _, b, procs = two_servers
+    assert _controller_holder(db_url) == "server-a"
+    procs[0].kill()  # type: ignore[attr-defined]  # SIGKILL: no clean release
+    took = _until_controller(db_url, "server-b", timeout=10)
+    assert took < 10
+    assert httpx.get(f"{b}/api/v1/health").status_code == 200
