@@ -213,8 +213,13 @@ def cmd_agent(args: argparse.Namespace) -> None:
 
     from agent.daemon import discover_devices, run_agent
 
+    if args.token_file:
+        try:
+            args.token = Path(args.token_file).read_text().strip()
+        except OSError as exc:
+            raise SystemExit(f"error: cannot read --token-file {args.token_file}: {exc}") from exc
     if not args.token:
-        raise SystemExit("error: the agent needs a token (--token or EVENFLOW_TOKEN)")
+        raise SystemExit("error: the agent needs a token (--token, EVENFLOW_TOKEN or --token-file)")
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
@@ -375,6 +380,14 @@ def cmd_demo(args: argparse.Namespace) -> None:
             console.print("stopping")
 
 
+def cmd_migrate(args: argparse.Namespace) -> None:
+    """Migrate the database and bootstrap the admin token, then exit (an init step)."""
+    from server.config import Settings
+    from server.serve import prepare
+
+    prepare(Settings())
+
+
 def cmd_server(args: argparse.Namespace) -> None:
     from server.serve import serve
 
@@ -414,10 +427,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_server)
 
+    p = sub.add_parser(
+        "migrate", help="migrate EVENFLOW_DATABASE_URL and bootstrap the admin token, then exit"
+    )
+    p.set_defaults(func=cmd_migrate)
+
     p = sub.add_parser("agent", help="run this host's agent: register devices, launch workers")
     p.add_argument("--server", default=os.environ.get("EVENFLOW_SERVER", DEFAULT_SERVER))
     p.add_argument(
         "--token", default=os.environ.get("EVENFLOW_TOKEN"), help="agent token (EVENFLOW_TOKEN)"
+    )
+    p.add_argument(
+        "--token-file",
+        default=os.environ.get("EVENFLOW_TOKEN_FILE"),
+        help="read the agent token from this file (a mounted Secret; EVENFLOW_TOKEN_FILE)",
     )
     p.add_argument("--name", default=None, help="host name to register (default: hostname)")
     p.add_argument(

@@ -32,7 +32,7 @@ from server.controller import Controller
 from server.db import make_engine, migrate, session_factory, transaction
 from server.errors import EvenflowError
 from server.live import TelemetryNotifier
-from server.locks import WriterLock, writer_lock_for
+from server.locks import WriterLock, bootstrap_lock, writer_lock_for
 from server.metrics import Metrics, MetricsMiddleware
 from server.notify import Bus, PgNotifyBus, PlanWaiters, open_bus
 from server.services import tokens as token_service
@@ -226,11 +226,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 def bootstrap(engine: Engine, sessions: sessionmaker[Session], settings: Settings) -> str | None:
     """Migrate (when ``settings.run_migrations``) and make sure an admin token exists; returns
     a generated one, printed once (``evenflow server`` runs this before its processes start)."""
-    if settings.run_migrations:
-        migrate(engine)
     secret = settings.admin_token.get_secret_value() if settings.admin_token else None
-    with transaction(sessions) as s:
-        generated = token_service.ensure_admin(s, secret)
+    with bootstrap_lock(engine):  # replicas starting together take turns
+        if settings.run_migrations:
+            migrate(engine)
+        with transaction(sessions) as s:
+            generated = token_service.ensure_admin(s, secret)
     if generated:
         print(
             f"evenflow: generated admin token (shown once): {generated}",

@@ -8,6 +8,8 @@ Two are needed once the control loop runs in a process of its own (``server.cont
   Writers therefore queue on a lock instead: a ``threading.Lock`` inside a process and an
   ``fcntl.flock`` on a file beside the database across processes (measured against
   ``BEGIN IMMEDIATE`` with a busy timeout in ``bench/writer_lock.py``). PostgreSQL needs none.
+- :func:`bootstrap_lock`: one server at a time migrates and bootstraps a database, so replicas
+  starting together (a Kubernetes Deployment) do not run Alembic concurrently.
 - :class:`ControllerLock`: exactly one control loop per database. On SQLite an exclusive
   ``flock`` beside the database file, on PostgreSQL a session advisory lock held on a connection
   of its own. Both are released by the kernel or the server when the holder dies, so a standby
@@ -20,6 +22,8 @@ import fcntl
 import logging
 import os
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
 
@@ -29,6 +33,25 @@ log = logging.getLogger("evenflow.locks")
 
 # The PostgreSQL advisory lock key of the controller: b"evenflow" as a signed 64-bit integer.
 CONTROLLER_LOCK_KEY = int.from_bytes(b"evenflow", "big", signed=True)
+# The key servers take while they migrate and bootstrap: b"ef-boot!".
+BOOTSTRAP_LOCK_KEY = int.from_bytes(b"ef-boot!", "big", signed=True)
+
+
+@contextmanager
+def bootstrap_lock(engine: Engine) -> Iterator[None]:
+    """Held while migrating and bootstrapping: a PostgreSQL advisory lock (waited for) on a
+    connection of its own; on SQLite the migration's own write transaction serialises."""
+    if engine.dialect.name != "postgresql":
+        yield
+        return
+    with engine.connect() as conn:
+        conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": BOOTSTRAP_LOCK_KEY})
+        conn.commit()
+        try:
+            yield
+        finally:
+            conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": BOOTSTRAP_LOCK_KEY})
+            conn.commit()
 
 
 def sqlite_file(url: str) -> Path | None:

@@ -248,3 +248,43 @@ def test_killing_the_active_controllers_server_hands_the_controller_over(
     took = _until_controller(db_url, "server-b", timeout=10)
     assert took < 10
     assert httpx.get(f"{b}/api/v1/health").status_code == 200
+
+
+@pytest.mark.postgres
+def test_servers_starting_together_migrate_in_turn(pg_template: str, tmp_path: Path) -> None:
+    """Replicas of a Deployment start at once against an empty database: each `evenflow
+    migrate` waits for the other's migration instead of running Alembic beside it."""
+    import subprocess
+    import sys
+    import uuid
+
+    from tests.conftest import PG_ADMIN_URL
+
+    name = f"evenflow_t_{uuid.uuid4().hex[:10]}"
+    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as c:
+        c.execute(text(f'CREATE DATABASE "{name}"'))  # empty: not the migrated template
+    url = PG_ADMIN_URL.rsplit("/", 1)[0] + "/" + name
+    env = {**os.environ, "EVENFLOW_DATABASE_URL": url, "EVENFLOW_ADMIN_TOKEN": ADMIN_TOKEN}
+    try:
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "evenflow.cli", "migrate"],
+                env=env,
+                cwd=ROOT,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for _ in range(3)
+        ]
+        results = [(p.wait(timeout=120), p.stderr.read() if p.stderr else "") for p in procs]
+        assert [code for code, _ in results] == [0, 0, 0], results
+        engine = create_engine(url)
+        with engine.connect() as c:
+            admins = c.execute(text("SELECT count(*) FROM api_tokens WHERE role = 'admin'"))
+            assert admins.scalar() == 1
+        engine.dispose()
+    finally:
+        with admin.connect() as c:
+            c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()

@@ -18,6 +18,16 @@ class Health(BaseModel):
     database: str
 
 
+class Liveness(BaseModel):
+    status: str
+
+
+@router.get("/health/live")
+def live() -> Liveness:
+    """Is the process answering (no database access: for liveness probes)."""
+    return Liveness(status="ok")
+
+
 @router.get("/health")
 def health(session: SessionDep) -> Health:
     """Is the server up and its database reachable."""
