@@ -393,7 +393,7 @@ def cmd_server(args: argparse.Namespace) -> None:
 
     if args.workers < 1:
         raise SystemExit("--workers must be at least 1")
-    serve(args.host, args.port, args.log_level, workers=args.workers)
+    serve(args.host, args.port, args.log_level, workers=args.workers, access_log=args.access_log)
 
 
 # ----------------------------------------------------------------------------- parser
@@ -425,6 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="API processes sharing the port (the control loop always runs in one more)",
     )
+    p.add_argument("--access-log", action="store_true", help="log a line per request")
     p.set_defaults(func=cmd_server)
 
     p = sub.add_parser(

@@ -27,6 +27,8 @@ class Settings(BaseSettings):
     """How often the server looks for lost hosts."""
 
     rebalance_interval_s: float = Field(default=0.5, gt=0)
+    controller_report_s: float = Field(default=60.0, gt=0)
+    """How often the controller logs a summary of its round times."""
     """How often running jobs are checked for a due re-plan."""
 
     controller: Literal["thread", "none"] = "thread"

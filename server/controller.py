@@ -62,6 +62,7 @@ class Controller:
         self.state = control_loop.LoopState(min_decision_interval_s=1.0)
         self.rounds = 0
         self._wake = threading.Event()
+        self.round_stats = RoundStats(settings.controller_report_s)
 
     def poke(self) -> None:
         """Run the next round now instead of at the end of the interval: a worker sent urgent
@@ -122,9 +123,12 @@ class Controller:
         """Re-plan running jobs on their cadence and watch for stragglers; each job in its own
         short transaction, so ingest is never held up for a whole round. The job's new telemetry
         is read first, outside the writer lock (``control_loop.prefetch``)."""
+        started = time.perf_counter()
         with transaction(self.sessions) as s:
             live = control_loop.live_jobs(s)
-        for job_id in live:
+            due = control_loop.jobs_to_sweep(s, self.state, live)
+        for job_id in due:
+            self.state.swept_at[job_id] = time.monotonic()
             with transaction(self.sessions) as s:  # reads only: no writer lock
                 control_loop.prefetch(s, self.state, job_id)
             with self.write_lock, transaction(self.sessions) as s:
@@ -132,12 +136,47 @@ class Controller:
                     log.info("job %d: plan v%d", job, version)
         self.state.forget(set(live))
         self.rounds += 1
+        self.round_stats.add(1000 * (time.perf_counter() - started), len(live), len(due))
 
     def reap(self) -> None:
         s = self.settings
         with self.write_lock, transaction(self.sessions) as session:
             for host in host_service.mark_lost(session, datetime.now(UTC), s.host_lost_after_s):
                 log.warning("host %s marked lost", host.name)
+
+
+class RoundStats:
+    """Round times, summarised in the log every ``report_s`` seconds (operators and
+    ``bench/fleet.py`` read how a round grows with the number of live jobs)."""
+
+    def __init__(self, report_s: float) -> None:
+        self.report_s = report_s
+        self._since = time.monotonic()
+        self._ms: list[float] = []
+        self._jobs: list[int] = []
+        self._swept: list[int] = []
+
+    def add(self, ms: float, jobs: int, swept: int) -> None:
+        self._ms.append(ms)
+        self._jobs.append(jobs)
+        self._swept.append(swept)
+        now = time.monotonic()
+        if now - self._since < self.report_s:
+            return
+        ordered = sorted(self._ms)
+        log.info(
+            "controller rounds: %d in %.0f s, live jobs %d-%d, swept per round %.1f, "
+            "round ms p50 %.1f p99 %.1f max %.1f",
+            len(ordered),
+            now - self._since,
+            min(self._jobs),
+            max(self._jobs),
+            sum(self._swept) / len(self._swept),
+            ordered[len(ordered) // 2],
+            ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))],
+            ordered[-1],
+        )
+        self._since, self._ms, self._jobs, self._swept = now, [], [], []
 
 
 def connect(database_url: str, pool_size: int = 2) -> tuple[Engine, sessionmaker[Session], Bus]:

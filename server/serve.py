@@ -105,7 +105,9 @@ class ControllerProcess:
             self._thread.join(timeout_s)
 
 
-def serve(host: str, port: int, log_level: str = "info", workers: int = 1) -> None:
+def serve(
+    host: str, port: int, log_level: str = "info", workers: int = 1, access_log: bool = False
+) -> None:
     """Run the control plane until interrupted (``evenflow server``)."""
     import uvicorn
 
@@ -122,6 +124,12 @@ def serve(host: str, port: int, log_level: str = "info", workers: int = 1) -> No
         "host": host,
         "port": port,
         "log_level": log_level,
+        # A line per request is thousands of lines a second from a fleet's heartbeats and
+        # telemetry; /metrics counts requests instead. --access-log turns them on.
+        "access_log": access_log,
+        # Agents heartbeat and post every few seconds; a connection outliving uvicorn's 5 s
+        # default is reused instead of racing its close (a fleet saw resets at 5 s).
+        "timeout_keep_alive": 30,
         "timeout_graceful_shutdown": 3,
     }
     try:

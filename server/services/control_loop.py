@@ -9,11 +9,11 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from contract.enums import JobStatus, PlanSource
-from server.models import Job
+from server.models import IterationTelemetry, Job
 from server.services import rebalancer, stragglers
 from server.services.audit import record
 from server.services.rebalancer import LastDecision, Progress, Tracker
@@ -30,13 +30,23 @@ class LoopState:
     trackers: dict[int, Tracker] = field(default_factory=dict)
     decided_at: dict[int, float] = field(default_factory=dict)
     """Monotonic time of each job's last rebalancer decision."""
+    telemetry_mark: int = 0
+    """Newest telemetry row id the loop has looked past (:func:`jobs_with_new_telemetry`)."""
+    swept_at: dict[int, float] = field(default_factory=dict)
+    """Monotonic time each job was last swept."""
     min_decision_interval_s: float = 0.0
     """At most one rebalancer decision per job per this many seconds. Cadences are counted in
     iterations; this bounds what a job racing through iterations costs the server (each
     decision refits every rank's model). The server sets 1 s; tests drive rounds by hand."""
 
     def forget(self, live: set[int]) -> None:
-        for table in (self.decisions, self.watches, self.trackers, self.decided_at):
+        for table in (
+            self.decisions,
+            self.watches,
+            self.trackers,
+            self.decided_at,
+            self.swept_at,
+        ):
             for job_id in set(table) - live:
                 del table[job_id]
 
@@ -49,6 +59,34 @@ def live_jobs(session: Session) -> list[int]:
             )
         )
     )
+
+
+IDLE_SWEEP_S = 5.0
+"""A live job with no new telemetry is still swept this often (time-based decisions)."""
+
+
+def jobs_to_sweep(session: Session, state: LoopState, live: list[int]) -> list[int]:
+    """The live jobs with telemetry since the last look, jobs never swept, and jobs idle for
+    :data:`IDLE_SWEEP_S`: a round costs what is new, not every job on the cluster.
+
+    One range scan over the telemetry rows added since the last round (the primary key), not
+    a query per job. On PostgreSQL ids are handed out before commit, so the last
+    ``REREAD_IDS`` ids are looked at again."""
+    T = IterationTelemetry
+    reread = REREAD_IDS if session.get_bind().dialect.name == "postgresql" else 0
+    since = state.telemetry_mark - reread
+    newest = session.execute(select(func.max(T.id))).scalar() or 0
+    fresh = set(session.scalars(select(T.job_id).where(T.id > since, T.id <= newest).distinct()))
+    state.telemetry_mark = max(state.telemetry_mark, newest)
+    now = time.monotonic()
+    return [
+        job_id
+        for job_id in live
+        if job_id in fresh or now - state.swept_at.get(job_id, -math.inf) >= IDLE_SWEEP_S
+    ]
+
+
+REREAD_IDS = 5000
 
 
 def sweep(session: Session, state: LoopState, *, watch: bool = True) -> list[tuple[int, int]]:

@@ -1,0 +1,531 @@
+"""A simulated GPU fleet against a real `evenflow server` on PostgreSQL.
+
+    python bench/fleet.py [--hosts 1250] [--gpus 8] [--jobs 200] [--seconds 120]
+                          [--telemetry-per rank|host] [--workers 1] [--json]
+
+Lightweight asyncio clients, no torch: every host registers its GPUs through the agent API and
+heartbeats every 2 s, reporting its workers' states; every running job's workers post their
+timings at the job's iteration rate (1 to 5 iterations/s), batched every 2 s as the runtime does
+(one post per rank, `--telemetry-per rank`, or one per host and job); each job's leader
+long-polls its plan and trains at the batch sizes it says; jobs finish and new ones are
+submitted throughout; 10 jobs get a scripted 3x straggler. Bounded in time and count, loopback
+only.
+
+Reported: heartbeat and telemetry latency (p50/p99) and errors, ingest lag (newest iteration
+stored behind newest sent, in seconds of training), controller round time against live jobs
+(from the controller's own log summary), straggler detection delay at load against the same
+job alone, placement time of a new job on the full inventory, and database growth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import httpx
+from sqlalchemy import create_engine, text
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.ingest import database
+from bench.stack import TOKEN
+from evenflow.local_cluster import free_port
+
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+HEARTBEAT_S = 2.0
+FLUSH_S = 2.0
+SIZES = [2, 4, 8, 16, 32, 64, 128, 256]
+SIZE_WEIGHTS = [15, 15, 15, 15, 15, 12, 9, 4]
+GPU_MODELS = [("NVIDIA H100 80GB HBM3", 0.5), ("NVIDIA A100-SXM4-80GB", 1.0), ("Tesla V100", 2.0)]
+STRAGGLER_ONSET = 30
+STRAGGLER_FACTOR = 3.0
+
+
+# ------------------------------------------------------------------------------ the server
+
+
+@contextlib.contextmanager
+def server(db_url: str, workers: int, log: Path) -> Iterator[str]:
+    """`evenflow server` with the controller summarising its rounds every 10 s into ``log``."""
+    port = free_port()
+    env = {
+        **os.environ,
+        "EVENFLOW_DATABASE_URL": db_url,
+        "EVENFLOW_ADMIN_TOKEN": TOKEN,
+        "EVENFLOW_CONTROLLER_REPORT_S": "10",
+    }
+    cmd = [sys.executable, "-m", "evenflow.cli", "server", "--port", str(port)]
+    cmd += ["--log-level", "info", "--workers", str(workers)]
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                with contextlib.suppress(httpx.TransportError):
+                    if httpx.get(base + "/api/v1/health", timeout=1).status_code == 200:
+                        break
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError(f"server did not start; see {log}")
+                time.sleep(0.2)
+            yield base
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def controller_rounds(log: Path) -> list[dict[str, float]]:
+    pattern = re.compile(
+        r"controller rounds: (\d+) in (\d+) s, live jobs (\d+)-(\d+), "
+        r"swept per round ([\d.]+), round ms p50 ([\d.]+) p99 ([\d.]+) max ([\d.]+)"
+    )
+    out = []
+    for m in pattern.finditer(log.read_text(errors="replace")):
+        rounds, secs, _lo, hi, swept, p50, p99, mx = m.groups()
+        out.append(
+            {
+                "rounds": int(rounds),
+                "seconds": int(secs),
+                "live_jobs": int(hi),
+                "swept_per_round": float(swept),
+                "p50_ms": float(p50),
+                "p99_ms": float(p99),
+                "max_ms": float(mx),
+            }
+        )
+    return out
+
+
+# ------------------------------------------------------------------------------ the fleet
+
+
+@dataclass
+class Host:
+    name: str
+    model: str
+    per_sample_ms: float
+    token: str = ""
+    id: int = 0
+    reports: dict[tuple[int, int], str] = field(default_factory=dict)
+    """(job, rank) -> the state this host reports for it."""
+
+
+@dataclass
+class Job:
+    id: int
+    size: int
+    rate: float
+    iterations: int
+    straggler: bool = False
+    ranks: dict[int, Host] = field(default_factory=dict)
+    batch_sizes: list[int] = field(default_factory=list)
+    version: int = 0
+    sent: int = -1
+    """Newest iteration posted."""
+    submitted_at: float = 0.0
+    started: bool = False
+    finished: bool = False
+    detected_at_iteration: int | None = None
+
+
+@dataclass
+class Stats:
+    latency: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    errors: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    lag_s: list[float] = field(default_factory=list)
+    records: int = 0
+    jobs_finished: int = 0
+    jobs_submitted: int = 0
+
+
+class Fleet:
+    def __init__(self, base: str, args: argparse.Namespace, db_url: str) -> None:
+        self.base = base
+        self.args = args
+        self.db_url = db_url
+        self.rng = random.Random(7)
+        self.hosts: list[Host] = []
+        self.jobs: dict[int, Job] = {}
+        self.stats = Stats()
+        self.stop = asyncio.Event()
+        self.http: aiohttp.ClientSession
+
+    async def request(
+        self, kind: str, method: str, path: str, token: str = TOKEN, **kw: Any
+    ) -> tuple[int, Any]:
+        t0 = time.perf_counter()
+        try:
+            async with self.http.request(
+                method, self.base + path, headers={"Authorization": f"Bearer {token}"}, **kw
+            ) as r:
+                body = await r.json() if r.status == 200 or r.status == 201 else await r.text()
+                status = r.status
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            self.stats.errors[f"{kind}: {type(exc).__name__}"] += 1
+            return 0, None
+        self.stats.latency[kind].append(time.perf_counter() - t0)
+        if status >= 400:
+            self.stats.errors[f"{kind}: {status}"] += 1
+        return status, body
+
+    # -------------------------------------------------------------- setup
+
+    async def register(self) -> None:
+        sem = asyncio.Semaphore(16)
+
+        async def one(i: int) -> None:
+            model, per_sample = GPU_MODELS[i % len(GPU_MODELS)]
+            host = Host(f"gpu-{i:05d}", model, per_sample)
+            async with sem:
+                status, body = await self.request(
+                    "setup",
+                    "POST",
+                    "/api/v1/tokens",
+                    json={"name": f"agent-{host.name}", "role": "agent", "host": host.name},
+                )
+                assert status == 201, body
+                host.token = body["token"]
+                devices = [
+                    {"index": d, "kind": "cuda", "model": model, "memory_mb": 81_920}
+                    for d in range(self.args.gpus)
+                ]
+                reg = {"protocol_version": 1, "name": host.name, "address": "127.0.0.1"}
+                status, body = await self.request(
+                    "setup",
+                    "POST",
+                    "/api/v1/hosts/register",
+                    host.token,
+                    json={**reg, "devices": devices},
+                )
+                assert status == 201, body
+                host.id = body["id"]
+            self.hosts.append(host)
+
+        await asyncio.gather(*(one(i) for i in range(self.args.hosts)))
+
+    # -------------------------------------------------------------- hosts
+
+    async def heartbeat_loop(self, host: Host) -> None:
+        await asyncio.sleep(self.rng.random() * HEARTBEAT_S)
+        while not self.stop.is_set():
+            started = time.monotonic()
+            workers = [{"job_id": j, "rank": r, "state": s} for (j, r), s in host.reports.items()]
+            status, ack = await self.request(
+                "heartbeat",
+                "POST",
+                f"/api/v1/hosts/{host.id}/heartbeat",
+                host.token,
+                json={"workers": workers},
+            )
+            if status == 200:
+                self.on_ack(host, ack)
+            await asyncio.sleep(max(0.0, HEARTBEAT_S - (time.monotonic() - started)))
+
+    def on_ack(self, host: Host, ack: dict[str, Any]) -> None:
+        live = set()
+        for a in ack["assignments"]:
+            key = (a["job_id"], a["rank"])
+            live.add(key)
+            job = self.jobs.get(a["job_id"])
+            if a["desired"] == "stop":
+                host.reports[key] = "stopped"
+                continue
+            if job is None:
+                continue
+            if job.finished:
+                host.reports[key] = "succeeded"
+                continue
+            host.reports.setdefault(key, "running")
+            job.ranks[a["rank"]] = host
+            if not job.started and len(job.ranks) == job.size:
+                job.started = True
+                asyncio.get_running_loop().create_task(self.train(job))
+        for key in [k for k in host.reports if k not in live]:
+            del host.reports[key]  # the server no longer lists it: nothing left to report
+
+    # -------------------------------------------------------------- jobs
+
+    async def submit(self, size: int | None = None, straggler: bool = False) -> Job | None:
+        size = size or self.rng.choices(SIZES, SIZE_WEIGHTS)[0]
+        rate = self.rng.choice([1.0, 2.0, 3.0, 4.0, 5.0])
+        iterations = int(rate * self.rng.uniform(30, 150))
+        if straggler:
+            iterations = max(iterations, STRAGGLER_ONSET + 60)
+        spec = {
+            "name": f"fleet-{size}",
+            "workload": {"builtin": "mlp"},
+            "global_batch": 64 * size,
+            "iterations": iterations,
+            "workers": size,
+        }
+        t0 = time.monotonic()
+        status, body = await self.request("submit", "POST", "/api/v1/jobs", json=spec)
+        if status != 201:
+            return None
+        job = Job(body["id"], size, rate, iterations, straggler, submitted_at=t0)
+        job.batch_sizes = [64] * size
+        self.jobs[job.id] = job
+        self.stats.jobs_submitted += 1
+        return job
+
+    async def keep_jobs(self) -> None:
+        """Keep ``--jobs`` jobs live: submit one whenever one finishes."""
+        while not self.stop.is_set():
+            live = sum(1 for j in self.jobs.values() if not j.finished)
+            for _ in range(self.args.jobs - live):
+                await self.submit()
+            await asyncio.sleep(1.0)
+
+    def timings(self, job: Job, rank: int, iteration: int) -> tuple[float, float]:
+        host = job.ranks[rank]
+        b = job.batch_sizes[rank] if rank < len(job.batch_sizes) else 64
+        compute = 2.0 + host.per_sample_ms * b
+        if job.straggler and rank == 1 and iteration >= STRAGGLER_ONSET:
+            compute *= STRAGGLER_FACTOR
+        return compute, b
+
+    async def train(self, job: Job) -> None:
+        self.loop_task(self.leader(job))
+        if job.straggler:
+            self.loop_task(self.watch_events(job))
+        carry = 0.0
+        while not self.stop.is_set() and job.sent < job.iterations - 1:
+            await asyncio.sleep(FLUSH_S)
+            carry += job.rate * FLUSH_S
+            n, carry = int(carry), carry - int(carry)
+            first, last = job.sent + 1, min(job.iterations - 1, job.sent + n)
+            if last < first:
+                continue
+            await self.post_iterations(job, first, last)
+            job.sent = last
+        job.finished = True
+        self.stats.jobs_finished += 1
+
+    async def post_iterations(self, job: Job, first: int, last: int) -> None:
+        groups: dict[Any, list[int]] = defaultdict(list)
+        for rank, host in job.ranks.items():
+            groups[rank if self.args.telemetry_per == "rank" else host.name].append(rank)
+        now = time.time()
+        posts = []
+        for ranks in groups.values():
+            cols: dict[str, list[Any]] = defaultdict(list)
+            for rank in ranks:
+                for it in range(first, last + 1):
+                    compute, b = self.timings(job, rank, it)
+                    for name, value in (
+                        ("rank", rank),
+                        ("iteration", it),
+                        ("plan_version", max(1, job.version)),
+                        ("batch_size", b),
+                        ("data_ms", 1.0),
+                        ("compute_ms", compute),
+                        ("sync_ms", 5.0),
+                        ("ts", now),
+                    ):
+                        cols[name].append(value)
+            self.stats.records += len(cols["rank"])
+            posts.append(
+                self.request(
+                    "telemetry",
+                    "POST",
+                    f"/api/v1/jobs/{job.id}/telemetry",
+                    job.ranks[ranks[0]].token,
+                    json={"columns": cols},
+                )
+            )
+        await asyncio.gather(*posts)
+
+    async def leader(self, job: Job) -> None:
+        while not self.stop.is_set() and not job.finished:
+            params = {"known_version": str(max(job.version, 0)), "wait_s": "10"}
+            status, plan = await self.request(
+                "plan-poll", "GET", f"/api/v1/jobs/{job.id}/plan", params=params
+            )
+            if status == 200:
+                job.version, job.batch_sizes = plan["version"], plan["batch_sizes"]
+            elif status not in (304,):
+                await asyncio.sleep(1.0)
+
+    async def watch_events(self, job: Job) -> None:
+        while not self.stop.is_set() and job.detected_at_iteration is None:
+            await asyncio.sleep(0.5)
+            if job.sent < STRAGGLER_ONSET:
+                continue
+            status, body = await self.request("events", "GET", f"/api/v1/jobs/{job.id}/events")
+            events = body.get("items", body) if isinstance(body, dict) else body
+            if status == 200 and any(e.get("rank") == 1 for e in events or []):
+                job.detected_at_iteration = job.sent
+
+    def loop_task(self, coro: Any) -> None:
+        asyncio.get_running_loop().create_task(coro)
+
+    # -------------------------------------------------------------- measurements
+
+    async def sample_lag(self) -> None:
+        engine = create_engine(self.db_url)
+        try:
+            while not self.stop.is_set():
+                await asyncio.sleep(5.0)
+                rows = await asyncio.to_thread(self._stored, engine)
+                for job_id, stored in rows:
+                    job = self.jobs.get(job_id)
+                    if job is not None and not job.finished and job.sent >= 0:
+                        self.stats.lag_s.append(max(0, job.sent - stored) / job.rate)
+        finally:
+            engine.dispose()
+
+    @staticmethod
+    def _stored(engine: Any) -> list[tuple[int, int]]:
+        with engine.connect() as c:
+            return [
+                (int(j), int(i))
+                for j, i in c.execute(
+                    text(
+                        "SELECT job_id, max(iteration) FROM iteration_telemetry "
+                        "WHERE job_id IN (SELECT id FROM jobs WHERE status = 'running') "
+                        "GROUP BY job_id"
+                    )
+                )
+            ]
+
+    async def placement_time(self, size: int) -> float | None:
+        job = await self.submit(size=size)
+        if job is None:
+            return None
+        while not self.stop.is_set():
+            status, body = await self.request("show", "GET", f"/api/v1/jobs/{job.id}")
+            if status == 200 and body["status"] != "pending":
+                return time.monotonic() - job.submitted_at
+            await asyncio.sleep(0.05)
+        return None
+
+
+def db_size(db_url: str) -> int:
+    engine = create_engine(db_url)
+    try:
+        with engine.connect() as c:
+            return int(c.execute(text("SELECT pg_database_size(current_database())")).scalar())
+    finally:
+        engine.dispose()
+
+
+def quantiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    v = sorted(values)
+    return {
+        "n": len(v),
+        "p50_ms": round(1000 * statistics.median(v), 1),
+        "p99_ms": round(1000 * v[min(len(v) - 1, int(len(v) * 0.99))], 1),
+    }
+
+
+async def run(base: str, db_url: str, args: argparse.Namespace) -> dict[str, Any]:
+    fleet = Fleet(base, args, db_url)
+    connector = aiohttp.TCPConnector(limit=args.connections, keepalive_timeout=20)
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as fleet.http:
+        t0 = time.monotonic()
+        await fleet.register()
+        out: dict[str, Any] = {"setup_s": round(time.monotonic() - t0, 1)}
+        for host in fleet.hosts:
+            fleet.loop_task(fleet.heartbeat_loop(host))
+        # The straggler job alone (only heartbeats besides it) gives the baseline delay.
+        alone = await fleet.submit(size=8, straggler=True)
+        assert alone is not None
+        while alone.detected_at_iteration is None and not alone.finished:
+            await asyncio.sleep(0.5)
+        out["detection_alone_iterations"] = (
+            None
+            if alone.detected_at_iteration is None
+            else alone.detected_at_iteration - STRAGGLER_ONSET
+        )
+        fleet.stats = Stats()
+        size0 = db_size(db_url)
+        started = time.monotonic()
+        fleet.loop_task(fleet.keep_jobs())
+        fleet.loop_task(fleet.sample_lag())
+        await asyncio.sleep(args.seconds * 0.3)
+        stragglers = [
+            j for j in [await fleet.submit(size=8, straggler=True) for _ in range(10)] if j
+        ]
+        out["placement_s_64_workers"] = await fleet.placement_time(64)
+        await asyncio.sleep(max(0.0, args.seconds - (time.monotonic() - started)))
+        elapsed = time.monotonic() - started
+        fleet.stop.set()
+        size1 = db_size(db_url)
+    s = fleet.stats
+    delays = [
+        j.detected_at_iteration - STRAGGLER_ONSET for j in stragglers if j.detected_at_iteration
+    ]
+    workers = sum(j.size for j in fleet.jobs.values() if j.started and not j.finished)
+    out.update(
+        {
+            "seconds": round(elapsed, 1),
+            "hosts": args.hosts,
+            "devices": args.hosts * args.gpus,
+            "telemetry_per": args.telemetry_per,
+            "heartbeat": quantiles(s.latency["heartbeat"]),
+            "telemetry": quantiles(s.latency["telemetry"]),
+            "plan_poll": quantiles(s.latency["plan-poll"]),
+            "errors": dict(s.errors),
+            "records_per_s": round(s.records / elapsed),
+            "telemetry_posts_per_s": round(len(s.latency["telemetry"]) / elapsed),
+            "ingest_lag_s": {
+                "p50": round(statistics.median(s.lag_s), 2) if s.lag_s else None,
+                "max": round(max(s.lag_s), 2) if s.lag_s else None,
+            },
+            "jobs_submitted": s.jobs_submitted,
+            "jobs_finished": s.jobs_finished,
+            "workers_running_at_end": workers,
+            "detection_at_load_iterations": delays,
+            "stragglers_undetected": sum(1 for j in stragglers if j.detected_at_iteration is None),
+            "db_growth_mb_per_hour": round((size1 - size0) / 2**20 * 3600 / elapsed, 1),
+            "db_mb_per_worker_day": round(
+                (size1 - size0) / 2**20 * 86_400 / elapsed / max(1, workers), 2
+            ),
+        }
+    )
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--hosts", type=int, default=1250)
+    ap.add_argument("--gpus", type=int, default=8)
+    ap.add_argument("--jobs", type=int, default=200)
+    ap.add_argument("--seconds", type=float, default=120.0)
+    ap.add_argument("--telemetry-per", choices=["rank", "host"], default="rank")
+    ap.add_argument("--workers", type=int, default=1, help="API processes of the server")
+    ap.add_argument("--connections", type=int, default=512, help="client connections at most")
+    args = ap.parse_args()
+    with database("postgresql") as db_url, tempfile.TemporaryDirectory() as tmp:
+        log = Path(tmp) / "server.log"
+        with server(db_url, args.workers, log) as base:
+            out = asyncio.run(run(base, db_url, args))
+        out["controller_rounds"] = controller_rounds(log)
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""A controller round costs the jobs with new telemetry, not every live job on the cluster."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from server.db import transaction
+from server.services import control_loop
+from tests.conftest import Api
+
+
+def _post(api: Api, job: int, iterations: range) -> None:
+    records: list[dict[str, Any]] = [
+        {
+            "rank": rank,
+            "iteration": it,
+            "plan_version": 1,
+            "batch_size": 16,
+            "data_ms": 1.0,
+            "compute_ms": 10.0,
+            "sync_ms": 2.0,
+            "ts": 1_700_000_000.0 + it,
+        }
+        for it in iterations
+        for rank in range(2)
+    ]
+    r = api.client.post(
+        f"/api/v1/jobs/{job}/telemetry", json={"records": records}, headers=api.headers()
+    )
+    assert r.status_code == 200, r.text
+
+
+def _due(api: Api, state: control_loop.LoopState) -> list[int]:
+    sessions = api.client.app.state.sessions  # type: ignore[attr-defined]
+    with transaction(sessions) as s:
+        live = control_loop.live_jobs(s)
+        due = control_loop.jobs_to_sweep(s, state, live)
+    for job_id in due:  # swept now; far from idle for the rest of the test
+        state.swept_at[job_id] = 1e18
+    return due
+
+
+def test_only_jobs_with_new_telemetry_are_swept(api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(control_loop, "REREAD_IDS", 0)  # judge by exactly the new rows
+    jobs = []
+    for host in ("a", "b", "c"):
+        api.register(host, devices=2)
+        jobs.append(int(api.submit(workers=2, global_batch=32)["id"]))  # type: ignore[call-overload]
+    state = control_loop.LoopState()
+    assert sorted(_due(api, state)) == sorted(jobs)  # never swept: all of them, once
+    assert _due(api, state) == []  # nothing new anywhere
+    _post(api, jobs[1], range(0, 5))
+    assert _due(api, state) == [jobs[1]]
+    assert _due(api, state) == []
+    _post(api, jobs[0], range(0, 3))
+    _post(api, jobs[2], range(0, 3))
+    assert sorted(_due(api, state)) == [jobs[0], jobs[2]]
+
+
+def test_an_idle_job_is_still_swept_now_and_then(api: Api) -> None:
+    api.register("a", devices=2)
+    job = int(api.submit(workers=2, global_batch=32)["id"])  # type: ignore[call-overload]
+    state = control_loop.LoopState()
+    state.swept_at[job] = 0.0  # long ago on the monotonic clock
+    sessions = api.client.app.state.sessions  # type: ignore[attr-defined]
+    with transaction(sessions) as s:
+        assert control_loop.jobs_to_sweep(s, state, [job]) == [job]
