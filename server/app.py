@@ -28,10 +28,10 @@ from server.api.routes import audit, events, health, hosts, jobs, planner, plans
 from server.api.routes.ui import mount_dashboard
 from server.cache import Caches
 from server.config import Settings
+from server.context import AppContext
 from server.controller import Controller
 from server.db import make_engine, migrate, session_factory, transaction
 from server.errors import EvenflowError
-from server.live import TelemetryNotifier
 from server.locks import WriterLock, writer_lock_for
 from server.metrics import Metrics, MetricsMiddleware
 from server.notify import PlanBus, PlanWaiters
@@ -136,10 +136,22 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     bus = PlanBus.for_database(settings.database_url)
     caches.plan_listeners += [waiters.notify, bus.publish]
     wake_bus = PlanBus.for_database(settings.database_url, "wake")
+    context = AppContext(
+        settings=settings,
+        engine=engine,
+        sessions=sessions,
+        write_lock=write_lock,
+        caches=caches,
+        metrics=metrics,
+        plan_waiters=waiters,
+        # Urgent telemetry (a worker's iteration time jumped) runs the controller's next round
+        # now: over the wake bus to a controller process, or directly when it is a thread here.
+        wake_controller=lambda job_id: wake_bus.publish([job_id]),
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.generated_admin_token = await asyncio.to_thread(
+        context.generated_admin_token = await asyncio.to_thread(
             bootstrap, engine, sessions, settings
         )
         _listen_for_plans(bus, caches, waiters)
@@ -147,7 +159,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         controller: threading.Thread | None = None
         if settings.controller == "thread":
             loop = Controller(settings, engine=engine, sessions=sessions, write_lock=write_lock)
-            app.state.wake_controller = lambda job_id: loop.poke()
+            context.wake_controller = lambda job_id: loop.poke()
             controller = threading.Thread(
                 target=loop.run, args=(stop,), name="evenflow-controller", daemon=True
             )
@@ -173,18 +185,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         summary="Per-worker batch sizes for synchronous training on heterogeneous GPUs.",
         lifespan=lifespan,
     )
-    app.state.settings = settings
-    app.state.engine = engine
-    app.state.sessions = sessions
-    app.state.write_lock = write_lock
-    app.state.caches = caches
-    app.state.metrics = metrics
-    app.state.generated_admin_token = None
-    app.state.telemetry_notifier = TelemetryNotifier()
-    app.state.plan_waiters = waiters
-    # Urgent telemetry (a worker's iteration time jumped) runs the controller's next round now:
-    # over the wake bus to a controller process, or directly when it is a thread here.
-    app.state.wake_controller = lambda job_id: wake_bus.publish([job_id])
+    app.state.context = context
 
     app.add_exception_handler(EvenflowError, _on_domain_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)

@@ -38,9 +38,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from contract.agent import PlanOut
 from contract.api import EventOut
 from contract.enums import JobStatus
-from server.api.deps import Viewer
+from server.api.deps import Context, Viewer
+from server.context import AppContext
 from server.errors import NotFound
-from server.live import TelemetryNotifier
 from server.models import Job, Plan
 from server.services import series
 
@@ -100,6 +100,7 @@ def _parse_cursor(raw: str | None) -> tuple[int, int, int] | None:
 @router.get("/{job_id}/stream", include_in_schema=False)
 async def stream(
     request: Request,
+    context: Context,
     _: Viewer,
     job_id: int = JobId,
     after: int | None = Query(None, ge=0, le=2**63 - 1),
@@ -109,13 +110,13 @@ async def stream(
     last_event_id: str | None = Header(None, max_length=100),
 ) -> StreamingResponse:
     """Live telemetry, plans, events and job state of one job (server-sent events)."""
-    sessions = request.app.state.sessions
+    sessions = context.sessions
     resumed = _parse_cursor(last_event_id)
     if resumed is not None:
         after, plan_version, event_after = resumed
     cursor = await run_in_threadpool(_open, sessions, job_id, after, plan_version, event_after)
     return StreamingResponse(
-        _events(request, job_id, cursor, max_s),
+        _events(request, context, job_id, cursor, max_s),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
@@ -183,10 +184,9 @@ def _poll(sessions: sessionmaker[Session], job_id: int, cursor: Cursor) -> tuple
 
 
 async def _events(
-    request: Request, job_id: int, cursor: Cursor, max_s: float
+    request: Request, context: AppContext, job_id: int, cursor: Cursor, max_s: float
 ) -> AsyncIterator[str]:
-    sessions = request.app.state.sessions
-    notifier: TelemetryNotifier = request.app.state.telemetry_notifier
+    sessions, notifier = context.sessions, context.telemetry_notifier
     deadline = time.monotonic() + max_s
     with notifier.watch(job_id) as waiter:
         yield "retry: 1000\n\n"

@@ -29,6 +29,7 @@ from fastapi.staticfiles import StaticFiles
 import frontend
 from server.api.routes import series as series_routes
 from server.api.routes import stream as stream_routes
+from server.context import context_of
 from server.errors import Unauthorized
 from server.services import tokens
 from server.services.tokens import Principal
@@ -76,13 +77,12 @@ async def signed_in(request: Request) -> Principal | None:
     if not secret:
         return None
     key = tokens.hash_token(secret)
-    cache_ = request.app.state.caches.tokens
+    context = context_of(request.app)
+    cache_ = context.caches.tokens
     principal: Principal | None = cache_.get(key)
     if principal is None:
         try:
-            principal = await run_in_threadpool(
-                tokens.authenticate_with, request.app.state.sessions, secret
-            )
+            principal = await run_in_threadpool(tokens.authenticate_with, context.sessions, secret)
         except Unauthorized:
             return None
         cache_.put(key, principal)
@@ -166,11 +166,11 @@ async def login(request: Request) -> Response:
         return _login_page(next_path, "Enter an API token.", status=401)
     try:
         principal = await run_in_threadpool(
-            tokens.authenticate_with, request.app.state.sessions, secret
+            tokens.authenticate_with, context_of(request.app).sessions, secret
         )
     except Unauthorized as exc:
         return _login_page(next_path, f"Not signed in: {exc.message}.", status=401)
-    request.app.state.caches.tokens.put(tokens.hash_token(secret), principal)
+    context_of(request.app).caches.tokens.put(tokens.hash_token(secret), principal)
     response = RedirectResponse(next_path, status_code=303)
     response.set_cookie(
         COOKIE,
