@@ -7,10 +7,11 @@ from contextlib import nullcontext
 from datetime import UTC, datetime
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, Path, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
+from contract.base import MAX_ID
 from contract.enums import Role
 from server.config import Settings
 from server.context import AppContext, context_of
@@ -84,6 +85,10 @@ def _settings(context: Context) -> Settings:
 
 
 SettingsDep = Annotated[Settings, Depends(_settings)]
+
+
+PathId = Annotated[int, Path(ge=1, le=MAX_ID)]
+"""A job's, host's or token's id in a route's path."""
 
 
 def _now() -> datetime:

@@ -81,6 +81,15 @@ def current(session: Session, job_id: int) -> Plan:
     return plan
 
 
+def after(session: Session, job_id: int, version: int) -> list[Plan]:
+    """The job's plans newer than ``version``, oldest first."""
+    return list(
+        session.scalars(
+            select(Plan).where(Plan.job_id == job_id, Plan.version > version).order_by(Plan.version)
+        )
+    )
+
+
 def history(session: Session, job_id: int, *, limit: int = 100, offset: int = 0) -> list[Plan]:
     if session.get(Job, job_id) is None:
         raise NotFound(f"job {job_id} not found")

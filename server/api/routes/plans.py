@@ -5,19 +5,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from fastapi import APIRouter, Path, Query, Response
+from fastapi import APIRouter, Query, Response
 from sqlalchemy.orm import Session, sessionmaker
 
 from contract.agent import PlanOut
 from contract.api import ModelOut
 from contract.base import MAX_PLAN_WAIT_S
-from server.api.deps import Context, SessionDep, Viewer
+from server.api.deps import Context, PathId, SessionDep, Viewer
 from server.context import AppContext
 from server.notify import RECHECK_S
 from server.services import jobs, plans, rebalancer
 
 router = APIRouter(prefix="/jobs", tags=["plans"])
-JobId = Path(ge=1, le=2**31 - 1)
 
 
 @router.get(
@@ -28,7 +27,7 @@ JobId = Path(ge=1, le=2**31 - 1)
 async def current_plan(
     context: Context,
     _: Viewer,
-    job_id: int = JobId,
+    job_id: PathId,
     known_version: int | None = Query(None, ge=0, le=2**31 - 1),
     wait_s: float = Query(
         0.0,
@@ -74,7 +73,7 @@ def _load_current(sessions: sessionmaker[Session], job_id: int) -> tuple[int, by
 
 
 @router.get("/{job_id}/models")
-def worker_models(session: SessionDep, _: Viewer, job_id: int = JobId) -> list[ModelOut]:
+def worker_models(session: SessionDep, _: Viewer, job_id: PathId) -> list[ModelOut]:
     """Each worker's performance model, fitted from its recent telemetry."""
     job = jobs.get(session, job_id)
     out = []
@@ -101,7 +100,7 @@ def worker_models(session: SessionDep, _: Viewer, job_id: int = JobId) -> list[M
 def plan_history(
     session: SessionDep,
     _: Viewer,
-    job_id: int = JobId,
+    job_id: PathId,
     limit: int = Query(100, ge=1, le=1000),
     offset: int = Query(0, ge=0, le=2**31 - 1),
 ) -> list[PlanOut]:

@@ -2,26 +2,25 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Path, Query, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
 
 from contract.agent import TelemetryAck, TelemetryBatch
 from contract.api import TelemetryOut
 from contract.enums import Role
 from server.api import bodies
-from server.api.deps import Authenticated, Context, SessionDep, Viewer
+from server.api.deps import Authenticated, Context, PathId, SessionDep, Viewer
 from server.context import AppContext
 from server.live import telemetry_stored
 from server.services import jobs, telemetry
 from server.services.tokens import Principal
 
 router = APIRouter(prefix="/jobs", tags=["telemetry"])
-JobId = Path(ge=1, le=2**31 - 1)
 
 
 @router.post("/{job_id}/telemetry", openapi_extra=bodies.documented_body(TelemetryBatch))
 async def ingest(
-    request: Request, context: Context, principal: Authenticated, job_id: int = JobId
+    request: Request, context: Context, principal: Authenticated, job_id: PathId
 ) -> TelemetryAck:
     """Store timings; rows already stored for (job, rank, iteration) are skipped, not duplicated.
     An `urgent` batch (a worker's iteration time jumped) makes the control loop look at the job
@@ -53,7 +52,7 @@ def _store(
 def read(
     session: SessionDep,
     _: Viewer,
-    job_id: int = JobId,
+    job_id: PathId,
     since_iteration: int = Query(0, ge=0, le=10**12),
     rank: int | None = Query(None, ge=0, le=10_000),
     limit: int = Query(10_000, ge=1, le=100_000),

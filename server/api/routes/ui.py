@@ -21,12 +21,13 @@ from typing import Any
 from urllib.parse import parse_qs, quote
 
 import plotly
-from fastapi import APIRouter, FastAPI, Path, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 
 import frontend
+from server.api.deps import PathId
 from server.api.routes import series as series_routes
 from server.api.routes import stream as stream_routes
 from server.context import context_of
@@ -206,7 +207,7 @@ async def audit_page(request: Request) -> Response:
 
 
 @router.get("/jobs/{job_id}")
-async def job_page(request: Request, job_id: int = Path(ge=1, le=2**31 - 1)) -> Response:
+async def job_page(request: Request, job_id: PathId) -> Response:
     principal = await signed_in(request)
     if principal is None:
         return _to_login(request)
