@@ -55,10 +55,11 @@ def _new_controls(job: Job, req: OverrideCreate) -> tuple[dict[int, int], frozen
         rank = _rank(job, req)
         if req.batch_size is None:
             raise Invalid("pin needs batch_size", field="batch_size")
-        b, g = req.batch_size, int(job.spec.get("policy", {}).get("granularity", 1))
-        if b > int(job.spec["global_batch"]):
+        spec = job.job_spec
+        b, g = req.batch_size, spec.policy.granularity
+        if b > spec.global_batch:
             raise Invalid(
-                f"batch_size {b} exceeds the global batch {job.spec['global_batch']}",
+                f"batch_size {b} exceeds the global batch {spec.global_batch}",
                 field="batch_size",
             )
         if b % g:

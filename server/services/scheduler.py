@@ -141,14 +141,14 @@ def place_pending(session: Session, now: datetime) -> list[Job]:
         return placed
     free = free_devices(session)
     for job in pending:
-        spec = JobSpec.model_validate(job.spec)
+        spec = job.job_spec
         chosen = choose_devices(session, job, spec, free)
         if chosen is None:
             continue
         taken = {d.id for d in chosen}
         free = [d for d in free if d.id not in taken]
         for rank, dev in enumerate(chosen):
-            dev.status, dev.job_id = DeviceStatus.BUSY.value, job.id
+            dev.status, dev.job_id = DeviceStatus.BUSY, job.id
             session.add(
                 Worker(
                     job_id=job.id,
@@ -159,7 +159,7 @@ def place_pending(session: Session, now: datetime) -> list[Job]:
                     updated_at=now,
                 )
             )
-        job.status = JobStatus.STARTING.value
+        job.status = JobStatus.STARTING
         job.master_port = random.randint(29500, 39999)
         session.flush()
         plans.create(

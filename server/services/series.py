@@ -193,6 +193,6 @@ def throughput(session: Session, job: Job, *, iterations: int = 20) -> Throughpu
     oldest_it, oldest_ts = rows[-1]
     speed = None
     if newest_ts > oldest_ts and newest_it > oldest_it:
-        global_batch = int(job.spec["global_batch"])
+        global_batch = job.job_spec.global_batch
         speed = round(global_batch * (newest_it - oldest_it) / (newest_ts - oldest_ts), 1)
     return ThroughputOut(job_id=job.id, samples_per_s=speed, iteration=int(newest_it))

@@ -331,7 +331,7 @@ def watch_job(
 ) -> int | None:
     """One round for one job: detect and store events; with ``mitigate`` (an ``adaptive`` job
     whose models the rebalancer has identified) ask the ladder too."""
-    spec = JobSpec.model_validate(job.spec)
+    spec = job.job_spec
     # Only ``watch_job`` moves ``fed_through``, so a prefetch always starts where this would.
     ahead, watch.prefetched = watch.prefetched, None
     after = ahead[0] if ahead is not None else _feed_from(session, job, watch)
