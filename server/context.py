@@ -19,7 +19,7 @@ from server.cache import Caches
 from server.config import Settings
 from server.live import TelemetryNotifier
 from server.metrics import Metrics
-from server.notify import PlanWaiters
+from server.notify import PlanBus, PlanWaiters
 
 
 @dataclass
@@ -35,6 +35,10 @@ class AppContext:
     metrics: Metrics
     plan_waiters: PlanWaiters
     """This process's plan long-polls, woken when a plan is committed."""
+    plan_bus: PlanBus
+    """Plans committed here, announced to the other server processes, and theirs to us."""
+    wake_bus: PlanBus
+    """Jobs whose telemetry is urgent, announced to a controller process."""
     wake_controller: Callable[[int], None]
     """Runs the controller's next round for a job now (urgent telemetry)."""
     telemetry_notifier: TelemetryNotifier = field(default_factory=TelemetryNotifier)
