@@ -160,6 +160,64 @@ def _ts(created_at: str) -> float:
 INITIAL_OR_EXPLORING = ("equal split", "exploring")
 
 
+OVERHEADS = ("all-reduce", "data", "compute over target", "step + boundary")
+GAP_PHASES = (
+    "warm-up",
+    "reaction: detect",
+    "reaction: server",
+    "reaction: delivery",
+    "no reaction",
+    "integrality",
+    "plan quality",
+)
+
+
+@dataclass
+class _Record:
+    """One job's raw record, indexed by iteration."""
+
+    n: int
+    rows: dict[int, list[Mapping[str, Any]]]
+    its: list[int]
+    plans: dict[int, Mapping[str, Any]]
+    end: dict[int, float]
+    """Iteration -> its last rank's end (worker time, s)."""
+    version: dict[int, int]
+    first_of: dict[int, int]
+    """Plan version -> the first iteration under it."""
+
+    @classmethod
+    def of(cls, run: Mapping[str, Any]) -> _Record:
+        rows: dict[int, list[Mapping[str, Any]]] = {}
+        for r in run["telemetry"]:
+            if not r["probe"]:
+                rows.setdefault(int(r["iteration"]), []).append(r)
+        its = sorted(rows)
+        version = {i: int(rows[i][0]["plan_version"]) for i in its}
+        first_of: dict[int, int] = {}
+        for i in its:
+            first_of.setdefault(version[i], i)
+        return cls(
+            n=int(run["iterations"]),
+            rows=rows,
+            its=its,
+            plans={int(p["version"]): p for p in run["plans"]},
+            end={i: max(float(r["ts"]) for r in rows[i]) for i in its},
+            version=version,
+            first_of=first_of,
+        )
+
+
+@dataclass
+class _PerIteration:
+    """Per iteration, in ms: the oracle, the integer optimum, the plan gap and the overheads."""
+
+    oracle: dict[int, float] = field(default_factory=dict)
+    integer: dict[int, float] = field(default_factory=dict)
+    gap: dict[int, float] = field(default_factory=dict)
+    over: dict[str, dict[int, float]] = field(default_factory=lambda: {k: {} for k in OVERHEADS})
+
+
 def decompose(
     run: Mapping[str, Any],
     schedule: Schedule,
@@ -169,68 +227,101 @@ def decompose(
     global_batch: int,
 ) -> Excess:
     """The decomposition in the module docstring, for one job's raw record."""
-    n = int(run["iterations"])
-    rows: dict[int, list[Mapping[str, Any]]] = {}
-    for r in run["telemetry"]:
-        if not r["probe"]:
-            rows.setdefault(int(r["iteration"]), []).append(r)
-    its = sorted(rows)
-    plans = {int(p["version"]): p for p in run["plans"]}
-    end = {i: max(float(r["ts"]) for r in rows[i]) for i in its}
-    version = {i: int(rows[i][0]["plan_version"]) for i in its}
-    first_of: dict[int, int] = {}
-    for i in its:
-        first_of.setdefault(version[i], i)
-    ranks = len(per_sample)
+    rec = _Record.of(run)
+    per = _per_iteration(rec, schedule, tuple(per_sample), intercept, global_batch)
+    regroup = _regroup(rec, per.over["step + boundary"])
+    warm_end = _warm_end(rec)
+    phase: dict[int, str] = {i: "warm-up" for i in rec.its if i < warm_end}
+    verdicts = _verdicts(run["events"])
+    reactions = [
+        _reaction(rec, c, kind, nxt, verdicts.get((kind, c)), per.gap, phase)
+        for c, kind, nxt in _changes(schedule, rec.n)
+        if c >= warm_end
+    ]
+    parts = dict.fromkeys(GAP_PHASES, 0.0)
+    for i in rec.its:
+        p = phase.get(i)
+        if p is None:
+            parts["integrality"] += (per.integer[i] - per.oracle[i]) / 1000
+            parts["plan quality"] += (per.gap[i] - per.integer[i] + per.oracle[i]) / 1000
+        else:
+            parts[p] += per.gap[i] / 1000
+    for name, values in per.over.items():
+        parts[name] = sum(values.values()) / 1000
+    parts["regroup/resync"] = sum(regroup.values()) / 1000
+    oracle_s = sum(per.oracle.values()) / 1000
+    return Excess(
+        oracle_s=oracle_s,
+        total_s=oracle_s + sum(parts.values()),
+        parts=parts,
+        reactions=reactions,
+        warmup_iterations=warm_end,
+        mean_allreduce_ms=statistics.fmean(per.over["all-reduce"].values()) if rec.its else 0.0,
+    )
 
-    oracle: dict[int, float] = {}
-    integer: dict[int, float] = {}
-    gap: dict[int, float] = {}
-    over: dict[str, dict[int, float]] = {
-        k: {} for k in ("all-reduce", "data", "compute over target", "step + boundary")
-    }
-    for i in its:
-        fs = tuple(factor(schedule, r, i) for r in range(ranks))
-        integer[i], oracle[i] = _optima(tuple(per_sample), intercept, global_batch, fs)
-        sizes = plans[version[i]]["batch_sizes"]
+
+def _per_iteration(
+    rec: _Record,
+    schedule: Schedule,
+    per_sample: tuple[float, ...],
+    intercept: float,
+    global_batch: int,
+) -> _PerIteration:
+    per = _PerIteration()
+    for k, i in enumerate(rec.its):
+        fs = tuple(factor(schedule, r, i) for r in range(len(per_sample)))
+        per.integer[i], per.oracle[i] = _optima(per_sample, intercept, global_batch, fs)
+        sizes = rec.plans[rec.version[i]]["batch_sizes"]
         true = max(
             (fs[r] * (intercept + per_sample[r] * b) for r, b in enumerate(sizes) if b > 0),
             default=0.0,
         )
-        gap[i] = true - oracle[i]
-        rs = rows[i]
-        if i == its[0]:
+        per.gap[i] = true - per.oracle[i]
+        rs = rec.rows[i]
+        if k == 0:
             d = max(r["data_ms"] + r["compute_ms"] + r["sync_ms"] for r in rs)
         else:
-            d = (end[i] - end[its[its.index(i) - 1]]) * 1000.0
+            d = (rec.end[i] - rec.end[rec.its[k - 1]]) * 1000.0
         compute = max(r["compute_ms"] for r in rs)
         critical = max(r["data_ms"] + r["compute_ms"] for r in rs)
         allreduce = min(r["sync_ms"] for r in rs)
-        over["all-reduce"][i] = allreduce
-        over["compute over target"][i] = compute - true
-        over["data"][i] = critical - compute
-        over["step + boundary"][i] = d - true - allreduce - (critical - true)
+        per.over["all-reduce"][i] = allreduce
+        per.over["compute over target"][i] = compute - true
+        per.over["data"][i] = critical - compute
+        per.over["step + boundary"][i] = d - true - allreduce - (critical - true)
+    return per
 
-    # Regroup/resync: step + boundary above its median where the group changed, and just after.
-    rest = over["step + boundary"]
+
+def _regroup(rec: _Record, rest: dict[int, float]) -> dict[int, float]:
+    """Regroup/resync: ``rest`` (step + boundary) above its median where the group changed, and
+    just after; taken out of ``rest``."""
     typical = statistics.median(rest.values()) if rest else 0.0
     regroup: dict[int, float] = {}
-    for i in its[1:]:
-        prev = its[its.index(i) - 1]
-        if plans[version[i]].get("excluded", []) != plans[version[prev]].get("excluded", []):
+    for k, i in enumerate(rec.its[1:]):
+        prev = rec.its[k]
+        if rec.plans[rec.version[i]].get("excluded", []) != rec.plans[rec.version[prev]].get(
+            "excluded", []
+        ):
             for j in (i, i + 1):
                 if j in rest and j not in regroup:
                     regroup[j] = max(0.0, rest[j] - typical)
                     rest[j] -= regroup[j]
+    return regroup
 
-    # Phases of the plan gap.
+
+def _warm_end(rec: _Record) -> int:
+    """The first iteration under a plan that is neither the initial split nor exploration."""
     settled = [
         v
-        for v in sorted(plans)
-        if not str(plans[v]["reason"]).startswith(INITIAL_OR_EXPLORING) and v in first_of
+        for v in sorted(rec.plans)
+        if not str(rec.plans[v]["reason"]).startswith(INITIAL_OR_EXPLORING) and v in rec.first_of
     ]
-    warm_end = first_of[settled[0]] if settled else n
-    phase: dict[int, str] = {i: "warm-up" for i in its if i < warm_end}
+    return rec.first_of[settled[0]] if settled else rec.n
+
+
+def _changes(schedule: Schedule, n: int) -> list[tuple[int, str, int]]:
+    """Each change of the true speeds: (iteration, ``onset r`` / ``end r``, the next change's
+    iteration or ``n``)."""
     changes: list[tuple[int, str]] = []
     for rank, windows in schedule.items():
         for a, b, _ in windows:
@@ -238,76 +329,52 @@ def decompose(
             if b < n:
                 changes.append((b, f"end {rank}"))
     changes.sort()
-    verdicts = _verdicts(run["events"])
-    reactions = []
-    for k, (c, kind) in enumerate(changes):
-        nxt = changes[k + 1][0] if k + 1 < len(changes) else n
-        if c < warm_end:
-            continue
-        start_ts = end.get(c - 1, 0.0)
-        later = sorted(
-            (v for v in plans if v in first_of and _ts(plans[v]["created_at"]) > start_ts),
-            key=lambda v: first_of[v],
-        )
-        reaction = Reaction(c, kind)
-        reactions.append(reaction)
-        v = later[0] if later else None
-        if v is None or first_of[v] > nxt:
-            for i in range(c, nxt):
-                phase.setdefault(i, "no reaction")
-            reaction.cost_s["no reaction"] = sum(gap.get(i, 0.0) for i in range(c, nxt)) / 1000
-            continue
-        reacted = first_of[v]
-        created = _ts(plans[v]["created_at"])
-        made_during = next((i for i in its if end[i] >= created), reacted)
-        verdict = verdicts.get((kind, c))
-        stage_ends = [
-            ("detect", None if verdict is None else min(max(verdict + 1, c), reacted)),
-            ("server", min(max(made_during + 1, c), reacted)),
-            ("delivery", reacted),
-        ]
-        at = c
-        for name, until in stage_ends:
-            if until is None:
-                continue
-            for i in range(at, until):
-                phase.setdefault(i, f"reaction: {name}")
-            reaction.cost_s[name] = sum(gap.get(i, 0.0) for i in range(at, until)) / 1000
-            setattr(reaction, name, until - at)
-            at = until
-        reaction.reacted_at = reacted
+    nexts = [c for c, _ in changes[1:]] + [n]
+    return [(c, kind, nxt) for (c, kind), nxt in zip(changes, nexts, strict=True)]
 
-    parts = dict.fromkeys(
-        (
-            "warm-up",
-            "reaction: detect",
-            "reaction: server",
-            "reaction: delivery",
-            "no reaction",
-            "integrality",
-            "plan quality",
-        ),
-        0.0,
+
+def _reaction(
+    rec: _Record,
+    c: int,
+    kind: str,
+    nxt: int,
+    verdict: int | None,
+    gap: Mapping[int, float],
+    phase: dict[int, str],
+) -> Reaction:
+    """The way to the first plan made after the change at ``c``; marks the phase of its
+    iterations."""
+    start_ts = rec.end.get(c - 1, 0.0)
+    later = sorted(
+        (v for v in rec.plans if v in rec.first_of and _ts(rec.plans[v]["created_at"]) > start_ts),
+        key=lambda v: rec.first_of[v],
     )
-    for i in its:
-        p = phase.get(i)
-        if p is None:
-            parts["integrality"] += (integer[i] - oracle[i]) / 1000
-            parts["plan quality"] += (gap[i] - integer[i] + oracle[i]) / 1000
-        else:
-            parts[p] += gap[i] / 1000
-    for name, values in over.items():
-        parts[name] = sum(values.values()) / 1000
-    parts["regroup/resync"] = sum(regroup.values()) / 1000
-    total = sum(oracle.values()) / 1000 + sum(parts.values())
-    return Excess(
-        oracle_s=sum(oracle.values()) / 1000,
-        total_s=total,
-        parts=parts,
-        reactions=reactions,
-        warmup_iterations=warm_end,
-        mean_allreduce_ms=statistics.fmean(over["all-reduce"].values()) if its else 0.0,
-    )
+    reaction = Reaction(c, kind)
+    v = later[0] if later else None
+    if v is None or rec.first_of[v] > nxt:
+        for i in range(c, nxt):
+            phase.setdefault(i, "no reaction")
+        reaction.cost_s["no reaction"] = sum(gap.get(i, 0.0) for i in range(c, nxt)) / 1000
+        return reaction
+    reacted = rec.first_of[v]
+    created = _ts(rec.plans[v]["created_at"])
+    made_during = next((i for i in rec.its if rec.end[i] >= created), reacted)
+    stage_ends = [
+        ("detect", None if verdict is None else min(max(verdict + 1, c), reacted)),
+        ("server", min(max(made_during + 1, c), reacted)),
+        ("delivery", reacted),
+    ]
+    at = c
+    for name, until in stage_ends:
+        if until is None:
+            continue
+        for i in range(at, until):
+            phase.setdefault(i, f"reaction: {name}")
+        reaction.cost_s[name] = sum(gap.get(i, 0.0) for i in range(at, until)) / 1000
+        setattr(reaction, name, until - at)
+        at = until
+    reaction.reacted_at = reacted
+    return reaction
 
 
 def _verdicts(events: Sequence[Mapping[str, Any]]) -> dict[tuple[str, int], int]:

@@ -36,7 +36,7 @@ from torch import nn
 
 from agent.runtime.context import EvenflowContext
 from agent.runtime.membership import ExclusionOptions
-from agent.runtime.plan_sync import Plan, PlanAgreement
+from agent.runtime.plan_sync import PlanAgreement, RuntimePlan
 from contract.spec import JobSpec
 
 B, FEATURES = 48, 64
@@ -59,14 +59,14 @@ class Script:
         self.world = world
         self.ctx: EvenflowContext | None = None
 
-    def __call__(self) -> Plan:
+    def __call__(self) -> RuntimePlan:
         assert self.ctx is not None
         k = (self.ctx.iteration - 1) // 3 + 1  # the k-th change, proposed at 3k - 2
         even = [B // self.world] * self.world
         if k % 2 == 0:
-            return Plan(1 + k, tuple(even), B)
+            return RuntimePlan(1 + k, tuple(even), B)
         active = B // (self.world - 1)
-        return Plan(1 + k, (*[active] * (self.world - 1), 0), B, (self.world - 1,))
+        return RuntimePlan(1 + k, (*[active] * (self.world - 1), 0), B, (self.world - 1,))
 
 
 def _run(rank: int, world: int, cycles: int, hidden: int, layers: int) -> dict[str, Any]:
@@ -82,7 +82,7 @@ def _run(rank: int, world: int, cycles: int, hidden: int, layers: int) -> dict[s
     )
     script = Script(world)
     agreement = PlanAgreement(
-        Plan(1, tuple([B // world] * world), B),
+        RuntimePlan(1, tuple([B // world] * world), B),
         rank=rank,
         world_size=world,
         global_batch=B,

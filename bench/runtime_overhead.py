@@ -33,7 +33,7 @@ from torch import nn
 
 from agent.runtime.context import EvenflowContext
 from agent.runtime.gradients import GradientSync
-from agent.runtime.plan_sync import Plan, PlanAgreement
+from agent.runtime.plan_sync import PlanAgreement, RuntimePlan
 from agent.runtime.telemetry import TelemetrySender
 from contract.spec import JobSpec
 
@@ -65,7 +65,7 @@ def _agreement_cost(rank: int, world: int, iterations: int) -> dict[str, float]:
         "blocking_every_10": {"pipelined": False, "every": 10},
     }.items():
         a = PlanAgreement(
-            Plan(1, (PER_RANK,) * world),
+            RuntimePlan(1, (PER_RANK,) * world),
             rank=rank,
             world_size=world,
             global_batch=PER_RANK * world,
@@ -115,7 +115,10 @@ def _evenflow_round(rank: int, world: int, iterations: int, piggyback: bool = Tr
         }
     )
     agreement = PlanAgreement(
-        Plan(1, (PER_RANK,) * world), rank=rank, world_size=world, global_batch=PER_RANK * world
+        RuntimePlan(1, (PER_RANK,) * world),
+        rank=rank,
+        world_size=world,
+        global_batch=PER_RANK * world,
     )
     sender = TelemetrySender(lambda batch: None)
     ctx = EvenflowContext(

@@ -35,9 +35,9 @@ if str(ROOT) not in sys.path:
 from server.planner import PerfModel  # noqa: E402
 from server.stragglers import (  # noqa: E402
     POLICY_NAMES,
+    RankSlowdown,
     Scenario,
     SimResult,
-    Slowdown,
     simulate,
 )
 
@@ -63,12 +63,12 @@ def scenarios(seed: int, noise: float, kind: str) -> list[Scenario]:
     )
     periodic = []
     for start in range(100, 700, 200):
-        periodic.append(Slowdown(0, start, start + 60, 2.0))
-        periodic.append(Slowdown(2, start + 100, start + 160, 2.0))
+        periodic.append(RankSlowdown(0, start, start + 60, 2.0))
+        periodic.append(RankSlowdown(2, start + 100, start + 160, 2.0))
     return [
-        Scenario("3x-window", slowdowns=(Slowdown(1, 200, 500, 3.0),), **common),  # type: ignore[arg-type]
+        Scenario("3x-window", slowdowns=(RankSlowdown(1, 200, 500, 3.0),), **common),  # type: ignore[arg-type]
         Scenario("periodic", slowdowns=tuple(periodic), **common),  # type: ignore[arg-type]
-        Scenario("10x-to-end", slowdowns=(Slowdown(3, 250, 800, 10.0),), **common),  # type: ignore[arg-type]
+        Scenario("10x-to-end", slowdowns=(RankSlowdown(3, 250, 800, 10.0),), **common),  # type: ignore[arg-type]
     ]
 
 

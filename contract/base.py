@@ -25,10 +25,12 @@ MAX_WORKERS = 10_000
 
 
 MAX_MS = 1e7
+"""No timing above ~2.8 hours per iteration phase is plausible; larger values are input errors."""
 
 
 MAX_ID = 2**31 - 1
-"""No timing above ~2.8 hours per iteration phase is plausible; larger values are input errors."""
+"""Largest id a client may send (PostgreSQL's INTEGER): a larger one is an input error, a 422,
+not a database overflow."""
 
 
 def _refuse_nul(value: str) -> str:

@@ -7,8 +7,8 @@ import contextlib
 import logging
 import sys
 import threading
-from collections.abc import AsyncIterator, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -28,10 +28,10 @@ from server.api.routes import audit, events, health, hosts, jobs, planner, plans
 from server.api.routes.ui import mount_dashboard
 from server.cache import Caches
 from server.config import Settings
+from server.context import AppContext
 from server.controller import Controller
 from server.db import make_engine, migrate, session_factory, transaction
 from server.errors import EvenflowError
-from server.live import TelemetryNotifier
 from server.locks import WriterLock, bootstrap_lock, writer_lock_for
 from server.metrics import Metrics, MetricsMiddleware
 from server.notify import Bus, PgNotifyBus, PlanWaiters, open_bus
@@ -123,67 +123,14 @@ class BodyLimit:
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
-    settings = settings or Settings()
-    engine = make_engine(settings.database_url, pool_size=settings.db_pool_size)
-    sessions = session_factory(engine)
-    # SQLite takes one writer at a time, across this process and the controller process.
-    write_lock: AbstractContextManager[Any] = (
-        writer_lock_for(settings.database_url) or contextlib.nullcontext()
-    )
-    metrics = Metrics(sessions)
-    caches = Caches(sessions)
-    waiters = PlanWaiters()
-    bus = open_bus(settings.database_url)
-    caches.plan_listeners += [waiters.notify, bus.publish]
-    wake_bus = open_bus(settings.database_url, "wake")
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.generated_admin_token = await asyncio.to_thread(
-            bootstrap, engine, sessions, settings
-        )
-        _listen_for_plans(bus, caches, waiters)
-        stop = threading.Event()
-        controller: threading.Thread | None = None
-        if settings.controller == "thread":
-            loop = Controller(settings, engine=engine, sessions=sessions, write_lock=write_lock)
-            app.state.wake_controller = lambda job_id: loop.poke()
-            controller = threading.Thread(
-                target=loop.run, args=(stop,), name="evenflow-controller", daemon=True
-            )
-            controller.start()
-        try:
-            yield
-        finally:
-            stop.set()
-            if controller is not None:
-                await asyncio.to_thread(controller.join, 30)
-            if not isinstance(bus, PgNotifyBus) and (sock := bus.listen()) is not None:
-                asyncio.get_running_loop().remove_reader(sock.fileno())
-            bus.close()
-            wake_bus.close()
-            if isinstance(write_lock, WriterLock):
-                write_lock.close()
-            engine.dispose()
-
+    context = _build_context(settings or Settings())
     app = FastAPI(
         title="Evenflow",
         version="1",
         summary="Per-worker batch sizes for synchronous training on heterogeneous GPUs.",
-        lifespan=lifespan,
+        lifespan=_lifespan(context),
     )
-    app.state.settings = settings
-    app.state.engine = engine
-    app.state.sessions = sessions
-    app.state.write_lock = write_lock
-    app.state.caches = caches
-    app.state.metrics = metrics
-    app.state.generated_admin_token = None
-    app.state.telemetry_notifier = TelemetryNotifier()
-    app.state.plan_waiters = waiters
-    # Urgent telemetry (a worker's iteration time jumped) runs the controller's next round now:
-    # over the wake bus to a controller process, or directly when it is a thread here.
-    app.state.wake_controller = lambda job_id: wake_bus.publish([job_id])
+    app.state.context = context
 
     app.add_exception_handler(EvenflowError, _on_domain_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
@@ -195,32 +142,107 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     # The dashboard: chart data, the live stream, and the web UI (pages, login, static files).
     mount_dashboard(app, api_prefix=API_PREFIX, responses=ERROR_RESPONSES)
+    metrics = context.metrics
 
     @app.get("/metrics", include_in_schema=False)
     def prometheus_metrics() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    app.openapi = _openapi(app)  # type: ignore[method-assign]
+    metrics.set_templates([*app.openapi()["paths"], "/metrics"])
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
+    return app
+
+
+def _build_context(settings: Settings) -> AppContext:
+    engine = make_engine(settings.database_url, pool_size=settings.db_pool_size)
+    sessions = session_factory(engine)
+    caches = Caches(sessions)
+    waiters = PlanWaiters()
+    bus = open_bus(settings.database_url)
+    caches.plan_listeners += [waiters.notify, bus.publish]
+    wake_bus = open_bus(settings.database_url, "wake")
+    return AppContext(
+        settings=settings,
+        engine=engine,
+        sessions=sessions,
+        # SQLite takes one writer at a time, across this process and the controller process.
+        write_lock=writer_lock_for(settings.database_url) or contextlib.nullcontext(),
+        caches=caches,
+        metrics=Metrics(sessions),
+        plan_waiters=waiters,
+        plan_bus=bus,
+        wake_bus=wake_bus,
+        # Urgent telemetry (a worker's iteration time jumped) runs the controller's next round
+        # now: over the wake bus to a controller process, or directly when it is a thread here.
+        wake_controller=lambda job_id: wake_bus.publish([job_id]),
+    )
+
+
+def _lifespan(context: AppContext) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """Start-up (migrations, the admin token, the plan listener, the controller thread) and
+    shutdown (in reverse) of an app."""
+    settings, engine, sessions = context.settings, context.engine, context.sessions
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        context.generated_admin_token = await asyncio.to_thread(
+            bootstrap, engine, sessions, settings
+        )
+        _listen_for_plans(context.plan_bus, context.caches, context.plan_waiters)
+        stop = threading.Event()
+        controller: threading.Thread | None = None
+        if settings.controller == "thread":
+            loop = Controller(
+                settings, engine=engine, sessions=sessions, write_lock=context.write_lock
+            )
+            context.wake_controller = lambda job_id: loop.poke()
+            controller = threading.Thread(
+                target=loop.run, args=(stop,), name="evenflow-controller", daemon=True
+            )
+            controller.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            if controller is not None:
+                await asyncio.to_thread(controller.join, 30)
+            _close(context)
+
+    return lifespan
+
+
+def _close(context: AppContext) -> None:
+    bus = context.plan_bus
+    if not isinstance(bus, PgNotifyBus) and (sock := bus.listen()) is not None:
+        asyncio.get_running_loop().remove_reader(sock.fileno())
+    context.plan_bus.close()
+    context.wake_bus.close()
+    if isinstance(context.write_lock, WriterLock):
+        context.write_lock.close()
+    context.engine.dispose()
+
+
+def _openapi(app: FastAPI) -> Callable[[], dict[str, Any]]:
+    """The app's schema, built once: validation errors documented as ``ErrorOut`` like every
+    other 4xx, and the bodies hot routes parse themselves (``server.api.bodies``) included."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(
                 title=app.title, version=app.version, summary=app.summary, routes=app.routes
             )
-            # Validation errors use the same ErrorOut shape as every other 4xx.
             text = _replace_refs(
                 schema, "#/components/schemas/HTTPValidationError", "#/components/schemas/ErrorOut"
             )
             for name in ("HTTPValidationError", "ValidationError"):
                 text["components"]["schemas"].pop(name, None)
-            # Bodies that hot routes parse themselves (server.api.bodies).
             text["components"]["schemas"].update(component_schemas(TelemetryBatch))
             app.openapi_schema = text
         return app.openapi_schema
 
-    app.openapi = openapi  # type: ignore[method-assign]
-    metrics.set_templates([*app.openapi()["paths"], "/metrics"])
-    app.add_middleware(MetricsMiddleware, metrics=metrics)
-    app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
-    return app
+    return openapi
 
 
 def bootstrap(engine: Engine, sessions: sessionmaker[Session], settings: Settings) -> str | None:

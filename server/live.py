@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import threading
 from collections.abc import Iterator
-from typing import Any
 
 
 class Waiter:
@@ -74,8 +73,7 @@ class TelemetryNotifier:
             return len(self._waiters.get(job_id, ()))
 
 
-def telemetry_stored(app: Any, job_id: int, accepted: int) -> None:
+def telemetry_stored(notifier: TelemetryNotifier, job_id: int, accepted: int) -> None:
     """The ingest route's hook: wake this job's streams if any new row was stored."""
-    notifier: TelemetryNotifier | None = getattr(app.state, "telemetry_notifier", None)
-    if accepted and notifier is not None:
+    if accepted:
         notifier.notify(job_id)

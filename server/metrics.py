@@ -35,9 +35,9 @@ class _StateCollector(Collector):
                 s.execute(select(Host.status, func.count(Host.id)).group_by(Host.status)).all()
             )
         for st in JobStatus:
-            jobs.add_metric([st.value], float(job_counts.get(st.value, 0)))
+            jobs.add_metric([st.value], float(job_counts.get(st, 0)))
         for hs in HostStatus:
-            hosts.add_metric([hs.value], float(host_counts.get(hs.value, 0)))
+            hosts.add_metric([hs.value], float(host_counts.get(hs, 0)))
         yield jobs
         yield hosts
 

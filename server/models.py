@@ -2,13 +2,16 @@
 a test checks that these models and the migrations agree.
 
 Enumerations are stored as short strings (not native enums) so adding a state needs no
-type migration on PostgreSQL; the wire contract's StrEnums are the source of the values.
+type migration on PostgreSQL; the wire contract's StrEnums are the source of the values, and the
+mapping (``StrEnumColumn``) hands back their members. ``Job.job_spec`` reads the stored spec
+as a ``JobSpec``.
 """
 
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any
+from enum import StrEnum
+from typing import Any, TypeVar
 
 from sqlalchemy import (
     JSON,
@@ -28,6 +31,18 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+from contract.enums import (
+    DeviceKind,
+    DeviceStatus,
+    HostStatus,
+    JobStatus,
+    OverrideKind,
+    PlanSource,
+    Role,
+    WorkerState,
+)
+from contract.spec import JobSpec
 
 NAMING = {
     "ix": "ix_%(column_0_label)s",
@@ -63,6 +78,29 @@ class UTCDateTime(TypeDecorator[datetime]):
         return value
 
 
+E = TypeVar("E", bound=StrEnum)
+
+
+class StrEnumColumn(TypeDecorator[E]):
+    """A StrEnum stored as its value in a VARCHAR: the column is a plain ``String(length)`` (no
+    native enum, no CHECK), so adding a member needs no migration. Binds take a member or its
+    value (Core inserts pass strings); an unknown value is refused before it reaches the
+    database, and reads hand back the member."""
+
+    impl = String
+    cache_ok = True
+
+    def __init__(self, enum: type[E], length: int) -> None:
+        super().__init__(length)
+        self.enum = enum
+
+    def process_bind_param(self, value: E | str | None, dialect: Dialect) -> str | None:
+        return None if value is None else self.enum(value).value
+
+    def process_result_value(self, value: str | None, dialect: Dialect) -> E | None:
+        return None if value is None else self.enum(value)
+
+
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING)
 
@@ -73,7 +111,9 @@ class Host(Base):
     id: Mapped[int] = mapped_column(primary_key=True)
     name: Mapped[str] = mapped_column(String(128), unique=True)
     address: Mapped[str] = mapped_column(String(255))
-    status: Mapped[str] = mapped_column(String(16), default="active")
+    status: Mapped[HostStatus] = mapped_column(
+        StrEnumColumn(HostStatus, 16), default=HostStatus.ACTIVE
+    )
     protocol_version: Mapped[int] = mapped_column(Integer)
     registered_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     last_heartbeat: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
@@ -90,10 +130,12 @@ class Device(Base):
     id: Mapped[int] = mapped_column(primary_key=True)
     host_id: Mapped[int] = mapped_column(ForeignKey("hosts.id", ondelete="CASCADE"), index=True)
     index: Mapped[int] = mapped_column(Integer)
-    kind: Mapped[str] = mapped_column(String(8))
+    kind: Mapped[DeviceKind] = mapped_column(StrEnumColumn(DeviceKind, 8))
     model: Mapped[str] = mapped_column(String(128))
     memory_mb: Mapped[int] = mapped_column(Integer)
-    status: Mapped[str] = mapped_column(String(16), default="free")
+    status: Mapped[DeviceStatus] = mapped_column(
+        StrEnumColumn(DeviceStatus, 16), default=DeviceStatus.FREE
+    )
     job_id: Mapped[int | None] = mapped_column(
         ForeignKey("jobs.id", ondelete="SET NULL"), index=True, default=None
     )
@@ -108,7 +150,9 @@ class Job(Base):
     name: Mapped[str] = mapped_column(String(128))
     owner: Mapped[str] = mapped_column(String(128))
     spec: Mapped[dict[str, Any]] = mapped_column(Json)
-    status: Mapped[str] = mapped_column(String(16), default="pending", index=True)
+    status: Mapped[JobStatus] = mapped_column(
+        StrEnumColumn(JobStatus, 16), default=JobStatus.PENDING, index=True
+    )
     priority: Mapped[int] = mapped_column(Integer, default=0)
     emulated: Mapped[bool] = mapped_column(Boolean, default=False)
     frozen: Mapped[bool] = mapped_column(Boolean, default=False)
@@ -126,6 +170,11 @@ class Job(Base):
         back_populates="job", order_by="Worker.rank", cascade="all, delete-orphan"
     )
 
+    @property
+    def job_spec(self) -> JobSpec:
+        """The stored spec, validated: typed fields instead of reading the JSON by key."""
+        return JobSpec.model_validate(self.spec)
+
 
 class Worker(Base):
     """One rank of a job, placed on one device."""
@@ -142,7 +191,9 @@ class Worker(Base):
     host_id: Mapped[int | None] = mapped_column(
         ForeignKey("hosts.id", ondelete="SET NULL"), index=True, default=None
     )
-    state: Mapped[str] = mapped_column(String(16), default="assigned")
+    state: Mapped[WorkerState] = mapped_column(
+        StrEnumColumn(WorkerState, 16), default=WorkerState.ASSIGNED
+    )
     exit_code: Mapped[int | None] = mapped_column(Integer, default=None)
     error: Mapped[str | None] = mapped_column(Text, default=None)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
@@ -163,7 +214,7 @@ class Plan(Base):
     excluded: Mapped[list[int]] = mapped_column(Json, default=list)
     """Ranks out of the all-reduce group under this plan."""
     global_batch: Mapped[int] = mapped_column(Integer)
-    source: Mapped[str] = mapped_column(String(16))
+    source: Mapped[PlanSource] = mapped_column(StrEnumColumn(PlanSource, 16))
     reason: Mapped[str] = mapped_column(Text)
     predicted_ms: Mapped[float | None] = mapped_column(Float, default=None)
     created_by: Mapped[str | None] = mapped_column(String(128), default=None)
@@ -215,7 +266,7 @@ class Override(Base):
 
     id: Mapped[int] = mapped_column(primary_key=True)
     job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
-    kind: Mapped[str] = mapped_column(String(32))
+    kind: Mapped[OverrideKind] = mapped_column(StrEnumColumn(OverrideKind, 32))
     reason: Mapped[str] = mapped_column(Text)
     payload: Mapped[dict[str, Any]] = mapped_column(Json, default=dict)
     created_by: Mapped[str] = mapped_column(String(128))
@@ -242,7 +293,7 @@ class ApiToken(Base):
 
     id: Mapped[int] = mapped_column(primary_key=True)
     name: Mapped[str] = mapped_column(String(128))
-    role: Mapped[str] = mapped_column(String(16))
+    role: Mapped[Role] = mapped_column(StrEnumColumn(Role, 16))
     token_hash: Mapped[str] = mapped_column(String(64), unique=True)
     prefix: Mapped[str] = mapped_column(String(16))
     host: Mapped[str | None] = mapped_column(String(128), default=None)

@@ -65,7 +65,7 @@ def pg_started() -> Iterator[None]:
             pytest.fail(f"CI=true but PostgreSQL is unreachable: {exc}")
         pytest.skip(f"PostgreSQL at {PG_ADMIN_URL} is unreachable: {exc}")
     yield from _serve(pg_app)
-    pg_app.state.engine.dispose()
+    pg_app.state.context.engine.dispose()
     with admin.connect() as c:
         c.execute(text(f'DROP DATABASE IF EXISTS "{PG_DB}" WITH (FORCE)'))
     admin.dispose()

@@ -34,8 +34,8 @@ from torch import nn
 from agent.runtime.datasets import DatasetLike, dataset_size, take
 from agent.runtime.emulation import EMULATED_LABEL, Emulator
 from agent.runtime.gradients import GradientSync, broadcast_module
-from agent.runtime.membership import ExclusionOptions, Membership, Notice, Role, Transition
-from agent.runtime.plan_sync import Plan, PlanAgreement, decode_plan
+from agent.runtime.membership import ExclusionOptions, GroupRole, Membership, Notice, Transition
+from agent.runtime.plan_sync import PlanAgreement, RuntimePlan, decode_plan
 from agent.runtime.probes import ProbeLoss, forward_sum, probe, probe_size
 from agent.runtime.resync import resync
 from agent.runtime.sampler import GlobalBatchSampler
@@ -144,7 +144,7 @@ class EvenflowContext:
         self._sync: GradientSync | None = None
         self._sampler: GlobalBatchSampler | None = None
         self._awaiting_step = False
-        self._plan: Plan = agreement.current
+        self._plan: RuntimePlan = agreement.current
         self._local = 0
         self._total = 0
         self.membership = Membership(
@@ -175,7 +175,7 @@ class EvenflowContext:
         return self.emulator is not None
 
     @property
-    def plan(self) -> Plan:
+    def plan(self) -> RuntimePlan:
         """The plan in force for the current iteration."""
         return self._plan
 
@@ -228,7 +228,7 @@ class EvenflowContext:
         try:
             while self.iteration < total:
                 it = self.iteration
-                if self.membership.role is Role.EXCLUDED:
+                if self.membership.role is GroupRole.EXCLUDED:
                     self._sit_out(it)  # returns readmitted at a later iteration, or at the end
                     if self.iteration >= total:
                         return  # the end notice: already re-synchronised
@@ -237,7 +237,7 @@ class EvenflowContext:
                     t0 = time.perf_counter()
                     self.agreement.at_boundary(it)
                     self.stats.agreement_ms += (time.perf_counter() - t0) * 1000.0
-                    if self.membership.role is Role.EXCLUDED:
+                    if self.membership.role is GroupRole.EXCLUDED:
                         continue
                 self._plan = self.agreement.current
                 self.membership.tick(it, self._plan)
@@ -253,7 +253,7 @@ class EvenflowContext:
                 yield batch
                 if self._awaiting_step:
                     raise RuntimeError("call ctx.step(loss_sum) exactly once per batch")
-            if self.membership.role is Role.ACTIVE and self.agreement.current.excluded:
+            if self.membership.role is GroupRole.ACTIVE and self.agreement.current.excluded:
                 self.agreement.close()
                 self._resync(self.membership.end(self.iteration, self.agreement.current), False)
                 self._sync.group = self.group
@@ -301,11 +301,11 @@ class EvenflowContext:
 
     # ------------------------------------------------------------------------ membership
 
-    def _regroup(self, iteration: int, old: Plan, new: Plan) -> tuple[Any, int]:
+    def _regroup(self, iteration: int, old: RuntimePlan, new: RuntimePlan) -> tuple[Any, int]:
         """The agreement's hook, on every rank of ``old.active``, when ``new`` changes them."""
         assert self._sync is not None
         tr = self.membership.switch(iteration, old, new)
-        if self.membership.role is Role.ACTIVE:
+        if self.membership.role is GroupRole.ACTIVE:
             self._sync.group = tr.group
             if tr.readmitted:
                 self._resync(tr, False)

@@ -64,14 +64,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from agent.runtime.plan_sync import Plan, encode_plan
+from agent.runtime.plan_sync import RuntimePlan, encode_plan
 
 log = logging.getLogger(__name__)
 
 Ranks = tuple[int, ...]
 
 
-class Role(enum.Enum):
+class GroupRole(enum.Enum):
     """Whether this rank is in the all-reduce group (see the module docstring's diagram)."""
 
     ACTIVE = "active"
@@ -147,7 +147,7 @@ class Membership:
         self.rank = rank
         self.world_size = world_size
         self.options = options
-        self.role = Role.ACTIVE
+        self.role = GroupRole.ACTIVE
         self.log: list[Ranks] = []
         """Every subgroup created so far (rank sets, in creation order); the same on all ranks
         in step."""
@@ -158,7 +158,7 @@ class Membership:
         self._store = store
         self._mailbox: dist.Store | None = None
 
-    def setup(self, initial: Plan) -> None:
+    def setup(self, initial: RuntimePlan) -> None:
         """Collective over the whole world, every rank in step (``ctx.prepare``): agree this
         context's mailbox prefix, and make the group of the initial plan's active ranks."""
         if not dist.is_initialized():  # one process: only a given store can be the mailbox
@@ -170,7 +170,7 @@ class Membership:
         store = self._store or dist.distributed_c10d._get_default_store()
         self._mailbox = dist.PrefixStore(f"evenflow/{int(nonce.item())}/", store)
         self.groups_for(initial.active)
-        self.role = Role.ACTIVE if self.rank in initial.active else Role.EXCLUDED
+        self.role = GroupRole.ACTIVE if self.rank in initial.active else GroupRole.EXCLUDED
 
     def groups_for(
         self, active: Ranks
@@ -190,7 +190,7 @@ class Membership:
         group = self._groups.get(active)
         return group, group
 
-    def switch(self, iteration: int, old: Plan, new: Plan) -> Transition:
+    def switch(self, iteration: int, old: RuntimePlan, new: RuntimePlan) -> Transition:
         """Every rank of ``old.active`` calls this at the boundary where ``new`` was agreed."""
         start = time.perf_counter()
         readmitted = tuple(r for r in new.active if r not in old.active)
@@ -202,9 +202,9 @@ class Membership:
             for r in readmitted:
                 self._post(r, notice, with_log=True)
         group, control = self.groups_for(new.active)
-        self.role = Role.ACTIVE if self.rank in new.active else Role.EXCLUDED
+        self.role = GroupRole.ACTIVE if self.rank in new.active else GroupRole.EXCLUDED
         self.regroup_ms.append((time.perf_counter() - start) * 1000.0)
-        if self.role is Role.EXCLUDED:
+        if self.role is GroupRole.EXCLUDED:
             log.info("rank %d: excluded from iteration %d", self.rank, iteration)
         return Transition(iteration, new.active, readmitted, root, group, control)
 
@@ -218,12 +218,12 @@ class Membership:
             dist.new_group(list(ranks), backend=backend)  # not a member: local, immediate
             self.log.append(ranks)
         group, control = self.groups_for(active)
-        self.role = Role.ACTIVE
+        self.role = GroupRole.ACTIVE
         self.regroup_ms.append((time.perf_counter() - start) * 1000.0)
         readmitted = (self.rank,)  # as far as this rank knows; the root knows them all
         return Transition(notice.iteration, active, readmitted, notice.root, group, control)
 
-    def tick(self, iteration: int, plan: Plan) -> None:
+    def tick(self, iteration: int, plan: RuntimePlan) -> None:
         """The leader tells excluded ranks where the job is, every ``probe_every`` iterations."""
         if not plan.excluded or self.rank != plan.leader:
             return
@@ -233,7 +233,7 @@ class Membership:
         for r in plan.excluded:
             self._post(r, notice, with_log=False)
 
-    def end(self, iteration: int, plan: Plan) -> Transition:
+    def end(self, iteration: int, plan: RuntimePlan) -> Transition:
         """Every active rank, after the job's last iteration, when ranks are still excluded:
         the leader tells them, and all re-synchronise in the world group."""
         if self.rank == plan.leader:
@@ -244,10 +244,10 @@ class Membership:
         everyone = tuple(range(self.world_size))
         return Transition(iteration, everyone, plan.excluded, plan.leader, group, control)
 
-    def abort(self, iteration: int, plan: Plan) -> None:
+    def abort(self, iteration: int, plan: RuntimePlan) -> None:
         """An active rank whose loop failed tells the excluded ranks (best effort, never raises),
         so they fail now rather than at their silence timeout."""
-        if self._mailbox is None or self.role is not Role.ACTIVE:
+        if self._mailbox is None or self.role is not GroupRole.ACTIVE:
             return
         try:
             for r in plan.excluded:

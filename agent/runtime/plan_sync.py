@@ -48,9 +48,9 @@ from contract.agent import PlanOut
 
 __all__ = [
     "FetchPlan",
-    "Plan",
     "PlanAgreement",
     "PlanFetcher",
+    "RuntimePlan",
     "agree_initial",
     "decode_plan",
     "encode_plan",
@@ -62,7 +62,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class Plan:
+class RuntimePlan:
     """The part of a plan the runtime acts on: its version and one local batch size per rank."""
 
     version: int
@@ -73,8 +73,8 @@ class Plan:
     """Ranks out of the all-reduce group under this plan (their batch is 0)."""
 
     @classmethod
-    def of(cls, plan: PlanOut | Plan) -> Plan:
-        if isinstance(plan, Plan):
+    def of(cls, plan: PlanOut | RuntimePlan) -> RuntimePlan:
+        if isinstance(plan, RuntimePlan):
             return plan
         return cls(plan.version, tuple(plan.batch_sizes), plan.global_batch, tuple(plan.excluded))
 
@@ -91,7 +91,7 @@ class Plan:
 
 
 def plan_problem(
-    plan: Plan, world_size: int, global_batch: int, max_batch: int | None = None
+    plan: RuntimePlan, world_size: int, global_batch: int, max_batch: int | None = None
 ) -> str | None:
     """Why this plan must not be trained on, or ``None`` if it is fine.
 
@@ -128,7 +128,7 @@ def message_length(world_size: int) -> int:
     return 4 + 2 * world_size
 
 
-def encode_plan(plan: Plan, world_size: int) -> list[int]:
+def encode_plan(plan: RuntimePlan, world_size: int) -> list[int]:
     """The plan as an agreement message; lengths or ranks that do not fit are kept detectable."""
     sizes = list(plan.batch_sizes)[:world_size]
     sizes += [0] * (world_size - len(sizes))
@@ -140,13 +140,13 @@ def encode_plan(plan: Plan, world_size: int) -> list[int]:
     return head + sizes + flags
 
 
-def decode_plan(message: Sequence[int], world_size: int) -> tuple[Plan, str | None]:
+def decode_plan(message: Sequence[int], world_size: int) -> tuple[RuntimePlan, str | None]:
     """The plan in a message, and what is wrong with its shape (before :func:`plan_problem`)."""
     version, gb, length, n_excluded = message[:4]
     sizes = tuple(message[4 : 4 + world_size])
     flags = message[4 + world_size : 4 + 2 * world_size]
     excluded = tuple(r for r, n in enumerate(flags) for _ in range(n))
-    plan = Plan(version, sizes, gb, excluded)
+    plan = RuntimePlan(version, sizes, gb, excluded)
     if length != world_size:
         return plan, f"{length} batch sizes for {world_size} ranks"
     if n_excluded != len(excluded):
@@ -168,7 +168,7 @@ class ControlChannel(Protocol):
     def received_control(self) -> list[int] | None: ...
 
 
-Regroup = Callable[[int, Plan, Plan], tuple[dist.ProcessGroup | None, int]]
+Regroup = Callable[[int, RuntimePlan, RuntimePlan], tuple[dist.ProcessGroup | None, int]]
 """``regroup(iteration, old, new) -> (control group, leader)`` when the active set changes."""
 
 
@@ -194,12 +194,12 @@ class PlanAgreement:
 
     def __init__(
         self,
-        initial: Plan,
+        initial: RuntimePlan,
         *,
         rank: int,
         world_size: int,
         global_batch: int,
-        propose: Callable[[], PlanOut | Plan | None] | None = None,
+        propose: Callable[[], PlanOut | RuntimePlan | None] | None = None,
         group: dist.ProcessGroup | None = None,
         every: int = 1,
         pipelined: bool = True,
@@ -267,7 +267,7 @@ class PlanAgreement:
         """The group the agreement runs in, and its leader (before any boundary, every rank)."""
         self._group, self.leader = group, leader
 
-    def at_boundary(self, iteration: int) -> Plan:
+    def at_boundary(self, iteration: int) -> RuntimePlan:
         """The plan to train iteration ``iteration`` on; the same on every active rank."""
         if self._channel is not None:
             received = self._channel.received_control()
@@ -292,7 +292,7 @@ class PlanAgreement:
         """The group the agreement runs in (``None``: the default group)."""
         return self._group
 
-    def resume(self, iteration: int, plan: Plan, group: dist.ProcessGroup | None) -> None:
+    def resume(self, iteration: int, plan: RuntimePlan, group: dist.ProcessGroup | None) -> None:
         """Readmitted at ``iteration`` under ``plan``: do what the others do after receiving at
         that boundary (send the next message, in the new group)."""
         self.current = plan
@@ -338,7 +338,7 @@ class PlanAgreement:
             except Exception as exc:  # a broken proposer must not stop training
                 log.warning("plan proposer failed: %r", exc)
         if candidate is not None:
-            c = Plan.of(candidate)
+            c = RuntimePlan.of(candidate)
             fresh = c.version not in self.refused and c.version not in self._unsendable
             if c.version > self.current.version and fresh:
                 plan = c
@@ -379,14 +379,14 @@ class PlanAgreement:
 
 
 def agree_initial(
-    plan: PlanOut | Plan | None,
+    plan: PlanOut | RuntimePlan | None,
     *,
     rank: int,
     world_size: int,
     global_batch: int,
     group: dist.ProcessGroup | None = None,
     max_batch: int | None = None,
-) -> Plan:
+) -> RuntimePlan:
     """Rank 0's initial plan, broadcast to all (blocking, once).
 
     Every rank raises the same ``ValueError`` when rank 0 has no plan or an unusable one, so a job
@@ -394,7 +394,7 @@ def agree_initial(
     """
     buf = torch.zeros(message_length(world_size), dtype=torch.int64)
     if rank == 0 and plan is not None:
-        buf.copy_(torch.tensor(encode_plan(Plan.of(plan), world_size)))
+        buf.copy_(torch.tensor(encode_plan(RuntimePlan.of(plan), world_size)))
     if dist.is_initialized():
         dist.broadcast(buf, src=0, group=group)
     message = buf.tolist()

@@ -26,7 +26,7 @@ from agent.runtime.context import EvenflowContext
 from agent.runtime.emulation import Emulator
 from agent.runtime.fetcher import FetchPlan, PlanFetcher
 from agent.runtime.membership import ExclusionOptions
-from agent.runtime.plan_sync import Plan, PlanAgreement, agree_initial
+from agent.runtime.plan_sync import PlanAgreement, RuntimePlan, agree_initial
 from agent.runtime.telemetry import PostTelemetry, TelemetrySender, TelemetryStats
 from agent.runtime.workloads import Workload, builtin, load_entrypoint
 from contract.agent import PlanOut
@@ -126,7 +126,7 @@ def run_training(
     *,
     fetch_plan: FetchPlan | None = None,
     post_telemetry: PostTelemetry | None = None,
-    initial_plan: PlanOut | Plan | None = None,
+    initial_plan: PlanOut | RuntimePlan | None = None,
     options: RuntimeOptions = RuntimeOptions(),
 ) -> RunResult:
     """Train this rank's share of ``spec``; every rank of the job calls this together.

@@ -13,6 +13,8 @@ The agent daemon launches one process per rank with this environment:
 ``LOCAL_RANK``              optional; the CUDA device index on this host (default 0)
 ``EVENFLOW_RESULT``         optional; path where the :class:`RunResult` is written as JSON
 ``EVENFLOW_PLAN_POLL_S``    optional; seconds between plan polls on rank 0 (default 1)
+``EVENFLOW_PLAN_WAIT_S``    optional; longest seconds a plan long-poll is held, within 0..30
+                            (default 10; a new plan answers it at once)
 ``EVENFLOW_TELEMETRY_S``    optional; longest seconds between telemetry posts (default 2)
 ``EVENFLOW_LOG_LEVEL``      optional; default ``INFO``
 ``EVENFLOW_ERROR_FILE``     optional; where the traceback of a failure is written, so the

@@ -5,15 +5,16 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import nullcontext
 from datetime import UTC, datetime
-from typing import Annotated, cast
+from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, Path, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
+from contract.base import MAX_ID
 from contract.enums import Role
-from server.cache import TTLCache
 from server.config import Settings
+from server.context import AppContext, context_of
 from server.services import tokens
 from server.services.tokens import Principal
 
@@ -25,12 +26,20 @@ _bearer = HTTPBearer(
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
-def _session(request: Request) -> Iterator[Session]:
+def _context(request: Request) -> AppContext:
+    return context_of(request.app)
+
+
+Context = Annotated[AppContext, Depends(_context)]
+"""The app's typed state (``server.context``): engine, sessions, caches, metrics, notifiers."""
+
+
+def _session(request: Request, context: Context) -> Iterator[Session]:
     """One transaction per request, committed before the response is sent. Writes take the
     app's writer lock first (a real lock on SQLite, which allows one writer at a time: queueing
     here is fairer and far faster than SQLite's busy-wait backoff; a no-op elsewhere)."""
-    lock = request.app.state.write_lock if request.method not in SAFE_METHODS else nullcontext()
-    with lock, request.app.state.sessions() as session, session.begin():
+    lock = context.write_lock if request.method not in SAFE_METHODS else nullcontext()
+    with lock, context.sessions() as session, session.begin():
         yield session
 
 
@@ -39,6 +48,7 @@ SessionDep = Annotated[Session, Depends(_session, scope="function")]
 
 async def _principal(
     request: Request,
+    context: Context,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> Principal:
     """The caller. Known tokens come from a 2-second cache (cleared in this process when a
@@ -49,9 +59,10 @@ async def _principal(
     secret = credentials.credentials if credentials is not None else cookie
     secret = tokens.require_secret(secret)
     key = tokens.hash_token(secret)
-    sessions = request.app.state.sessions
-    cache: TTLCache[str, Principal] = request.app.state.caches.tokens
-    return await cache.get_or_load(key, lambda: tokens.authenticate_with(sessions, secret))
+    sessions = context.sessions
+    return await context.caches.tokens.get_or_load(
+        key, lambda: tokens.authenticate_with(sessions, secret)
+    )
 
 
 def _role(role: Role) -> object:
@@ -69,11 +80,15 @@ Authenticated = Annotated[Principal, Depends(_principal)]
 """Any valid token; the route checks finer rights itself (agents writing for their host)."""
 
 
-def _settings(request: Request) -> Settings:
-    return cast(Settings, request.app.state.settings)
+def _settings(context: Context) -> Settings:
+    return context.settings
 
 
 SettingsDep = Annotated[Settings, Depends(_settings)]
+
+
+PathId = Annotated[int, Path(ge=1, le=MAX_ID)]
+"""A job's, host's or token's id in a route's path."""
 
 
 def _now() -> datetime:

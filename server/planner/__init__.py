@@ -8,11 +8,9 @@ Batch plans::
         .predict(batch_size) -> float                          per_sample * b), t(0) = 0
     WorkerSpec(id, model, min_batch=0, max_batch=None, pinned_batch=None)
     PlanProblem(global_batch, workers: tuple[WorkerSpec, ...], granularity=1)
-    solve(problem, policy="minmax") -> Plan                    raises Infeasible, UnknownPolicy
-    POLICIES: Mapping[str, (PlanProblem) -> Plan]              "equal",
-    "explore_batches",
-    "fit_model", "proportional", "minmax"
-    Plan(batch_sizes, predicted_ms, makespan_ms, lower_bound_ms, optimal, policy)
+    solve(problem, policy="minmax") -> Allocation          raises Infeasible, UnknownPolicy
+    POLICIES: Mapping[str, (PlanProblem) -> Allocation]    "equal", "proportional", "minmax"
+    Allocation(batch_sizes, predicted_ms, makespan_ms, lower_bound_ms, optimal, policy)
 
 Performance models from measurements::
 
@@ -25,7 +23,7 @@ Performance models from measurements::
 
 Placement of pending jobs onto free devices (PuLP/CBC, warm-started from a greedy)::
 
-    Device(id, host, model="", memory_gb=0.0, samples_per_s=1.0)
+    FreeDevice(id, host, model="", memory_gb=0.0, samples_per_s=1.0)
     JobRequest(id, min_workers, max_workers=None, priority=0, host_penalty=None, min_memory_gb=0)
     place(job, devices, *, time_limit_s=10.0) -> Placement
     place_jobs(jobs, devices, *, time_limit_s=10.0, backfill=True) -> tuple[Placement, ...]
@@ -52,9 +50,9 @@ from server.planner.fit import ModelFit, Observation, explore_batches, fit_model
 from server.planner.ilp import IlpResult, SolveStatus, solve_ilp
 from server.planner.minmax import minmax
 from server.planner.model import PerfModel
-from server.planner.placement import Device, JobRequest, Placement, place, place_jobs
+from server.planner.placement import FreeDevice, JobRequest, Placement, place, place_jobs
 from server.planner.policies import POLICIES, Policy, equal, proportional, solve
-from server.planner.problem import Plan, PlanProblem, WorkerSpec
+from server.planner.problem import Allocation, PlanProblem, WorkerSpec
 from server.planner.profiles import (
     GpuProfile,
     SpeedPrior,
@@ -65,7 +63,8 @@ from server.planner.profiles import (
 
 __all__ = [
     "POLICIES",
-    "Device",
+    "Allocation",
+    "FreeDevice",
     "GpuProfile",
     "IlpResult",
     "Infeasible",
@@ -75,7 +74,6 @@ __all__ = [
     "Observation",
     "PerfModel",
     "Placement",
-    "Plan",
     "PlanProblem",
     "PlannerError",
     "Policy",

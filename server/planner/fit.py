@@ -35,6 +35,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 from server.planner.errors import InvalidInput
 from server.planner.model import FloatArray, PerfModel
@@ -239,20 +240,10 @@ def fit_model(
     origin gives the same fit); ``half_life_iterations=None`` weighs all observations alike.
     ``max_batch`` and ``granularity`` only shape the suggested exploration.
     """
-    rows = list(observations)
-    for o in rows:
-        if o.batch_size < 0 or not math.isfinite(o.compute_ms) or o.compute_ms < 0:
-            raise InvalidInput(f"bad observation {o!r}", field="observations")
-    if half_life_iterations is not None and not half_life_iterations > 0:
-        raise InvalidInput("half_life_iterations must be positive", field="half_life_iterations")
-    rows = [o for o in rows if o.batch_size >= 1]
+    rows = _checked(observations, half_life_iterations)
     if not rows:
         return ModelFit(False, None, "no observations with a batch size >= 1", 0, 0, 0, 0)
-    x = np.array([o.batch_size for o in rows], dtype=np.float64)
-    y = np.array([o.compute_ms for o in rows], dtype=np.float64)
-    its = np.array([o.iteration for o in rows], dtype=np.float64)
-    age = its.max() - its
-    w = np.ones_like(x) if half_life_iterations is None else 0.5 ** (age / half_life_iterations)
+    x, y, w = _weighted(rows, half_life_iterations)
     scale = max(float(np.median(y)), 1e-9)
     sizes = np.unique(x)
     if len(sizes) < 2:
@@ -266,12 +257,7 @@ def fit_model(
     robust = line if knee is None else _fit_form(x, y, w, knee, scale, robust=True, notes=[])
     assert robust is not None
     # Stage 2: trim what that robust fit calls outliers, refit the same form by least squares.
-    residuals = y - _predict(robust, x)
-    keep = np.abs(residuals) <= TRIM_SIGMAS * _sigma(residuals, w, scale)
-    if len(x) < MIN_TO_TRIM or int(keep.sum()) < len(x) - len(x) // 2:
-        # Outliers are a minority by definition: when the robust fit would call most points
-        # outliers (recency weights following a new regime), it is the form that is off.
-        keep[:] = True
+    keep = _inliers(x, y, w, robust, scale)
     trimmed = int((~keep).sum())
     x, y, w = x[keep], y[keep], w[keep]
     if len(np.unique(x)) < 2:
@@ -283,12 +269,7 @@ def fit_model(
         assert model is not None
     if knee is not None:
         notes.append(f"flat at {model.floor_ms:.4g} ms up to batch {knee:.0f}")
-    pred = _predict(model, x)
-    sse = float(w @ (y - pred) ** 2)
-    mean = float(w @ y) / float(w.sum())
-    sst = float(w @ (y - mean) ** 2)
-    r2 = 1.0 - sse / sst if sst > 0 else (1.0 if sse == 0 else 0.0)
-    rmse = math.sqrt(sse / float(w.sum()))
+    r2, rmse, mean = _goodness(model, x, y, w)
     distinct = len(np.unique(x))
     explore: tuple[int, ...] = ()
     lo_b, hi_b = float(x.min()), float(x.max())
@@ -310,6 +291,57 @@ def fit_model(
         explore=explore,
         notes=tuple(notes),
     )
+
+
+def _checked(
+    observations: Iterable[Observation], half_life_iterations: float | None
+) -> list[Observation]:
+    """The observations with a batch size of at least 1; refuses bad input."""
+    rows = list(observations)
+    for o in rows:
+        if o.batch_size < 0 or not math.isfinite(o.compute_ms) or o.compute_ms < 0:
+            raise InvalidInput(f"bad observation {o!r}", field="observations")
+    if half_life_iterations is not None and not half_life_iterations > 0:
+        raise InvalidInput("half_life_iterations must be positive", field="half_life_iterations")
+    return [o for o in rows if o.batch_size >= 1]
+
+
+def _weighted(
+    rows: list[Observation], half_life_iterations: float | None
+) -> tuple[FloatArray, FloatArray, FloatArray]:
+    """Batch sizes, compute times and recency weights (ages from the latest iteration)."""
+    x = np.array([o.batch_size for o in rows], dtype=np.float64)
+    y = np.array([o.compute_ms for o in rows], dtype=np.float64)
+    its = np.array([o.iteration for o in rows], dtype=np.float64)
+    age = its.max() - its
+    w = np.ones_like(x) if half_life_iterations is None else 0.5 ** (age / half_life_iterations)
+    return x, y, w
+
+
+def _inliers(
+    x: FloatArray, y: FloatArray, w: FloatArray, robust: PerfModel, scale: float
+) -> npt.NDArray[np.bool_]:
+    """Observations within ``TRIM_SIGMAS`` of the robust fit; all of them when that would call
+    too many outliers."""
+    residuals = y - _predict(robust, x)
+    keep = np.abs(residuals) <= TRIM_SIGMAS * _sigma(residuals, w, scale)
+    if len(x) < MIN_TO_TRIM or int(keep.sum()) < len(x) - len(x) // 2:
+        # Outliers are a minority by definition: when the robust fit would call most points
+        # outliers (recency weights following a new regime), it is the form that is off.
+        keep[:] = True
+    return keep
+
+
+def _goodness(
+    model: PerfModel, x: FloatArray, y: FloatArray, w: FloatArray
+) -> tuple[float, float, float]:
+    """Weighted R^2, RMSE and mean of ``y`` under ``model``."""
+    pred = _predict(model, x)
+    sse = float(w @ (y - pred) ** 2)
+    mean = float(w @ y) / float(w.sum())
+    sst = float(w @ (y - mean) ** 2)
+    r2 = 1.0 - sse / sst if sst > 0 else (1.0 if sse == 0 else 0.0)
+    return r2, math.sqrt(sse / float(w.sum())), mean
 
 
 def _not_identifiable(

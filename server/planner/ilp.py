@@ -38,7 +38,7 @@ import pulp
 
 from server.planner.errors import SolverError
 from server.planner.minmax import Fleet
-from server.planner.problem import Plan, PlanProblem, make_plan
+from server.planner.problem import Allocation, PlanProblem, make_plan
 
 
 class SolveStatus(StrEnum):
@@ -88,7 +88,7 @@ class IlpResult:
     """The outcome of ``solve_ilp``."""
 
     status: SolveStatus
-    plan: Plan | None
+    plan: Allocation | None
     """The solver's split, re-evaluated with the performance models; None without a solution.
     ``plan.optimal`` is True only for ``SolveStatus.OPTIMAL``."""
     objective_ms: float | None
@@ -107,7 +107,7 @@ def solve_ilp(
     problem: PlanProblem,
     *,
     time_limit_s: float = 60.0,
-    warm_start: Plan | None = None,
+    warm_start: Allocation | None = None,
     threads: int = 1,
 ) -> IlpResult:
     """Solve the min-max split with CBC (see the module docstring for the formulation).

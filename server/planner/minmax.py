@@ -43,7 +43,7 @@ import numpy as np
 
 from server.planner.bisection import least_true
 from server.planner.model import FloatArray, predict_many
-from server.planner.problem import IntArray, Plan, PlanProblem, make_plan
+from server.planner.problem import Allocation, IntArray, PlanProblem, make_plan
 
 
 class Fleet:
@@ -139,7 +139,7 @@ def trim(batch: FloatArray, lo: FloatArray, excess: int, g: float, order: IntArr
     return batch - give.astype(np.float64) * g
 
 
-def minmax(problem: PlanProblem) -> Plan:
+def minmax(problem: PlanProblem) -> Allocation:
     """The exact min-max plan: least possible makespan, ``optimal=True``.
 
     Raises ``Infeasible`` (naming the constraint) when no plan exists.

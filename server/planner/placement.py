@@ -40,7 +40,7 @@ enough to prefer fewer hosts among equals, too little to refuse a genuinely fast
 
 
 @dataclass(frozen=True)
-class Device:
+class FreeDevice:
     """A free device and its predicted speed for the job's workload."""
 
     id: DeviceId
@@ -102,20 +102,20 @@ class Placement:
     reason: str = ""
 
 
-def _value(chosen: Sequence[Device], penalty: float) -> float:
+def _value(chosen: Sequence[FreeDevice], penalty: float) -> float:
     hosts = {d.host for d in chosen}
     return sum(d.samples_per_s for d in chosen) - penalty * max(len(hosts) - 1, 0)
 
 
-def greedy(job: JobRequest, devices: Sequence[Device], penalty: float) -> list[Device]:
+def greedy(job: JobRequest, devices: Sequence[FreeDevice], penalty: float) -> list[FreeDevice]:
     """A feasible, usually good placement (the ILP's warm start); [] if none exists."""
     if len(devices) < job.min_workers:
         return []
-    by_host: dict[str, list[Device]] = {}
+    by_host: dict[str, list[FreeDevice]] = {}
     for d in sorted(devices, key=lambda d: -d.samples_per_s):
         by_host.setdefault(d.host, []).append(d)
     hosts = sorted(by_host, key=lambda h: -sum(d.samples_per_s for d in by_host[h][: job.most]))
-    chosen: list[Device] = []
+    chosen: list[FreeDevice] = []
     for h in hosts:
         room = job.most - len(chosen)
         if room <= 0:
@@ -129,7 +129,7 @@ def greedy(job: JobRequest, devices: Sequence[Device], penalty: float) -> list[D
 
 
 def place(
-    job: JobRequest, devices: Iterable[Device], *, time_limit_s: float = 10.0, threads: int = 1
+    job: JobRequest, devices: Iterable[FreeDevice], *, time_limit_s: float = 10.0, threads: int = 1
 ) -> Placement:
     """Best devices for one job among ``devices`` (see the module docstring)."""
     pool = list(devices)
@@ -195,7 +195,7 @@ def place(
 
 def place_jobs(
     jobs: Iterable[JobRequest],
-    devices: Iterable[Device],
+    devices: Iterable[FreeDevice],
     *,
     time_limit_s: float = 10.0,
     backfill: bool = True,

@@ -1,4 +1,4 @@
-"""Batch-split policies: each is a function ``(PlanProblem) -> Plan``, registered by name.
+"""Batch-split policies: each is a function ``(PlanProblem) -> Allocation``, registered by name.
 
 - ``equal``: the DDP default, ``B / n`` each. The baseline every other policy is measured against.
 - ``proportional``: ``b_i`` proportional to measured throughput ``1 / per_sample_ms``, ignoring
@@ -27,9 +27,9 @@ from server.planner.bisection import least_true
 from server.planner.errors import UnknownPolicy
 from server.planner.minmax import Fleet, minmax
 from server.planner.model import FloatArray
-from server.planner.problem import IntArray, Plan, PlanProblem, make_plan
+from server.planner.problem import Allocation, IntArray, PlanProblem, make_plan
 
-Policy = Callable[[PlanProblem], Plan]
+Policy = Callable[[PlanProblem], Allocation]
 
 FASTEST_PER_SAMPLE_MS = 1e-12
 """``proportional`` treats a zero per-sample cost as this one (a finite, overwhelming weight)."""
@@ -87,7 +87,7 @@ def round_to_granules(
     return base * g
 
 
-def _heuristic(problem: PlanProblem, weights: FloatArray, name: str) -> Plan:
+def _heuristic(problem: PlanProblem, weights: FloatArray, name: str) -> Allocation:
     fleet = Fleet(problem)
     shares = water_fill(weights, fleet.lo, fleet.hi, fleet.total)
     batch = round_to_granules(shares, fleet.lo, fleet.hi, problem.global_batch, problem.granularity)
@@ -101,13 +101,13 @@ def _heuristic(problem: PlanProblem, weights: FloatArray, name: str) -> Plan:
     )
 
 
-def equal(problem: PlanProblem) -> Plan:
+def equal(problem: PlanProblem) -> Allocation:
     """``B / n`` per worker; pinned, capped and minimum-bound workers are honoured and the
     difference is shared evenly by the others."""
     return _heuristic(problem, np.ones(len(problem.workers)), "equal")
 
 
-def proportional(problem: PlanProblem) -> Plan:
+def proportional(problem: PlanProblem) -> Allocation:
     """``b_i`` proportional to ``1 / per_sample_ms`` (intercepts ignored), within the bounds."""
     s, _, _ = problem.model_arrays()
     return _heuristic(problem, 1.0 / np.maximum(s, FASTEST_PER_SAMPLE_MS), "proportional")
@@ -119,7 +119,7 @@ POLICIES: Mapping[str, Policy] = MappingProxyType(
 """Every policy by name; the names match ``contract.enums.PolicyName``."""
 
 
-def solve(problem: PlanProblem, policy: str = "minmax") -> Plan:
+def solve(problem: PlanProblem, policy: str = "minmax") -> Allocation:
     """Plan ``problem`` with the named policy. Raises ``UnknownPolicy`` or ``Infeasible``."""
     try:
         chosen = POLICIES[str(policy)]

@@ -183,7 +183,7 @@ def _worker_bounds(w: WorkerSpec, g: int, total: int) -> tuple[int, int]:
 
 
 @dataclass(frozen=True)
-class Plan:
+class Allocation:
     """Local batch sizes for one problem, with their predicted times. Do not mutate the dicts."""
 
     batch_sizes: dict[str, int]
@@ -218,8 +218,8 @@ def make_plan(
     lower_bound_ms: float,
     optimal: bool,
     policy: str,
-) -> Plan:
-    """Wrap solver output in a ``Plan``, checking every constraint one last time.
+) -> Allocation:
+    """Wrap solver output in an ``Allocation``, checking every constraint one last time.
 
     A violation here is a planner bug, never a property of the input, so it is an AssertionError
     rather than ``Infeasible``.
@@ -234,7 +234,7 @@ def make_plan(
     times = predict_many(s, c, f, batches.astype(np.float64))
     ids = problem.ids
     makespan = float(times.max())
-    return Plan(
+    return Allocation(
         batch_sizes={i: int(b) for i, b in zip(ids, batches, strict=True)},
         predicted_ms={i: float(t) for i, t in zip(ids, times, strict=True)},
         makespan_ms=makespan,

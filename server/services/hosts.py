@@ -56,11 +56,11 @@ def register(session: Session, req: HostRegister, principal: Principal, now: dat
         host.address = req.address
         host.protocol_version = req.protocol_version
         host.last_heartbeat = now
-        host.status = HostStatus.ACTIVE.value
+        host.status = HostStatus.ACTIVE
     existing = {(d.kind, d.index): d for d in host.devices}
     reported = {(d.kind.value, d.index) for d in req.devices}
     for info in req.devices:
-        dev = existing.get((info.kind.value, info.index))
+        dev = existing.get((info.kind, info.index))
         if dev is None:
             host.devices.append(
                 Device(
@@ -74,10 +74,10 @@ def register(session: Session, req: HostRegister, principal: Principal, now: dat
         else:
             dev.model, dev.memory_mb = info.model, info.memory_mb
             if dev.status == DeviceStatus.OFFLINE.value:
-                dev.status = DeviceStatus.BUSY.value if dev.job_id else DeviceStatus.FREE.value
+                dev.status = DeviceStatus.BUSY if dev.job_id else DeviceStatus.FREE
     for key, dev in existing.items():
         if key not in reported and dev.job_id is None:
-            dev.status = DeviceStatus.OFFLINE.value
+            dev.status = DeviceStatus.OFFLINE
     session.flush()
     scheduler.place_pending(session, now)
     return host
@@ -102,10 +102,10 @@ def heartbeat(
     _check_host_rights(principal, host.name)
     host.last_heartbeat = now
     if host.status != HostStatus.ACTIVE.value:
-        host.status = HostStatus.ACTIVE.value
+        host.status = HostStatus.ACTIVE
         for dev in host.devices:
             if dev.status == DeviceStatus.OFFLINE.value:
-                dev.status = DeviceStatus.BUSY.value if dev.job_id else DeviceStatus.FREE.value
+                dev.status = DeviceStatus.BUSY if dev.job_id else DeviceStatus.FREE
         record(session, principal.name, "host.recovered", f"host:{host.id}")
         scheduler.place_pending(session, now)
     for report in hb.workers:
@@ -155,7 +155,7 @@ def mark_lost(session: Session, now: datetime, after_s: float) -> list[Host]:
         )
     )
     for host in lost:
-        host.status = HostStatus.LOST.value
+        host.status = HostStatus.LOST
         record(
             session,
             "system",
@@ -167,7 +167,7 @@ def mark_lost(session: Session, now: datetime, after_s: float) -> list[Host]:
         for dev in host.devices:
             if dev.job_id is not None:
                 job_ids.add(dev.job_id)
-            dev.status = DeviceStatus.OFFLINE.value
+            dev.status = DeviceStatus.OFFLINE
         for job_id in sorted(job_ids):
             job = session.get(Job, job_id)
             if job is not None and not JobStatus(job.status).terminal:

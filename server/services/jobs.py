@@ -72,7 +72,7 @@ def transition(job: Job, to: JobStatus) -> None:
     frm = JobStatus(job.status)
     if to not in JOB_TRANSITIONS[frm]:
         raise Conflict(f"job {job.id} is {frm.value}; it cannot become {to.value}", field="status")
-    job.status = to.value
+    job.status = to
 
 
 def finish(
@@ -85,7 +85,7 @@ def finish(
     for dev in session.scalars(select(Device).where(Device.job_id == job.id)):
         dev.job_id = None
         if dev.status == DeviceStatus.BUSY.value:
-            dev.status = DeviceStatus.FREE.value
+            dev.status = DeviceStatus.FREE
     session.flush()
     scheduler.place_pending(session, now)
 
@@ -124,7 +124,7 @@ def apply_worker_report(
     if to not in WORKER_TRANSITIONS[frm]:
         # Late or repeated reports (an agent restarting) are not errors: keep the first end state.
         return
-    worker.state, worker.exit_code, worker.updated_at = to.value, report.exit_code, now
+    worker.state, worker.exit_code, worker.updated_at = to, report.exit_code, now
     if report.error:
         worker.error = report.error
     job = get(session, report.job_id)

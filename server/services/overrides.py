@@ -20,6 +20,8 @@ constraints, so an operator's decision always wins over the automatic loop.
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -27,7 +29,7 @@ from contract.agent import PlanOut
 from contract.api import OverrideCreate, OverrideOut
 from contract.enums import JobStatus, OverrideKind, PlanSource
 from server.errors import Conflict, Invalid
-from server.models import Job, Override, utcnow
+from server.models import Job, Override, Plan, utcnow
 from server.planner import Infeasible
 from server.planner.rebalance import RebalanceDecision, makespan
 from server.services import plans, rebalancer
@@ -55,10 +57,11 @@ def _new_controls(job: Job, req: OverrideCreate) -> tuple[dict[int, int], frozen
         rank = _rank(job, req)
         if req.batch_size is None:
             raise Invalid("pin needs batch_size", field="batch_size")
-        b, g = req.batch_size, int(job.spec.get("policy", {}).get("granularity", 1))
-        if b > int(job.spec["global_batch"]):
+        spec = job.job_spec
+        b, g = req.batch_size, spec.policy.granularity
+        if b > spec.global_batch:
             raise Invalid(
-                f"batch_size {b} exceeds the global batch {job.spec['global_batch']}",
+                f"batch_size {b} exceeds the global batch {spec.global_batch}",
                 field="batch_size",
             )
         if b % g:
@@ -111,14 +114,8 @@ def _decide(
 
 
 def submit(session: Session, job: Job, req: OverrideCreate, principal: Principal) -> OverrideOut:
-    if JobStatus(job.status).terminal:
-        raise Conflict(
-            f"job {job.id} already {job.status}; overrides apply to live jobs", field="status"
-        )
-    if job.plan_version is None:
-        raise Conflict(
-            f"job {job.id} has no workers yet; overrides apply once it is placed", field="status"
-        )
+    """Preview (``req.preview``) or apply an override of a live, placed job."""
+    _require_live(job)
     payload = req.model_dump(mode="json", exclude={"kind", "reason", "preview"}, exclude_none=True)
     decision: RebalanceDecision | None = None
     pins, excluded = rebalancer.controls(job)
@@ -127,19 +124,7 @@ def submit(session: Session, job: Job, req: OverrideCreate, principal: Principal
     current = plans.current(session, job.id)
     current_ms = decision.current_predicted_ms if decision else current.predicted_ms
     if req.preview:
-        preview = None
-        if decision is not None and decision.batch_sizes is not None:
-            preview = PlanOut(
-                job_id=job.id,
-                version=current.version + 1,
-                batch_sizes=list(decision.batch_sizes),
-                global_batch=current.global_batch,
-                source=PlanSource.MANUAL,
-                reason=decision.reason,
-                predicted_ms=decision.predicted_ms,
-                created_at=utcnow(),
-                created_by=principal.name,
-            )
+        plan = _preview_plan(job, current, decision, principal)
         return OverrideOut(
             id=None,
             job_id=job.id,
@@ -149,29 +134,74 @@ def submit(session: Session, job: Job, req: OverrideCreate, principal: Principal
             created_by=principal.name,
             created_at=None,
             applied=False,
-            plan=preview,
+            plan=plan,
             current_predicted_ms=current_ms,
         )
+    row, new_plan = _apply(session, job, req, payload, decision, (pins, excluded), principal)
+    return OverrideOut(
+        id=row.id,
+        job_id=job.id,
+        kind=req.kind,
+        reason=req.reason,
+        payload=payload,
+        created_by=principal.name,
+        created_at=row.created_at,
+        applied=True,
+        plan=PlanOut.model_validate(new_plan) if new_plan else None,
+        current_predicted_ms=current_ms,
+    )
 
+
+def _require_live(job: Job) -> None:
+    if JobStatus(job.status).terminal:
+        raise Conflict(
+            f"job {job.id} already {job.status}; overrides apply to live jobs", field="status"
+        )
+    if job.plan_version is None:
+        raise Conflict(
+            f"job {job.id} has no workers yet; overrides apply once it is placed", field="status"
+        )
+
+
+def _preview_plan(
+    job: Job, current: Plan, decision: RebalanceDecision | None, principal: Principal
+) -> PlanOut | None:
+    """The plan an override would make (nothing stored), or None when it makes none."""
+    if decision is None or decision.batch_sizes is None:
+        return None
+    return PlanOut(
+        job_id=job.id,
+        version=current.version + 1,
+        batch_sizes=list(decision.batch_sizes),
+        global_batch=current.global_batch,
+        source=PlanSource.MANUAL,
+        reason=decision.reason,
+        predicted_ms=decision.predicted_ms,
+        created_at=utcnow(),
+        created_by=principal.name,
+    )
+
+
+def _apply(
+    session: Session,
+    job: Job,
+    req: OverrideCreate,
+    payload: dict[str, Any],
+    decision: RebalanceDecision | None,
+    controls: tuple[dict[int, int], frozenset[int]],
+    principal: Principal,
+) -> tuple[Override, Plan | None]:
+    """Store the override, update the job's flags and controls, commit its plan (if it makes
+    one) and record it in the audit log."""
     row = Override(
         job_id=job.id,
-        kind=req.kind.value,
+        kind=req.kind,
         reason=req.reason,
         payload=payload,
         created_by=principal.name,
         applied=True,
     )
-    if req.kind is OverrideKind.FREEZE:
-        job.frozen = True
-    elif req.kind in (OverrideKind.UNFREEZE,):
-        job.frozen = False
-    elif req.kind is OverrideKind.SET_BATCHES:
-        job.frozen = True  # otherwise the next automatic round would undo the operator's plan
-    if req.kind in (OverrideKind.PIN, OverrideKind.EXCLUDE, OverrideKind.READMIT):
-        job.controls = {
-            "pins": {str(r): b for r, b in sorted(pins.items())},
-            "excluded": sorted(excluded),
-        }
+    _update_job_controls(job, req.kind, *controls)
     new_plan = None
     if decision is not None and decision.batch_sizes is not None:
         reason = (
@@ -198,18 +228,23 @@ def submit(session: Session, job: Job, req: OverrideCreate, principal: Principal
         "frozen": job.frozen,
     }
     record(session, principal.name, f"override.{req.kind.value}", f"job:{job.id}", detail)
-    return OverrideOut(
-        id=row.id,
-        job_id=job.id,
-        kind=req.kind,
-        reason=req.reason,
-        payload=payload,
-        created_by=principal.name,
-        created_at=row.created_at,
-        applied=True,
-        plan=PlanOut.model_validate(new_plan) if new_plan else None,
-        current_predicted_ms=current_ms,
-    )
+    return row, new_plan
+
+
+def _update_job_controls(
+    job: Job, kind: OverrideKind, pins: dict[int, int], excluded: frozenset[int]
+) -> None:
+    if kind is OverrideKind.FREEZE:
+        job.frozen = True
+    elif kind is OverrideKind.UNFREEZE:
+        job.frozen = False
+    elif kind is OverrideKind.SET_BATCHES:
+        job.frozen = True  # otherwise the next automatic round would undo the operator's plan
+    if kind in (OverrideKind.PIN, OverrideKind.EXCLUDE, OverrideKind.READMIT):
+        job.controls = {
+            "pins": {str(r): b for r, b in sorted(pins.items())},
+            "excluded": sorted(excluded),
+        }
 
 
 def list_overrides(session: Session, job_id: int) -> list[Override]:

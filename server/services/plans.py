@@ -18,19 +18,16 @@ def equal_split(global_batch: int, n: int) -> list[int]:
 
 
 def validate(job: Job, batch_sizes: list[int], field: str = "batch_sizes") -> None:
-    world = (
-        len(job.workers)
-        if job.workers
-        else int(job.spec.get("workers") or len(job.spec.get("devices") or []))
-    )
-    b = int(job.spec["global_batch"])
+    spec = job.job_spec
+    world = len(job.workers) if job.workers else (spec.workers or len(spec.devices or []))
+    b = spec.global_batch
     if len(batch_sizes) != world:
         raise Invalid(f"{field} has {len(batch_sizes)} entries for {world} workers", field=field)
     if any(x < 0 for x in batch_sizes):
         raise Invalid(f"{field} must not be negative", field=field)
     if sum(batch_sizes) != b:
         raise Invalid(f"{field} sums to {sum(batch_sizes)}, the global batch is {b}", field=field)
-    cap = job.spec.get("max_batch_per_worker")
+    cap = spec.max_batch_per_worker
     if cap is not None and max(batch_sizes) > cap:
         raise Invalid(f"{field} exceeds max_batch_per_worker {cap}", field=field)
 
@@ -57,7 +54,7 @@ def create(
         job_id=job.id,
         version=version,
         batch_sizes=list(batch_sizes),
-        global_batch=int(job.spec["global_batch"]),
+        global_batch=job.job_spec.global_batch,
         source=source.value,
         reason=reason,
         predicted_ms=predicted_ms,
@@ -79,6 +76,15 @@ def current(session: Session, job_id: int) -> Plan:
         raise NotFound(f"job {job_id} has no plan yet (it is waiting for devices)")
     plan = session.scalars(select(Plan).where(Plan.job_id == job_id, Plan.version == version)).one()
     return plan
+
+
+def after(session: Session, job_id: int, version: int) -> list[Plan]:
+    """The job's plans newer than ``version``, oldest first."""
+    return list(
+        session.scalars(
+            select(Plan).where(Plan.job_id == job_id, Plan.version > version).order_by(Plan.version)
+        )
+    )
 
 
 def history(session: Session, job_id: int, *, limit: int = 100, offset: int = 0) -> list[Plan]:

@@ -22,7 +22,6 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from contract.enums import PlanSource, PolicyName
-from contract.spec import JobSpec
 from server.models import IterationTelemetry, Job
 from server.planner import ModelFit, Observation, fit_model
 from server.planner.rebalance import RebalanceDecision, RebalanceInput, decide
@@ -119,7 +118,7 @@ def fits(session: Session, job: Job, *, window: int = FIT_WINDOW) -> list[ModelF
         rows = session.connection().execute(recent).all()  # Core rows: no ORM loading per row
         for rank, iteration, batch, compute in rows:
             by_rank[int(rank)].append(Observation(int(batch), float(compute), int(iteration)))
-    spec = JobSpec.model_validate(job.spec)
+    spec = job.job_spec
     return [
         fit_model(
             by_rank[r],
@@ -150,7 +149,7 @@ def propose(
 ) -> RebalanceDecision:
     """What the rebalancer would do now (nothing is stored). ``pins``/``excluded`` replace the
     job's standing controls, for previews of an override."""
-    spec = JobSpec.model_validate(job.spec)
+    spec = job.job_spec
     current = plans.current(session, job.id)
     standing_pins, standing_excluded = controls(job)
     policy = SOLVER[spec.policy.name]
@@ -207,7 +206,7 @@ def due(job: Job, last: LastDecision | None, p: Progress) -> Progress | None:
     the plan in force took effect and since the last decision (``FIRST_LOOK`` before the first
     decision, ``explore_iterations`` while models are still being identified, ``rebalance_every``
     after)."""
-    spec = JobSpec.model_validate(job.spec)
+    spec = job.job_spec
     if job.frozen or spec.policy.name is PolicyName.EQUAL or job.plan_version is None:
         return None
     if p.effective_from is None or p.complete_through is None:

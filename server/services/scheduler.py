@@ -23,8 +23,8 @@ from sqlalchemy.orm import Session
 from contract.enums import DeviceKind, DeviceStatus, HostStatus, JobStatus, PlanSource, WorkerState
 from contract.spec import JobSpec
 from server.models import Device, Host, IterationTelemetry, Job, Worker
-from server.planner import Device as Candidate
 from server.planner import (
+    FreeDevice,
     GpuProfile,
     JobRequest,
     SolveStatus,
@@ -72,7 +72,7 @@ def measured_speeds(session: Session, workload: dict[str, Any]) -> dict[int, flo
     return {int(d): 1000.0 * float(b) / float(ms) for d, b, ms in rows if d is not None and ms}
 
 
-def candidates(session: Session, spec: JobSpec, free: list[Device]) -> list[Candidate]:
+def candidates(session: Session, spec: JobSpec, free: list[Device]) -> list[FreeDevice]:
     measured = measured_speeds(session, spec.workload.model_dump(mode="json"))
     out = []
     for d in free:
@@ -85,7 +85,7 @@ def candidates(session: Session, spec: JobSpec, free: list[Device]) -> list[Cand
                 memory_gb=d.memory_mb / 1024,
             ).samples_per_s
         out.append(
-            Candidate(
+            FreeDevice(
                 id=d.id,
                 host=str(d.host_id),
                 model=d.model,
@@ -141,14 +141,14 @@ def place_pending(session: Session, now: datetime) -> list[Job]:
         return placed
     free = free_devices(session)
     for job in pending:
-        spec = JobSpec.model_validate(job.spec)
+        spec = job.job_spec
         chosen = choose_devices(session, job, spec, free)
         if chosen is None:
             continue
         taken = {d.id for d in chosen}
         free = [d for d in free if d.id not in taken]
         for rank, dev in enumerate(chosen):
-            dev.status, dev.job_id = DeviceStatus.BUSY.value, job.id
+            dev.status, dev.job_id = DeviceStatus.BUSY, job.id
             session.add(
                 Worker(
                     job_id=job.id,
@@ -159,7 +159,7 @@ def place_pending(session: Session, now: datetime) -> list[Job]:
                     updated_at=now,
                 )
             )
-        job.status = JobStatus.STARTING.value
+        job.status = JobStatus.STARTING
         job.master_port = random.randint(29500, 39999)
         session.flush()
         plans.create(

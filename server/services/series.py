@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import ColumnElement, func, select
 from sqlalchemy.orm import Session
 
 from contract.dashboard import PlanEffect, RankSeries, RankWindow, SeriesOut, ThroughputOut
@@ -27,30 +27,46 @@ def downsampled(
 
     Everything is read up to one telemetry row id (returned as ``last_id``), so a stream
     started after it neither misses nor repeats a row."""
-    world = len(job.workers)
     last_id = int(session.scalar(select(func.max(T.id)).where(T.job_id == job.id)) or 0)
     mine = (T.job_id == job.id, T.id <= last_id)
     lo, hi = session.execute(
         select(func.min(T.iteration), func.max(T.iteration)).where(*mine)
     ).one()
+    out = SeriesOut(
+        job_id=job.id,
+        world_size=len(job.workers),
+        bucket=1,
+        first_iteration=None,
+        last_iteration=None,
+        last_id=last_id,
+        ranks=[],
+        measured={"iteration": [], "iteration_ms": []},
+        plan_effects=[],
+        window=[],
+        window_iterations=window_iterations,
+    )
     if lo is None or hi is None:
-        return SeriesOut(
-            job_id=job.id,
-            world_size=world,
-            bucket=1,
-            first_iteration=None,
-            last_iteration=None,
-            last_id=last_id,
-            ranks=[],
-            measured={"iteration": [], "iteration_ms": []},
-            plan_effects=[],
-            window=[],
-            window_iterations=window_iterations,
-        )
+        return out
     lo, hi = int(lo), int(hi)
     bucket = max(1, math.ceil((hi - lo + 1) / max(1, points)))
-    key = ((T.iteration - lo) // bucket).label("bucket")
+    return out.model_copy(
+        update={
+            "bucket": bucket,
+            "first_iteration": lo,
+            "last_iteration": hi,
+            "ranks": _rank_series(session, mine, lo, bucket),
+            "measured": _slowest_per_bucket(session, mine, lo, bucket),
+            "plan_effects": _plan_effects(session, mine),
+            "window": _window(session, mine, hi - window_iterations),
+        }
+    )
 
+
+def _rank_series(
+    session: Session, mine: tuple[ColumnElement[bool], ...], lo: int, bucket: int
+) -> list[RankSeries]:
+    """Each rank's mean timings and batch size per bucket of iterations."""
+    key = ((T.iteration - lo) // bucket).label("bucket")
     per_rank: dict[int, dict[str, list[Any]]] = {}
     rows = session.execute(
         select(
@@ -75,7 +91,7 @@ def downsampled(
         cols["c"].append(round(float(c), 3))
         cols["s"].append(round(float(s), 3))
         cols["v"].append(int(v))
-    ranks = [
+    return [
         RankSeries(
             rank=r,
             iteration=c["it"],
@@ -88,6 +104,11 @@ def downsampled(
         for r, c in sorted(per_rank.items())
     ]
 
+
+def _slowest_per_bucket(
+    session: Session, mine: tuple[ColumnElement[bool], ...], lo: int, bucket: int
+) -> dict[str, list[float]]:
+    """The measured iteration time (its slowest rank's) averaged per bucket."""
     slowest = (
         select(T.iteration, func.max(T.data_ms + T.compute_ms + T.sync_ms).label("ms"))
         .where(*mine)
@@ -101,8 +122,12 @@ def downsampled(
     ):
         measured["iteration"].append(int(first))
         measured["iteration_ms"].append(round(float(ms), 3))
+    return measured
 
-    effects = [
+
+def _plan_effects(session: Session, mine: tuple[ColumnElement[bool], ...]) -> list[PlanEffect]:
+    """The first iteration each plan version was used in."""
+    return [
         PlanEffect(version=int(v), iteration=int(it))
         for v, it in session.execute(
             select(T.plan_version, func.min(T.iteration))
@@ -111,7 +136,13 @@ def downsampled(
             .order_by(T.plan_version)
         )
     ]
-    window = [
+
+
+def _window(
+    session: Session, mine: tuple[ColumnElement[bool], ...], after_iteration: int
+) -> list[RankWindow]:
+    """Each rank's mean timings over the iterations after ``after_iteration``."""
+    return [
         RankWindow(
             rank=int(rank),
             data_ms=round(float(d), 3),
@@ -122,24 +153,11 @@ def downsampled(
         for rank, d, c, s, b in session.execute(
             select(T.rank, func.avg(T.data_ms), func.avg(T.compute_ms), func.avg(T.sync_ms))
             .add_columns(func.avg(T.batch_size))
-            .where(*mine, T.iteration > hi - window_iterations)
+            .where(*mine, T.iteration > after_iteration)
             .group_by(T.rank)
             .order_by(T.rank)
         )
     ]
-    return SeriesOut(
-        job_id=job.id,
-        world_size=world,
-        bucket=bucket,
-        first_iteration=lo,
-        last_iteration=hi,
-        last_id=last_id,
-        ranks=ranks,
-        measured=measured,
-        plan_effects=effects,
-        window=window,
-        window_iterations=window_iterations,
-    )
 
 
 def max_telemetry_id(session: Session, job_id: int) -> int:
@@ -193,6 +211,6 @@ def throughput(session: Session, job: Job, *, iterations: int = 20) -> Throughpu
     oldest_it, oldest_ts = rows[-1]
     speed = None
     if newest_ts > oldest_ts and newest_it > oldest_it:
-        global_batch = int(job.spec["global_batch"])
+        global_batch = job.job_spec.global_batch
         speed = round(global_batch * (newest_it - oldest_it) / (newest_ts - oldest_ts), 1)
     return ThroughputOut(job_id=job.id, samples_per_s=speed, iteration=int(newest_it))

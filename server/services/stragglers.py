@@ -31,10 +31,10 @@ from server.services.audit import record
 from server.services.rebalancer import Progress
 from server.stragglers import (
     Change,
+    ComputeTiming,
     Decision,
     Detector,
     EventUpdate,
-    IterationTiming,
     LadderConfig,
     LadderState,
     Overrides,
@@ -71,7 +71,7 @@ class Watch:
     quiet_since: dict[int, int] = field(default_factory=dict)
     """rank -> the iteration its last event ended: its fits mix slow and normal timings until a
     whole fit window has passed after that."""
-    prefetched: tuple[int, list[IterationTiming]] | None = None
+    prefetched: tuple[int, list[ComputeTiming]] | None = None
     """``(after, timings)`` read by ``prefetch`` for the next round, outside its transaction."""
 
 
@@ -98,7 +98,7 @@ def prefetch(session: Session, job: Job, watch: Watch, progress: Progress) -> No
     watch.prefetched = (after, _timings(session, job, after, progress.complete_through))
 
 
-def _timings(session: Session, job: Job, after: int, through: int) -> list[IterationTiming]:
+def _timings(session: Session, job: Job, after: int, through: int) -> list[ComputeTiming]:
     """Timings of iterations (after, through], at most ``MAX_TIMINGS_PER_ROUND`` of them and
     only whole iterations: under a flood the watch catches up over rounds instead of holding
     the interpreter (and the API's event loop) for one long round."""
@@ -114,7 +114,7 @@ def _timings(session: Session, job: Job, after: int, through: int) -> list[Itera
         last = rows[-1][1]
         whole = [r for r in rows if r[1] < last]
         rows = whole or rows  # one iteration wider than the cap still goes through whole
-    return [IterationTiming(int(r), int(i), int(b), float(c), int(v)) for r, i, b, c, v in rows]
+    return [ComputeTiming(int(r), int(i), int(b), float(c), int(v)) for r, i, b, c, v in rows]
 
 
 def _refresh_normal(session: Session, job: Job, watch: Watch, through: int) -> None:
@@ -331,7 +331,7 @@ def watch_job(
 ) -> int | None:
     """One round for one job: detect and store events; with ``mitigate`` (an ``adaptive`` job
     whose models the rebalancer has identified) ask the ladder too."""
-    spec = JobSpec.model_validate(job.spec)
+    spec = job.job_spec
     # Only ``watch_job`` moves ``fed_through``, so a prefetch always starts where this would.
     ahead, watch.prefetched = watch.prefetched, None
     after = ahead[0] if ahead is not None else _feed_from(session, job, watch)

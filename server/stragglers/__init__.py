@@ -4,7 +4,7 @@ Iteration numbers are the only time axis; plain values in, plain values out.
 
 Detection (``changepoint``, ``detector``)::
 
-    IterationTiming(rank, iteration, batch_size, compute_ms, plan_version=0)
+    ComputeTiming(rank, iteration, batch_size, compute_ms, plan_version=0)
     Detector(config=DetectorConfig(), state=None)
         .observe(timings, models=None) -> list[EventUpdate]      incremental, any order
         .health() -> dict[rank, RankHealth]                        the ladder's input
@@ -30,9 +30,9 @@ Mitigation (``candidates``, ``ladder``)::
 
 Simulation (``scenario``, ``simulate``)::
 
-    Scenario(name, models, global_batch, iterations, slowdowns: tuple[Slowdown, ...], noise,
+    Scenario(name, models, global_batch, iterations, slowdowns: tuple[RankSlowdown, ...], noise,
              noise_kind, seed, max_batch, granularity, sync_ms).oracle_ms()
-    Slowdown(rank, from_iteration, to_iteration, factor)
+    RankSlowdown(rank, from_iteration, to_iteration, factor)
     simulate(scenario, policy in POLICY_NAMES, SimConfig()) -> SimResult
 """
 
@@ -49,32 +49,32 @@ from server.stragglers.ladder import (
     decide,
     rank_views,
 )
-from server.stragglers.scenario import Scenario, Slowdown
+from server.stragglers.scenario import RankSlowdown, Scenario
 from server.stragglers.simulate import POLICY_NAMES, SimConfig, SimResult, simulate
-from server.stragglers.timing import IterationStats, IterationTiming, imbalance, iteration_stats
+from server.stragglers.timing import ComputeTiming, IterationStats, imbalance, iteration_stats
 
 __all__ = [
     "POLICY_NAMES",
     "Action",
     "Candidate",
     "Change",
+    "ComputeTiming",
     "Decision",
     "Detector",
     "DetectorConfig",
     "DetectorState",
     "EventUpdate",
     "IterationStats",
-    "IterationTiming",
     "LadderConfig",
     "LadderState",
     "Overrides",
     "RankHealth",
+    "RankSlowdown",
     "RankView",
     "Scenario",
     "SimConfig",
     "SimResult",
     "Situation",
-    "Slowdown",
     "StragglerEvent",
     "StragglerKind",
     "decide",

@@ -37,7 +37,7 @@ from server.stragglers.changepoint import (
     observe_sample,
 )
 from server.stragglers.event import Change, EventUpdate, StragglerEvent, StragglerKind
-from server.stragglers.timing import IterationTiming, by_iteration
+from server.stragglers.timing import ComputeTiming, by_iteration
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ class Detector:
 
     def observe(
         self,
-        timings: Iterable[IterationTiming],
+        timings: Iterable[ComputeTiming],
         models: Mapping[int, PerfModel] | None = None,
     ) -> list[EventUpdate]:
         """Feed new timings (any number of iterations, any order); return the event changes.
@@ -117,7 +117,7 @@ class Detector:
         return updates
 
     def _static(
-        self, iteration: int, rows: list[IterationTiming], models: Mapping[int, PerfModel]
+        self, iteration: int, rows: list[ComputeTiming], models: Mapping[int, PerfModel]
     ) -> list[EventUpdate]:
         batches = [r.batch_size for r in rows if r.batch_size > 0]
         known = {r.rank: models[r.rank] for r in rows if r.rank in models}
@@ -198,7 +198,7 @@ def _static_event(state: RankState, end: int | None) -> StragglerEvent:
 
 
 def detect(
-    window: Iterable[IterationTiming],
+    window: Iterable[ComputeTiming],
     models: Mapping[int, PerfModel] | None = None,
     config: DetectorConfig | None = None,
 ) -> list[StragglerEvent]:

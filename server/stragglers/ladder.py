@@ -276,13 +276,7 @@ def decide(
     group change of an exclusion or readmission) at the next iteration boundary.
     """
     config = config or LadderConfig()
-    ov = situation.overrides
-    pins = ov.pins
-    # A pin above 0 overrides a ladder exclusion; operator exclusions are the operators' own.
-    ladder_out = tuple(r for r in state.excluded if pins.get(r, 0) == 0 and r not in ov.excluded)
-    excluded = set(ov.excluded) | set(ladder_out)
-    ledger = _ledger(situation, replace(state, excluded=ladder_out), config)
-    state = replace(state, excluded=ladder_out, ledger=tuple(ledger))
+    state, excluded = _settle_exclusions(situation, state, config)
     current = situation.batches
     before = makespan(situation, current, excluded)
     imb = imbalance(predicted_times(situation, current).values())
@@ -293,7 +287,7 @@ def decide(
             state,
         )
 
-    if ov.frozen:
+    if situation.overrides.frozen:
         return hold("frozen by an operator")
     if not respects(situation, current, excluded):
         fixed = replan(situation, excluded)
@@ -308,6 +302,35 @@ def decide(
             imbalance=imb,
         )
         return decision, replace(state, last_change=situation.iteration)
+    state, ready = _cooldown(situation, state, config)
+    if ready is not None:
+        return hold(f"cool-down until iteration {ready}")
+    candidates = _candidates(situation, state, config, excluded, before)
+    chosen = _choose(candidates, before, config)
+    if isinstance(chosen, str):
+        return hold(chosen, tuple(candidates))
+    return _apply(situation, state, chosen, before, imb, tuple(candidates))
+
+
+def _settle_exclusions(
+    situation: Situation, state: LadderState, config: LadderConfig
+) -> tuple[LadderState, set[int]]:
+    """The state with the ladder's exclusions that still hold and its ledger brought up to
+    date, and every rank out of the group (the operators' and the ladder's)."""
+    ov = situation.overrides
+    # A pin above 0 overrides a ladder exclusion; operator exclusions are the operators' own.
+    ladder_out = tuple(r for r in state.excluded if ov.pins.get(r, 0) == 0 and r not in ov.excluded)
+    ledger = _ledger(situation, replace(state, excluded=ladder_out), config)
+    state = replace(state, excluded=ladder_out, ledger=tuple(ledger))
+    return state, set(ov.excluded) | set(ladder_out)
+
+
+def _cooldown(
+    situation: Situation, state: LadderState, config: LadderConfig
+) -> tuple[LadderState, int | None]:
+    """The state (a confirmed provisional change now stands as any other) and the iteration the
+    cool-down ends at, or None when a change may be made now (no cool-down, or a provisional
+    change whose event closed unconfirmed, which is undone at once)."""
     false_alarm = False
     if state.provisional is not None:
         rank, start = state.provisional
@@ -319,23 +342,26 @@ def decide(
     if state.last_change is not None and not false_alarm:
         ready = state.last_change + config.cooldown_iterations
         if situation.iteration < ready:
-            return hold(f"cool-down until iteration {ready}")
+            return state, ready
+    return state, None
 
-    candidates = _candidates(situation, state, config, excluded, before)
+
+def _choose(candidates: list[Candidate], before: float, config: LadderConfig) -> Candidate | str:
+    """The candidate worth taking (module docstring: hysteresis, lower rungs first), or why
+    none is."""
     margin_of = {id(c): config.hysteresis * c.horizon * before for c in candidates}
     worth = [c for c in candidates if c.saving_ms > margin_of[id(c)]]
     if not worth:
         full = next((c for c in candidates if c.action is Action.REPLAN), None)
         gain = (before - full.predicted_ms) / before if full and before > 0 else 0.0
         if gain < config.dead_band and not any(c.action is Action.READMIT for c in candidates):
-            return hold(f"dead band: a re-plan would gain {gain:.1%}", tuple(candidates))
-        return hold("no action saves more than it costs", tuple(candidates))
+            return f"dead band: a re-plan would gain {gain:.1%}"
+        return "no action saves more than it costs"
     best = max(worth, key=lambda c: c.saving_ms)
-    chosen = min(
+    return min(
         (c for c in worth if c.saving_ms >= best.saving_ms - margin_of[id(best)]),
         key=lambda c: (RUNG[c.action], -c.saving_ms),
     )
-    return _apply(situation, state, chosen, before, imb, tuple(candidates))
 
 
 def _candidates(
@@ -345,61 +371,72 @@ def _candidates(
     excluded: set[int],
     before: float,
 ) -> list[Candidate]:
+    """Every alternative worth pricing, in rung order: re-plan, fine-tune, exclusions, then
+    readmissions."""
     ledger = {(e.rank, e.start): e for e in state.ledger}
     open_events = sorted(
         ((r.ratio, r.rank, r.event_start) for r in situation.ranks if r.event_start is not None),
         reverse=True,
     )
     worst = (open_events[0][1], open_events[0][2]) if open_events else None
-    recent = [e for e in state.ledger if e.closed_at is not None]
-    event: tuple[int, int] | None = worst
-    if event is None and recent:
-        last = max(recent, key=lambda e: (e.closed_at or 0, e.rank))
-        event = (last.rank, last.start)
+    event = worst if worst is not None else _last_closed_event(state)
 
     def spent(key: tuple[int, int] | None) -> bool:
         entry = ledger.get(key) if key is not None else None
         return entry is not None and entry.changes >= config.max_changes_per_event
 
-    change_ms = config.plan_change_iterations * before
-    out: list[Candidate] = []
-
-    def add(
-        action: Action,
-        rank: int | None,
-        plan: Mapping[int, int] | None,
-        switch: float,
-        key: tuple[int, int] | None,
-        horizon_key: tuple[int, int] | None,
-        group_out: set[int],
-    ) -> None:
-        if plan is None or dict(plan) == situation.batches:
-            return
-        after = makespan(situation, plan, group_out)
-        h = _horizon(situation, horizon_key, config)
-        saving = h * (before - after) - switch
-        out.append(Candidate(action, rank, dict(plan), after, switch, h, saving, key))
-
+    pricing = _Pricing(situation, config, before)
+    change_ms = pricing.change_ms
+    out: list[Candidate | None] = []
     live = event if event is not None and event == worst else None
     if not spent(event):
-        add(Action.REPLAN, None, replan(situation, excluded), change_ms, event, live, excluded)
-        step = max(
-            situation.granularity,
-            int(config.fine_tune_fraction * situation.global_batch),
-        )
-        plan = fine_tune(situation, excluded, step)
-        add(Action.FINE_TUNE, None, plan, change_ms, event, live, excluded)
-        pins = situation.overrides.pins
+        step = max(situation.granularity, int(config.fine_tune_fraction * situation.global_batch))
+        out += [
+            pricing.price(
+                Action.REPLAN, None, replan(situation, excluded), change_ms, event, live, excluded
+            ),
+            pricing.price(
+                Action.FINE_TUNE,
+                None,
+                fine_tune(situation, excluded, step),
+                change_ms,
+                event,
+                live,
+                excluded,
+            ),
+        ]
         for ratio, rank, start in open_events:
             if ratio < config.exclude_min_ratio or rank in excluded or spent((rank, start)):
                 continue
-            if rank in pins or len(situation.ranks) - len(excluded) < 2:
+            if rank in situation.overrides.pins or len(situation.ranks) - len(excluded) < 2:
                 continue
             switch = change_ms + 2 * config.regroup_ms + config.resync_ms
             out_ = excluded | {rank}
             plan = replan(situation, out_)
-            add(Action.EXCLUDE, rank, plan, switch, (rank, start), (rank, start), out_)
-    readmit_cost = change_ms + config.regroup_ms + config.resync_ms
+            out.append(
+                pricing.price(
+                    Action.EXCLUDE, rank, plan, switch, (rank, start), (rank, start), out_
+                )
+            )
+    out += _readmissions(situation, state, excluded, pricing)
+    return [c for c in out if c is not None]
+
+
+def _last_closed_event(state: LadderState) -> tuple[int, int] | None:
+    recent = [e for e in state.ledger if e.closed_at is not None]
+    if not recent:
+        return None
+    last = max(recent, key=lambda e: (e.closed_at or 0, e.rank))
+    return (last.rank, last.start)
+
+
+def _readmissions(
+    situation: Situation, state: LadderState, excluded: set[int], pricing: _Pricing
+) -> list[Candidate | None]:
+    """Bringing back each rank the ladder excluded."""
+    config = pricing.config
+    readmit_cost = pricing.change_ms + config.regroup_ms + config.resync_ms
+    out = []
     for rank in state.excluded:
         view = next(r for r in situation.ranks if r.rank == rank)
         starts = [e.start for e in state.ledger if e.rank == rank]
@@ -410,8 +447,43 @@ def _candidates(
         # Back in the group it must take samples, or readmitting it changes nothing.
         if plan is not None and plan[rank] > 0:
             live_key = (rank, view.event_start) if view.event_start is not None else None
-            add(Action.READMIT, rank, plan, readmit_cost, key, live_key, excluded - {rank})
+            out.append(
+                pricing.price(
+                    Action.READMIT, rank, plan, readmit_cost, key, live_key, excluded - {rank}
+                )
+            )
     return out
+
+
+@dataclass(frozen=True)
+class _Pricing:
+    """Prices a candidate plan against the current one (module docstring: cost comparison)."""
+
+    situation: Situation
+    config: LadderConfig
+    before: float
+
+    @property
+    def change_ms(self) -> float:
+        return self.config.plan_change_iterations * self.before
+
+    def price(
+        self,
+        action: Action,
+        rank: int | None,
+        plan: Mapping[int, int] | None,
+        switch: float,
+        key: tuple[int, int] | None,
+        horizon_key: tuple[int, int] | None,
+        group_out: set[int],
+    ) -> Candidate | None:
+        """The candidate, or None when there is no plan or it is the current one."""
+        if plan is None or dict(plan) == self.situation.batches:
+            return None
+        after = makespan(self.situation, plan, group_out)
+        h = _horizon(self.situation, horizon_key, self.config)
+        saving = h * (self.before - after) - switch
+        return Candidate(action, rank, dict(plan), after, switch, h, saving, key)
 
 
 def _apply(

@@ -5,7 +5,7 @@ iteration k with batch b is ::
 
     t_i,k(b) = factor_i(k) * model_i.predict(b) * noise_i,k
 
-with ``factor_i(k)`` the product of the ``Slowdown`` factors covering k (as in the runtime's
+with ``factor_i(k)`` the product of the ``RankSlowdown`` factors covering k (as in the runtime's
 emulation) and ``noise`` multiplicative: uniform in ``[1 - noise, 1 + noise]`` or Gaussian
 ``1 + N(0, noise)`` (clipped at 0.05).
 
@@ -35,7 +35,7 @@ from server.planner import Infeasible, PerfModel, PlanProblem, WorkerSpec, solve
 
 
 @dataclass(frozen=True)
-class Slowdown:
+class RankSlowdown:
     """Rank ``rank`` runs ``factor`` times slower on iterations ``[from_iteration, to_iteration)``."""
 
     rank: int
@@ -45,9 +45,9 @@ class Slowdown:
 
     def __post_init__(self) -> None:
         if self.to_iteration <= self.from_iteration:
-            raise ValueError("Slowdown.to_iteration must be greater than from_iteration")
+            raise ValueError("RankSlowdown.to_iteration must be greater than from_iteration")
         if not self.factor > 0:
-            raise ValueError("Slowdown.factor must be > 0")
+            raise ValueError("RankSlowdown.factor must be > 0")
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ class Scenario:
     """True normal-speed model of each rank."""
     global_batch: int
     iterations: int
-    slowdowns: tuple[Slowdown, ...] = ()
+    slowdowns: tuple[RankSlowdown, ...] = ()
     noise: float = 0.05
     noise_kind: str = "uniform"
     seed: int = 0

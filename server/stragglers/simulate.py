@@ -35,7 +35,7 @@ from server.stragglers.detector import Detector, RankHealth
 from server.stragglers.event import StragglerEvent, StragglerKind
 from server.stragglers.ladder import Action, Decision, LadderConfig, LadderState, decide, rank_views
 from server.stragglers.scenario import Scenario
-from server.stragglers.timing import IterationTiming
+from server.stragglers.timing import ComputeTiming
 
 POLICY_NAMES = ("equal", "static", "minmax", "adaptive")
 
@@ -100,7 +100,7 @@ class _Run:
         self.changes = 0
         self.regroups = 0
         self.overhead = 0.0
-        self.window: list[IterationTiming] = []
+        self.window: list[ComputeTiming] = []
         self.detector = Detector(config.detector)
         self.ladder = LadderState()
         self.events: dict[tuple[int, int, StragglerKind], StragglerEvent] = {}
@@ -130,7 +130,7 @@ class _Run:
         self.all_reduce.append(iteration_ms - max(busy, default=0.0))
         self.total += iteration_ms + self.overhead
         self.overhead = 0.0
-        records = [IterationTiming(r, k, b, ms) for r, b, ms, _ in timings]
+        records = [ComputeTiming(r, k, b, ms) for r, b, ms, _ in timings]
         if self.policy == "minmax":
             self._periodic(k, records, iteration_ms)
         elif self.policy == "adaptive":
@@ -141,7 +141,7 @@ class _Run:
         self.changes += 1
         self.overhead += self.config.ladder.plan_change_iterations * iteration_ms
 
-    def _periodic(self, k: int, records: list[IterationTiming], iteration_ms: float) -> None:
+    def _periodic(self, k: int, records: list[ComputeTiming], iteration_ms: float) -> None:
         self.window += records
         if (k + 1) % self.config.replan_every:
             return
@@ -157,7 +157,7 @@ class _Run:
         if new != self.batches:
             self._change(new, iteration_ms)
 
-    def _adaptive(self, k: int, records: list[IterationTiming], iteration_ms: float) -> None:
+    def _adaptive(self, k: int, records: list[ComputeTiming], iteration_ms: float) -> None:
         for u in self.detector.observe(records, self.models):
             if u.event.kind is not StragglerKind.STATIC:
                 known = self.events.get(u.event.key)  # the detector does not carry actions

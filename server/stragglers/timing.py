@@ -20,7 +20,7 @@ from server.planner import PerfModel
 
 
 @dataclass(frozen=True)
-class IterationTiming:
+class ComputeTiming:
     """One rank's compute time in one iteration (the detector's only input from training)."""
 
     rank: int
@@ -46,7 +46,7 @@ class IterationStats:
     """measured / predicted per rank with a known model and a batch > 0."""
 
 
-def by_iteration(timings: Iterable[IterationTiming]) -> Iterator[tuple[int, list[IterationTiming]]]:
+def by_iteration(timings: Iterable[ComputeTiming]) -> Iterator[tuple[int, list[ComputeTiming]]]:
     """Timings grouped by iteration, ascending; within an iteration in rank order."""
     ordered = sorted(timings, key=lambda t: (t.iteration, t.rank))
     for iteration, group in groupby(ordered, key=lambda t: t.iteration):
@@ -63,7 +63,7 @@ def imbalance(times_ms: Iterable[float]) -> float:
 
 
 def iteration_stats(
-    window: Iterable[IterationTiming], models: Mapping[int, PerfModel] | None = None
+    window: Iterable[ComputeTiming], models: Mapping[int, PerfModel] | None = None
 ) -> list[IterationStats]:
     """``IterationStats`` of every iteration in ``window``, ascending."""
     models = models or {}

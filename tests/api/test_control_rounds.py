@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from server.context import context_of
 from server.db import transaction
 from server.services import control_loop
 from tests.conftest import Api
@@ -33,7 +34,7 @@ def _post(api: Api, job: int, iterations: range) -> None:
 
 
 def _due(api: Api, state: control_loop.LoopState) -> list[int]:
-    sessions = api.client.app.state.sessions  # type: ignore[attr-defined]
+    sessions = context_of(api.client.app).sessions
     with transaction(sessions) as s:
         live = control_loop.live_jobs(s)
         due = control_loop.jobs_to_sweep(s, state, live)
@@ -64,6 +65,6 @@ def test_an_idle_job_is_still_swept_now_and_then(api: Api) -> None:
     job = int(api.submit(workers=2, global_batch=32)["id"])  # type: ignore[call-overload]
     state = control_loop.LoopState()
     state.swept_at[job] = 0.0  # long ago on the monotonic clock
-    sessions = api.client.app.state.sessions  # type: ignore[attr-defined]
+    sessions = context_of(api.client.app).sessions
     with transaction(sessions) as s:
         assert control_loop.jobs_to_sweep(s, state, [job]) == [job]

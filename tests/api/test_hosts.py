@@ -52,7 +52,7 @@ def test_duplicate_device_is_422_naming_field(api: Api) -> None:
 def test_silent_host_is_lost_and_its_job_fails_then_recovers(api: Api) -> None:
     host = api.register("h", devices=2)
     job = api.submit(workers=2)
-    sessions = api.client.app.state.sessions  # type: ignore[attr-defined]
+    sessions = api.client.app.state.context.sessions  # type: ignore[attr-defined]
     later = datetime.now(UTC) + timedelta(seconds=120)
     with transaction(sessions) as s:
         assert [h.name for h in hosts.mark_lost(s, later, after_s=30)] == ["h"]
@@ -74,7 +74,7 @@ def test_silent_host_is_lost_and_its_job_fails_then_recovers(api: Api) -> None:
 
 def test_recent_heartbeat_is_not_lost(api: Api) -> None:
     api.register("h", devices=1)
-    sessions = api.client.app.state.sessions  # type: ignore[attr-defined]
+    sessions = api.client.app.state.context.sessions  # type: ignore[attr-defined]
     with transaction(sessions) as s:
         assert hosts.mark_lost(s, datetime.now(UTC) + timedelta(seconds=5), after_s=30) == []
 

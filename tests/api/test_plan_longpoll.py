@@ -51,7 +51,7 @@ def _long_poll(api: Api, job: int, known: int, wait_s: float) -> Future[httpx.Re
 
 def _until_waiting(api: Api, job: int) -> None:
     """Until the long-poll has registered (so the plan is committed while it waits)."""
-    waiters = api.client.app.state.plan_waiters  # type: ignore[attr-defined]
+    waiters = api.client.app.state.context.plan_waiters  # type: ignore[attr-defined]
     deadline = time.monotonic() + 10
     while job not in waiters._events:
         assert time.monotonic() < deadline, "the long-poll never started waiting"

@@ -58,7 +58,7 @@ class Sim:
             )
             assert r.status_code == 200, r.text
             self.iteration += 1
-            with transaction(self.api.client.app.state.sessions) as s:  # type: ignore[attr-defined]
+            with transaction(self.api.client.app.state.context.sessions) as s:  # type: ignore[attr-defined]
                 control_loop.sweep(s, self.state, watch=False)
 
 

@@ -100,14 +100,14 @@ class Cluster:
             )
             assert r.status_code == 200, r.text
             self.iteration += 1
-            sessions = self.api.client.app.state.sessions  # type: ignore[attr-defined]
+            sessions = self.api.client.app.state.context.sessions  # type: ignore[attr-defined]
             if self.prefetch:
                 self._prefetch_while_a_writer_holds_the_lock(sessions)
             with transaction(sessions) as s:
                 control_loop.sweep(s, self.state)
 
     def _prefetch_while_a_writer_holds_the_lock(self, sessions: Any) -> None:
-        lock = self.api.client.app.state.write_lock  # type: ignore[attr-defined]
+        lock = self.api.client.app.state.context.write_lock  # type: ignore[attr-defined]
         held, done, released = threading.Event(), threading.Event(), threading.Event()
 
         def writer() -> None:
@@ -214,7 +214,7 @@ def test_a_10x_straggler_stays_in_the_group_when_the_all_reduce_does_not_slow(ap
 def test_switching_costs_follow_the_backend_and_the_measured_all_reduce(api: Api) -> None:
     c = Cluster(api, "adaptive", slow={})
     c.run(1)
-    with transaction(api.client.app.state.sessions) as s:  # type: ignore[attr-defined]
+    with transaction(api.client.app.state.context.sessions) as s:  # type: ignore[attr-defined]
         job = s.get(Job, c.job)
         assert job is not None
         measured = stragglers.ladder_config(s, job, 20.0)

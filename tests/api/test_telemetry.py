@@ -192,7 +192,7 @@ def test_an_urgent_batch_wakes_the_controller(api: Api) -> None:
     job = _job(api)
     woken: list[int] = []
     app = api.client.app  # type: ignore[attr-defined]
-    app.state.wake_controller = woken.append
+    app.state.context.wake_controller = woken.append
     url, h = f"/api/v1/jobs/{job}/telemetry", api.headers()
     assert api.client.post(url, json={"records": [_rec(0, 0)]}, headers=h).status_code == 200
     assert woken == []  # the usual cadence: the next round will do

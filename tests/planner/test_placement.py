@@ -8,15 +8,15 @@ import pytest
 
 from server.planner.errors import InvalidInput
 from server.planner.ilp import SolveStatus
-from server.planner.placement import Device, JobRequest, place, place_jobs
+from server.planner.placement import FreeDevice, JobRequest, place, place_jobs
 
 
-def cluster() -> list[Device]:
+def cluster() -> list[FreeDevice]:
     """Host a: 4 fast, host b: 2 fast + 2 slow, host c: 4 slow with little memory."""
-    out = [Device(f"a{i}", "a", "A100", 80, 1000.0) for i in range(4)]
-    out += [Device(f"b{i}", "b", "A100", 80, 1000.0) for i in range(2)]
-    out += [Device(f"b{i}", "b", "T4", 16, 125.0) for i in range(2, 4)]
-    out += [Device(f"c{i}", "c", "K80", 12, 44.0) for i in range(4)]
+    out = [FreeDevice(f"a{i}", "a", "A100", 80, 1000.0) for i in range(4)]
+    out += [FreeDevice(f"b{i}", "b", "A100", 80, 1000.0) for i in range(2)]
+    out += [FreeDevice(f"b{i}", "b", "T4", 16, 125.0) for i in range(2, 4)]
+    out += [FreeDevice(f"c{i}", "c", "K80", 12, 44.0) for i in range(4)]
     return out
 
 
@@ -50,7 +50,7 @@ def test_a_high_penalty_keeps_the_job_on_one_host() -> None:
 
 
 def test_prefers_fewer_hosts_among_equal_speeds() -> None:
-    devices = [Device(f"{h}{i}", h, samples_per_s=100.0) for h in "xyz" for i in range(2)]
+    devices = [FreeDevice(f"{h}{i}", h, samples_per_s=100.0) for h in "xyz" for i in range(2)]
     p = place(JobRequest("j", 2), devices)  # default penalty: 1% of the median speed
     assert len(p.hosts_used) == 1
     p = place(JobRequest("j", 4), devices)
@@ -58,10 +58,13 @@ def test_prefers_fewer_hosts_among_equal_speeds() -> None:
 
 
 def test_spreads_when_speed_is_worth_more_than_the_penalty() -> None:
-    devices = [Device("slow0", "x", samples_per_s=10.0), Device("slow1", "x", samples_per_s=10.0)]
+    devices = [
+        FreeDevice("slow0", "x", samples_per_s=10.0),
+        FreeDevice("slow1", "x", samples_per_s=10.0),
+    ]
     devices += [
-        Device("fast0", "y", samples_per_s=500.0),
-        Device("fast1", "z", samples_per_s=500.0),
+        FreeDevice("fast0", "y", samples_per_s=500.0),
+        FreeDevice("fast1", "z", samples_per_s=500.0),
     ]
     p = place(JobRequest("j", 2, host_penalty=50.0), devices)
     assert sorted(p.device_ids) == ["fast0", "fast1"]
@@ -83,12 +86,12 @@ def test_not_enough_devices_is_an_infeasible_status() -> None:
 
 def test_ilp_matches_brute_force_on_small_clusters() -> None:
     devices = [
-        Device("d0", "h0", samples_per_s=300.0),
-        Device("d1", "h0", samples_per_s=80.0),
-        Device("d2", "h1", samples_per_s=250.0),
-        Device("d3", "h1", samples_per_s=240.0),
-        Device("d4", "h2", samples_per_s=400.0),
-        Device("d5", "h3", samples_per_s=90.0),
+        FreeDevice("d0", "h0", samples_per_s=300.0),
+        FreeDevice("d1", "h0", samples_per_s=80.0),
+        FreeDevice("d2", "h1", samples_per_s=250.0),
+        FreeDevice("d3", "h1", samples_per_s=240.0),
+        FreeDevice("d4", "h2", samples_per_s=400.0),
+        FreeDevice("d5", "h3", samples_per_s=90.0),
     ]
     for lo, hi, penalty in [(1, 3, 100.0), (2, 4, 150.0), (3, 3, 0.0), (2, 6, 60.0)]:
         job = JobRequest("j", lo, hi, host_penalty=penalty)
@@ -137,9 +140,9 @@ def test_malformed_requests() -> None:
     with pytest.raises(InvalidInput):
         JobRequest("j", 4, 2)
     with pytest.raises(InvalidInput):
-        Device("d", "h", samples_per_s=-1.0)
+        FreeDevice("d", "h", samples_per_s=-1.0)
     with pytest.raises(InvalidInput, match="twice"):
-        place(JobRequest("j", 1), [Device("d", "h"), Device("d", "h")])
+        place(JobRequest("j", 1), [FreeDevice("d", "h"), FreeDevice("d", "h")])
 
 
 def test_greedy_stands_in_when_cbc_finds_nothing(monkeypatch: pytest.MonkeyPatch) -> None:

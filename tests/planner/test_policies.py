@@ -7,9 +7,9 @@ from hypothesis import given, settings
 
 from server.planner import (
     POLICIES,
+    Allocation,
     Infeasible,
     PerfModel,
-    Plan,
     PlanProblem,
     UnknownPolicy,
     WorkerSpec,
@@ -20,7 +20,7 @@ from .brute import brute_force_makespan
 from .strategies import plan_problems
 
 
-def assert_valid(problem: PlanProblem, plan: Plan) -> None:
+def assert_valid(problem: PlanProblem, plan: Allocation) -> None:
     """Everything a plan promises, checked from the definitions."""
     assert list(plan.batch_sizes) == [w.id for w in problem.workers]  # worker order
     assert sum(plan.batch_sizes.values()) == problem.global_batch

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from agent.runtime.context import MAX_LOSSES, ContextStats, EvenflowContext, dataset_size
-from agent.runtime.plan_sync import Plan, PlanAgreement
+from agent.runtime.plan_sync import PlanAgreement, RuntimePlan
 from agent.runtime.telemetry import JumpWatch
 from agent.runtime.trainer import run_workload
 from agent.runtime.workloads import builtin, load_entrypoint
@@ -32,7 +32,7 @@ def context(
 ) -> tuple[EvenflowContext, list[TelemetryRecord]]:
     records: list[TelemetryRecord] = []
     agreement = PlanAgreement(
-        Plan(1, plan), rank=rank, world_size=len(plan), global_batch=32, pipelined=False
+        RuntimePlan(1, plan), rank=rank, world_size=len(plan), global_batch=32, pipelined=False
     )
     ctx = EvenflowContext(job, agreement, rank=rank, world_size=len(plan), submit=records.append)
     return ctx, records
@@ -149,7 +149,7 @@ def test_a_compute_jump_asks_the_sender_to_flush_now() -> None:
     job = spec({"builtin": "mlp"})
     records: list[TelemetryRecord] = []
     flushed: list[int] = []
-    agreement = PlanAgreement(Plan(1, (32,)), rank=0, world_size=1, global_batch=32)
+    agreement = PlanAgreement(RuntimePlan(1, (32,)), rank=0, world_size=1, global_batch=32)
     worker = EmulatedWorker.model_validate(
         {
             "per_sample_ms": 0.2,

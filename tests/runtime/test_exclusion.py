@@ -18,7 +18,7 @@ from torch import nn
 from agent.runtime.context import EvenflowContext
 from agent.runtime.emulation import Emulator
 from agent.runtime.membership import ExclusionOptions
-from agent.runtime.plan_sync import Plan, PlanAgreement
+from agent.runtime.plan_sync import PlanAgreement, RuntimePlan
 from agent.runtime.resync import resync
 from agent.runtime.sampler import GlobalBatchSampler
 from contract.agent import TelemetryRecord
@@ -33,15 +33,15 @@ ITERATIONS = EPOCHS * PER_EPOCH
 # (iteration from which the leader proposes it, plan); the channel and pipelined transports put
 # a candidate seen at boundary i in force at i + 1, the blocking one at i.
 SCRIPT = [
-    (1, Plan(2, (6, 0, 6), B, (1,))),  # exclude rank 1
-    (2, Plan(3, (0, 0, 0), B, (0, 1, 2))),  # refused: every rank excluded
-    (3, Plan(4, (4, 4, 4), B, (2,))),  # refused: an excluded rank given samples
-    (4, Plan(5, (3, 0, 9), B, (1,))),  # new sizes, same group
-    (6, Plan(6, (3, 5, 4), B)),  # readmit rank 1
-    (8, Plan(7, (0, 6, 6), B, (0,))),  # exclude rank 0: rank 1 leads
-    (10, Plan(8, (0, 12, 0), B, (0, 2))),  # exclude rank 2 as well: group {1} made without 0
-    (12, Plan(9, (6, 0, 6), B, (1,))),  # refused: no rank of {1} stays active
-    (13, Plan(10, (5, 7, 0), B, (2,))),  # readmit rank 0 (it replays group {1}); 2 stays out
+    (1, RuntimePlan(2, (6, 0, 6), B, (1,))),  # exclude rank 1
+    (2, RuntimePlan(3, (0, 0, 0), B, (0, 1, 2))),  # refused: every rank excluded
+    (3, RuntimePlan(4, (4, 4, 4), B, (2,))),  # refused: an excluded rank given samples
+    (4, RuntimePlan(5, (3, 0, 9), B, (1,))),  # new sizes, same group
+    (6, RuntimePlan(6, (3, 5, 4), B)),  # readmit rank 1
+    (8, RuntimePlan(7, (0, 6, 6), B, (0,))),  # exclude rank 0: rank 1 leads
+    (10, RuntimePlan(8, (0, 12, 0), B, (0, 2))),  # exclude rank 2 as well: group {1} made without 0
+    (12, RuntimePlan(9, (6, 0, 6), B, (1,))),  # refused: no rank of {1} stays active
+    (13, RuntimePlan(10, (5, 7, 0), B, (2,))),  # readmit rank 0 (it replays group {1}); 2 stays out
 ]
 HISTORY = [(0, 1), (2, 2), (5, 5), (7, 6), (9, 7), (11, 8), (14, 10)]
 EXCLUSIONS = {0: [(9, 14)], 1: [(2, 7)], 2: [(11, ITERATIONS)]}
@@ -94,7 +94,7 @@ class Script:
     def __init__(self) -> None:
         self.ctx: EvenflowContext | None = None
 
-    def __call__(self) -> Plan | None:
+    def __call__(self) -> RuntimePlan | None:
         assert self.ctx is not None
         due = [p for at, p in SCRIPT if self.ctx.iteration >= at]
         return due[-1] if due else None
@@ -104,7 +104,7 @@ def _scripted_worker(rank: int, world: int, transport: str) -> dict[str, object]
     script = Script()
     options, piggyback, _ = TRANSPORTS[transport]
     agreement = PlanAgreement(
-        Plan(1, (4, 4, 4), B),
+        RuntimePlan(1, (4, 4, 4), B),
         rank=rank,
         world_size=world,
         global_batch=B,
@@ -267,7 +267,7 @@ def _no_wait_worker(rank: int, world: int, factor: float) -> list[tuple[int, flo
     """Rank 2 excluded from the start; its probes take ``factor`` times a normal step."""
     slowdowns = [Slowdown(from_iteration=0, to_iteration=10**6, factor=factor)] if rank == 2 else []
     agreement = PlanAgreement(
-        Plan(1, (6, 6, 0), B, (2,)), rank=rank, world_size=world, global_batch=B
+        RuntimePlan(1, (6, 6, 0), B, (2,)), rank=rank, world_size=world, global_batch=B
     )
     records: list[TelemetryRecord] = []
     ctx = EvenflowContext(

@@ -9,7 +9,7 @@ from torch import nn
 
 from agent.runtime.context import EvenflowContext
 from agent.runtime.gradients import Exchange, GradientSync, broadcast_module
-from agent.runtime.plan_sync import Plan, PlanAgreement
+from agent.runtime.plan_sync import PlanAgreement, RuntimePlan
 from agent.runtime.sampler import GlobalBatchSampler
 from contract.spec import JobSpec
 
@@ -90,9 +90,9 @@ def _context_worker(rank: int, world: int) -> tuple[list[list[float]], list[tupl
             "workers": world,
         }
     )
-    proposals = iter([None, Plan(2, (0, 9, 3)), Plan(3, (6, 0, 6)), None, None])
+    proposals = iter([None, RuntimePlan(2, (0, 9, 3)), RuntimePlan(3, (6, 0, 6)), None, None])
     agreement = PlanAgreement(
-        Plan(1, (5, 4, 3)),
+        RuntimePlan(1, (5, 4, 3)),
         rank=rank,
         world_size=world,
         global_batch=B,

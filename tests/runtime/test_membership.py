@@ -14,7 +14,13 @@ from torch import nn
 from agent.runtime.context import EvenflowContext
 from agent.runtime.fetcher import PlanFetcher
 from agent.runtime.membership import ExclusionOptions, Membership, Notice
-from agent.runtime.plan_sync import Plan, PlanAgreement, decode_plan, encode_plan, plan_problem
+from agent.runtime.plan_sync import (
+    PlanAgreement,
+    RuntimePlan,
+    decode_plan,
+    encode_plan,
+    plan_problem,
+)
 from agent.runtime.probes import forward_sum, probe_size
 from contract.spec import JobSpec
 
@@ -22,38 +28,43 @@ B = 12
 
 
 def test_plan_problem_with_excluded_ranks() -> None:
-    assert plan_problem(Plan(1, (6, 0, 6), B, (1,)), 3, B) is None
-    assert plan_problem(Plan(1, (0, 12, 0), B, (0, 2)), 3, B) is None
-    assert plan_problem(Plan(1, (0, 0, 0), B, (0, 1, 2)), 3, B) == "every rank is excluded"
-    assert plan_problem(Plan(1, (4, 4, 4), B, (2,)), 3, B) == "excluded rank 2 is given 4 samples"
-    assert "excluded twice" in str(plan_problem(Plan(1, (6, 0, 6), B, (1, 1)), 3, B))
-    assert "outside 0..2" in str(plan_problem(Plan(1, (6, 0, 6), B, (1, 3)), 3, B))
-    p = Plan(1, (0, 6, 6), B, (0,))
+    assert plan_problem(RuntimePlan(1, (6, 0, 6), B, (1,)), 3, B) is None
+    assert plan_problem(RuntimePlan(1, (0, 12, 0), B, (0, 2)), 3, B) is None
+    assert plan_problem(RuntimePlan(1, (0, 0, 0), B, (0, 1, 2)), 3, B) == "every rank is excluded"
+    assert (
+        plan_problem(RuntimePlan(1, (4, 4, 4), B, (2,)), 3, B)
+        == "excluded rank 2 is given 4 samples"
+    )
+    assert "excluded twice" in str(plan_problem(RuntimePlan(1, (6, 0, 6), B, (1, 1)), 3, B))
+    assert "outside 0..2" in str(plan_problem(RuntimePlan(1, (6, 0, 6), B, (1, 3)), 3, B))
+    p = RuntimePlan(1, (0, 6, 6), B, (0,))
     assert p.active == (1, 2) and p.leader == 1
-    assert Plan(1, (4, 4, 4)).active == (0, 1, 2) and Plan(1, (4, 4, 4)).leader == 0
+    assert RuntimePlan(1, (4, 4, 4)).active == (0, 1, 2) and RuntimePlan(1, (4, 4, 4)).leader == 0
 
 
 def test_plan_message_round_trip_keeps_bad_exclusions_detectable() -> None:
     for plan in (
-        Plan(3, (6, 0, 6), B, (1,)),
-        Plan(4, (0, 12, 0), B, (2, 0)),
-        Plan(5, (4, 4, 4), B),
+        RuntimePlan(3, (6, 0, 6), B, (1,)),
+        RuntimePlan(4, (0, 12, 0), B, (2, 0)),
+        RuntimePlan(5, (4, 4, 4), B),
     ):
         decoded, problem = decode_plan(encode_plan(plan, 3), 3)
         assert problem is None
-        assert decoded == Plan(plan.version, plan.batch_sizes, B, tuple(sorted(plan.excluded)))
-    twice, problem = decode_plan(encode_plan(Plan(6, (6, 0, 6), B, (1, 1)), 3), 3)
+        assert decoded == RuntimePlan(
+            plan.version, plan.batch_sizes, B, tuple(sorted(plan.excluded))
+        )
+    twice, problem = decode_plan(encode_plan(RuntimePlan(6, (6, 0, 6), B, (1, 1)), 3), 3)
     assert problem is None and "twice" in str(plan_problem(twice, 3, B))
-    _, problem = decode_plan(encode_plan(Plan(7, (6, 0, 6), B, (1, 5)), 3), 3)
+    _, problem = decode_plan(encode_plan(RuntimePlan(7, (6, 0, 6), B, (1, 5)), 3), 3)
     assert problem == "2 excluded ranks named, 1 of them in range"
-    _, problem = decode_plan(encode_plan(Plan(8, (6, 6), B), 3), 3)
+    _, problem = decode_plan(encode_plan(RuntimePlan(8, (6, 6), B), 3), 3)
     assert problem == "2 batch sizes for 3 ranks"
 
 
 def test_without_a_membership_hook_excluding_plans_are_refused() -> None:
-    proposals = iter([Plan(2, (6, 0, 6), B, (1,)), Plan(3, (2, 4, 6), B)])
+    proposals = iter([RuntimePlan(2, (6, 0, 6), B, (1,)), RuntimePlan(3, (2, 4, 6), B)])
     a = PlanAgreement(
-        Plan(1, (4, 4, 4)),
+        RuntimePlan(1, (4, 4, 4)),
         rank=0,
         world_size=3,
         global_batch=B,
@@ -69,7 +80,7 @@ def test_a_plan_excluding_ranks_needs_a_process_group() -> None:
         {"name": "t", "workload": {"builtin": "mlp"}, "global_batch": B, "workers": 2}
         | {"iterations": 2}
     )
-    a = PlanAgreement(Plan(1, (12, 0), B, (1,)), rank=0, world_size=2, global_batch=B)
+    a = PlanAgreement(RuntimePlan(1, (12, 0), B, (1,)), rank=0, world_size=2, global_batch=B)
     with pytest.raises(ValueError, match="needs an initialised process group"):
         EvenflowContext(job, a, rank=0, world_size=2).prepare(nn.Linear(2, 1))
 
@@ -83,10 +94,10 @@ def test_notice_round_trip() -> None:
 def test_excluded_rank_probes_once_per_fresh_tick_and_returns_at_its_join() -> None:
     store = dist.HashStore()
     m = Membership(1, 3, store=store, options=ExclusionOptions(poll_s=0.001))
-    m.setup(Plan(1, (4, 4, 4)))
+    m.setup(RuntimePlan(1, (4, 4, 4)))
     leader = Membership(0, 3, store=store)
-    leader.setup(Plan(1, (4, 4, 4)))
-    excluded = Plan(2, (6, 0, 6), B, (1,))
+    leader.setup(RuntimePlan(1, (4, 4, 4)))
+    excluded = RuntimePlan(2, (6, 0, 6), B, (1,))
     leader._post(1, Notice("join", 2, 1, root=0), with_log=False)  # stale: an earlier period
 
     def active_ranks() -> None:
@@ -107,12 +118,12 @@ def test_excluded_rank_probes_once_per_fresh_tick_and_returns_at_its_join() -> N
 def test_an_excluded_rank_gives_up_on_silence_and_stops_on_abort() -> None:
     store = dist.HashStore()
     m = Membership(2, 3, store=store, options=ExclusionOptions(silence_timeout_s=0.05))
-    m.setup(Plan(1, (4, 4, 4)))
+    m.setup(RuntimePlan(1, (4, 4, 4)))
     with pytest.raises(TimeoutError, match="no word from the active ranks"):
         m.wait(7, lambda it, version: None)
     active = Membership(0, 3, store=store)
-    active.setup(Plan(1, (4, 4, 4)))
-    active.abort(9, Plan(2, (6, 6, 0), B, (2,)))
+    active.setup(RuntimePlan(1, (4, 4, 4)))
+    active.abort(9, RuntimePlan(2, (6, 6, 0), B, (2,)))
     with pytest.raises(RuntimeError, match="active ranks stopped at iteration 9"):
         m.wait(7, lambda it, version: None)
 

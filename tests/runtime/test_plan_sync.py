@@ -13,9 +13,9 @@ from torch import nn
 
 from agent.runtime.gradients import GradientSync
 from agent.runtime.plan_sync import (
-    Plan,
     PlanAgreement,
     PlanFetcher,
+    RuntimePlan,
     agree_initial,
     message_length,
     plan_problem,
@@ -41,15 +41,15 @@ def plan_out(version: int, sizes: list[int], global_batch: int = B) -> PlanOut:
 
 
 def test_plan_problem() -> None:
-    assert plan_problem(Plan(1, (4, 4, 4)), 3, B) is None
-    assert plan_problem(Plan(1, (0, 12, 0)), 3, B) is None
-    assert "sum to 13" in str(plan_problem(Plan(1, (4, 4, 5)), 3, B))
-    assert "2 batch sizes for 3" in str(plan_problem(Plan(1, (6, 6)), 3, B))
-    assert "negative" in str(plan_problem(Plan(1, (-1, 7, 6)), 3, B))
-    assert "global batch 24" in str(plan_problem(Plan(1, (4, 4, 4), 24), 3, B))
-    assert "version 0" in str(plan_problem(Plan(0, (4, 4, 4)), 3, B))
-    assert plan_problem(Plan(1, (2, 5, 5)), 3, B, max_batch=5) is None
-    assert "above max_batch_per_worker 5" in str(plan_problem(Plan(1, (2, 4, 6)), 3, B, 5))
+    assert plan_problem(RuntimePlan(1, (4, 4, 4)), 3, B) is None
+    assert plan_problem(RuntimePlan(1, (0, 12, 0)), 3, B) is None
+    assert "sum to 13" in str(plan_problem(RuntimePlan(1, (4, 4, 5)), 3, B))
+    assert "2 batch sizes for 3" in str(plan_problem(RuntimePlan(1, (6, 6)), 3, B))
+    assert "negative" in str(plan_problem(RuntimePlan(1, (-1, 7, 6)), 3, B))
+    assert "global batch 24" in str(plan_problem(RuntimePlan(1, (4, 4, 4), 24), 3, B))
+    assert "version 0" in str(plan_problem(RuntimePlan(0, (4, 4, 4)), 3, B))
+    assert plan_problem(RuntimePlan(1, (2, 5, 5)), 3, B, max_batch=5) is None
+    assert "above max_batch_per_worker 5" in str(plan_problem(RuntimePlan(1, (2, 4, 6)), 3, B, 5))
 
 
 # Rank 0's candidates by iteration: a good change, a wrong sum, a wrong length, a good one
@@ -148,7 +148,7 @@ def test_agreement_without_process_group_applies_and_refuses() -> None:
     for pipelined, delay in ((False, 0), (True, 1)):
         script = Scripted()
         a = PlanAgreement(
-            Plan(1, (4, 4, 4)),
+            RuntimePlan(1, (4, 4, 4)),
             rank=0,
             world_size=3,
             global_batch=B,
@@ -177,7 +177,7 @@ def test_gradient_control_slots_carry_integers_and_need_a_cpu_float_buffer() -> 
         sync.send_control([2**24])
     half = GradientSync(nn.Linear(3, 2).to(torch.bfloat16).parameters(), control_slots=6)
     assert half.control_capacity == 0
-    a = PlanAgreement(Plan(1, (4, 4, 4)), rank=0, world_size=3, global_batch=B)
+    a = PlanAgreement(RuntimePlan(1, (4, 4, 4)), rank=0, world_size=3, global_batch=B)
     assert not a.use_channel(half) and a.transport == "pipelined"
 
 
@@ -188,9 +188,9 @@ def test_initial_plan_must_be_valid() -> None:
         agree_initial(plan_out(1, [4, 4, 5]), rank=0, world_size=3, global_batch=B)
     with pytest.raises(ValueError, match="2 batch sizes for 3"):
         agree_initial(plan_out(1, [6, 6]), rank=0, world_size=3, global_batch=B)
-    assert agree_initial(plan_out(7, [2, 2, 8]), rank=0, world_size=3, global_batch=B) == Plan(
-        7, (2, 2, 8), B
-    )
+    assert agree_initial(
+        plan_out(7, [2, 2, 8]), rank=0, world_size=3, global_batch=B
+    ) == RuntimePlan(7, (2, 2, 8), B)
 
 
 def test_fetcher_survives_errors_and_keeps_newest() -> None:
@@ -230,14 +230,14 @@ def test_a_plan_too_large_for_the_channel_is_ignored_not_rounded(
     huge = 2**24 + 1
     sync = GradientSync(nn.Linear(2, 1).parameters(), control_slots=message_length(2))
     a = PlanAgreement(
-        Plan(1, (6, 6)),
+        RuntimePlan(1, (6, 6)),
         rank=0,
         world_size=2,
         global_batch=B,
-        propose=lambda: Plan(huge, (2, 10)),
+        propose=lambda: RuntimePlan(huge, (2, 10)),
     )
     assert a.use_channel(sync)
     for i in range(5):
-        assert a.at_boundary(i) == Plan(1, (6, 6))
+        assert a.at_boundary(i) == RuntimePlan(1, (6, 6))
         sync.all_reduce(B)
     assert caplog.text.count("too large") == 1

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from server.planner import PerfModel
-from server.stragglers import IterationTiming, Slowdown
+from server.stragglers import ComputeTiming, RankSlowdown
 
 MODELS = (
     PerfModel(2.83, 38.0),  # V100, ResNet-50
@@ -28,12 +28,12 @@ def series(
     models: Sequence[PerfModel],
     batches: Sequence[int],
     iterations: int,
-    slowdowns: Sequence[Slowdown] = (),
+    slowdowns: Sequence[RankSlowdown] = (),
     *,
     noise: float = 0.05,
     kind: str = "uniform",
     seed: int = 0,
-) -> list[IterationTiming]:
+) -> list[ComputeTiming]:
     rng = np.random.default_rng(seed)
     out = []
     for it in range(iterations):
@@ -44,5 +44,5 @@ def series(
                 if s.rank == rank and s.from_iteration <= it < s.to_iteration:
                     slow *= s.factor
             ms = slow * model.predict(b) * float(factors[rank])
-            out.append(IterationTiming(rank, it, b, ms))
+            out.append(ComputeTiming(rank, it, b, ms))
     return out

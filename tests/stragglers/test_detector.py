@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 from server.planner import PerfModel
 from server.stragglers import (
     Change,
+    ComputeTiming,
     Detector,
     DetectorConfig,
-    IterationTiming,
-    Slowdown,
+    RankSlowdown,
     StragglerKind,
     detect,
     iteration_stats,
@@ -32,7 +32,7 @@ def fleet(n: int) -> tuple[tuple[PerfModel, ...], tuple[int, ...]]:
     return tuple(MODELS[i % 4] for i in range(n)), tuple(BATCHES[i % 4] for i in range(n))
 
 
-def replay(window: list[IterationTiming], models: dict[int, PerfModel]) -> list:
+def replay(window: list[ComputeTiming], models: dict[int, PerfModel]) -> list:
     detector = Detector()
     updates = []
     for it in sorted({t.iteration for t in window}):
@@ -57,7 +57,7 @@ def test_sustained_slowdown_is_confirmed_within_5_and_its_end_within_5(
     rank %= n
     models, batches = fleet(n)
     end = onset + length
-    slow = [Slowdown(rank, onset, end, factor)]
+    slow = [RankSlowdown(rank, onset, end, factor)]
     window = series(models, batches, end + 20, slow, noise=noise, kind=kind, seed=seed)
     updates = replay(window, dict(enumerate(models)))
     dynamic = [u for u in updates if u.event.kind is not StragglerKind.STATIC]
@@ -88,7 +88,7 @@ def test_a_severe_slowdown_is_confirmed_sooner(
 ) -> None:
     rank %= n
     models, batches = fleet(n)
-    slow = [Slowdown(rank, onset, onset + 40, factor)]
+    slow = [RankSlowdown(rank, onset, onset + 40, factor)]
     window = series(models, batches, onset + 40, slow, noise=noise, seed=seed)
     updates = replay(window, dict(enumerate(models)))
     confirmed = next(u for u in updates if u.event.kind is StragglerKind.DYNAMIC)
@@ -120,7 +120,7 @@ def test_noise_up_to_10_percent_opens_no_event(
 
 def test_a_short_spike_is_a_closed_transient_event_never_dynamic() -> None:
     models, batches = fleet(4)
-    spikes = [Slowdown(1, 100, 101, 3.0), Slowdown(2, 200, 202, 5.0)]
+    spikes = [RankSlowdown(1, 100, 101, 3.0), RankSlowdown(2, 200, 202, 5.0)]
     window = series(models, batches, 300, spikes, noise=0.05, seed=1)
     events = detect(window, dict(enumerate(models)))
     assert [(e.rank, e.kind, e.start_iteration) for e in events] == [
@@ -140,7 +140,7 @@ def test_a_rank_slow_by_its_model_is_static_not_dynamic() -> None:
 
 def test_incremental_state_round_trips_through_json() -> None:
     models, batches = fleet(3)
-    window = series(models, batches, 200, [Slowdown(0, 90, 150, 2.0)], noise=0.08, seed=3)
+    window = series(models, batches, 200, [RankSlowdown(0, 90, 150, 2.0)], noise=0.08, seed=3)
     ms = dict(enumerate(models))
     whole = Detector()
     expected = whole.observe(window, ms)
@@ -155,7 +155,7 @@ def test_incremental_state_round_trips_through_json() -> None:
 
 def test_without_models_each_rank_is_its_own_reference() -> None:
     models, batches = fleet(4)
-    window = series(models, batches, 200, [Slowdown(3, 80, 200, 2.0)], noise=0.05, seed=4)
+    window = series(models, batches, 200, [RankSlowdown(3, 80, 200, 2.0)], noise=0.05, seed=4)
     events = detect(window)
     assert [(e.rank, e.kind, e.end_iteration) for e in events] == [(3, StragglerKind.DYNAMIC, None)]
     assert Detector().health() == {}
@@ -163,7 +163,7 @@ def test_without_models_each_rank_is_its_own_reference() -> None:
 
 def test_refits_during_an_event_do_not_hide_it_and_late_timings_are_ignored() -> None:
     models, batches = fleet(2)
-    window = series(models, batches, 150, [Slowdown(0, 50, 150, 3.0)], noise=0.05, seed=5)
+    window = series(models, batches, 150, [RankSlowdown(0, 50, 150, 3.0)], noise=0.05, seed=5)
     detector = Detector()
     base = dict(enumerate(models))
     refit = {0: PerfModel(3 * 2.83, 3 * 38.0), 1: models[1]}  # a refit absorbing the slowdown
@@ -178,9 +178,9 @@ def test_refits_during_an_event_do_not_hide_it_and_late_timings_are_ignored() ->
 
 def test_iteration_stats_leave_out_ranks_without_samples() -> None:
     rows = [
-        IterationTiming(0, 7, 10, 100.0),
-        IterationTiming(1, 7, 10, 150.0),
-        IterationTiming(2, 7, 0, 0.0),
+        ComputeTiming(0, 7, 10, 100.0),
+        ComputeTiming(1, 7, 10, 150.0),
+        ComputeTiming(2, 7, 0, 0.0),
     ]
     (stats,) = iteration_stats(rows, {0: PerfModel(10.0)})
     assert stats.ranks == 2 and stats.slowest_rank == 1
@@ -216,7 +216,7 @@ def test_a_severe_slowdown_is_actionable_once_detected_and_still_unconfirmed(
         models,
         batches,
         onset + 10,
-        [Slowdown(rank, onset, onset + 10, factor)],
+        [RankSlowdown(rank, onset, onset + 10, factor)],
         noise=noise,
         seed=seed,
     )

@@ -15,11 +15,11 @@ from server.stragglers import (
     LadderState,
     Overrides,
     RankHealth,
+    RankSlowdown,
     RankView,
     Scenario,
     SimConfig,
     Situation,
-    Slowdown,
     StragglerEvent,
     StragglerKind,
     decide,
@@ -244,7 +244,7 @@ def test_every_decision_keeps_the_invariants(ratios, pin, out, g, regroup) -> No
         check(s, decision.new_batch_sizes, excluded | set(state.excluded))
 
 
-def _scenario(name: str, slowdowns: tuple[Slowdown, ...], iterations: int = 600) -> Scenario:
+def _scenario(name: str, slowdowns: tuple[RankSlowdown, ...], iterations: int = 600) -> Scenario:
     return Scenario(
         name, MODELS, 256, iterations, slowdowns, noise=0.05, max_batch=CAPS, sync_ms=60.0
     )
@@ -254,13 +254,13 @@ def test_scripted_scenarios_react_once_per_event_and_do_not_flap() -> None:
     periodic = []
     for start in (100, 300):
         periodic += [
-            Slowdown(0, start, start + 60, 2.0),
-            Slowdown(2, start + 100, start + 160, 2.0),
+            RankSlowdown(0, start, start + 60, 2.0),
+            RankSlowdown(2, start + 100, start + 160, 2.0),
         ]
     scenarios = [
-        _scenario("3x-window", (Slowdown(1, 150, 400, 3.0),)),
+        _scenario("3x-window", (RankSlowdown(1, 150, 400, 3.0),)),
         _scenario("periodic", tuple(periodic), 500),
-        _scenario("10x-to-end", (Slowdown(3, 200, 600, 10.0),)),
+        _scenario("10x-to-end", (RankSlowdown(3, 200, 600, 10.0),)),
     ]
     for sc in scenarios:
         result = simulate(sc, "adaptive")
@@ -279,7 +279,7 @@ def test_one_sample_spikes_are_acted_on_then_undone_without_waiting_out_the_cool
     in the plan as soon as it is seen at normal speed (before the cool-down would allow), the
     events stay TRANSIENT, and each costs two plan changes."""
     spikes = (150, 300)
-    sc = _scenario("spikes", tuple(Slowdown(1, t, t + 1, 8.0) for t in spikes))
+    sc = _scenario("spikes", tuple(RankSlowdown(1, t, t + 1, 8.0) for t in spikes))
     config = SimConfig()
     result = simulate(sc, "adaptive", config)
     assert [e.start_iteration for e in result.events] == list(spikes), result.events

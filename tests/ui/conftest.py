@@ -145,7 +145,7 @@ def issue_plan(live: LiveApp, job_id: int, batches: list[int], predicted_ms: flo
     from server.db import transaction
     from server.services import jobs, plans
 
-    with live.app.state.write_lock, transaction(live.app.state.sessions) as s:
+    with live.app.state.context.write_lock, transaction(live.app.state.context.sessions) as s:
         plan = plans.create(
             s,
             jobs.get(s, job_id),
@@ -163,7 +163,7 @@ def record_straggler(live: LiveApp, job_id: int, rank: int, iteration: int) -> N
     from server.db import transaction
     from server.models import StragglerEvent
 
-    with live.app.state.write_lock, transaction(live.app.state.sessions) as s:
+    with live.app.state.context.write_lock, transaction(live.app.state.context.sessions) as s:
         s.add(
             StragglerEvent(
                 job_id=job_id,

@@ -2,36 +2,27 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Path, Query
-from sqlalchemy import select
+from fastapi import APIRouter, Query
 
 from contract.api import EventOut, OverrideCreate, OverrideOut
 from contract.enums import OverrideKind
-from server.api.deps import Operator, SessionDep, Viewer
-from server.models import StragglerEvent
-from server.services import jobs, overrides
+from server.api.deps import Operator, PathId, SessionDep, Viewer
+from server.services import events, jobs, overrides
 
 router = APIRouter(prefix="/jobs", tags=["events"])
-JobId = Path(ge=1, le=2**31 - 1)
 
 
 @router.get("/{job_id}/events")
 def list_events(
-    session: SessionDep, _: Viewer, job_id: int = JobId, limit: int = Query(200, ge=1, le=10_000)
+    session: SessionDep, _: Viewer, job_id: PathId, limit: int = Query(200, ge=1, le=10_000)
 ) -> list[EventOut]:
     """Straggler events of a job, newest first."""
     jobs.get(session, job_id)
-    rows = session.scalars(
-        select(StragglerEvent)
-        .where(StragglerEvent.job_id == job_id)
-        .order_by(StragglerEvent.id.desc())
-        .limit(limit)
-    )
-    return [EventOut.model_validate(e) for e in rows]
+    return [EventOut.model_validate(e) for e in events.list_events(session, job_id, limit=limit)]
 
 
 @router.get("/{job_id}/overrides")
-def list_overrides(session: SessionDep, _: Viewer, job_id: int = JobId) -> list[OverrideOut]:
+def list_overrides(session: SessionDep, _: Viewer, job_id: PathId) -> list[OverrideOut]:
     """Overrides applied to a job, newest first."""
     jobs.get(session, job_id)
     return [
@@ -42,7 +33,7 @@ def list_overrides(session: SessionDep, _: Viewer, job_id: int = JobId) -> list[
 
 @router.post("/{job_id}/overrides")
 def create_override(
-    req: OverrideCreate, session: SessionDep, principal: Operator, job_id: int = JobId
+    req: OverrideCreate, session: SessionDep, principal: Operator, job_id: PathId
 ) -> OverrideOut:
     """Preview (`preview: true`) or apply an override; workers take it at the next iteration."""
     return overrides.submit(session, jobs.get(session, job_id), req, principal)

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Path
+from fastapi import APIRouter
 
 from contract.agent import Heartbeat, HeartbeatAck, HostRegister
 from contract.api import HostOut
-from server.api.deps import Authenticated, Now, SessionDep, Viewer
+from server.api.deps import Authenticated, Now, PathId, SessionDep, Viewer
 from server.services import hosts
 
 router = APIRouter(prefix="/hosts", tags=["hosts"])
-HostId = Path(ge=1, le=2**31 - 1)
 
 
 @router.post("/register", status_code=201)
@@ -21,7 +20,7 @@ def register(req: HostRegister, session: SessionDep, principal: Authenticated, n
 
 @router.post("/{host_id}/heartbeat")
 def heartbeat(
-    req: Heartbeat, session: SessionDep, principal: Authenticated, now: Now, host_id: int = HostId
+    req: Heartbeat, session: SessionDep, principal: Authenticated, now: Now, host_id: PathId
 ) -> HeartbeatAck:
     """Report liveness and worker states; the answer lists the ranks this host must run or stop."""
     return hosts.heartbeat(session, host_id, req, principal, now)
@@ -34,6 +33,6 @@ def list_hosts(session: SessionDep, _: Viewer) -> list[HostOut]:
 
 
 @router.get("/{host_id}")
-def get_host(session: SessionDep, _: Viewer, host_id: int = HostId) -> HostOut:
+def get_host(session: SessionDep, _: Viewer, host_id: PathId) -> HostOut:
     """One host with its devices."""
     return HostOut.model_validate(hosts.get(session, host_id))

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Path, Query
+from fastapi import APIRouter, Query
 
 from contract.api import JobList, JobOut
 from contract.enums import JobStatus
 from contract.spec import JobSpec
-from server.api.deps import Now, Operator, SessionDep, Viewer
+from server.api.deps import Now, Operator, PathId, SessionDep, Viewer
 from server.services import jobs
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
-JobId = Path(ge=1, le=2**31 - 1)
 
 
 @router.post("", status_code=201)
@@ -34,12 +33,12 @@ def list_jobs(
 
 
 @router.get("/{job_id}")
-def get_job(session: SessionDep, _: Viewer, job_id: int = JobId) -> JobOut:
+def get_job(session: SessionDep, _: Viewer, job_id: PathId) -> JobOut:
     """One job with its workers."""
     return JobOut.model_validate(jobs.get(session, job_id))
 
 
 @router.post("/{job_id}/cancel")
-def cancel_job(session: SessionDep, principal: Operator, now: Now, job_id: int = JobId) -> JobOut:
+def cancel_job(session: SessionDep, principal: Operator, now: Now, job_id: PathId) -> JobOut:
     """Cancel a job that has not ended; its agents stop the workers."""
     return JobOut.model_validate(jobs.cancel(session, job_id, principal, now))

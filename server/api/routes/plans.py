@@ -4,20 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any
 
-from fastapi import APIRouter, Path, Query, Request, Response
+from fastapi import APIRouter, Query, Response
 from sqlalchemy.orm import Session, sessionmaker
 
 from contract.agent import PlanOut
 from contract.api import ModelOut
 from contract.base import MAX_PLAN_WAIT_S
-from server.api.deps import SessionDep, Viewer
-from server.notify import RECHECK_S, PlanWaiters
+from server.api.deps import Context, PathId, SessionDep, Viewer
+from server.context import AppContext
+from server.notify import RECHECK_S
 from server.services import jobs, plans, rebalancer
 
 router = APIRouter(prefix="/jobs", tags=["plans"])
-JobId = Path(ge=1, le=2**31 - 1)
 
 
 @router.get(
@@ -26,9 +25,9 @@ JobId = Path(ge=1, le=2**31 - 1)
     responses={304: {"description": "The plan is still `known_version` (after `wait_s`)."}},
 )
 async def current_plan(
-    request: Request,
+    context: Context,
     _: Viewer,
-    job_id: int = JobId,
+    job_id: PathId,
     known_version: int | None = Query(None, ge=0, le=2**31 - 1),
     wait_s: float = Query(
         0.0,
@@ -44,16 +43,16 @@ async def current_plan(
     Workers poll this, so it is served from a cache that the commit of a new plan clears (in
     this process at once, in the others over the plan bus, ``server.notify``); only a miss
     touches the database, once per job however many requests miss together."""
-    version, body = await _current(request.app, job_id)
+    version, body = await _current(context, job_id)
     if known_version is None or version != known_version:
         return Response(body, media_type="application/json")
     if wait_s > 0:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
-        waiters: PlanWaiters = request.app.state.plan_waiters
+        waiters = context.plan_waiters
         while (remaining := deadline - loop.time()) > 0:
             changed = waiters.event(job_id)  # taken before the read, so no commit slips between
-            version, body = await _current(request.app, job_id)
+            version, body = await _current(context, job_id)
             if version != known_version:
                 return Response(body, media_type="application/json")
             with contextlib.suppress(TimeoutError):  # re-read even if a notification was lost
@@ -61,10 +60,10 @@ async def current_plan(
     return Response(status_code=304)
 
 
-async def _current(app: Any, job_id: int) -> tuple[int, bytes]:
+async def _current(context: AppContext, job_id: int) -> tuple[int, bytes]:
     """The cached (version, body) of the job's current plan; concurrent misses share one load."""
-    cache = app.state.caches.plans
-    return await cache.get_or_load(job_id, lambda: _load_current(app.state.sessions, job_id))
+    sessions = context.sessions
+    return await context.caches.plans.get_or_load(job_id, lambda: _load_current(sessions, job_id))
 
 
 def _load_current(sessions: sessionmaker[Session], job_id: int) -> tuple[int, bytes]:
@@ -74,7 +73,7 @@ def _load_current(sessions: sessionmaker[Session], job_id: int) -> tuple[int, by
 
 
 @router.get("/{job_id}/models")
-def worker_models(session: SessionDep, _: Viewer, job_id: int = JobId) -> list[ModelOut]:
+def worker_models(session: SessionDep, _: Viewer, job_id: PathId) -> list[ModelOut]:
     """Each worker's performance model, fitted from its recent telemetry."""
     job = jobs.get(session, job_id)
     out = []
@@ -101,7 +100,7 @@ def worker_models(session: SessionDep, _: Viewer, job_id: int = JobId) -> list[M
 def plan_history(
     session: SessionDep,
     _: Viewer,
-    job_id: int = JobId,
+    job_id: PathId,
     limit: int = Query(100, ge=1, le=1000),
     offset: int = Query(0, ge=0, le=2**31 - 1),
 ) -> list[PlanOut]:

@@ -2,22 +2,21 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Path, Query
+from fastapi import APIRouter, Query
 
 from contract.dashboard import SeriesOut, ThroughputOut
-from server.api.deps import SessionDep, Viewer
+from server.api.deps import PathId, SessionDep, Viewer
 from server.errors import Invalid
 from server.services import jobs, series
 
 router = APIRouter(tags=["dashboard"])
-JobId = Path(ge=1, le=2**31 - 1)
 
 
 @router.get("/jobs/{job_id}/series")
 def job_series(
     session: SessionDep,
     _: Viewer,
-    job_id: int = JobId,
+    job_id: PathId,
     points: int = Query(500, ge=10, le=10_000),
     window: int = Query(20, ge=1, le=10_000),
 ) -> SeriesOut:

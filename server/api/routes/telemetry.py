@@ -2,46 +2,49 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from fastapi import APIRouter, Path, Query, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
 
 from contract.agent import TelemetryAck, TelemetryBatch
 from contract.api import TelemetryOut
 from contract.enums import Role
 from server.api import bodies
-from server.api.deps import Authenticated, SessionDep, Viewer
+from server.api.deps import Authenticated, Context, PathId, SessionDep, Viewer
+from server.context import AppContext
 from server.live import telemetry_stored
 from server.services import jobs, telemetry
 from server.services.tokens import Principal
 
 router = APIRouter(prefix="/jobs", tags=["telemetry"])
-JobId = Path(ge=1, le=2**31 - 1)
 
 
 @router.post("/{job_id}/telemetry", openapi_extra=bodies.documented_body(TelemetryBatch))
-async def ingest(request: Request, principal: Authenticated, job_id: int = JobId) -> TelemetryAck:
+async def ingest(
+    request: Request, context: Context, principal: Authenticated, job_id: PathId
+) -> TelemetryAck:
     """Store timings; rows already stored for (job, rank, iteration) are skipped, not duplicated.
     An `urgent` batch (a worker's iteration time jumped) makes the control loop look at the job
     at once rather than at its next round."""
     if principal.role is not Role.AGENT:
         principal.require(Role.ADMIN)
     batch = bodies.parse(TelemetryBatch, await request.body())
-    accepted, duplicates = await run_in_threadpool(_store, request.app, principal, job_id, batch)
-    telemetry_stored(request.app, job_id, accepted)  # wake the job's live dashboard streams
+    accepted, duplicates = await run_in_threadpool(_store, context, principal, job_id, batch)
+    # wake the job's live dashboard streams
+    telemetry_stored(context.telemetry_notifier, job_id, accepted)
     if batch.urgent:
-        request.app.state.wake_controller(job_id)
-    metrics = request.app.state.metrics
+        context.wake_controller(job_id)
+    metrics = context.metrics
     metrics.telemetry_records.inc(accepted)
     metrics.telemetry_duplicates.inc(duplicates)
     return TelemetryAck(accepted=accepted, duplicates=duplicates)
 
 
-def _store(app: Any, principal: Principal, job_id: int, batch: TelemetryBatch) -> tuple[int, int]:
+def _store(
+    context: AppContext, principal: Principal, job_id: int, batch: TelemetryBatch
+) -> tuple[int, int]:
     # The writer lock is held for the database work only, not while the body is parsed; a Core
     # connection, not an ORM session: nothing here needs one.
-    with app.state.write_lock, app.state.engine.begin() as conn:
+    with context.write_lock, context.engine.begin() as conn:
         return telemetry.ingest(conn, job_id, batch, principal)
 
 
@@ -49,7 +52,7 @@ def _store(app: Any, principal: Principal, job_id: int, batch: TelemetryBatch) -
 def read(
     session: SessionDep,
     _: Viewer,
-    job_id: int = JobId,
+    job_id: PathId,
     since_iteration: int = Query(0, ge=0, le=10**12),
     rank: int | None = Query(None, ge=0, le=10_000),
     limit: int = Query(10_000, ge=1, le=100_000),

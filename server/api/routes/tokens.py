@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Path
+from fastapi import APIRouter
 
 from contract.api import TokenCreate, TokenCreated, TokenOut
-from server.api.deps import Admin, SessionDep
+from server.api.deps import Admin, PathId, SessionDep
 from server.services import tokens
 
 router = APIRouter(prefix="/tokens", tags=["tokens"])
@@ -27,8 +27,6 @@ def list_tokens(session: SessionDep, _: Admin) -> list[TokenOut]:
 
 
 @router.delete("/{token_id}")
-def revoke_token(
-    session: SessionDep, principal: Admin, token_id: int = Path(ge=1, le=2**31 - 1)
-) -> TokenOut:
+def revoke_token(session: SessionDep, principal: Admin, token_id: PathId) -> TokenOut:
     """Revoke a token; it stops working at once."""
     return TokenOut.model_validate(tokens.revoke(session, token_id, by=principal.name))

@@ -21,14 +21,16 @@ from typing import Any
 from urllib.parse import parse_qs, quote
 
 import plotly
-from fastapi import APIRouter, FastAPI, Path, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 
 import frontend
+from server.api.deps import PathId
 from server.api.routes import series as series_routes
 from server.api.routes import stream as stream_routes
+from server.context import context_of
 from server.errors import Unauthorized
 from server.services import tokens
 from server.services.tokens import Principal
@@ -76,13 +78,12 @@ async def signed_in(request: Request) -> Principal | None:
     if not secret:
         return None
     key = tokens.hash_token(secret)
-    cache_ = request.app.state.caches.tokens
+    context = context_of(request.app)
+    cache_ = context.caches.tokens
     principal: Principal | None = cache_.get(key)
     if principal is None:
         try:
-            principal = await run_in_threadpool(
-                tokens.authenticate_with, request.app.state.sessions, secret
-            )
+            principal = await run_in_threadpool(tokens.authenticate_with, context.sessions, secret)
         except Unauthorized:
             return None
         cache_.put(key, principal)
@@ -166,11 +167,11 @@ async def login(request: Request) -> Response:
         return _login_page(next_path, "Enter an API token.", status=401)
     try:
         principal = await run_in_threadpool(
-            tokens.authenticate_with, request.app.state.sessions, secret
+            tokens.authenticate_with, context_of(request.app).sessions, secret
         )
     except Unauthorized as exc:
         return _login_page(next_path, f"Not signed in: {exc.message}.", status=401)
-    request.app.state.caches.tokens.put(tokens.hash_token(secret), principal)
+    context_of(request.app).caches.tokens.put(tokens.hash_token(secret), principal)
     response = RedirectResponse(next_path, status_code=303)
     response.set_cookie(
         COOKIE,
@@ -206,7 +207,7 @@ async def audit_page(request: Request) -> Response:
 
 
 @router.get("/jobs/{job_id}")
-async def job_page(request: Request, job_id: int = Path(ge=1, le=2**31 - 1)) -> Response:
+async def job_page(request: Request, job_id: PathId) -> Response:
     principal = await signed_in(request)
     if principal is None:
         return _to_login(request)

@@ -1,0 +1,53 @@
+"""The control plane's application state: one typed value per app, built by ``create_app``.
+
+Routes reach it through the ``Context`` dependency (``server.api.deps``); anything holding the
+app itself (tests, the ingest hook) calls :func:`context_of`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session, sessionmaker
+from starlette.applications import Starlette
+
+from server.cache import Caches
+from server.config import Settings
+from server.live import TelemetryNotifier
+from server.metrics import Metrics
+from server.notify import Bus, PlanWaiters
+
+
+@dataclass
+class AppContext:
+    """Everything a request may need beyond its own session."""
+
+    settings: Settings
+    engine: Engine
+    sessions: sessionmaker[Session]
+    write_lock: AbstractContextManager[Any]
+    """SQLite's one-writer lock across this process and the controller; a no-op elsewhere."""
+    caches: Caches
+    metrics: Metrics
+    plan_waiters: PlanWaiters
+    """This process's plan long-polls, woken when a plan is committed."""
+    plan_bus: Bus
+    """Plans committed here, announced to the other server processes, and theirs to us."""
+    wake_bus: Bus
+    """Jobs whose telemetry is urgent, announced to a controller process."""
+    wake_controller: Callable[[int], None]
+    """Runs the controller's next round for a job now (urgent telemetry)."""
+    telemetry_notifier: TelemetryNotifier = field(default_factory=TelemetryNotifier)
+    generated_admin_token: str | None = None
+    """The admin token generated at start-up when none was configured (shown once)."""
+
+
+def context_of(app: Starlette) -> AppContext:
+    """The context ``create_app`` stored on ``app``."""
+    context = app.state.context
+    assert isinstance(context, AppContext), "not an app built by server.app.create_app"
+    return context
