@@ -524,6 +524,9 @@ def main() -> None:
         with server(db_url, args.workers, log) as base:
             out = asyncio.run(run(base, db_url, args))
         out["controller_rounds"] = controller_rounds(log)
+        kept = Path(__file__).resolve().parent / "results" / "fleet-server.log"
+        kept.parent.mkdir(exist_ok=True)
+        kept.write_text(log.read_text(errors="replace"))
     print(json.dumps(out, indent=2))
 
 

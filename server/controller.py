@@ -59,6 +59,9 @@ class Controller:
         self.engine = engine
         self.sessions = sessions
         self.write_lock: AbstractContextManager[Any] = write_lock or nullcontext()
+        self.prefetch = write_lock is not None
+        """Read a job's new telemetry before taking the writer lock; without one (PostgreSQL)
+        the round's one transaction reads it, and a second read would double the cost."""
         self.state = control_loop.LoopState(min_decision_interval_s=1.0)
         self.rounds = 0
         self._wake = threading.Event()
@@ -129,8 +132,9 @@ class Controller:
             due = control_loop.jobs_to_sweep(s, self.state, live)
         for job_id in due:
             self.state.swept_at[job_id] = time.monotonic()
-            with transaction(self.sessions) as s:  # reads only: no writer lock
-                control_loop.prefetch(s, self.state, job_id)
+            if self.prefetch:  # reads only, outside SQLite's writer lock
+                with transaction(self.sessions) as s:
+                    control_loop.prefetch(s, self.state, job_id)
             with self.write_lock, transaction(self.sessions) as s:
                 for job, version in control_loop.sweep_job(s, self.state, job_id):
                     log.info("job %d: plan v%d", job, version)
