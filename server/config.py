@@ -27,9 +27,20 @@ class Settings(BaseSettings):
     """How often the server looks for lost hosts."""
 
     rebalance_interval_s: float = Field(default=0.5, gt=0)
+    """How often running jobs are checked for a due re-plan."""
+
     controller_report_s: float = Field(default=60.0, gt=0)
     """How often the controller logs a summary of its round times."""
-    """How often running jobs are checked for a due re-plan."""
+
+    telemetry_keep_iterations: int = Field(default=20_000, ge=100)
+    """Raw telemetry kept per job: its newest this many iterations. Older rows are rolled up
+    into per-rank aggregates per bucket of iterations (``server.services.retention``)."""
+
+    telemetry_keep_running_s: float = Field(default=3600.0, ge=0)
+    """A running job also keeps every raw row of its last this many seconds."""
+
+    retention_interval_s: float = Field(default=60.0, gt=0)
+    """How often the controller rolls up telemetry older than the window."""
 
     controller: Literal["thread", "none"] = "thread"
     """Where this app's control loop runs (``server.controller``): ``thread``, in a thread of

@@ -32,13 +32,16 @@ from server.config import Settings
 from server.db import checkpoint, make_engine, session_factory, transaction
 from server.locks import ControllerLock, writer_lock_for
 from server.notify import Bus, PgNotifyBus, open_bus
-from server.services import control_loop
+from server.services import control_loop, retention
 from server.services import hosts as host_service
 
 log = logging.getLogger("evenflow.controller")
 
 STANDBY_POLL_S = 1.0
 """How often a standby controller tries to take the controller lock."""
+
+ROLL_UP_BUDGET_S = 2.0
+"""At most this long of roll-up work per retention pass, so rounds are not held up."""
 
 WAKE_SLICE_S = 0.1
 """Between rounds the controller waits for a poke in slices this long, to notice ``stop``."""
@@ -66,6 +69,9 @@ class Controller:
         self.rounds = 0
         self._wake = threading.Event()
         self.round_stats = RoundStats(settings.controller_report_s)
+        self.retention = retention.Retention(
+            retention.Window(settings.telemetry_keep_iterations, settings.telemetry_keep_running_s)
+        )
 
     def poke(self) -> None:
         """Run the next round now instead of at the end of the interval: a worker sent urgent
@@ -105,6 +111,7 @@ class Controller:
     def _rounds(self, stop: threading.Event, lock: ControllerLock) -> None:
         s = self.settings
         next_reap = time.monotonic() + s.reaper_interval_s
+        next_roll_up = time.monotonic() + s.retention_interval_s
         while not self._pause(stop, s.rebalance_interval_s):
             lock.check()
             try:
@@ -121,6 +128,12 @@ class Controller:
                     self.reap()
                 except Exception:  # the sweep must never take the server down
                     log.exception("lost-host sweep failed")
+            if time.monotonic() >= next_roll_up:
+                try:
+                    self.roll_up_telemetry()
+                except Exception:
+                    log.exception("telemetry roll-up failed")
+                next_roll_up = time.monotonic() + s.retention_interval_s
 
     def sweep(self) -> None:
         """Re-plan running jobs on their cadence and watch for stragglers; each job in its own
@@ -141,6 +154,27 @@ class Controller:
         self.state.forget(set(live))
         self.rounds += 1
         self.round_stats.add(1000 * (time.perf_counter() - started), len(live), len(due))
+
+    def roll_up_telemetry(self, budget_s: float = ROLL_UP_BUDGET_S) -> int:
+        """Roll up telemetry older than each job's retention window, a chunk per short
+        transaction, for at most ``budget_s`` (the next pass goes on where this one stopped).
+        Returns the raw rows removed."""
+        deadline = time.monotonic() + budget_s
+        with transaction(self.sessions) as s:
+            jobs = self.retention.candidates(s)
+        removed = 0
+        for job_id in jobs:
+            while time.monotonic() < deadline:
+                with self.write_lock, transaction(self.sessions) as s:
+                    moved = self.retention.roll_up(s, job_id)
+                removed += moved
+                if not moved:
+                    break
+            if time.monotonic() >= deadline:
+                break
+        if removed:
+            log.info("rolled up %d telemetry rows", removed)
+        return removed
 
     def reap(self) -> None:
         s = self.settings

@@ -247,6 +247,44 @@ class IterationTelemetry(Base):
     probe: Mapped[bool] = mapped_column(Boolean, default=False)
 
 
+class TelemetryRollup(Base):
+    """Telemetry older than the retention window (``server.services.retention``), one row per
+    rank and bucket of iterations: the count and the mean, min and max of each timing.
+
+    ``rank`` is :data:`JOB_RANK` for the job-level row of a bucket, whose ``iteration_ms`` is the
+    slowest rank's iteration time (what the job waited for) and whose other columns are means
+    over all ranks. Readers weight means by ``count``; late rows of a bucket already rolled up
+    add a second row for it, which the weighting also covers."""
+
+    __tablename__ = "telemetry_rollups"
+    __table_args__ = (
+        Index("ix_telemetry_rollups_job_rank_first", "job_id", "rank", "first_iteration"),
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    rank: Mapped[int] = mapped_column(Integer)
+    first_iteration: Mapped[int] = mapped_column(BigInteger)
+    last_iteration: Mapped[int] = mapped_column(BigInteger)
+    count: Mapped[int] = mapped_column(Integer)
+    batch_size: Mapped[float] = mapped_column(Float)
+    data_ms: Mapped[float] = mapped_column(Float)
+    compute_ms: Mapped[float] = mapped_column(Float)
+    compute_min_ms: Mapped[float] = mapped_column(Float)
+    compute_max_ms: Mapped[float] = mapped_column(Float)
+    sync_ms: Mapped[float] = mapped_column(Float)
+    iteration_ms: Mapped[float] = mapped_column(Float)
+    iteration_min_ms: Mapped[float] = mapped_column(Float)
+    iteration_max_ms: Mapped[float] = mapped_column(Float)
+    plan_version_min: Mapped[int] = mapped_column(Integer)
+    plan_version_max: Mapped[int] = mapped_column(Integer)
+    last_ts: Mapped[float] = mapped_column(Float)
+
+
+JOB_RANK = -1
+"""``TelemetryRollup.rank`` of a bucket's job-level row."""
+
+
 class StragglerEvent(Base):
     __tablename__ = "straggler_events"
 

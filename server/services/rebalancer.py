@@ -25,7 +25,7 @@ from contract.enums import PlanSource, PolicyName
 from server.models import IterationTelemetry, Job
 from server.planner import ModelFit, Observation, fit_model
 from server.planner.rebalance import RebalanceDecision, RebalanceInput, decide
-from server.services import plans
+from server.services import plans, retention
 
 SOLVER = {
     PolicyName.EQUAL: "equal",
@@ -83,6 +83,8 @@ class Tracker:
         new = select(T.id, T.rank, T.iteration, T.plan_version, T.probe).where(
             T.job_id == job.id, T.id > self.last_id - self.reread
         )
+        if self.last_id == 0:  # a fresh tracker: history older than the window is rolled up
+            self.first_of_version.update(retention.first_iteration_of_versions(session, job.id))
         rows = session.connection().execute(new).all()  # Core rows: no ORM loading per row
         for row_id, rank, iteration, version, probe in rows:
             self.last_id = max(self.last_id, int(row_id))

@@ -13,6 +13,7 @@ published-figures prior (``server/planner/gpu_profiles.csv``), and a CPU a nomin
 from __future__ import annotations
 
 import random
+from collections import defaultdict
 from datetime import datetime
 from functools import cache
 from typing import Any
@@ -22,7 +23,7 @@ from sqlalchemy.orm import Session
 
 from contract.enums import DeviceKind, DeviceStatus, HostStatus, JobStatus, PlanSource, WorkerState
 from contract.spec import JobSpec
-from server.models import Device, Host, IterationTelemetry, Job, Worker
+from server.models import Device, Host, IterationTelemetry, Job, TelemetryRollup, Worker
 from server.planner import (
     FreeDevice,
     GpuProfile,
@@ -63,13 +64,30 @@ def measured_speeds(session: Session, workload: dict[str, Any]) -> dict[int, flo
     if not job_ids:
         return {}
     T = IterationTelemetry
-    rows = session.execute(
+    R = TelemetryRollup  # history older than the retention window, weighted by its count
+    raw = (
         select(Worker.device_id, func.sum(T.batch_size), func.sum(T.compute_ms))
         .join(T, (T.job_id == Worker.job_id) & (T.rank == Worker.rank))
         .where(Worker.job_id.in_(job_ids), T.batch_size > 0, T.probe.is_(False))
         .group_by(Worker.device_id)
-    ).all()
-    return {int(d): 1000.0 * float(b) / float(ms) for d, b, ms in rows if d is not None and ms}
+    )
+    rolled = (
+        select(
+            Worker.device_id,
+            func.sum(R.batch_size * R.count),
+            func.sum(R.compute_ms * R.count),
+        )
+        .join(R, (R.job_id == Worker.job_id) & (R.rank == Worker.rank))
+        .where(Worker.job_id.in_(job_ids), R.batch_size > 0)
+        .group_by(Worker.device_id)
+    )
+    samples: dict[int, float] = defaultdict(float)
+    millis: dict[int, float] = defaultdict(float)
+    for d, b, ms in [*session.execute(raw), *session.execute(rolled)]:
+        if d is not None and ms:
+            samples[int(d)] += float(b)
+            millis[int(d)] += float(ms)
+    return {d: 1000.0 * samples[d] / millis[d] for d in samples if millis[d] > 0}
 
 
 def candidates(session: Session, spec: JobSpec, free: list[Device]) -> list[FreeDevice]:

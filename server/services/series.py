@@ -7,14 +7,15 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from sqlalchemy import ColumnElement, func, select
+from sqlalchemy import ColumnElement, Float, cast, func, literal, select, union_all
 from sqlalchemy.orm import Session
 
 from contract.dashboard import PlanEffect, RankSeries, RankWindow, SeriesOut, ThroughputOut
-from server.models import IterationTelemetry, Job, StragglerEvent
-from server.services import telemetry
+from server.models import JOB_RANK, IterationTelemetry, Job, StragglerEvent, TelemetryRollup
+from server.services import retention, telemetry
 
 T = IterationTelemetry
+R = TelemetryRollup
 STREAM_COLUMNS = tuple(c for c in telemetry.COLUMNS if c != "probe")
 """Column order of the rows a ``telemetry`` stream message carries."""
 
@@ -29,9 +30,16 @@ def downsampled(
     started after it neither misses nor repeats a row."""
     last_id = int(session.scalar(select(func.max(T.id)).where(T.job_id == job.id)) or 0)
     mine = (T.job_id == job.id, T.id <= last_id)
+    rolled = (R.job_id == job.id,)
     lo, hi = session.execute(
         select(func.min(T.iteration), func.max(T.iteration)).where(*mine)
     ).one()
+    rlo, rhi = session.execute(
+        select(func.min(R.first_iteration), func.max(R.last_iteration)).where(*rolled)
+    ).one()
+    if rlo is not None:
+        lo = rlo if lo is None else min(lo, rlo)
+        hi = rhi if hi is None else max(hi, rhi)
     out = SeriesOut(
         job_id=job.id,
         world_size=len(job.workers),
@@ -54,34 +62,59 @@ def downsampled(
             "bucket": bucket,
             "first_iteration": lo,
             "last_iteration": hi,
-            "ranks": _rank_series(session, mine, lo, bucket),
-            "measured": _slowest_per_bucket(session, mine, lo, bucket),
-            "plan_effects": _plan_effects(session, mine),
+            "ranks": _rank_series(session, mine, rolled, lo, bucket),
+            "measured": _slowest_per_bucket(session, mine, rolled, lo, bucket),
+            "plan_effects": _plan_effects(session, mine, job.id),
             "window": _window(session, mine, hi - window_iterations),
         }
     )
 
 
 def _rank_series(
-    session: Session, mine: tuple[ColumnElement[bool], ...], lo: int, bucket: int
+    session: Session,
+    mine: tuple[ColumnElement[bool], ...],
+    rolled: tuple[ColumnElement[bool], ...],
+    lo: int,
+    bucket: int,
 ) -> list[RankSeries]:
     """Each rank's mean timings and batch size per bucket of iterations."""
-    key = ((T.iteration - lo) // bucket).label("bucket")
+    raw = select(
+        T.rank.label("rank"),
+        T.iteration.label("first"),
+        literal(1).label("n"),
+        cast(T.batch_size, Float).label("b"),
+        T.data_ms.label("d"),
+        T.compute_ms.label("c"),
+        T.sync_ms.label("s"),
+        T.plan_version.label("v"),
+    ).where(*mine)
+    old = select(
+        R.rank,
+        R.first_iteration,
+        R.count,
+        R.batch_size * R.count,
+        R.data_ms * R.count,
+        R.compute_ms * R.count,
+        R.sync_ms * R.count,
+        R.plan_version_max,
+    ).where(*rolled, R.rank != JOB_RANK)
+    u = union_all(raw, old).subquery()
+    key = ((u.c.first - lo) // bucket).label("bucket")
+    n = func.sum(u.c.n)
     per_rank: dict[int, dict[str, list[Any]]] = {}
     rows = session.execute(
         select(
-            T.rank,
+            u.c.rank,
             key,
-            func.min(T.iteration),
-            func.avg(T.batch_size),
-            func.avg(T.data_ms),
-            func.avg(T.compute_ms),
-            func.avg(T.sync_ms),
-            func.max(T.plan_version),
+            func.min(u.c.first),
+            func.sum(u.c.b) / n,
+            func.sum(u.c.d) / n,
+            func.sum(u.c.c) / n,
+            func.sum(u.c.s) / n,
+            func.max(u.c.v),
         )
-        .where(*mine)
-        .group_by(T.rank, key)
-        .order_by(T.rank, key)
+        .group_by(u.c.rank, key)
+        .order_by(u.c.rank, key)
     )
     for rank, _, first, b, d, c, s, v in rows:
         cols = per_rank.setdefault(int(rank), {k: [] for k in ("it", "b", "d", "c", "s", "v")})
@@ -106,36 +139,49 @@ def _rank_series(
 
 
 def _slowest_per_bucket(
-    session: Session, mine: tuple[ColumnElement[bool], ...], lo: int, bucket: int
+    session: Session,
+    mine: tuple[ColumnElement[bool], ...],
+    rolled: tuple[ColumnElement[bool], ...],
+    lo: int,
+    bucket: int,
 ) -> dict[str, list[float]]:
     """The measured iteration time (its slowest rank's) averaged per bucket."""
-    slowest = (
-        select(T.iteration, func.max(T.data_ms + T.compute_ms + T.sync_ms).label("ms"))
+    raw = (
+        select(
+            T.iteration.label("first"),
+            literal(1).label("n"),
+            func.max(T.data_ms + T.compute_ms + T.sync_ms).label("ms"),
+        )
         .where(*mine)
         .group_by(T.iteration)
-        .subquery()
     )
-    mkey = ((slowest.c.iteration - lo) // bucket).label("bucket")
+    old = select(R.first_iteration, R.count, R.iteration_ms * R.count).where(
+        *rolled, R.rank == JOB_RANK
+    )
+    u = union_all(raw, old).subquery()
+    mkey = ((u.c.first - lo) // bucket).label("bucket")
     measured: dict[str, list[float]] = {"iteration": [], "iteration_ms": []}
     for first, ms in session.execute(
-        select(func.min(slowest.c.iteration), func.avg(slowest.c.ms)).group_by(mkey).order_by(mkey)
+        select(func.min(u.c.first), func.sum(u.c.ms) / func.sum(u.c.n))
+        .group_by(mkey)
+        .order_by(mkey)
     ):
         measured["iteration"].append(int(first))
         measured["iteration_ms"].append(round(float(ms), 3))
     return measured
 
 
-def _plan_effects(session: Session, mine: tuple[ColumnElement[bool], ...]) -> list[PlanEffect]:
-    """The first iteration each plan version was used in."""
-    return [
-        PlanEffect(version=int(v), iteration=int(it))
-        for v, it in session.execute(
-            select(T.plan_version, func.min(T.iteration))
-            .where(*mine)
-            .group_by(T.plan_version)
-            .order_by(T.plan_version)
-        )
-    ]
+def _plan_effects(
+    session: Session, mine: tuple[ColumnElement[bool], ...], job_id: int
+) -> list[PlanEffect]:
+    """The first iteration each plan version was used in (in rolled-up history: the first
+    iteration of the first bucket that used it)."""
+    firsts = retention.first_iteration_of_versions(session, job_id)
+    for v, it in session.execute(
+        select(T.plan_version, func.min(T.iteration)).where(*mine).group_by(T.plan_version)
+    ):
+        firsts[int(v)] = min(firsts.get(int(v), int(it)), int(it))
+    return [PlanEffect(version=v, iteration=it) for v, it in sorted(firsts.items())]
 
 
 def _window(
