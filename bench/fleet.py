@@ -168,6 +168,8 @@ class Fleet:
         self.jobs: dict[int, Job] = {}
         self.stats = Stats()
         self.stop = asyncio.Event()
+        self.tasks: list[asyncio.Task[Any]] = []
+        self.last_error: dict[str, str] = {}
         self.http: aiohttp.ClientSession
 
     async def request(
@@ -182,10 +184,12 @@ class Fleet:
                 status = r.status
         except (aiohttp.ClientError, TimeoutError) as exc:
             self.stats.errors[f"{kind}: {type(exc).__name__}"] += 1
+            self.last_error[kind] = repr(exc)[:300]
             return 0, None
         self.stats.latency[kind].append(time.perf_counter() - t0)
         if status >= 400:
             self.stats.errors[f"{kind}: {status}"] += 1
+            self.last_error[kind] = f"{status} {str(body)[:300]}"
         return status, body
 
     # -------------------------------------------------------------- setup
@@ -377,7 +381,14 @@ class Fleet:
                 job.detected_at_iteration = job.sent
 
     def loop_task(self, coro: Any) -> None:
-        asyncio.get_running_loop().create_task(coro)
+        self.tasks.append(asyncio.get_running_loop().create_task(coro))
+
+    async def shut_down(self) -> None:
+        """Stop every client loop before the HTTP session closes under them."""
+        self.stop.set()
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
 
     # -------------------------------------------------------------- measurements
 
@@ -452,7 +463,9 @@ async def run(base: str, db_url: str, args: argparse.Namespace) -> dict[str, Any
             fleet.loop_task(fleet.heartbeat_loop(host))
         # The straggler job alone (only heartbeats besides it) gives the baseline delay.
         alone = await fleet.submit(size=8, straggler=True)
-        assert alone is not None
+        if alone is None:
+            await fleet.shut_down()
+            raise RuntimeError(f"could not submit a job: {fleet.last_error.get('submit')}")
         while alone.detected_at_iteration is None and not alone.finished:
             await asyncio.sleep(0.5)
         out["detection_alone_iterations"] = (
@@ -472,7 +485,7 @@ async def run(base: str, db_url: str, args: argparse.Namespace) -> dict[str, Any
         out["placement_s_64_workers"] = await fleet.placement_time(64)
         await asyncio.sleep(max(0.0, args.seconds - (time.monotonic() - started)))
         elapsed = time.monotonic() - started
-        fleet.stop.set()
+        await fleet.shut_down()
         size1 = db_size(db_url)
     s = fleet.stats
     delays = [

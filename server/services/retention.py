@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
-from sqlalchemy import Float, cast, delete, func, insert, literal, select
+from sqlalchemy import ColumnElement, Float, Select, cast, delete, func, insert, literal, select
 from sqlalchemy.orm import Session
 
 from contract.enums import JobStatus
@@ -140,9 +141,15 @@ def roll_up_span(session: Session, job_id: int, lo: int, hi: int) -> int:
     """Aggregate the job's rows of iterations ``[lo, hi)`` per rank and bucket (and one
     job-level row per bucket), then delete them. Returns the raw rows removed."""
     rows = (T.job_id == job_id, T.iteration >= lo, T.iteration < hi)
+    session.execute(insert(R).from_select(ROLLUP_COLUMNS, _per_rank(rows)))
+    session.execute(insert(R).from_select(ROLLUP_COLUMNS, _job_level(job_id, rows)))
+    removed = session.execute(delete(T).where(*rows))
+    return int(getattr(removed, "rowcount", 0) or 0)
+
+
+def _per_rank(rows: tuple[ColumnElement[bool], ...]) -> Select[Any]:
     total = T.data_ms + T.compute_ms + T.sync_ms
-    key = T.iteration // BUCKET
-    per_rank = (
+    return (
         select(
             T.job_id,
             T.rank,
@@ -163,8 +170,13 @@ def roll_up_span(session: Session, job_id: int, lo: int, hi: int) -> int:
             func.max(T.ts),
         )
         .where(*rows, T.probe.is_(False))
-        .group_by(T.job_id, T.rank, key)
+        .group_by(T.job_id, T.rank, T.iteration // BUCKET)
     )
+
+
+def _job_level(job_id: int, rows: tuple[ColumnElement[bool], ...]) -> Select[Any]:
+    """Per bucket: what the job waited for each iteration (its slowest rank), and means over
+    all ranks."""
     per_iteration = (
         select(
             T.iteration.label("it"),
@@ -174,7 +186,7 @@ def roll_up_span(session: Session, job_id: int, lo: int, hi: int) -> int:
             func.min(T.compute_ms).label("cmin"),
             func.max(T.compute_ms).label("cmax"),
             func.avg(T.sync_ms).label("s"),
-            func.max(total).label("slowest"),
+            func.max(T.data_ms + T.compute_ms + T.sync_ms).label("slowest"),
             func.min(T.plan_version).label("vmin"),
             func.max(T.plan_version).label("vmax"),
             func.max(T.ts).label("ts"),
@@ -184,7 +196,7 @@ def roll_up_span(session: Session, job_id: int, lo: int, hi: int) -> int:
         .subquery()
     )
     it = per_iteration.c
-    job_level = select(
+    return select(
         literal(job_id),
         literal(JOB_RANK),
         func.min(it.it),
@@ -203,10 +215,6 @@ def roll_up_span(session: Session, job_id: int, lo: int, hi: int) -> int:
         func.max(it.vmax),
         func.max(it.ts),
     ).group_by(it.it // BUCKET)
-    session.execute(insert(R).from_select(ROLLUP_COLUMNS, per_rank))
-    session.execute(insert(R).from_select(ROLLUP_COLUMNS, job_level))
-    removed = session.execute(delete(T).where(*rows))
-    return int(getattr(removed, "rowcount", 0) or 0)
 
 
 def first_iteration_of_versions(session: Session, job_id: int) -> dict[int, int]:

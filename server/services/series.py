@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from sqlalchemy import ColumnElement, Float, cast, func, literal, select, union_all
+from sqlalchemy import ColumnElement, Float, Subquery, cast, func, literal, select, union_all
 from sqlalchemy.orm import Session
 
 from contract.dashboard import PlanEffect, RankSeries, RankWindow, SeriesOut, ThroughputOut
@@ -78,27 +78,7 @@ def _rank_series(
     bucket: int,
 ) -> list[RankSeries]:
     """Each rank's mean timings and batch size per bucket of iterations."""
-    raw = select(
-        T.rank.label("rank"),
-        T.iteration.label("first"),
-        literal(1).label("n"),
-        cast(T.batch_size, Float).label("b"),
-        T.data_ms.label("d"),
-        T.compute_ms.label("c"),
-        T.sync_ms.label("s"),
-        T.plan_version.label("v"),
-    ).where(*mine)
-    old = select(
-        R.rank,
-        R.first_iteration,
-        R.count,
-        R.batch_size * R.count,
-        R.data_ms * R.count,
-        R.compute_ms * R.count,
-        R.sync_ms * R.count,
-        R.plan_version_max,
-    ).where(*rolled, R.rank != JOB_RANK)
-    u = union_all(raw, old).subquery()
+    u = _per_rank_history(mine, rolled)
     key = ((u.c.first - lo) // bucket).label("bucket")
     n = func.sum(u.c.n)
     per_rank: dict[int, dict[str, list[Any]]] = {}
@@ -136,6 +116,34 @@ def _rank_series(
         )
         for r, c in sorted(per_rank.items())
     ]
+
+
+def _per_rank_history(
+    mine: tuple[ColumnElement[bool], ...], rolled: tuple[ColumnElement[bool], ...]
+) -> Subquery:
+    """Raw rows (each a count of 1) and per-rank rollups (sums: mean times count) as one
+    table: rank, first iteration, n, and sums of batch size, data, compute and sync."""
+    raw = select(
+        T.rank.label("rank"),
+        T.iteration.label("first"),
+        literal(1).label("n"),
+        cast(T.batch_size, Float).label("b"),
+        T.data_ms.label("d"),
+        T.compute_ms.label("c"),
+        T.sync_ms.label("s"),
+        T.plan_version.label("v"),
+    ).where(*mine)
+    old = select(
+        R.rank,
+        R.first_iteration,
+        R.count,
+        R.batch_size * R.count,
+        R.data_ms * R.count,
+        R.compute_ms * R.count,
+        R.sync_ms * R.count,
+        R.plan_version_max,
+    ).where(*rolled, R.rank != JOB_RANK)
+    return union_all(raw, old).subquery()
 
 
 def _slowest_per_bucket(
