@@ -32,6 +32,7 @@ from pathlib import Path
 
 import httpx
 
+from agent.backoff import Backoff
 from agent.client import ApiClient, ApiError
 from contract.agent import (
     Assignment,
@@ -334,6 +335,7 @@ def run_agent(
             workdir=workdir,
             extra_env=dict(extra_env or {}),
         )
+        backoff = Backoff(0.5, 5.0)
         while not stop.is_set():
             try:
                 agent.register()
@@ -341,6 +343,7 @@ def run_agent(
             except (ApiError, httpx.TransportError) as exc:
                 if isinstance(exc, ApiError) and exc.status_code in (401, 403, 409):
                     raise
-                log.warning("cannot register yet (%s); retrying", exc)
-                stop.wait(2.0)
+                delay = backoff.failed()
+                log.warning("cannot register yet (%s); retrying in %.1f s", exc, delay)
+                stop.wait(delay)
         agent.run(stop, interval_s)

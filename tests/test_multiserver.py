@@ -212,7 +212,6 @@ def _job_with_plan(base: str) -> int:
 
 
 @POSTGRES_ONLY
-@pytest.mark.slow
 def test_an_override_through_one_server_answers_a_long_poll_held_by_the_other(
     two_servers: tuple[str, str, list[object]],
 ) -> None:
@@ -238,7 +237,6 @@ def test_an_override_through_one_server_answers_a_long_poll_held_by_the_other(
 
 
 @POSTGRES_ONLY
-@pytest.mark.slow
 def test_killing_the_active_controllers_server_hands_the_controller_over(
     two_servers: tuple[str, str, list[object]], db_url: str
 ) -> None:

@@ -46,7 +46,7 @@ from contract.spec import JobSpec
 
 __all__ = ["ContextStats", "DatasetLike", "EvenflowContext", "dataset_size"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("evenflow.runtime.context")
 
 MAX_LOSSES = 4096
 
@@ -228,7 +228,7 @@ class EvenflowContext:
         try:
             while self.iteration < total:
                 it = self.iteration
-                if self.membership.role is GroupRole.EXCLUDED:
+                if self.membership.excluded:
                     self._sit_out(it)  # returns readmitted at a later iteration, or at the end
                     if self.iteration >= total:
                         return  # the end notice: already re-synchronised
@@ -237,7 +237,7 @@ class EvenflowContext:
                     t0 = time.perf_counter()
                     self.agreement.at_boundary(it)
                     self.stats.agreement_ms += (time.perf_counter() - t0) * 1000.0
-                    if self.membership.role is GroupRole.EXCLUDED:
+                    if self.membership.excluded:  # the agreed plan just excluded this rank
                         continue
                 self._plan = self.agreement.current
                 self.membership.tick(it, self._plan)

@@ -20,9 +20,10 @@ import threading
 import time
 from collections.abc import Callable
 
+from agent.backoff import Backoff
 from contract.agent import PlanOut
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("evenflow.runtime.fetcher")
 
 FetchPlan = Callable[[], PlanOut | None]
 
@@ -84,7 +85,7 @@ class PlanFetcher:
             self._thread.join(timeout_s)
 
     def _run(self) -> None:
-        backoff = self.interval_s
+        backoff = Backoff(2 * self.interval_s, max(2 * self.interval_s, self.max_backoff_s))
         while not self._stop.is_set():
             with self._lock:
                 idle = time.monotonic() - self._asked > self.idle_after_s
@@ -99,7 +100,7 @@ class PlanFetcher:
             try:
                 plan = self._fetch()
                 self.fetches += 1
-                backoff = self.interval_s
+                backoff.succeeded()
                 newer = plan is not None and plan.version > self._known
                 if newer:
                     assert plan is not None
@@ -111,7 +112,7 @@ class PlanFetcher:
                 if self._stop.is_set():  # closing: the client may be gone under the request
                     break
                 self.errors += 1
-                backoff = delay = min(max(backoff, self.interval_s) * 2, self.max_backoff_s)
+                delay = backoff.failed()
                 if self.errors == 1 or self.errors % 20 == 0:
                     log.warning("plan fetch failed (%d so far): %r", self.errors, exc)
             if delay > 0:

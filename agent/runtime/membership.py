@@ -66,7 +66,7 @@ import torch.distributed as dist
 
 from agent.runtime.plan_sync import RuntimePlan, encode_plan
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("evenflow.runtime.membership")
 
 Ranks = tuple[int, ...]
 
@@ -157,6 +157,11 @@ class Membership:
         self._groups: dict[Ranks, dist.ProcessGroup] = {}
         self._store = store
         self._mailbox: dist.Store | None = None
+
+    @property
+    def excluded(self) -> bool:
+        """Out of the all-reduce group under the plan in force (probing now and then)."""
+        return self.role is GroupRole.EXCLUDED
 
     def setup(self, initial: RuntimePlan) -> None:
         """Collective over the whole world, every rank in step (``ctx.prepare``): agree this

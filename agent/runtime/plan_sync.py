@@ -58,7 +58,7 @@ __all__ = [
     "plan_problem",
 ]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("evenflow.runtime.plan_sync")
 
 
 @dataclass(frozen=True)

@@ -37,10 +37,11 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from agent.backoff import Backoff
 from contract.agent import TelemetryBatch, TelemetryRecord
 from contract.base import MAX_MS, MAX_TELEMETRY_RECORDS
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("evenflow.runtime.telemetry")
 
 PostTelemetry = Callable[[TelemetryBatch], object]
 """Sends one batch; raises on any failure (its return value is ignored)."""
@@ -94,8 +95,7 @@ class TelemetrySender:
         self.flush_interval_s = flush_interval_s
         self.max_buffer = max_buffer
         self.max_batch = max_batch
-        self.backoff_initial_s = backoff_initial_s
-        self.backoff_max_s = backoff_max_s
+        self._backoff = Backoff(backoff_initial_s, backoff_max_s)
         self._queue: deque[TelemetryRecord] = deque()
         self._in_flight = 0
         self._cond = threading.Condition()
@@ -151,7 +151,7 @@ class TelemetrySender:
             self._dropped += 1
 
     def _run(self) -> None:
-        backoff = 0.0
+        backoff = self._backoff
         last_attempt = time.monotonic()
         while True:
             with self._cond:
@@ -160,11 +160,13 @@ class TelemetrySender:
                     if self._closing and (not self._queue or now >= self._deadline):
                         return
                     if self._closing:  # flush now; retry failures briskly until the deadline
-                        delay = min(backoff, CLOSE_RETRY_S)
+                        delay = min(backoff.current_s, CLOSE_RETRY_S)
                     else:
-                        delay = backoff or self.flush_interval_s
+                        delay = backoff.current_s or self.flush_interval_s
                     due = last_attempt + delay
-                    full = backoff == 0 and (self._urgent or len(self._queue) >= self.flush_records)
+                    full = not backoff.failing and (
+                        self._urgent or len(self._queue) >= self.flush_records
+                    )
                     if self._queue and (full or now >= due):
                         break
                     wait = due - now if self._queue else self.flush_interval_s
@@ -182,12 +184,12 @@ class TelemetrySender:
                 if ok:
                     self._delivered += n
                     self._posts += 1
-                    backoff = 0.0
+                    backoff.succeeded()
                 else:
                     self._failures += 1
                     self._queue.extendleft(reversed(batch))
                     self._trim()
-                    backoff = min(self.backoff_max_s, max(self.backoff_initial_s, backoff * 2))
+                    backoff.failed()
 
     def _send(self, batch: list[TelemetryRecord], urgent: bool) -> bool:
         try:

@@ -32,7 +32,7 @@ from agent.runtime.workloads import Workload, builtin, load_entrypoint
 from contract.agent import PlanOut
 from contract.spec import JobSpec
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("evenflow.runtime.trainer")
 
 
 @dataclass(frozen=True)

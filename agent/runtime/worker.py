@@ -42,7 +42,7 @@ from agent.runtime.trainer import RunResult, RuntimeOptions, run_training
 from contract.base import MAX_PLAN_WAIT_S
 from contract.spec import JobSpec
 
-log = logging.getLogger("agent.runtime.worker")
+log = logging.getLogger("evenflow.runtime.worker")
 
 REQUIRED = (
     "EVENFLOW_SERVER",

@@ -149,7 +149,7 @@ def load_entrypoint(ref: str) -> Callable[..., Any]:
         raise ValueError(f"entrypoint {ref!r} must look like 'package.module:function'")
     module = importlib.import_module(module_name)
     try:
-        fn = getattr(module, attr)
+        fn: Callable[..., Any] = getattr(module, attr)
     except AttributeError:
         raise ValueError(f"entrypoint {ref!r}: module has no attribute {attr!r}") from None
     if not callable(fn):

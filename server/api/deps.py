@@ -60,9 +60,10 @@ async def _principal(
     secret = tokens.require_secret(secret)
     key = tokens.hash_token(secret)
     sessions = context.sessions
-    return await context.caches.tokens.get_or_load(
+    principal: Principal = await context.caches.tokens.get_or_load(
         key, lambda: tokens.authenticate_with(sessions, secret)
     )
+    return principal
 
 
 def _role(role: Role) -> object:
