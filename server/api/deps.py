@@ -60,8 +60,8 @@ async def _principal(
     secret = tokens.require_secret(secret)
     key = tokens.hash_token(secret)
     sessions = context.sessions
-    principal: Principal = await context.caches.tokens.get_or_load(
-        key, lambda: tokens.authenticate_with(sessions, secret)
+    principal: Principal = await context.caches.tokens.get_or_load_batched(
+        key, lambda hashes: tokens.authenticate_hashes(sessions, hashes)
     )
     return principal
 

@@ -61,11 +61,34 @@ def require_secret(secret: str | None) -> str:
 def authenticate(session: Session, secret: str | None) -> Principal:
     secret = require_secret(secret)
     row = session.scalars(select(ApiToken).where(ApiToken.token_hash == hash_token(secret))).first()
+    return _principal(row)
+
+
+def _principal(row: ApiToken | None) -> Principal:
     if row is None:
         raise Unauthorized("unknown token")
     if row.revoked_at is not None:
         raise Unauthorized(f"token '{row.name}' was revoked")
     return Principal(token_id=row.id, name=row.name, role=Role(row.role), host=row.host)
+
+
+def authenticate_hashes(
+    sessions: sessionmaker[Session], hashes: list[str]
+) -> dict[str, Principal | Exception]:
+    """Many tokens (by hash) in one query, in a session of its own: each hash's principal, or
+    the ``Unauthorized`` its request gets."""
+    with sessions() as session:
+        rows = {
+            row.token_hash: row
+            for row in session.scalars(select(ApiToken).where(ApiToken.token_hash.in_(hashes)))
+        }
+    out: dict[str, Principal | Exception] = {}
+    for h in hashes:
+        try:
+            out[h] = _principal(rows.get(h))
+        except Unauthorized as exc:
+            out[h] = exc
+    return out
 
 
 def authenticate_with(sessions: sessionmaker[Session], secret: str | None) -> Principal:

@@ -96,3 +96,56 @@ def test_a_waiter_giving_up_does_not_cancel_the_others() -> None:
         assert load.calls == 1
 
     asyncio.run(main())
+
+
+class ManyLoader:
+    """A batch load that blocks until released and records the keys of each call."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[str]] = []
+        self.release = threading.Event()
+
+    def __call__(self, keys: list[str]) -> dict[str, str | Exception]:
+        self.calls.append(sorted(keys))
+        assert self.release.wait(5), "never released"
+        return {k: PermissionError(k) if k.startswith("bad") else f"v-{k}" for k in keys}
+
+
+def test_misses_of_different_keys_share_one_batch_load_at_a_time() -> None:
+    async def main() -> None:
+        cache: TTLCache[str, str] = TTLCache(60.0)
+        load = ManyLoader()
+        first = [asyncio.ensure_future(cache.get_or_load_batched(f"k{i}", load)) for i in range(3)]
+        await _settle()
+        # While the first batch runs, more misses queue for one next batch (k0 joins its load).
+        later = [
+            asyncio.ensure_future(cache.get_or_load_batched(k, load))
+            for k in ("k0", "k7", "k8", "bad1", "k7")
+        ]
+        await _settle()
+        assert load.calls == [["k0", "k1", "k2"]]
+        load.release.set()
+        assert await asyncio.gather(*first) == ["v-k0", "v-k1", "v-k2"]
+        outcomes = await asyncio.gather(*later, return_exceptions=True)
+        assert outcomes[:3] == ["v-k0", "v-k7", "v-k8"] and outcomes[4] == "v-k7"
+        assert isinstance(outcomes[3], PermissionError)
+        assert load.calls == [["k0", "k1", "k2"], ["bad1", "k7", "k8"]]
+        assert await cache.get_or_load_batched("k8", load) == "v-k8"  # cached
+        assert cache.get("bad1") is None and len(load.calls) == 2  # errors are not
+
+    asyncio.run(main())
+
+
+def test_a_failed_batch_load_reaches_every_waiter() -> None:
+    async def main() -> None:
+        cache: TTLCache[str, str] = TTLCache(60.0)
+
+        def broken(keys: list[str]) -> dict[str, str | Exception]:
+            raise ConnectionError("database gone")
+
+        waiters = [cache.get_or_load_batched(k, broken) for k in ("a", "b")]
+        for outcome in await asyncio.gather(*waiters, return_exceptions=True):
+            assert isinstance(outcome, ConnectionError)
+        assert cache.get("a") is None
+
+    asyncio.run(main())
