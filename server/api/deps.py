@@ -80,6 +80,18 @@ Authenticated = Annotated[Principal, Depends(_principal)]
 """Any valid token; the route checks finer rights itself (agents writing for their host)."""
 
 
+async def _job_reader(
+    principal: Annotated[Principal, Depends(_principal)],
+    job_id: Annotated[int, Path(ge=1, le=MAX_ID)],
+) -> Principal:
+    principal.require_job_reader(job_id)
+    return principal
+
+
+JobReader = Annotated[Principal, Depends(_job_reader)]
+"""A viewer, or the worker credential of the job in the path (its plan and spec)."""
+
+
 def _settings(context: Context) -> Settings:
     return context.settings
 

@@ -1,5 +1,9 @@
 """API tokens: creation, revocation and authentication. Secrets are stored as SHA-256 only
-(tokens are 256-bit random values, so a fast hash is enough)."""
+(tokens are 256-bit random values, so a fast hash is enough).
+
+Two kinds of secret: API tokens (``ef_...``, rows of ``api_tokens``: people, scripts and agents)
+and worker credentials (``efw_...``, the ``token_hash`` of one rank in ``workers``), minted by
+:func:`mint_worker_token` when a rank is handed to its agent and valid while its job lives."""
 
 from __future__ import annotations
 
@@ -11,37 +15,61 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from contract.api import TokenCreate
-from contract.enums import Role
+from contract.enums import JobStatus, Role
 from server.cache import mark_tokens_changed
 from server.errors import Conflict, Forbidden, NotFound, Unauthorized
-from server.models import ApiToken, utcnow
+from server.models import ApiToken, Job, Worker, utcnow
 from server.services.audit import record
 
 TOKEN_PREFIX = "ef_"
+WORKER_PREFIX = "efw_"
+"""Worker credentials start with this, so they are looked up among workers, not tokens."""
 
-# Which roles satisfy a requirement. Agent tokens read like viewers but are not operators.
+# Which roles satisfy a requirement. Agent tokens read like viewers but are not operators;
+# worker credentials satisfy none but their own (their rights are per job and rank).
 SATISFIES: dict[Role, frozenset[Role]] = {
     Role.VIEWER: frozenset({Role.VIEWER, Role.OPERATOR, Role.ADMIN, Role.AGENT}),
     Role.OPERATOR: frozenset({Role.OPERATOR, Role.ADMIN}),
     Role.ADMIN: frozenset({Role.ADMIN}),
     Role.AGENT: frozenset({Role.AGENT}),
+    Role.WORKER: frozenset({Role.WORKER}),
 }
 
 
 @dataclass(frozen=True)
 class Principal:
-    """Who is calling: the token's name, role and (for agents) host."""
+    """Who is calling: the token's name, role, (for agents) host and (for workers) job and
+    rank."""
 
     token_id: int
     name: str
     role: Role
     host: str | None = None
+    job_id: int | None = None
+    rank: int | None = None
 
     def require(self, role: Role) -> None:
+        if self.role is Role.WORKER:
+            raise Forbidden(
+                f"'{self.name}' is a worker credential: it may only read job {self.job_id}'s "
+                f"plan and spec and post rank {self.rank}'s telemetry; this needs the "
+                f"{role.value} role"
+            )
         if self.role not in SATISFIES[role]:
             raise Forbidden(
                 f"this needs the {role.value} role; token '{self.name}' is {self.role.value}"
             )
+
+    def require_job_reader(self, job_id: int) -> None:
+        """Viewers read every job; a worker credential only its own job."""
+        if self.role is Role.WORKER:
+            if self.job_id != job_id:
+                raise Forbidden(
+                    f"'{self.name}' is a worker credential of job {self.job_id}; it may not "
+                    f"read job {job_id}"
+                )
+            return
+        self.require(Role.VIEWER)
 
 
 def hash_token(secret: str) -> str:
@@ -60,12 +88,46 @@ def require_secret(secret: str | None) -> str:
 
 def authenticate(session: Session, secret: str | None) -> Principal:
     secret = require_secret(secret)
+    if secret.startswith(WORKER_PREFIX):
+        return _authenticate_worker(session, secret)
     row = session.scalars(select(ApiToken).where(ApiToken.token_hash == hash_token(secret))).first()
     if row is None:
         raise Unauthorized("unknown token")
     if row.revoked_at is not None:
         raise Unauthorized(f"token '{row.name}' was revoked")
     return Principal(token_id=row.id, name=row.name, role=Role(row.role), host=row.host)
+
+
+def _authenticate_worker(session: Session, secret: str) -> Principal:
+    found = session.execute(
+        select(Worker.id, Worker.job_id, Worker.rank, Job.status)
+        .join(Job, Worker.job_id == Job.id)
+        .where(Worker.token_hash == hash_token(secret))
+    ).first()
+    if found is None:
+        raise Unauthorized(
+            "unknown worker credential (a newer one replaced it, or its job is gone)"
+        )
+    worker_id, job_id, rank, status = found
+    if JobStatus(status).terminal:
+        raise Unauthorized(
+            f"worker credential of job {job_id} rank {rank}: the job has ended ({status})"
+        )
+    return Principal(
+        token_id=-worker_id,
+        name=f"job-{job_id}-rank-{rank}",
+        role=Role.WORKER,
+        job_id=job_id,
+        rank=rank,
+    )
+
+
+def mint_worker_token(worker: Worker) -> str:
+    """A new credential for one rank; only its hash is kept (on the worker), and the one it
+    replaces stops working."""
+    secret = WORKER_PREFIX + secrets.token_urlsafe(32)
+    worker.token_hash = hash_token(secret)
+    return secret
 
 
 def authenticate_with(sessions: sessionmaker[Session], secret: str | None) -> Principal:
@@ -78,6 +140,12 @@ def create(
     session: Session, req: TokenCreate, *, by: str, secret: str | None = None
 ) -> tuple[ApiToken, str]:
     """Store a new token; returns the row and the secret (shown once)."""
+    if req.role is Role.WORKER:
+        raise Conflict(
+            "worker credentials are minted by the control plane for each rank it places; "
+            "they cannot be created",
+            field="role",
+        )
     if req.role is Role.AGENT and req.host is None:
         raise Conflict("agent tokens are bound to a host: give 'host'", field="host")
     if req.role is not Role.AGENT and req.host is not None:
