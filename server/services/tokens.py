@@ -207,3 +207,31 @@ def ensure_admin(session: Session, secret: str | None) -> str | None:
         session, TokenCreate(name="bootstrap-admin", role=Role.ADMIN), by="system"
     )
     return generated
+
+
+def ensure_agent_tokens(session: Session, pairs: dict[str, str]) -> None:
+    """Make each {host: secret} of the settings (``EVENFLOW_AGENT_TOKENS``) an agent token bound
+    to that host; a secret set before for the host and changed since is revoked."""
+    for host, secret in pairs.items():
+        name = f"agent-{host}"
+        row = session.scalars(
+            select(ApiToken).where(ApiToken.token_hash == hash_token(secret))
+        ).first()
+        if row is not None:
+            if row.role != Role.AGENT.value or row.host != host or row.revoked_at is not None:
+                raise Conflict(
+                    f"EVENFLOW_AGENT_TOKENS: the token for {host} is already token "
+                    f"'{row.name}' ({row.role}{', revoked' if row.revoked_at else ''})"
+                )
+            continue
+        for old in session.scalars(
+            select(ApiToken).where(
+                ApiToken.name == name,
+                ApiToken.created_by == "system",
+                ApiToken.revoked_at.is_(None),
+            )
+        ):
+            revoke(session, old.id, by="system")
+        create(
+            session, TokenCreate(name=name, role=Role.AGENT, host=host), by="system", secret=secret
+        )
