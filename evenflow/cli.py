@@ -524,7 +524,7 @@ def build_parser() -> argparse.ArgumentParser:
         dest="action", required=True
     )
     p = toks.add_parser("create", parents=[client])
-    p.add_argument("--role", required=True, choices=[r.value for r in Role])
+    p.add_argument("--role", required=True, choices=[r.value for r in Role if r is not Role.WORKER])
     p.add_argument("--name", default=None, help="defaults to '<role>-token'")
     p.add_argument("--host", default=None, help="for agent tokens: the host they act for")
     p.set_defaults(func=cmd_tokens_create)
