@@ -10,6 +10,16 @@ knows are stopped too. States follow ``contract.enums.WorkerState``::
                               |----exit != 0--> FAILED (root-cause traceback from the error file)
                               +----stopped----> STOPPED
 
+Each worker gets its environment from an allow-list (``agent.environment``) and its own
+credential, minted for its job and rank and sent in its assignment, as ``EVENFLOW_TOKEN``: job
+code never sees the agent's token nor any variable the operator marks secret. A worker that
+stops because its job ended on the control plane exits with ``WORKER_EXIT_JOB_ENDED`` and is
+reported stopped.
+
+The agent holds its host by an instance id (one per process). A second agent registering the
+same host name while this one heartbeats is refused (409) unless it asks to replace it; once
+replaced, this agent's heartbeats are refused with 409 and it stops its workers and exits.
+
 When a rank fails, the other ranks of its job on this host are stopped at once: they would
 otherwise block in a collective until the process group times out. The control plane marks the
 job failed on the first report and tells other hosts to stop their ranks. An unreachable control
@@ -26,6 +36,7 @@ import signal
 import subprocess
 import sys
 import threading
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +45,9 @@ import httpx
 
 from agent.backoff import Backoff
 from agent.client import ApiClient, ApiError
+from agent.environment import worker_environment
 from contract.agent import (
+    WORKER_EXIT_JOB_ENDED,
     Assignment,
     DeviceInfo,
     Heartbeat,
@@ -121,6 +134,15 @@ class Agent:
     workdir: Path
     python: str = sys.executable
     extra_env: Mapping[str, str] = field(default_factory=dict)
+    """Variables every worker gets (set by whoever runs the agent, e.g. telemetry cadence)."""
+    secret_env: frozenset[str] = frozenset()
+    """Variables of the agent's environment never passed to a worker (``--secret-env``)."""
+    instance: str = field(default_factory=lambda: uuid.uuid4().hex)
+    """This agent process, as the control plane knows it."""
+    replace: bool = False
+    """Take the host over from another live agent instance when registering."""
+    replaced: bool = False
+    """Another instance took the host over: this one must stop."""
     host_id: int | None = None
     procs: dict[tuple[int, int], WorkerProcess] = field(default_factory=dict)
     done: set[tuple[int, int]] = field(default_factory=set)
@@ -135,6 +157,8 @@ class Agent:
                 name=self.name,
                 address=self.address,
                 devices=self.devices,
+                instance=self.instance,
+                replace=self.replace,
             )
         )
         self.host_id = host.id
@@ -151,12 +175,16 @@ class Agent:
         self._poll()
         reports = [p.report() for p in self.procs.values() if p.state != p.reported] + self.pending
         try:
-            ack = self.client.heartbeat(self.host_id, Heartbeat(workers=reports))
+            ack = self.client.heartbeat(
+                self.host_id, Heartbeat(workers=reports, instance=self.instance)
+            )
         except ApiError as exc:
-            if (
-                exc.status_code == 404
-            ):  # the control plane lost us (a fresh database): register again
+            if exc.status_code == 404:  # the control plane lost us (a fresh database)
                 self.host_id = None
+            if exc.status_code == 409:  # another agent instance took the host over
+                self.replaced = True
+                log.error("%s; stopping", exc.detail)
+                return None
             log.warning("heartbeat refused: %s", exc)
             return None
         except httpx.TransportError as exc:
@@ -171,7 +199,7 @@ class Agent:
 
     def run(self, stop: threading.Event, interval_s: float = 1.0) -> None:
         """Tick until ``stop`` is set, then stop every worker."""
-        while not stop.is_set():
+        while not stop.is_set() and not self.replaced:
             try:
                 self.tick()
             except (ApiError, httpx.TransportError) as exc:
@@ -185,7 +213,10 @@ class Agent:
         for key, a in wanted.items():
             proc = self.procs.get(key)
             if a.desired == "run" and proc is None and key not in self.done:
-                self._launch(a)
+                if a.worker_token is None:
+                    self._refuse(a)
+                else:
+                    self._launch(a, a.worker_token)
             elif a.desired == "stop" and proc is not None and proc.state is WorkerState.RUNNING:
                 self._stop(proc)
             elif a.desired == "stop" and proc is None and key not in self.done:
@@ -197,18 +228,30 @@ class Agent:
             if key not in wanted and proc.state is WorkerState.RUNNING:
                 self._stop(proc)
 
-    def _launch(self, a: Assignment) -> None:
+    def _refuse(self, a: Assignment) -> None:
+        """A rank to run without a credential was handed out before (to an earlier instance of
+        this agent): launching it again cannot join its job."""
+        self.done.add((a.job_id, a.rank))
+        error = (
+            f"rank {a.rank} of job {a.job_id} was already handed to an earlier agent on this "
+            "host; its credential is not known to this agent, so it is not launched again"
+        )
+        log.error("%s", error)
+        self.pending.append(
+            WorkerReport(job_id=a.job_id, rank=a.rank, state=WorkerState.FAILED, error=error)
+        )
+
+    def _launch(self, a: Assignment, worker_token: str) -> None:
         jobdir = self.workdir / f"job-{a.job_id}"
         jobdir.mkdir(parents=True, exist_ok=True)
         log_path, error_path = jobdir / f"rank-{a.rank}.log", jobdir / f"rank-{a.rank}.error"
         error_path.unlink(missing_ok=True)
-        env = {
-            **os.environ,
+        job_vars = {
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
             "PYTHONUNBUFFERED": "1",
             **self.extra_env,
             "EVENFLOW_SERVER": self.server_url,
-            "EVENFLOW_TOKEN": self.token,
+            "EVENFLOW_TOKEN": worker_token,
             "EVENFLOW_JOB_ID": str(a.job_id),
             "EVENFLOW_SPEC": json.dumps(a.spec),
             "RANK": str(a.rank),
@@ -219,6 +262,7 @@ class Agent:
             "EVENFLOW_ERROR_FILE": str(error_path),
             "EVENFLOW_RESULT": str(jobdir / f"rank-{a.rank}.result.json"),
         }
+        env = worker_environment(os.environ, job_vars, self.secret_env)
         with log_path.open("ab") as out:
             popen = subprocess.Popen(
                 [self.python, "-m", "agent.runtime.worker"],
@@ -247,7 +291,7 @@ class Agent:
             if code is None:
                 continue
             proc.exit_code = code
-            if proc.stop_requested:
+            if proc.stop_requested or code == WORKER_EXIT_JOB_ENDED:
                 proc.state = WorkerState.STOPPED
             elif code == 0:
                 proc.state = WorkerState.SUCCEEDED
@@ -318,8 +362,12 @@ def run_agent(
     interval_s: float = 1.0,
     stop: threading.Event | None = None,
     extra_env: Mapping[str, str] | None = None,
-) -> None:
-    """Run an agent until ``stop`` is set (or SIGINT/SIGTERM when run as the main thread)."""
+    secret_env: frozenset[str] = frozenset(),
+    replace: bool = False,
+) -> bool:
+    """Run an agent until ``stop`` is set (or SIGINT/SIGTERM when run as the main thread) or
+    another agent instance takes the host over; returns whether it was taken over. A refused
+    registration (401, 403, 409: another live agent holds the host) raises ``ApiError``."""
     stop = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -334,6 +382,8 @@ def run_agent(
             token=token,
             workdir=workdir,
             extra_env=dict(extra_env or {}),
+            secret_env=secret_env,
+            replace=replace,
         )
         backoff = Backoff(0.5, 5.0)
         while not stop.is_set():
@@ -347,3 +397,4 @@ def run_agent(
                 log.warning("cannot register yet (%s); retrying in %.1f s", exc, delay)
                 stop.wait(delay)
         agent.run(stop, interval_s)
+        return agent.replaced

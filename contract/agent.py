@@ -30,11 +30,25 @@ class DeviceInfo(Request):
     memory_mb: int = Field(ge=0, le=10_000_000)
 
 
+AgentInstance = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+"""The id of one agent process (a uuid4 hex per start)."""
+
+WORKER_EXIT_JOB_ENDED = 3
+"""A worker's exit status when it stopped because its job had ended on the control plane
+(its telemetry was answered 409 or its credential refused): the agent reports it stopped."""
+
+
 class HostRegister(Request):
     protocol_version: int = Field(ge=0, le=MAX_ID)
     name: Name
     address: Text = Field(min_length=1, max_length=255)
     devices: list[DeviceInfo] = Field(min_length=1, max_length=256)
+    instance: AgentInstance | None = None
+    """This agent process. While another instance holds the host and heartbeats, registering
+    is refused with 409, unless ``replace``."""
+    replace: bool = False
+    """Take the host over from a live instance (``evenflow agent --replace``): the old
+    instance's heartbeats are then refused with 409 and it exits."""
 
     @field_validator("devices")
     @classmethod
@@ -60,6 +74,8 @@ class WorkerReport(Request):
 
 class Heartbeat(Request):
     workers: list[WorkerReport] = Field(default_factory=list, max_length=1024)
+    instance: AgentInstance | None = None
+    """The agent process sending it; refused with 409 once another instance holds the host."""
 
 
 class Assignment(Response):
@@ -76,6 +92,10 @@ class Assignment(Response):
     desired: Literal["run", "stop"]
     spec: dict[str, Any]
     """The job's JobSpec as JSON."""
+    worker_token: str | None = None
+    """The rank's own credential (role ``worker``), given to its process as ``EVENFLOW_TOKEN``.
+    Sent while the rank is still to be launched (each such answer mints a new one and retires
+    the one before); None once it runs, and for ranks to stop."""
 
 
 class HeartbeatAck(Response):

@@ -11,13 +11,17 @@ class Role(StrEnum):
     """Token roles, each including the rights of those before it except ``agent``.
 
     viewer < operator < admin. ``agent`` is separate: it reads like a viewer and writes only for
-    its own host and the jobs placed there.
+    its own host and the ranks placed there. ``worker`` is the credential of one rank of one
+    job, minted by the control plane when it hands the rank to its agent (never through
+    ``/tokens``): it reads its own job's plan and spec and posts its own rank's telemetry,
+    nothing else, and dies when the job ends.
     """
 
     VIEWER = "viewer"
     OPERATOR = "operator"
     ADMIN = "admin"
     AGENT = "agent"
+    WORKER = "worker"
 
 
 class HostStatus(StrEnum):

@@ -225,15 +225,22 @@ def cmd_agent(args: argparse.Namespace) -> None:
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)
     name = args.name or socket.gethostname()
-    run_agent(
-        args.server,
-        args.token,
-        name,
-        args.address or name,
-        discover_devices(args.cpu_workers),
-        Path(args.workdir),
-        interval_s=args.heartbeat,
-    )
+    try:
+        replaced = run_agent(
+            args.server,
+            args.token,
+            name,
+            args.address or name,
+            discover_devices(args.cpu_workers),
+            Path(args.workdir),
+            interval_s=args.heartbeat,
+            secret_env=frozenset(args.secret_env),
+            replace=args.replace,
+        )
+    except ApiError as exc:
+        raise SystemExit(f"error: {exc.detail}") from exc
+    if replaced:
+        raise SystemExit(f"error: another agent took host {name} over (--replace); stopped")
 
 
 def _progress(stream: Any = None) -> Any:
@@ -455,6 +462,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--heartbeat", type=float, default=1.0, help="seconds between heartbeats")
     p.add_argument(
+        "--secret-env",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="an environment variable of the agent never passed to workers (repeatable); the "
+        "agent's token never is, and workers get only an allow-list (see README, Trust model)",
+    )
+    p.add_argument(
+        "--replace",
+        action="store_true",
+        help="take this host name over from another live agent (which then stops)",
+    )
+    p.add_argument(
         "--workdir",
         default=os.environ.get("EVENFLOW_WORKDIR", "evenflow-agent"),
         help="worker logs and error files",
@@ -504,7 +524,7 @@ def build_parser() -> argparse.ArgumentParser:
         dest="action", required=True
     )
     p = toks.add_parser("create", parents=[client])
-    p.add_argument("--role", required=True, choices=[r.value for r in Role])
+    p.add_argument("--role", required=True, choices=[r.value for r in Role if r is not Role.WORKER])
     p.add_argument("--name", default=None, help="defaults to '<role>-token'")
     p.add_argument("--host", default=None, help="for agent tokens: the host they act for")
     p.set_defaults(func=cmd_tokens_create)

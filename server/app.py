@@ -254,6 +254,7 @@ def bootstrap(engine: Engine, sessions: sessionmaker[Session], settings: Setting
             migrate(engine)
         with transaction(sessions) as s:
             generated = token_service.ensure_admin(s, secret)
+            token_service.ensure_agent_tokens(s, settings.agent_token_pairs())
     if generated:
         print(
             f"evenflow: generated admin token (shown once): {generated}",

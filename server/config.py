@@ -5,9 +5,10 @@ Settings are a value passed to ``create_app``; nothing reads the environment at 
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -19,6 +20,12 @@ class Settings(BaseSettings):
 
     admin_token: SecretStr | None = None
     """Bootstrap admin token. When unset and no admin exists yet, one is generated and printed."""
+
+    agent_tokens: SecretStr | None = None
+    """One token per agent host, as ``host=token`` pairs separated by commas (``agent-1=...,
+    agent-2=...``): each becomes an agent token bound to that host name (what
+    ``docker-compose.yml`` gives every agent service, each from its own secret). A token that
+    changes here replaces the one set before for that host. Never the admin token."""
 
     host_lost_after_s: float = Field(default=30.0, gt=0)
     """A host that has not sent a heartbeat for this long is marked lost."""
@@ -53,9 +60,53 @@ class Settings(BaseSettings):
 
     db_pool_size: int = Field(default=16, ge=1, le=512)
 
+    @field_validator("agent_tokens")
+    @classmethod
+    def _pairs(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None:
+            parse_agent_tokens(v.get_secret_value())
+        return v
+
+    @model_validator(mode="after")
+    def _agents_are_not_admins(self) -> Settings:
+        admin = self.admin_token.get_secret_value() if self.admin_token else None
+        if admin is not None and admin in self.agent_token_pairs().values():
+            raise ValueError("EVENFLOW_AGENT_TOKENS must not contain the admin token")
+        return self
+
+    def agent_token_pairs(self) -> dict[str, str]:
+        """``agent_tokens`` as {host name: token}."""
+        if self.agent_tokens is None:
+            return {}
+        return parse_agent_tokens(self.agent_tokens.get_secret_value())
+
     @field_validator("admin_token")
     @classmethod
     def _strong_enough(cls, v: SecretStr | None) -> SecretStr | None:
         if v is not None and len(v.get_secret_value()) < 16:
             raise ValueError("EVENFLOW_ADMIN_TOKEN must be at least 16 characters")
         return v
+
+
+_HOST = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+
+
+def parse_agent_tokens(text: str) -> dict[str, str]:
+    """``host=token,host=token`` as a dict; raises ``ValueError`` naming the bad entry (by host
+    or position, never showing a token)."""
+    pairs: dict[str, str] = {}
+    for i, item in enumerate(p.strip() for p in text.split(",")):
+        if not item:
+            continue
+        host, sep, token = item.partition("=")
+        host, token = host.strip(), token.strip()
+        if not sep or not _HOST.match(host):
+            raise ValueError(f"EVENFLOW_AGENT_TOKENS entry {i + 1} is not 'host=token'")
+        if len(token) < 16:
+            raise ValueError(f"EVENFLOW_AGENT_TOKENS: the token of {host} is under 16 characters")
+        if host in pairs:
+            raise ValueError(f"EVENFLOW_AGENT_TOKENS names {host} twice")
+        if token in pairs.values():
+            raise ValueError(f"EVENFLOW_AGENT_TOKENS: {host} shares its token with another host")
+        pairs[host] = token
+    return pairs

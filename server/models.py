@@ -117,6 +117,9 @@ class Host(Base):
     protocol_version: Mapped[int] = mapped_column(Integer)
     registered_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     last_heartbeat: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    agent_instance: Mapped[str | None] = mapped_column(String(64), default=None)
+    """The id of the agent process that holds this host (``HostRegister.instance``): another
+    instance is refused while this one heartbeats, unless it registers with ``replace``."""
 
     devices: Mapped[list[Device]] = relationship(
         back_populates="host", order_by="Device.index", cascade="all, delete-orphan"
@@ -197,6 +200,9 @@ class Worker(Base):
     exit_code: Mapped[int | None] = mapped_column(Integer, default=None)
     error: Mapped[str | None] = mapped_column(Text, default=None)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    token_hash: Mapped[str | None] = mapped_column(String(64), unique=True, default=None)
+    """SHA-256 of this rank's worker credential (``server.services.tokens``): minted when the
+    rank is handed to its agent, valid only while the job lives."""
 
     job: Mapped[Job] = relationship(back_populates="workers")
 

@@ -39,7 +39,7 @@ from agent.runtime.plan_sync import PlanAgreement, RuntimePlan, decode_plan
 from agent.runtime.probes import ProbeLoss, forward_sum, probe, probe_size
 from agent.runtime.resync import resync
 from agent.runtime.sampler import GlobalBatchSampler
-from agent.runtime.telemetry import JumpWatch, clamp_ms
+from agent.runtime.telemetry import JumpWatch, TelemetryClosed, clamp_ms
 from agent.runtime.timing import IterationTimer, IterationTiming
 from contract.agent import TelemetryRecord
 from contract.spec import JobSpec
@@ -417,6 +417,8 @@ class EvenflowContext:
                         probe=probe,
                     )
                 )
+            except TelemetryClosed:  # the job has ended on the control plane: stop training
+                raise
             except Exception as exc:  # telemetry is best effort
                 log.warning("telemetry record for iteration %d dropped: %r", t.iteration, exc)
                 continue

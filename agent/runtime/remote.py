@@ -12,7 +12,8 @@ it is a long-poll: the server holds the request until a newer plan is committed 
 at once) or ``plan_wait_s`` passes (then 304), so a new plan arrives within milliseconds
 instead of a poll interval later; the request's read timeout is the client's plus
 ``plan_wait_s``. It raises on anything else that is not a 2xx. ``post_telemetry`` raises on
-failure, which makes the telemetry sender retry. Both run on the runtime's background threads, never in the loop.
+failure, which makes the telemetry sender retry, except that it raises ``TelemetryClosed`` when
+the job has ended (409, or 401: the rank's credential died with its job), which stops the rank. Both run on the runtime's background threads, never in the loop.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 import httpx
 
 from agent.client import long_poll_timeout
+from agent.runtime.telemetry import TelemetryClosed
 from contract.agent import PlanOut, TelemetryAck, TelemetryBatch
 from contract.base import MAX_PLAN_WAIT_S
 
@@ -78,5 +80,14 @@ class RemoteControlPlane:
             content=batch.wire_json(),  # the columnar form: half the bytes to send and parse
             headers={**self._auth, "Content-Type": "application/json"},
         )
+        if response.status_code in (httpx.codes.CONFLICT, httpx.codes.UNAUTHORIZED):
+            raise TelemetryClosed(_detail(response))
         response.raise_for_status()
         return TelemetryAck.model_validate_json(response.content)
+
+
+def _detail(response: httpx.Response) -> str:
+    try:
+        return str(response.json().get("detail", response.text))
+    except ValueError:
+        return response.text or response.reason_phrase

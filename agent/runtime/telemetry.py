@@ -14,6 +14,10 @@ Accounting is exact: ``submitted == delivered + dropped + pending``.
 - A post that raised may still have been stored by the server, so a retried batch can carry
   records the server already has. That is safe: the server deduplicates on (job, rank,
   iteration).
+- A post that raises :class:`TelemetryClosed` (the control plane answered that the job has
+  ended) ends delivery: what is queued is dropped (and counted), and the next
+  :meth:`~TelemetrySender.submit` raises :class:`TelemetryClosed` into the training loop, the
+  one error it ever raises, so the rank stops rather than training on for a job that is over.
 - :meth:`~TelemetrySender.close` flushes what is left, retrying until its deadline, then returns
   the final :class:`TelemetryStats`; whatever is still pending then is lost (and counted).
 
@@ -45,6 +49,12 @@ log = logging.getLogger("evenflow.runtime.telemetry")
 
 PostTelemetry = Callable[[TelemetryBatch], object]
 """Sends one batch; raises on any failure (its return value is ignored)."""
+
+
+class TelemetryClosed(Exception):
+    """The control plane takes no more telemetry for this job: it has ended (409), or the
+    rank's credential died with it (401). Training stops; the worker exits as stopped."""
+
 
 CLOSE_RETRY_S = 0.2
 """Longest wait between retries once closing (the close deadline bounds the total)."""
@@ -100,6 +110,7 @@ class TelemetrySender:
         self._in_flight = 0
         self._cond = threading.Condition()
         self._closing = False
+        self._closed: TelemetryClosed | None = None
         self._urgent = False
         self._deadline = float("inf")
         self._submitted = self._delivered = self._dropped = self._failures = self._posts = 0
@@ -107,8 +118,11 @@ class TelemetrySender:
         self._thread.start()
 
     def submit(self, record: TelemetryRecord) -> None:
-        """Queue a record (never blocks on the network, never raises for a full queue)."""
+        """Queue a record (never blocks on the network, never raises for a full queue); raises
+        :class:`TelemetryClosed` once the control plane has said the job ended."""
         with self._cond:
+            if self._closed is not None:
+                raise self._closed
             self._submitted += 1
             self._queue.append(record)
             self._trim()
@@ -181,6 +195,10 @@ class TelemetrySender:
             ok = self._send(batch, urgent)
             with self._cond:
                 self._in_flight = 0
+                if self._closed is not None:  # the job ended: nothing more will be taken
+                    self._dropped += n + len(self._queue)
+                    self._queue.clear()
+                    return
                 if ok:
                     self._delivered += n
                     self._posts += 1
@@ -195,6 +213,11 @@ class TelemetrySender:
         try:
             self._post(TelemetryBatch(records=batch, urgent=urgent))
             return True
+        except TelemetryClosed as exc:
+            log.info("telemetry closed by the control plane: %s", exc)
+            with self._cond:
+                self._closed = exc
+            return False
         except Exception as exc:  # best effort: never into the training loop
             if self._failures == 0 or self._failures % 20 == 19:
                 log.warning("telemetry post of %d records failed: %r", len(batch), exc)

@@ -4,7 +4,7 @@ The agent daemon launches one process per rank with this environment:
 
 ==========================  =================================================================
 ``EVENFLOW_SERVER``         control plane base URL, e.g. ``http://cp:8000``
-``EVENFLOW_TOKEN``          Bearer token allowed to read the plan and post telemetry
+``EVENFLOW_TOKEN``          this rank's credential (its plan, its telemetry; see below)
 ``EVENFLOW_JOB_ID``         the job's integer id
 ``EVENFLOW_SPEC``           the job's :class:`~contract.spec.JobSpec` as JSON
 ``RANK``, ``WORLD_SIZE``    this process's rank and the job's world size
@@ -22,7 +22,11 @@ The agent daemon launches one process per rank with this environment:
 ==========================  =================================================================
 
 Exit status 0 after a completed run, 1 on any failure (the traceback is logged to stderr), 2
-when the environment is incomplete or malformed.
+when the environment is incomplete or malformed, 3 (``WORKER_EXIT_JOB_ENDED``) when the control
+plane said the job had ended (its telemetry answered 409): one log line, no traceback.
+
+``EVENFLOW_TOKEN`` is the rank's own credential, minted for this job and rank: it reads the
+job's plan and posts this rank's telemetry, nothing else, and dies with the job.
 """
 
 from __future__ import annotations
@@ -38,7 +42,9 @@ import httpx
 from pydantic import ValidationError
 
 from agent.runtime.remote import RemoteControlPlane
+from agent.runtime.telemetry import TelemetryClosed
 from agent.runtime.trainer import RunResult, RuntimeOptions, run_training
+from contract.agent import WORKER_EXIT_JOB_ENDED
 from contract.base import MAX_PLAN_WAIT_S
 from contract.spec import JobSpec
 
@@ -104,6 +110,9 @@ def worker_main(environ: dict[str, str] | None = None) -> int:
                 post_telemetry=remote.post_telemetry,
                 options=options,
             )
+    except TelemetryClosed as exc:
+        log.warning("job %d has ended on the control plane (%s); stopping", job_id, exc)
+        return WORKER_EXIT_JOB_ENDED
     except Exception:
         log.exception("training failed")
         if env.get("EVENFLOW_ERROR_FILE"):

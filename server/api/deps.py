@@ -58,10 +58,10 @@ async def _principal(
     cookie = request.cookies.get("evenflow_session")
     secret = credentials.credentials if credentials is not None else cookie
     secret = tokens.require_secret(secret)
-    key = tokens.hash_token(secret)
+    key = tokens.cache_key(secret)
     sessions = context.sessions
     principal: Principal = await context.caches.tokens.get_or_load_batched(
-        key, lambda hashes: tokens.authenticate_hashes(sessions, hashes)
+        key, lambda keys: tokens.authenticate_keys(sessions, keys)
     )
     return principal
 
@@ -79,6 +79,18 @@ Operator = Annotated[Principal, _role(Role.OPERATOR)]
 Admin = Annotated[Principal, _role(Role.ADMIN)]
 Authenticated = Annotated[Principal, Depends(_principal)]
 """Any valid token; the route checks finer rights itself (agents writing for their host)."""
+
+
+async def _job_reader(
+    principal: Annotated[Principal, Depends(_principal)],
+    job_id: Annotated[int, Path(ge=1, le=MAX_ID)],
+) -> Principal:
+    principal.require_job_reader(job_id)
+    return principal
+
+
+JobReader = Annotated[Principal, Depends(_job_reader)]
+"""A viewer, or the worker credential of the job in the path (its plan and spec)."""
 
 
 def _settings(context: Context) -> Settings:

@@ -9,10 +9,10 @@ from sqlalchemy.orm import Session, selectinload
 
 from contract.agent import Assignment, Heartbeat, HeartbeatAck, HostRegister
 from contract.base import PROTOCOL_VERSION
-from contract.enums import DeviceKind, DeviceStatus, HostStatus, JobStatus, Role
-from server.errors import Forbidden, NotFound, ProtocolMismatch
+from contract.enums import DeviceKind, DeviceStatus, HostStatus, JobStatus, Role, WorkerState
+from server.errors import Conflict, Forbidden, NotFound, ProtocolMismatch
 from server.models import Device, Host, Job, Worker
-from server.services import jobs, scheduler
+from server.services import jobs, scheduler, tokens
 from server.services.audit import record
 from server.services.tokens import Principal
 
@@ -29,8 +29,19 @@ def _check_host_rights(principal: Principal, host_name: str) -> None:
         )
 
 
-def register(session: Session, req: HostRegister, principal: Principal, now: datetime) -> Host:
-    """Create or refresh a host and its devices. Re-registration keeps device ids stable."""
+def register(
+    session: Session,
+    req: HostRegister,
+    principal: Principal,
+    now: datetime,
+    *,
+    live_after_s: float = 30.0,
+) -> Host:
+    """Create or refresh a host and its devices. Re-registration keeps device ids stable.
+
+    A host is held by one agent process (``req.instance``): another instance registering while
+    the holder's last heartbeat is under ``live_after_s`` old is refused with 409, unless it
+    asks to ``replace`` it."""
     if req.protocol_version != PROTOCOL_VERSION:
         raise ProtocolMismatch(
             f"agent speaks protocol {req.protocol_version}, this server speaks {PROTOCOL_VERSION}",
@@ -48,11 +59,14 @@ def register(session: Session, req: HostRegister, principal: Principal, now: dat
             registered_at=now,
             last_heartbeat=now,
             status=HostStatus.ACTIVE.value,
+            agent_instance=req.instance,
         )
         session.add(host)
         session.flush()
         record(session, principal.name, "host.register", f"host:{host.id}", {"name": req.name})
     else:
+        _check_instance(session, host, req, principal, now, live_after_s)
+        host.agent_instance = req.instance
         host.address = req.address
         host.protocol_version = req.protocol_version
         host.last_heartbeat = now
@@ -83,6 +97,35 @@ def register(session: Session, req: HostRegister, principal: Principal, now: dat
     return host
 
 
+def _check_instance(
+    session: Session,
+    host: Host,
+    req: HostRegister,
+    principal: Principal,
+    now: datetime,
+    live_after_s: float,
+) -> None:
+    """Refuse a second live agent for one host name, unless it replaces the first."""
+    if host.agent_instance == req.instance:
+        return
+    age = (now - host.last_heartbeat).total_seconds()
+    live = host.status == HostStatus.ACTIVE.value and age < live_after_s
+    if live and not req.replace:
+        raise Conflict(
+            f"host {host.name} is held by another live agent (last heartbeat {age:.0f}s ago); "
+            "start with --replace to take over",
+            field="name",
+        )
+    if host.agent_instance is not None:
+        record(
+            session,
+            principal.name,
+            "host.replace" if live else "host.reclaim",
+            f"host:{host.id}",
+            {"old": host.agent_instance, "new": req.instance},
+        )
+
+
 def get(session: Session, host_id: int) -> Host:
     host = session.get(Host, host_id, options=[selectinload(Host.devices)])
     if host is None:
@@ -100,6 +143,12 @@ def heartbeat(
     """Record liveness and worker reports; answer with what the host must run or stop."""
     host = get(session, host_id)
     _check_host_rights(principal, host.name)
+    if host.agent_instance is not None and hb.instance != host.agent_instance:
+        raise Conflict(
+            f"host {host.name} is now held by another agent instance ({host.agent_instance}); "
+            "this agent was replaced and must stop",
+            field="instance",
+        )
     host.last_heartbeat = now
     if host.status != HostStatus.ACTIVE.value:
         host.status = HostStatus.ACTIVE
@@ -116,7 +165,9 @@ def heartbeat(
 
 
 def assignments(session: Session, host: Host) -> list[Assignment]:
-    """Ranks placed on this host: ``run`` while their job is live, ``stop`` once it has ended."""
+    """Ranks placed on this host: ``run`` while their job is live, ``stop`` once it has ended.
+    A rank still to be launched comes with a fresh worker credential (the one before it, never
+    used, stops working); a launched one with none: its process has it already."""
     rows = session.execute(
         select(Worker, Job, Device)
         .join(Job, Worker.job_id == Job.id)
@@ -128,6 +179,7 @@ def assignments(session: Session, host: Host) -> list[Assignment]:
     for worker, job, device in rows:
         status = JobStatus(job.status)
         rank0_host = jobs.rank0_address(session, job)
+        launch = not status.terminal and worker.state == WorkerState.ASSIGNED.value
         out.append(
             Assignment(
                 job_id=job.id,
@@ -140,6 +192,7 @@ def assignments(session: Session, host: Host) -> list[Assignment]:
                 backend="nccl" if device.kind == DeviceKind.CUDA.value else "gloo",
                 desired="stop" if status.terminal else "run",
                 spec=job.spec,
+                worker_token=tokens.mint_worker_token(worker) if launch else None,
             )
         )
     return out

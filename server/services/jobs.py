@@ -18,6 +18,7 @@ from contract.enums import (
     WorkerState,
 )
 from contract.spec import JobSpec
+from server.cache import mark_tokens_changed
 from server.errors import Conflict, Forbidden, Invalid, NotFound
 from server.models import Device, Host, Job, Worker
 from server.services import scheduler
@@ -82,6 +83,7 @@ def finish(
     transition(job, status)
     job.finished_at = now
     job.error = error
+    mark_tokens_changed(session)  # its workers' credentials die with it (cached ones too)
     for dev in session.scalars(select(Device).where(Device.job_id == job.id)):
         dev.job_id = None
         if dev.status == DeviceStatus.BUSY.value:
@@ -154,16 +156,42 @@ def apply_worker_report(
 
 
 _RANKS_ON_HOST = (
-    select(func.count(Worker.id))
+    select(Worker.rank)
     .join(Host, Worker.host_id == Host.id)
     .where(Worker.job_id == bindparam("job_id"), Host.name == bindparam("host"))
 )
 
 
-def check_agent_may_write(db: Session | Connection, principal: Principal, job_id: int) -> None:
-    """An agent token writes only for jobs with a rank on its own host (``db``: a session, or
-    the Core connection of the telemetry ingest's hot path)."""
-    if principal.role is not Role.AGENT:
+def check_may_write_ranks(
+    db: Session | Connection, principal: Principal, job_id: int, ranks: list[int]
+) -> None:
+    """Who may post timings of these ranks of a job (``db``: a session, or the Core connection
+    of the telemetry ingest's hot path): an admin any; an agent only ranks placed on its own
+    host; a worker credential only its own job and rank; nobody else."""
+    if principal.role is Role.ADMIN:
         return
-    if not db.scalar(_RANKS_ON_HOST, {"job_id": job_id, "host": principal.host}):
-        raise Forbidden(f"job {job_id} has no rank on host '{principal.host}'")
+    if principal.role is Role.WORKER:
+        if principal.job_id != job_id:
+            raise Forbidden(
+                f"'{principal.name}' is a worker credential of job {principal.job_id}; "
+                f"it may not post telemetry for job {job_id}"
+            )
+        other = next((r for r in ranks if r != principal.rank), None)
+        if other is not None:
+            raise Forbidden(
+                f"'{principal.name}' may post telemetry for rank {principal.rank} only, "
+                f"not rank {other}"
+            )
+        return
+    if principal.role is not Role.AGENT:
+        raise Forbidden(
+            f"posting telemetry needs an agent, worker or admin token; '{principal.name}' is "
+            f"{principal.role.value}"
+        )
+    placed = set(db.scalars(_RANKS_ON_HOST, {"job_id": job_id, "host": principal.host}))
+    other = next((r for r in ranks if r not in placed), None)
+    if other is not None:
+        raise Forbidden(
+            f"rank {other} of job {job_id} is not placed on host '{principal.host}'; agent "
+            f"token '{principal.name}' may post telemetry only for that host's ranks"
+        )

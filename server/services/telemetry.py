@@ -12,7 +12,7 @@ from contract.agent import TELEMETRY_FIELDS, TelemetryBatch
 from contract.enums import JobStatus
 from server.errors import Conflict, Invalid, NotFound
 from server.models import IterationTelemetry, Job, Worker
-from server.services.jobs import check_agent_may_write
+from server.services.jobs import check_may_write_ranks
 from server.services.tokens import Principal
 
 Row = tuple[int, int, int, int, int, float, float, float, float, bool]
@@ -26,20 +26,25 @@ def ingest(
     batch never duplicates. Returns (accepted, duplicates).
 
     The hot write path (bench/ingest.py), so it works on a Core connection, not an ORM session:
-    one query for the job's status and size (and one for an agent's rights), then one bulk
+    one query for the job's status and size (and one for an agent's rights over the ranks),
+    then one bulk
     insert straight from the batch's per-field arrays (``TelemetryBatch.arrays``; a columnar
     batch hands over the lists it was parsed into)."""
     found = conn.execute(_JOB_STATE, {"job_id": job_id}).first()
     if found is None:
         raise NotFound(f"job {job_id} not found")
     status, world = found
-    check_agent_may_write(conn, principal, job_id)
+    arrays = batch.arrays()  # one list per field, in COLUMNS order
+    ranks = arrays[0]
+    check_may_write_ranks(conn, principal, job_id, ranks)
     if status == JobStatus.PENDING.value:
         raise Conflict(
             f"job {job_id} is pending; it has no workers to report timings", field="status"
         )
-    arrays = batch.arrays()  # one list per field, in COLUMNS order
-    ranks = arrays[0]
+    if JobStatus(status).terminal:
+        raise Conflict(
+            f"job {job_id} has ended ({status}); it takes no more telemetry", field="status"
+        )
     if max(ranks) >= world:
         i = next(i for i, rank in enumerate(ranks) if rank >= world)
         where, shown = (

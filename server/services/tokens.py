@@ -1,47 +1,76 @@
 """API tokens: creation, revocation and authentication. Secrets are stored as SHA-256 only
-(tokens are 256-bit random values, so a fast hash is enough)."""
+(tokens are 256-bit random values, so a fast hash is enough).
+
+Two kinds of secret: API tokens (``ef_...``, rows of ``api_tokens``: people, scripts and agents)
+and worker credentials (``efw_...``, the ``token_hash`` of one rank in ``workers``), minted by
+:func:`mint_worker_token` when a rank is handed to its agent and valid while its job lives."""
 
 from __future__ import annotations
 
 import hashlib
 import secrets
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from contract.api import TokenCreate
-from contract.enums import Role
+from contract.enums import JobStatus, Role
 from server.cache import mark_tokens_changed
 from server.errors import Conflict, Forbidden, NotFound, Unauthorized
-from server.models import ApiToken, utcnow
+from server.models import ApiToken, Job, Worker, utcnow
 from server.services.audit import record
 
 TOKEN_PREFIX = "ef_"
+WORKER_PREFIX = "efw_"
+"""Worker credentials start with this, so they are looked up among workers, not tokens."""
 
-# Which roles satisfy a requirement. Agent tokens read like viewers but are not operators.
+# Which roles satisfy a requirement. Agent tokens read like viewers but are not operators;
+# worker credentials satisfy none but their own (their rights are per job and rank).
 SATISFIES: dict[Role, frozenset[Role]] = {
     Role.VIEWER: frozenset({Role.VIEWER, Role.OPERATOR, Role.ADMIN, Role.AGENT}),
     Role.OPERATOR: frozenset({Role.OPERATOR, Role.ADMIN}),
     Role.ADMIN: frozenset({Role.ADMIN}),
     Role.AGENT: frozenset({Role.AGENT}),
+    Role.WORKER: frozenset({Role.WORKER}),
 }
 
 
 @dataclass(frozen=True)
 class Principal:
-    """Who is calling: the token's name, role and (for agents) host."""
+    """Who is calling: the token's name, role, (for agents) host and (for workers) job and
+    rank."""
 
     token_id: int
     name: str
     role: Role
     host: str | None = None
+    job_id: int | None = None
+    rank: int | None = None
 
     def require(self, role: Role) -> None:
+        if self.role is Role.WORKER:
+            raise Forbidden(
+                f"'{self.name}' is a worker credential: it may only read job {self.job_id}'s "
+                f"plan and spec and post rank {self.rank}'s telemetry; this needs the "
+                f"{role.value} role"
+            )
         if self.role not in SATISFIES[role]:
             raise Forbidden(
                 f"this needs the {role.value} role; token '{self.name}' is {self.role.value}"
             )
+
+    def require_job_reader(self, job_id: int) -> None:
+        """Viewers read every job; a worker credential only its own job."""
+        if self.role is Role.WORKER:
+            if self.job_id != job_id:
+                raise Forbidden(
+                    f"'{self.name}' is a worker credential of job {self.job_id}; it may not "
+                    f"read job {job_id}"
+                )
+            return
+        self.require(Role.VIEWER)
 
 
 def hash_token(secret: str) -> str:
@@ -60,6 +89,8 @@ def require_secret(secret: str | None) -> str:
 
 def authenticate(session: Session, secret: str | None) -> Principal:
     secret = require_secret(secret)
+    if secret.startswith(WORKER_PREFIX):
+        return _authenticate_worker(session, secret)
     row = session.scalars(select(ApiToken).where(ApiToken.token_hash == hash_token(secret))).first()
     return _principal(row)
 
@@ -72,23 +103,72 @@ def _principal(row: ApiToken | None) -> Principal:
     return Principal(token_id=row.id, name=row.name, role=Role(row.role), host=row.host)
 
 
-def authenticate_hashes(
-    sessions: sessionmaker[Session], hashes: list[str]
+def cache_key(secret: str) -> str:
+    """What the token cache keys a credential by: its hash, marked when it is a worker's."""
+    kind = "worker:" if secret.startswith(WORKER_PREFIX) else "api:"
+    return kind + hash_token(secret)
+
+
+def authenticate_keys(
+    sessions: sessionmaker[Session], keys: list[str]
 ) -> dict[str, Principal | Exception]:
-    """Many tokens (by hash) in one query, in a session of its own: each hash's principal, or
-    the ``Unauthorized`` its request gets."""
+    """Many credentials (by ``cache_key``) in at most two queries, in a session of their own:
+    each key's principal, or the ``Unauthorized`` its request gets."""
+    api = {k.removeprefix("api:"): k for k in keys if k.startswith("api:")}
+    worker = {k.removeprefix("worker:"): k for k in keys if k.startswith("worker:")}
     with sessions() as session:
         rows = {
             row.token_hash: row
-            for row in session.scalars(select(ApiToken).where(ApiToken.token_hash.in_(hashes)))
+            for row in session.scalars(select(ApiToken).where(ApiToken.token_hash.in_(api)))
+        }
+        workers = {
+            found[0]: found
+            for found in session.execute(_WORKER_QUERY.where(Worker.token_hash.in_(worker)))
         }
     out: dict[str, Principal | Exception] = {}
-    for h in hashes:
+    for h, key in [*api.items(), *worker.items()]:
         try:
-            out[h] = _principal(rows.get(h))
+            out[key] = _principal(rows.get(h)) if h in api else _worker_principal(workers.get(h))
         except Unauthorized as exc:
-            out[h] = exc
+            out[key] = exc
     return out
+
+
+_WORKER_QUERY = select(Worker.token_hash, Worker.id, Worker.job_id, Worker.rank, Job.status).join(
+    Job, Worker.job_id == Job.id
+)
+
+
+def _authenticate_worker(session: Session, secret: str) -> Principal:
+    found = session.execute(_WORKER_QUERY.where(Worker.token_hash == hash_token(secret))).first()
+    return _worker_principal(found)
+
+
+def _worker_principal(found: Any) -> Principal:
+    if found is None:
+        raise Unauthorized(
+            "unknown worker credential (a newer one replaced it, or its job is gone)"
+        )
+    _, worker_id, job_id, rank, status = found
+    if JobStatus(status).terminal:
+        raise Unauthorized(
+            f"worker credential of job {job_id} rank {rank}: the job has ended ({status})"
+        )
+    return Principal(
+        token_id=-worker_id,
+        name=f"job-{job_id}-rank-{rank}",
+        role=Role.WORKER,
+        job_id=job_id,
+        rank=rank,
+    )
+
+
+def mint_worker_token(worker: Worker) -> str:
+    """A new credential for one rank; only its hash is kept (on the worker), and the one it
+    replaces stops working."""
+    secret = WORKER_PREFIX + secrets.token_urlsafe(32)
+    worker.token_hash = hash_token(secret)
+    return secret
 
 
 def authenticate_with(sessions: sessionmaker[Session], secret: str | None) -> Principal:
@@ -101,6 +181,12 @@ def create(
     session: Session, req: TokenCreate, *, by: str, secret: str | None = None
 ) -> tuple[ApiToken, str]:
     """Store a new token; returns the row and the secret (shown once)."""
+    if req.role is Role.WORKER:
+        raise Conflict(
+            "worker credentials are minted by the control plane for each rank it places; "
+            "they cannot be created",
+            field="role",
+        )
     if req.role is Role.AGENT and req.host is None:
         raise Conflict("agent tokens are bound to a host: give 'host'", field="host")
     if req.role is not Role.AGENT and req.host is not None:
@@ -162,3 +248,31 @@ def ensure_admin(session: Session, secret: str | None) -> str | None:
         session, TokenCreate(name="bootstrap-admin", role=Role.ADMIN), by="system"
     )
     return generated
+
+
+def ensure_agent_tokens(session: Session, pairs: dict[str, str]) -> None:
+    """Make each {host: secret} of the settings (``EVENFLOW_AGENT_TOKENS``) an agent token bound
+    to that host; a secret set before for the host and changed since is revoked."""
+    for host, secret in pairs.items():
+        name = f"agent-{host}"
+        row = session.scalars(
+            select(ApiToken).where(ApiToken.token_hash == hash_token(secret))
+        ).first()
+        if row is not None:
+            if row.role != Role.AGENT.value or row.host != host or row.revoked_at is not None:
+                raise Conflict(
+                    f"EVENFLOW_AGENT_TOKENS: the token for {host} is already token "
+                    f"'{row.name}' ({row.role}{', revoked' if row.revoked_at else ''})"
+                )
+            continue
+        for old in session.scalars(
+            select(ApiToken).where(
+                ApiToken.name == name,
+                ApiToken.created_by == "system",
+                ApiToken.revoked_at.is_(None),
+            )
+        ):
+            revoke(session, old.id, by="system")
+        create(
+            session, TokenCreate(name=name, role=Role.AGENT, host=host), by="system", secret=secret
+        )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -13,7 +14,8 @@ import pytest
 
 from agent.client import ApiClient, make_http
 from agent.daemon import Agent, discover_devices
-from contract.enums import DeviceKind, JobStatus
+from contract.api import TokenCreate
+from contract.enums import DeviceKind, JobStatus, Role
 from tests.conftest import ROOT, LiveServer
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
@@ -122,3 +124,69 @@ def test_cancel_stops_the_workers(agent: tuple[Agent, ApiClient]) -> None:
     assert all(p.popen.poll() is not None for p in a.procs.values())
     # The devices are free again for the next job.
     assert all(d.status.value == "free" for h in admin.hosts() for d in h.devices)
+
+
+def test_job_code_holds_only_its_own_rank_credential(
+    live_server: LiveServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent runs with its own token (and an operator secret) in its environment; the job's
+    code sees neither, and the credential it does get cannot touch another job."""
+    admin = ApiClient(make_http(live_server.url, live_server.admin_token))
+    agent_token = admin.create_token(
+        TokenCreate(name="agent-iso", role=Role.AGENT, host="iso-host")
+    ).token
+    monkeypatch.setenv("EVENFLOW_TOKEN", agent_token)
+    monkeypatch.setenv("EVENFLOW_ADMIN_TOKEN", live_server.admin_token)
+    monkeypatch.setenv("SITE_S3_KEY", "site-secret-value-123")
+    monkeypatch.setenv("NCCL_DEBUG", "WARN")
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    http = httpx.Client(base_url=live_server.url, timeout=10)
+    a = Agent(
+        ApiClient(http, agent_token),
+        name="iso-host",
+        address="127.0.0.1",
+        devices=discover_devices(cpu_workers=2),
+        server_url=live_server.url,
+        token=agent_token,
+        workdir=tmp_path / "agent",
+        extra_env={"EVENFLOW_TELEMETRY_S": "0.2"},
+        secret_env=frozenset({"SITE_S3_KEY"}),
+    )
+    a.register()
+    stop = threading.Event()
+    thread = threading.Thread(target=a.run, args=(stop, 0.3), daemon=True)
+    thread.start()
+    victim = admin.submit(_spec(workers=5, emulation=None, name="victim"))  # stays pending
+    try:
+        job = admin.submit(
+            _spec(
+                iterations=20,
+                emulation=None,
+                workload={
+                    "entrypoint": "tests.agent.env_workload:main",
+                    "args": {"victim": victim.id},
+                },
+            )
+        )
+        done = _wait(lambda: (j := admin.job(job.id)).status.terminal and j)
+        assert done.status is JobStatus.SUCCEEDED, done.error
+        assert {r.rank for r in admin.telemetry(job.id)} == {0, 1}  # its own credential works
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+        http.close()
+        victim_status = admin.job(victim.id).status
+        admin.http.close()
+    for rank in (0, 1):
+        seen = json.loads(
+            (tmp_path / "agent" / f"job-{job.id}" / f"rank-{rank}.environ.json").read_text()
+        )
+        env = seen["environ"]
+        values = "\n".join(env.values())
+        assert agent_token not in values and live_server.admin_token not in values
+        assert "site-secret-value-123" not in values
+        assert "EVENFLOW_ADMIN_TOKEN" not in env and "SITE_S3_KEY" not in env
+        assert env["EVENFLOW_TOKEN"].startswith("efw_")
+        assert env["NCCL_DEBUG"] == "WARN" and env["RANK"] == str(rank)
+        assert seen["cancel"] == 403
+    assert victim_status is JobStatus.PENDING

@@ -6,16 +6,26 @@ from fastapi import APIRouter
 
 from contract.agent import Heartbeat, HeartbeatAck, HostRegister
 from contract.api import HostOut
-from server.api.deps import Authenticated, Now, PathId, SessionDep, Viewer
+from server.api.deps import Authenticated, Now, PathId, SessionDep, SettingsDep, Viewer
 from server.services import hosts
 
 router = APIRouter(prefix="/hosts", tags=["hosts"])
 
 
 @router.post("/register", status_code=201)
-def register(req: HostRegister, session: SessionDep, principal: Authenticated, now: Now) -> HostOut:
-    """Register (or refresh) a host and its devices; refused with 409 on a protocol mismatch."""
-    return HostOut.model_validate(hosts.register(session, req, principal, now))
+def register(
+    req: HostRegister,
+    session: SessionDep,
+    principal: Authenticated,
+    now: Now,
+    settings: SettingsDep,
+) -> HostOut:
+    """Register (or refresh) a host and its devices; refused with 409 on a protocol mismatch,
+    or while another agent instance holds the host and heartbeats (unless `replace`)."""
+    live_after_s = settings.host_lost_after_s
+    return HostOut.model_validate(
+        hosts.register(session, req, principal, now, live_after_s=live_after_s)
+    )
 
 
 @router.post("/{host_id}/heartbeat")

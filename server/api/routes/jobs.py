@@ -7,7 +7,7 @@ from fastapi import APIRouter, Query
 from contract.api import JobList, JobOut
 from contract.enums import JobStatus
 from contract.spec import JobSpec
-from server.api.deps import Now, Operator, PathId, SessionDep, Viewer
+from server.api.deps import JobReader, Now, Operator, PathId, SessionDep, Viewer
 from server.services import jobs
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
@@ -33,7 +33,7 @@ def list_jobs(
 
 
 @router.get("/{job_id}")
-def get_job(session: SessionDep, _: Viewer, job_id: PathId) -> JobOut:
+def get_job(session: SessionDep, _: JobReader, job_id: PathId) -> JobOut:
     """One job with its workers."""
     return JobOut.model_validate(jobs.get(session, job_id))
 

@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from contract.agent import PlanOut
 from contract.api import ModelOut
 from contract.base import MAX_PLAN_WAIT_S
-from server.api.deps import Context, PathId, SessionDep, Viewer
+from server.api.deps import Context, JobReader, PathId, SessionDep, Viewer
 from server.context import AppContext
 from server.notify import RECHECK_S
 from server.services import jobs, plans, rebalancer
@@ -26,7 +26,7 @@ router = APIRouter(prefix="/jobs", tags=["plans"])
 )
 async def current_plan(
     context: Context,
-    _: Viewer,
+    _: JobReader,
     job_id: PathId,
     known_version: int | None = Query(None, ge=0, le=2**31 - 1),
     wait_s: float = Query(

@@ -22,10 +22,11 @@ router = APIRouter(prefix="/jobs", tags=["telemetry"])
 async def ingest(
     request: Request, context: Context, principal: Authenticated, job_id: PathId
 ) -> TelemetryAck:
-    """Store timings; rows already stored for (job, rank, iteration) are skipped, not duplicated.
+    """Store timings (an agent: ranks on its host; a worker credential: its own rank; else
+    admin; 409 once the job has ended); rows already stored for (job, rank, iteration) are skipped, not duplicated.
     An `urgent` batch (a worker's iteration time jumped) makes the control loop look at the job
     at once rather than at its next round."""
-    if principal.role is not Role.AGENT:
+    if principal.role not in (Role.AGENT, Role.WORKER):
         principal.require(Role.ADMIN)
     batch = bodies.parse(TelemetryBatch, await request.body())
     accepted, duplicates = await run_in_threadpool(_store, context, principal, job_id, batch)

@@ -1,0 +1,78 @@
+"""The environment a worker process gets: an allow-list, never the agent's own.
+
+Job code runs in the worker, so whatever is in its environment the job can read. The agent
+therefore builds it from scratch: from its own environment only what training needs (the names
+and prefixes below), then the job's variables that the agent sets itself (the rendezvous, the
+``EVENFLOW_*`` job variables, the rank's own credential as ``EVENFLOW_TOKEN``). Never passed on:
+the agent's credential (``EVENFLOW_TOKEN``, ``EVENFLOW_TOKEN_FILE``), any other server secret,
+and every variable the agent's operator marks secret (``evenflow agent --secret-env NAME``);
+nor any allowed variable whose value carries one of those secrets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+PASSED_NAMES = frozenset(
+    {
+        "PATH",
+        "PYTHONPATH",
+        "PYTHONHASHSEED",
+        "HOME",
+        "USER",
+        "LOGNAME",
+        "LANG",
+        "LANGUAGE",
+        "TZ",
+        "TMPDIR",
+        "LD_LIBRARY_PATH",
+        "VIRTUAL_ENV",
+        "HF_HOME",
+        "XDG_CACHE_HOME",
+        # the worker's own optional tuning (agent.runtime.worker)
+        "EVENFLOW_LOG_LEVEL",
+        "EVENFLOW_PLAN_POLL_S",
+        "EVENFLOW_PLAN_WAIT_S",
+        "EVENFLOW_TELEMETRY_S",
+    }
+)
+"""Variables of the agent's environment a worker gets as they are."""
+
+PASSED_PREFIXES = ("LC_", "CUDA_", "NCCL_", "OMP_", "MKL_", "GLOO_", "TORCH_", "NVIDIA_")
+"""Prefixes of such variables: locale, and what CUDA, NCCL, OpenMP, MKL, gloo and torch read."""
+
+AGENT_SECRETS = frozenset(
+    {"EVENFLOW_TOKEN", "EVENFLOW_TOKEN_FILE", "EVENFLOW_ADMIN_TOKEN", "EVENFLOW_AGENT_TOKENS"}
+)
+"""The agent's (and the server's) credentials: never taken from the agent's environment."""
+
+MIN_SECRET_LEN = 8
+"""A secret value at least this long is also looked for inside other passed values."""
+
+
+def is_passed(name: str) -> bool:
+    """Whether a variable of the agent's environment may reach a worker (secrets aside)."""
+    return name in PASSED_NAMES or name.startswith(PASSED_PREFIXES)
+
+
+def worker_environment(
+    parent_env: Mapping[str, str],
+    job_vars: Mapping[str, str],
+    secret_names: Iterable[str] = (),
+) -> dict[str, str]:
+    """A worker's environment: the allowed part of ``parent_env`` (the agent's), then
+    ``job_vars`` (set by the agent for this rank; they win). Variables named in
+    ``secret_names`` or ``AGENT_SECRETS`` are never taken from ``parent_env``; a name in
+    ``secret_names`` is not taken from ``job_vars`` either (except the rank's own
+    ``EVENFLOW_TOKEN``), and no variable of ``parent_env``
+    whose value contains a secret's value is passed."""
+    marked = frozenset(secret_names)
+    hidden = marked | AGENT_SECRETS
+    secrets = [v for k, v in parent_env.items() if k in hidden and v]
+
+    def leaks(value: str) -> bool:
+        return any(s == value or (len(s) >= MIN_SECRET_LEN and s in value) for s in secrets)
+
+    env = {k: v for k, v in parent_env.items() if is_passed(k) and k not in hidden and not leaks(v)}
+    env.update({k: v for k, v in job_vars.items() if k not in marked - AGENT_SECRETS})
+    return env

@@ -1,0 +1,93 @@
+"""A worker's environment comes from an allow-list: the agent's token and every variable its
+operator marks secret never reach job code."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from agent.environment import AGENT_SECRETS, worker_environment
+
+NAMES = st.one_of(
+    st.sampled_from(
+        [
+            "PATH",
+            "HOME",
+            "LANG",
+            "LC_ALL",
+            "CUDA_VISIBLE_DEVICES",
+            "NCCL_DEBUG",
+            "OMP_NUM_THREADS",
+            "TORCH_HOME",
+            "PYTHONPATH",
+            "AWS_SECRET_ACCESS_KEY",
+            "EVENFLOW_DATABASE_URL",
+            *AGENT_SECRETS,
+        ]
+    ),
+    st.from_regex(r"[A-Z][A-Z0-9_]{0,20}", fullmatch=True),
+)
+SECRET = st.from_regex(r"s3cr3t-[a-z0-9]{8,16}", fullmatch=True)
+PLAIN = st.from_regex(r"[a-z0-9/:._-]{0,24}", fullmatch=True)
+JOB_VARS = {
+    "EVENFLOW_TOKEN": "efw_rank-credential",
+    "EVENFLOW_JOB_ID": "7",
+    "RANK": "1",
+    "WORLD_SIZE": "2",
+    "MASTER_ADDR": "10.0.0.1",
+    "MASTER_PORT": "29500",
+}
+
+
+@given(
+    plain=st.dictionaries(NAMES, PLAIN, max_size=12),
+    secret=st.dictionaries(NAMES.filter(lambda n: n not in JOB_VARS), SECRET, max_size=6),
+    agent_token=SECRET,
+    embed=st.dictionaries(NAMES, PLAIN, max_size=3),
+)
+def test_no_secret_and_no_agent_token_ever_reaches_a_worker(
+    plain: dict[str, str], secret: dict[str, str], agent_token: str, embed: dict[str, str]
+) -> None:
+    parent = {**plain, **secret, "EVENFLOW_TOKEN": agent_token}
+    # allowed variables that carry a secret inside their value (a URL with a password, say)
+    values = [*secret.values(), agent_token]
+    for i, name in enumerate(sorted(embed)):
+        parent.setdefault(name, f"{embed[name]}{values[i % len(values)]}/x")
+    env = worker_environment(parent, JOB_VARS, secret_names=secret)
+    hidden = [*secret.values(), agent_token]
+    for name, value in env.items():
+        assert not any(s in value for s in hidden), (name, value)
+    assert not set(secret) & set(env)
+    assert {k: env[k] for k in JOB_VARS} == JOB_VARS  # the rank's own credential and rendezvous
+
+
+def test_what_training_needs_passes_and_nothing_else() -> None:
+    parent = {
+        "PATH": "/usr/bin",
+        "PYTHONPATH": "/src",
+        "HOME": "/home/a",
+        "LC_ALL": "C.UTF-8",
+        "CUDA_VISIBLE_DEVICES": "0,1",
+        "NCCL_SOCKET_IFNAME": "eth0",
+        "OMP_NUM_THREADS": "4",
+        "EVENFLOW_TOKEN": "ef_agent-token-0123456789",
+        "EVENFLOW_TOKEN_FILE": "/run/secrets/agent",
+        "EVENFLOW_ADMIN_TOKEN": "ef_admin-token-0123456789",
+        "EVENFLOW_DATABASE_URL": "postgresql://u:pw@db/x",
+        "EVENFLOW_LOG_LEVEL": "DEBUG",
+        "AWS_SECRET_ACCESS_KEY": "abc",
+        "WANDB_API_KEY": "k",
+        "NCCL_TOKEN_I_MARKED": "marked",
+    }
+    env = worker_environment(parent, JOB_VARS, secret_names=["NCCL_TOKEN_I_MARKED"])
+    assert env == {
+        "PATH": "/usr/bin",
+        "PYTHONPATH": "/src",
+        "HOME": "/home/a",
+        "LC_ALL": "C.UTF-8",
+        "CUDA_VISIBLE_DEVICES": "0,1",
+        "NCCL_SOCKET_IFNAME": "eth0",
+        "OMP_NUM_THREADS": "4",
+        "EVENFLOW_LOG_LEVEL": "DEBUG",
+        **JOB_VARS,
+    }
