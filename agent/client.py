@@ -24,6 +24,7 @@ from contract.api import (
     HostOut,
     JobList,
     JobOut,
+    ModelOut,
     OverrideCreate,
     OverrideOut,
     TelemetryOut,
@@ -31,6 +32,7 @@ from contract.api import (
     TokenCreated,
     TokenOut,
 )
+from contract.dashboard import SeriesOut, ThroughputOut
 from contract.spec import JobSpec
 
 API = "/api/v1"
@@ -57,6 +59,15 @@ def long_poll_timeout(client: httpx.Client, wait_s: float) -> httpx.Timeout:
     return httpx.Timeout(connect=t.connect, read=read, write=t.write, pool=t.pool)
 
 
+def _not_ours(resp: httpx.Response) -> str:
+    """One line for an answer that is not the API's JSON (a proxy's or another server's page)."""
+    kind = resp.headers.get("content-type", "no content type").split(";")[0]
+    return (
+        f"{resp.reason_phrase or 'error'} ({kind}) from {resp.request.url}: "
+        "not an Evenflow API answer; is the server address right?"
+    )
+
+
 class ApiClient:
     def __init__(self, http: httpx.Client, token: str | None = None) -> None:
         self.http = http
@@ -81,7 +92,7 @@ class ApiClient:
                 body = resp.json()
                 detail, field = str(body.get("detail", resp.text)), body.get("field")
             except ValueError:
-                detail, field = resp.text or resp.reason_phrase, None
+                detail, field = _not_ours(resp), None
             raise ApiError(resp.status_code, detail, field)
         return resp
 
@@ -161,6 +172,22 @@ class ApiClient:
             params={"since_iteration": since_iteration, "limit": limit},
         )
         return [TelemetryOut.model_validate(r) for r in resp.json()]
+
+    def models(self, job_id: int) -> list[ModelOut]:
+        return [
+            ModelOut.model_validate(m) for m in self._call("GET", f"/jobs/{job_id}/models").json()
+        ]
+
+    # -- dashboard figures
+    def series(self, job_id: int, *, points: int = 50, window: int = 20) -> SeriesOut:
+        resp = self._call(
+            "GET", f"/jobs/{job_id}/series", params={"points": points, "window": window}
+        )
+        return SeriesOut.model_validate(resp.json())
+
+    def throughput(self, job_id: int) -> ThroughputOut:
+        resp = self._call("GET", "/dashboard/throughput", params={"ids": str(job_id)})
+        return ThroughputOut.model_validate(resp.json()[0])
 
     # -- events, overrides, audit
     def events(self, job_id: int) -> list[EventOut]:

@@ -61,6 +61,9 @@ from contract.enums import DeviceKind, WorkerState
 log = logging.getLogger("evenflow.agent")
 
 STOP_GRACE_S = 5.0
+FATAL_REGISTER_STATUSES = (401, 403, 404, 405, 409)
+"""Registration answers that retrying cannot change: a refused token, another live agent on
+the host, or an address that is not an Evenflow control plane (404/405: no such API there)."""
 ERROR_TAIL_LINES = 60
 
 
@@ -367,7 +370,7 @@ def run_agent(
 ) -> bool:
     """Run an agent until ``stop`` is set (or SIGINT/SIGTERM when run as the main thread) or
     another agent instance takes the host over; returns whether it was taken over. A refused
-    registration (401, 403, 409: another live agent holds the host) raises ``ApiError``."""
+    registration (``FATAL_REGISTER_STATUSES``) raises ``ApiError``."""
     stop = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -391,7 +394,7 @@ def run_agent(
                 agent.register()
                 break
             except (ApiError, httpx.TransportError) as exc:
-                if isinstance(exc, ApiError) and exc.status_code in (401, 403, 409):
+                if isinstance(exc, ApiError) and exc.status_code in FATAL_REGISTER_STATUSES:
                     raise
                 delay = backoff.failed()
                 log.warning("cannot register yet (%s); retrying in %.1f s", exc, delay)

@@ -43,9 +43,10 @@ Text = Annotated[str, AfterValidator(_refuse_nul)]
 """Every string a client sends: PostgreSQL cannot store NUL characters, so they are refused."""
 
 
-Name = Annotated[
-    Text, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
-]
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]*$"
+
+
+Name = Annotated[Text, Field(min_length=1, max_length=128, pattern=NAME_PATTERN)]
 
 
 Id = Annotated[int, Field(ge=1, le=MAX_ID)]

@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from contract.agent import TelemetryBatch
 from contract.base import ErrorOut
+from contract.problems import explain
 from server.api.bodies import component_schemas
 from server.api.routes import audit, events, health, hosts, jobs, planner, plans, telemetry, tokens
 from server.api.routes.ui import mount_dashboard
@@ -75,13 +76,14 @@ async def _on_domain_error(_: Request, exc: Exception) -> JSONResponse:
 
 async def _on_validation_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
+    raw = exc.errors()
     errors = [
         {
             "loc": [str(p) for p in e.get("loc", ())],
-            "msg": str(e.get("msg", "")),
+            "msg": problem.message,
             "type": str(e.get("type", "")),
         }
-        for e in exc.errors()
+        for e, problem in zip(raw, explain(raw), strict=True)
     ]
     summary = "; ".join(f"{_field_path(e['loc'])}: {e['msg']}" for e in errors[:5])
     first = _field_path(errors[0]["loc"]) if errors else None

@@ -4,6 +4,10 @@ non-zero exits with the server's message."""
 from __future__ import annotations
 
 import json
+import re
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -90,3 +94,164 @@ def test_bad_spec_file_and_unreachable_server(
     assert "global_batch" in str(exc.value)
     assert main(["jobs", "list", "--server", "http://127.0.0.1:9"]) == 1
     assert "cannot reach" in capsys.readouterr().err
+
+
+def _column(table: str, header: str, after: str) -> str:
+    """The text of one column of a one-row table, its folded pieces joined: the column spans
+    from its header's offset to the next header's."""
+    lines = table.splitlines()
+    head = next(i for i, line in enumerate(lines) if f" {header} " in line)
+    start, end = lines[head].index(f" {header} "), lines[head].index(f" {after} ")
+    body = [line for line in lines[head + 2 :] if line.strip()]
+    return "".join(line[start:end].strip() for line in body)
+
+
+def test_spec_problems_all_in_words(tmp_path: Path) -> None:
+    """Every problem of a spec at once, named by field, patterns in words, misspelt keys
+    matched to what was meant; the server is never asked."""
+    spec = tmp_path / "bad.yaml"
+    spec.write_text(
+        "name: 'my job!'\n"
+        "workload: {builtin: mlp, sede: 3}\n"
+        "globl_batch: 64\n"
+        "iterations: 10\n"
+        "workers: 2\n"
+        "polcy: {name: minmax}\n"
+    )
+    with pytest.raises(SystemExit) as exc:
+        main(["jobs", "submit", str(spec), "--server", "http://127.0.0.1:9"])
+    message = str(exc.value)
+    assert "has 5 problems" in message
+    assert "name: must start with a letter or digit" in message
+    assert "workload.sede: unknown key; did you mean 'seed'?" in message
+    assert "globl_batch: unknown key; did you mean 'global_batch'?" in message
+    assert "polcy: unknown key; did you mean 'policy'?" in message
+    assert "global_batch: is required" in message
+    assert "^[" not in message  # no raw regular expression
+
+
+def test_server_without_scheme_accepted_bad_scheme_refused(
+    env: LiveServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    host_port = env.url.removeprefix("http://")
+    assert main(["jobs", "list", "--server", host_port]) == 0
+    with pytest.raises(SystemExit) as exc:
+        main(["jobs", "list", "--server", "ftp://example"])
+    assert exc.value.code == 2
+    assert "not an http(s) address" in capsys.readouterr().err
+
+
+@pytest.fixture
+def html_server() -> Iterator[str]:
+    """Something that is not Evenflow on a port: every path is an HTML 404 page."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def _page(self) -> None:
+            body = b"<html><body><h1>404 Not Found</h1>" + b"x" * 2000 + b"</body></html>"
+            self.send_response(404)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = _page
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+
+
+def test_wrong_server_one_line_and_agent_stops(
+    html_server: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["jobs", "list", "--server", html_server, "--token", "ef_x"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "<html>" not in err
+    assert "not an Evenflow API answer" in err
+    with pytest.raises(SystemExit) as exc:  # refused at once, not retried every few seconds
+        main(
+            [
+                "agent",
+                "--server",
+                html_server,
+                "--token",
+                "ef_x",
+                "--name",
+                "h",
+                "--cpu-workers",
+                "1",
+                "--workdir",
+                str(tmp_path),
+            ]
+        )
+    assert "not an Evenflow API answer" in str(exc.value)
+
+
+def test_plan_override_events_watch_and_devices(
+    env: LiveServer,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("COLUMNS", "80")
+    client = ApiClient(make_http(env.url, env.admin_token))
+    host = client.register_host(
+        HostRegister(
+            protocol_version=PROTOCOL_VERSION,
+            name="watch-host",
+            address="127.0.0.1",
+            devices=[
+                DeviceInfo(index=i, kind=DeviceKind.CPU, model="CPU", memory_mb=64)
+                for i in range(2)
+            ],
+        )
+    )
+    long_name = "a-rather-long-job-name-that-does-not-fit-in-a-column-" + "z" * 40
+    spec = tmp_path / "job.yaml"
+    spec.write_text(
+        f"name: {long_name}\nworkload: {{builtin: mlp}}\nglobal_batch: 64\niterations: 10\nworkers: 2\n"
+    )
+    job = _json(capsys, "jobs", "submit", str(spec))
+    assert isinstance(job, dict)
+    job_id = str(job["id"])
+
+    assert main(["jobs", "list"]) == 0
+    listed = capsys.readouterr().out
+    assert "…" not in listed  # folded at 80 columns, never cut short
+    assert max(len(line) for line in listed.splitlines()) <= 80
+    assert _column(listed, "name", "status") == long_name
+    assert re.search(r"\b\d\d-\d\d \d\d:\d\d\b", listed)  # the created time, whole
+
+    assert main(["hosts", "list"]) == 0
+    hosts = capsys.readouterr().out
+    assert "watch-host" in hosts
+    for device in host.devices:  # the ids a spec's devices: names
+        assert f" {device.id} " in hosts
+
+    assert main(["jobs", "plan", job_id]) == 0
+    assert "plan v1" in capsys.readouterr().out
+
+    args = ["jobs", "override", job_id, "set_batches", "--batches", "40,24", "--reason", "try"]
+    assert main([*args, "--preview"]) == 0
+    assert "would make plan v" in capsys.readouterr().out
+    assert client.plan(int(job_id)).batch_sizes == [32, 32]  # type: ignore[union-attr]
+    assert main(args) == 0
+    assert "[40, 24]" in capsys.readouterr().out
+    assert client.plan(int(job_id)).batch_sizes == [40, 24]  # type: ignore[union-attr]
+    with pytest.raises(SystemExit) as exc:
+        main(["jobs", "override", job_id, "set_batches", "--batches", "4,x", "--reason", "r"])
+    assert "--batches must be integers" in str(exc.value)
+
+    events = _json(capsys, "jobs", "events", job_id)
+    assert events == []
+
+    assert main(["jobs", "watch", job_id, "--count", "2", "--interval", "0.01"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2
+    assert all(line.startswith(f"job {job_id} starting") for line in lines)
+    assert "plan v2 [40, 24]" in lines[-1]

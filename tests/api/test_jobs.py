@@ -116,6 +116,27 @@ def test_bad_specs_are_422_naming_the_field(api: Api) -> None:
     assert api.client.get("/api/v1/jobs", headers=api.headers()).json()["total"] == 0
 
 
+def test_422_speaks_words_for_patterns_keys_and_checks(api: Api) -> None:
+    body = {
+        "name": "my job!",
+        "workload": {"builtin": "mlp"},
+        "global_batch": 8,
+        "iterations": 1,
+        "workers": 1,
+        "surprise": 1,
+    }
+    r = api.client.post("/api/v1/jobs", json=body, headers=api.headers())
+    assert r.status_code == 422
+    detail = r.json()["detail"]
+    assert "name: must start with a letter or digit" in detail
+    assert "surprise: unknown key" in detail
+    assert "^[" not in detail  # no raw regular expression
+    body = {**body, "name": "j", "epochs": 2}
+    del body["surprise"]
+    r = api.client.post("/api/v1/jobs", json=body, headers=api.headers())
+    assert r.json()["detail"].endswith(": give exactly one of iterations or epochs")
+
+
 def test_list_is_newest_first_with_total(api: Api) -> None:
     ids = [api.submit(workers=1)["id"] for _ in range(3)]
     page = api.client.get("/api/v1/jobs?limit=2", headers=api.headers()).json()
