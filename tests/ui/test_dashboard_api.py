@@ -99,7 +99,7 @@ def test_stream_sends_new_telemetry_plans_and_job_state(sqlite_api: Api) -> None
         api.client.post(
             f"/api/v1/jobs/{job}/overrides", json=body, headers=api.headers()
         ).status_code
-        == 200
+        == 201
     )
     messages = _read_stream(
         api, f"/api/v1/jobs/{job}/stream?after={last_id}&plan_version=1&event_after=0&max_s=0.5"
