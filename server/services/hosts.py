@@ -1,4 +1,12 @@
-"""Hosts and their devices: registration, heartbeats, and marking silent hosts lost."""
+"""Hosts and their devices: registration, heartbeats, and marking silent hosts lost.
+
+A device is never shown free while a worker may still run on it. When a job ends, the device of
+each rank its agent has not yet reported ended stays busy (``jobs.may_still_run``), until that
+agent reports the rank ended (it stops the process first), or the host has been silent for
+``after_s + WORKER_ORPHAN_EXIT_S`` (``release_silent``): lost, and long enough that a dead
+agent's workers have certainly exited by their own check (``agent.runtime.parent``). A lost
+host's devices are offline meanwhile, and come back busy until its agent reports those ranks.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +15,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import select
 from sqlalchemy.orm import Session, selectinload
 
-from contract.agent import Assignment, Heartbeat, HeartbeatAck, HostRegister
+from contract.agent import WORKER_ORPHAN_EXIT_S, Assignment, Heartbeat, HeartbeatAck, HostRegister
 from contract.base import PROTOCOL_VERSION
 from contract.enums import DeviceKind, DeviceStatus, HostStatus, JobStatus, Role, WorkerState
 from server.errors import Conflict, Forbidden, NotFound, ProtocolMismatch
@@ -228,3 +236,27 @@ def mark_lost(session: Session, now: datetime, after_s: float) -> list[Host]:
                     session, job, JobStatus.FAILED, now, error=f"host '{host.name}' was lost"
                 )
     return lost
+
+
+def release_silent(session: Session, now: datetime, after_s: float) -> list[Device]:
+    """Free the devices that ended jobs still hold on hosts silent for longer than ``after_s``
+    (the lost-host limit) plus ``WORKER_ORPHAN_EXIT_S``: their agent is taken for dead, and
+    workers exit within that bound of their agent's death. Returns the devices released."""
+    cutoff = now - timedelta(seconds=after_s + WORKER_ORPHAN_EXIT_S)
+    held = list(
+        session.scalars(
+            select(Device)
+            .join(Job, Device.job_id == Job.id)
+            .join(Host, Device.host_id == Host.id)
+            .where(
+                Job.status.in_([s.value for s in JobStatus if s.terminal]),
+                Host.last_heartbeat < cutoff,
+            )
+        )
+    )
+    for dev in held:
+        jobs.release(dev)
+    if held:
+        session.flush()
+        scheduler.place_pending(session, now)
+    return held
