@@ -8,6 +8,7 @@ knows are stopped too. States follow ``contract.enums.WorkerState``::
 
     (assigned) --launch--> RUNNING --exit 0--> SUCCEEDED
                               |----exit != 0--> FAILED (root-cause traceback from the error file)
+                              |----signal-----> FAILED ("killed by SIGKILL")
                               +----stopped----> STOPPED
 
 Each worker gets its environment from an allow-list (``agent.environment``) and its own
@@ -15,6 +16,13 @@ credential, minted for its job and rank and sent in its assignment, as ``EVENFLO
 code never sees the agent's token nor any variable the operator marks secret. A worker that
 stops because its job ended on the control plane exits with ``WORKER_EXIT_JOB_ENDED`` and is
 reported stopped.
+
+Processes are started, polled and stopped through an injected ``agent.launcher.Launcher``
+(tests script one). The real one records each running worker (pid, start time) under
+``workdir/state``: the agent stops what an earlier agent of the host left there before it
+registers, so a restarted agent never launches a rank beside its still-running old self. Each
+worker gets the agent's pid (``EVENFLOW_AGENT_PID``) and dies with it
+(``agent.runtime.parent``).
 
 The agent holds its host by an instance id (one per process). A second agent registering the
 same host name while this one heartbeats is refused (409) unless it asks to replace it; once

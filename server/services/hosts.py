@@ -5,7 +5,8 @@ each rank its agent has not yet reported ended stays busy (``jobs.may_still_run`
 agent reports the rank ended (it stops the process first), or the host has been silent for
 ``after_s + WORKER_ORPHAN_EXIT_S`` (``release_silent``): lost, and long enough that a dead
 agent's workers have certainly exited by their own check (``agent.runtime.parent``). A lost
-host's devices are offline meanwhile, and come back busy until its agent reports those ranks.
+host's devices are offline meanwhile; if it comes back (an agent that was only cut off keeps
+its workers), they are busy again until its agent reports those ranks ended.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def register(
         else:
             dev.model, dev.memory_mb = info.model, info.memory_mb
             if dev.status == DeviceStatus.OFFLINE.value:
-                dev.status = DeviceStatus.BUSY if dev.job_id else DeviceStatus.FREE
+                _back_online(session, dev)
     for key, dev in existing.items():
         if key not in reported and dev.job_id is None:
             dev.status = DeviceStatus.OFFLINE
@@ -134,6 +135,15 @@ def _check_instance(
         )
 
 
+def _back_online(session: Session, dev: Device) -> None:
+    """An offline device comes back: busy while a rank may still run on it (its job's, or that
+    of an ended job whose rank the host's agent has not reported ended: ``release_silent`` may
+    have let go of it while the host was lost, as its agent was taken for dead), else free."""
+    if dev.job_id is None:
+        dev.job_id = jobs.job_still_running_on(session, dev.id)
+    dev.status = DeviceStatus.BUSY if dev.job_id else DeviceStatus.FREE
+
+
 def get(session: Session, host_id: int) -> Host:
     host = session.get(Host, host_id, options=[selectinload(Host.devices)])
     if host is None:
@@ -162,7 +172,7 @@ def heartbeat(
         host.status = HostStatus.ACTIVE
         for dev in host.devices:
             if dev.status == DeviceStatus.OFFLINE.value:
-                dev.status = DeviceStatus.BUSY if dev.job_id else DeviceStatus.FREE
+                _back_online(session, dev)
         record(session, principal.name, "host.recovered", f"host:{host.id}")
         scheduler.place_pending(session, now)
     for report in hb.workers:
@@ -239,9 +249,11 @@ def mark_lost(session: Session, now: datetime, after_s: float) -> list[Host]:
 
 
 def release_silent(session: Session, now: datetime, after_s: float) -> list[Device]:
-    """Free the devices that ended jobs still hold on hosts silent for longer than ``after_s``
-    (the lost-host limit) plus ``WORKER_ORPHAN_EXIT_S``: their agent is taken for dead, and
-    workers exit within that bound of their agent's death. Returns the devices released."""
+    """Let go of the devices that ended jobs still hold on lost hosts silent for longer than
+    ``after_s`` (the lost-host limit) plus ``WORKER_ORPHAN_EXIT_S``: their agent is taken for
+    dead, and workers exit within that bound of their agent's death. The devices stay offline
+    while their host is lost; should it come back, they are busy again until its agent reports
+    those ranks ended (``_back_online``). Returns the devices released."""
     cutoff = now - timedelta(seconds=after_s + WORKER_ORPHAN_EXIT_S)
     held = list(
         session.scalars(
@@ -250,6 +262,7 @@ def release_silent(session: Session, now: datetime, after_s: float) -> list[Devi
             .join(Host, Device.host_id == Host.id)
             .where(
                 Job.status.in_([s.value for s in JobStatus if s.terminal]),
+                Host.status == HostStatus.LOST.value,
                 Host.last_heartbeat < cutoff,
             )
         )

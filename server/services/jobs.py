@@ -106,6 +106,17 @@ def may_still_run(worker: Worker | None) -> bool:
     )
 
 
+def job_still_running_on(session: Session, device_id: int) -> int | None:
+    """The job of a rank on this device that ``may_still_run``, if any."""
+    return session.scalar(
+        select(Worker.job_id).where(
+            Worker.device_id == device_id,
+            Worker.token_hash.is_not(None),
+            Worker.state.not_in([s.value for s in WorkerState if s.terminal]),
+        )
+    )
+
+
 def release(device: Device) -> None:
     """Give a device of an ended job back: free, or offline while its host is lost."""
     device.job_id = None

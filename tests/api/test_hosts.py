@@ -152,7 +152,12 @@ def test_a_silent_hosts_devices_are_released_only_once_its_workers_have_surely_e
     with transaction(sessions) as s:
         assert len(hosts.release_silent(s, last + timedelta(seconds=41), after_s=30)) == 2
     assert _devices(api) == [("offline", None), ("offline", None)]
-    _heartbeat(api, host)
+    # Should its agent have been only cut off, it comes back still running those workers:
+    # busy again until it reports them stopped.
+    ack = _heartbeat(api, host)
+    assert _devices(api) == [("busy", job["id"]), ("busy", job["id"])]
+    assert {a["desired"] for a in ack["assignments"]} == {"stop"}
+    _heartbeat(api, host, (job["id"], 0, "stopped"), (job["id"], 1, "stopped"))
     assert _devices(api) == [("free", None), ("free", None)]
 
 
