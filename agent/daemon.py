@@ -17,11 +17,11 @@ code never sees the agent's token nor any variable the operator marks secret. A 
 stops because its job ended on the control plane exits with ``WORKER_EXIT_JOB_ENDED`` and is
 reported stopped.
 
-Processes are started, polled and stopped through an injected ``agent.launcher.Launcher``
-(tests script one). The real one records each running worker (pid, start time) under
-``workdir/state``: the agent stops what an earlier agent of the host left there before it
-registers, so a restarted agent never launches a rank beside its still-running old self. Each
-worker gets the agent's pid (``EVENFLOW_AGENT_PID``) and dies with it
+Processes are started, polled and stopped through an injected ``agent.launcher.Launcher`` (tests
+script one). The real one records each running worker (pid, start time) under
+``workdir/state/<host name>``: the agent stops what an earlier agent of the host left there once
+it has registered, so a restarted agent never launches a rank beside its still-running old self.
+Each worker gets the agent's pid (``EVENFLOW_AGENT_PID``) and dies with it
 (``agent.runtime.parent``).
 
 The agent holds its host by an instance id (one per process). A second agent registering the
@@ -157,7 +157,8 @@ class Agent:
     """Another instance took the host over: this one must stop."""
     launcher: Launcher | None = None
     """Starts and stops the worker processes (default: ``SubprocessLauncher`` keeping its
-    state under ``workdir/state``); tests pass a scripted one."""
+    state under ``workdir/state/<name>``, so agents of other host names sharing a workdir
+    never touch each other's workers); tests pass a scripted one."""
     host_id: int | None = None
     procs: dict[tuple[int, int], WorkerProcess] = field(default_factory=dict)
     done: set[tuple[int, int]] = field(default_factory=set)
@@ -166,14 +167,14 @@ class Agent:
 
     def __post_init__(self) -> None:
         if self.launcher is None:
-            self.launcher = SubprocessLauncher(self.workdir / "state")
+            self.launcher = SubprocessLauncher(self.workdir / "state" / self.name)
         self._launcher: Launcher = self.launcher
 
     # ------------------------------------------------------------------ control plane
     def register(self) -> int:
-        """Stop what an earlier agent of this host left running, then (re)register: nothing is
-        launched before the leftovers are gone."""
-        self._launcher.stop_leftovers()
+        """Register (or re-register), then stop what an earlier agent of this host left running:
+        before anything is launched, and never while another live agent holds the host (that
+        registration is refused first)."""
         host = self.client.register_host(
             HostRegister(
                 protocol_version=PROTOCOL_VERSION,
@@ -184,6 +185,7 @@ class Agent:
                 replace=self.replace,
             )
         )
+        self._launcher.stop_leftovers()
         self.host_id = host.id
         log.info(
             "registered host %s (id %d) with %d device(s)", self.name, host.id, len(self.devices)

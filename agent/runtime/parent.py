@@ -4,8 +4,9 @@ agent that launched it is gone.
 Two guards, both armed by :func:`die_with_agent` at the worker's start:
 
 - On Linux, ``PR_SET_PDEATHSIG``: the kernel sends the worker SIGKILL the moment its parent
-  (the agent thread that started it) dies. Set in the worker rather than in a ``preexec_fn``
-  (unsafe in the agent, which has threads).
+  dies; strictly, when the parent's *thread* that started it ends, so the agent launches from
+  the thread that runs its loop, which stops every worker before it ends. Set in the worker
+  rather than in a ``preexec_fn`` (unsafe in the agent, which has threads).
 - Everywhere, a check that the parent is still the agent (``EVENFLOW_AGENT_PID``): at once,
   which covers an agent that died before the signal was armed, then every
   ``CHECK_INTERVAL_S`` in a daemon thread. A changed parent pid means the agent is gone

@@ -138,7 +138,7 @@ def test_cancel_stops_the_workers(agent: tuple[Agent, ApiClient]) -> None:
     admin.cancel(job.id)
     _wait(lambda: all(w.state.value == "stopped" for w in admin.job(job.id).workers), timeout=60)
     assert all(p.state is WorkerState.STOPPED for p in a.procs.values())
-    assert not list((a.workdir / "state").iterdir())  # no process left to stop
+    assert not list((a.workdir / "state" / a.name).iterdir())  # no process left to stop
     # The devices are free again for the next job.
     assert all(d.status.value == "free" for h in admin.hosts() for d in h.devices)
 

@@ -87,7 +87,7 @@ def test_a_restarted_agent_stops_leftovers_before_it_registers_but_never_a_reuse
 ) -> None:
     leftover, unrelated = _sleeper(), _sleeper()
     reaped += [leftover.pid, unrelated.pid]
-    state = tmp_path / "state"
+    state = tmp_path / "state" / "host-a"
     started = process_start_time(leftover.pid)
     _write_state(state, leftover.pid, started)
     # A file naming a pid the kernel has since given to an unrelated process: its start time
@@ -147,7 +147,10 @@ def test_workers_die_within_10_s_of_a_kill_9_of_their_agent(
             }
         )
         assert _wait_for(lambda: len(admin.telemetry(job.id, limit=10)) > 0, 180, 0.5)
-        records = [json.loads(p.read_text()) for p in (workdir / "state").glob("worker-*.json")]
+        records = [
+            json.loads(p.read_text())
+            for p in (workdir / "state" / "orphan-host").glob("worker-*.json")
+        ]
         workers = {r["pid"]: r["start_time"] for r in records}
         reaped += list(workers)
         assert len(workers) == 2 and all(not _gone(p, t) for p, t in workers.items())
