@@ -37,6 +37,10 @@ WORKER_EXIT_JOB_ENDED = 3
 """A worker's exit status when it stopped because its job had ended on the control plane
 (its telemetry was answered 409 or its credential refused): the agent reports it stopped."""
 
+WORKER_ORPHAN_EXIT_S = 10.0
+"""A worker exits within this long of its agent's death (``agent.runtime.parent``): the control
+plane counts on it before it shows the devices of a silent host's ended jobs free."""
+
 
 class HostRegister(Request):
     protocol_version: int = Field(ge=0, le=MAX_ID)
@@ -69,6 +73,8 @@ class WorkerReport(Request):
     rank: int = Field(ge=0, lt=MAX_WORKERS)
     state: WorkerState = Field(strict=False)
     exit_code: int | None = Field(default=None, ge=-(2**31), le=MAX_ID)
+    signal: str | None = Field(default=None, pattern=r"^SIG[A-Z0-9+]{1,16}$")
+    """The signal that killed the process (``SIGKILL``), when one did."""
     error: Text | None = Field(default=None, max_length=65_536)
 
 

@@ -590,7 +590,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--workdir",
         default=os.environ.get("EVENFLOW_WORKDIR", "evenflow-agent"),
-        help="worker logs and error files",
+        help="worker logs, error files and the state of running workers",
     )
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=cmd_agent)

@@ -179,8 +179,11 @@ class Controller:
     def reap(self) -> None:
         s = self.settings
         with self.write_lock, transaction(self.sessions) as session:
-            for host in host_service.mark_lost(session, datetime.now(UTC), s.host_lost_after_s):
+            now = datetime.now(UTC)
+            for host in host_service.mark_lost(session, now, s.host_lost_after_s):
                 log.warning("host %s marked lost", host.name)
+            for dev in host_service.release_silent(session, now, s.host_lost_after_s):
+                log.info("device %d of silent host %d released", dev.id, dev.host_id)
 
 
 class RoundStats:

@@ -19,11 +19,14 @@ The agent daemon launches one process per rank with this environment:
 ``EVENFLOW_LOG_LEVEL``      optional; default ``INFO``
 ``EVENFLOW_ERROR_FILE``     optional; where the traceback of a failure is written, so the
                             agent reports the root cause rather than a log tail
+``EVENFLOW_AGENT_PID``      optional; the launching agent's pid: the worker exits (status 4)
+                            within 10 s of that agent's death (``agent.runtime.parent``)
 ==========================  =================================================================
 
 Exit status 0 after a completed run, 1 on any failure (the traceback is logged to stderr), 2
 when the environment is incomplete or malformed, 3 (``WORKER_EXIT_JOB_ENDED``) when the control
-plane said the job had ended (its telemetry answered 409): one log line, no traceback.
+plane said the job had ended (its telemetry answered 409): one log line, no traceback; 4 when
+its agent died.
 
 ``EVENFLOW_TOKEN`` is the rank's own credential, minted for this job and rank: it reads the
 job's plan and posts this rank's telemetry, nothing else, and dies with the job.
@@ -41,6 +44,7 @@ import traceback
 import httpx
 from pydantic import ValidationError
 
+from agent.runtime.parent import die_with_agent
 from agent.runtime.remote import RemoteControlPlane
 from agent.runtime.telemetry import TelemetryClosed
 from agent.runtime.trainer import RunResult, RuntimeOptions, run_training
@@ -75,6 +79,8 @@ def worker_main(environ: dict[str, str] | None = None) -> int:
         format=f"%(asctime)s rank{env.get('RANK', '?')} %(name)s %(levelname)s %(message)s",
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per poll
+    if env.get("EVENFLOW_AGENT_PID", "").isdigit():  # launched by an agent: die with it
+        die_with_agent(int(env["EVENFLOW_AGENT_PID"]))
     missing = [k for k in REQUIRED if not env.get(k)]
     if missing:
         log.error("missing environment variables: %s", ", ".join(missing))

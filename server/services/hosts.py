@@ -1,4 +1,13 @@
-"""Hosts and their devices: registration, heartbeats, and marking silent hosts lost."""
+"""Hosts and their devices: registration, heartbeats, and marking silent hosts lost.
+
+A device is never shown free while a worker may still run on it. When a job ends, the device of
+each rank its agent has not yet reported ended stays busy (``jobs.may_still_run``), until that
+agent reports the rank ended (it stops the process first), or the host has been silent for
+``after_s + WORKER_ORPHAN_EXIT_S`` (``release_silent``): lost, and long enough that a dead
+agent's workers have certainly exited by their own check (``agent.runtime.parent``). A lost
+host's devices are offline meanwhile; if it comes back (an agent that was only cut off keeps
+its workers), they are busy again until its agent reports those ranks ended.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +16,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import select
 from sqlalchemy.orm import Session, selectinload
 
-from contract.agent import Assignment, Heartbeat, HeartbeatAck, HostRegister
+from contract.agent import WORKER_ORPHAN_EXIT_S, Assignment, Heartbeat, HeartbeatAck, HostRegister
 from contract.base import PROTOCOL_VERSION
 from contract.enums import DeviceKind, DeviceStatus, HostStatus, JobStatus, Role, WorkerState
 from server.errors import Conflict, Forbidden, NotFound, ProtocolMismatch
@@ -88,7 +97,7 @@ def register(
         else:
             dev.model, dev.memory_mb = info.model, info.memory_mb
             if dev.status == DeviceStatus.OFFLINE.value:
-                dev.status = DeviceStatus.BUSY if dev.job_id else DeviceStatus.FREE
+                _back_online(session, dev)
     for key, dev in existing.items():
         if key not in reported and dev.job_id is None:
             dev.status = DeviceStatus.OFFLINE
@@ -126,6 +135,15 @@ def _check_instance(
         )
 
 
+def _back_online(session: Session, dev: Device) -> None:
+    """An offline device comes back: busy while a rank may still run on it (its job's, or that
+    of an ended job whose rank the host's agent has not reported ended: ``release_silent`` may
+    have let go of it while the host was lost, as its agent was taken for dead), else free."""
+    if dev.job_id is None:
+        dev.job_id = jobs.job_still_running_on(session, dev.id)
+    dev.status = DeviceStatus.BUSY if dev.job_id else DeviceStatus.FREE
+
+
 def get(session: Session, host_id: int) -> Host:
     host = session.get(Host, host_id, options=[selectinload(Host.devices)])
     if host is None:
@@ -154,7 +172,7 @@ def heartbeat(
         host.status = HostStatus.ACTIVE
         for dev in host.devices:
             if dev.status == DeviceStatus.OFFLINE.value:
-                dev.status = DeviceStatus.BUSY if dev.job_id else DeviceStatus.FREE
+                _back_online(session, dev)
         record(session, principal.name, "host.recovered", f"host:{host.id}")
         scheduler.place_pending(session, now)
     for report in hb.workers:
@@ -228,3 +246,30 @@ def mark_lost(session: Session, now: datetime, after_s: float) -> list[Host]:
                     session, job, JobStatus.FAILED, now, error=f"host '{host.name}' was lost"
                 )
     return lost
+
+
+def release_silent(session: Session, now: datetime, after_s: float) -> list[Device]:
+    """Let go of the devices that ended jobs still hold on lost hosts silent for longer than
+    ``after_s`` (the lost-host limit) plus ``WORKER_ORPHAN_EXIT_S``: their agent is taken for
+    dead, and workers exit within that bound of their agent's death. The devices stay offline
+    while their host is lost; should it come back, they are busy again until its agent reports
+    those ranks ended (``_back_online``). Returns the devices released."""
+    cutoff = now - timedelta(seconds=after_s + WORKER_ORPHAN_EXIT_S)
+    held = list(
+        session.scalars(
+            select(Device)
+            .join(Job, Device.job_id == Job.id)
+            .join(Host, Device.host_id == Host.id)
+            .where(
+                Job.status.in_([s.value for s in JobStatus if s.terminal]),
+                Host.status == HostStatus.LOST.value,
+                Host.last_heartbeat < cutoff,
+            )
+        )
+    )
+    for dev in held:
+        jobs.release(dev)
+    if held:
+        session.flush()
+        scheduler.place_pending(session, now)
+    return held

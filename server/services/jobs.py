@@ -79,17 +79,49 @@ def transition(job: Job, to: JobStatus) -> None:
 def finish(
     session: Session, job: Job, status: JobStatus, now: datetime, *, error: str | None = None
 ) -> None:
-    """Move a job to a terminal state and give its devices back."""
+    """Move a job to a terminal state and give back the devices no rank of it may still run on
+    (``may_still_run``); the others follow as their agents report the ranks ended."""
     transition(job, status)
     job.finished_at = now
     job.error = error
     mark_tokens_changed(session)  # its workers' credentials die with it (cached ones too)
+    on_device = {w.device_id: w for w in job.workers}
     for dev in session.scalars(select(Device).where(Device.job_id == job.id)):
-        dev.job_id = None
-        if dev.status == DeviceStatus.BUSY.value:
-            dev.status = DeviceStatus.FREE
+        if not may_still_run(on_device.get(dev.id)):
+            release(dev)
     session.flush()
     scheduler.place_pending(session, now)
+
+
+def may_still_run(worker: Worker | None) -> bool:
+    """Whether a process of this rank may still be running, so its device is not free even
+    though its job has ended: the rank was handed to its agent (its credential was minted) and
+    the agent has not reported it ended (succeeded, failed or stopped; an agent reports a rank
+    stopped only once its process is gone). ``hosts.release_silent`` frees the device of a rank
+    whose host has fallen silent for good."""
+    return (
+        worker is not None
+        and worker.token_hash is not None
+        and not WorkerState(worker.state).terminal
+    )
+
+
+def job_still_running_on(session: Session, device_id: int) -> int | None:
+    """The job of a rank on this device that ``may_still_run``, if any."""
+    return session.scalar(
+        select(Worker.job_id).where(
+            Worker.device_id == device_id,
+            Worker.token_hash.is_not(None),
+            Worker.state.not_in([s.value for s in WorkerState if s.terminal]),
+        )
+    )
+
+
+def release(device: Device) -> None:
+    """Give a device of an ended job back: free, or offline while its host is lost."""
+    device.job_id = None
+    if device.status == DeviceStatus.BUSY.value:
+        device.status = DeviceStatus.FREE
 
 
 def cancel(session: Session, job_id: int, principal: Principal, now: datetime) -> Job:
@@ -110,12 +142,16 @@ def rank0_address(session: Session, job: Job) -> str:
 def apply_worker_report(
     session: Session, host: Host, report: WorkerReport, principal: Principal, now: datetime
 ) -> None:
-    """A worker changed state on ``host``; advance the worker and, through it, the job."""
+    """A worker changed state on ``host``; advance the worker and, through it, the job.
+
+    A report about a rank the control plane does not know (its database was reset, or the job
+    removed) is skipped rather than refusing the whole heartbeat: the answer does not list that
+    rank, so the agent stops the process."""
     worker = session.scalars(
         select(Worker).where(Worker.job_id == report.job_id, Worker.rank == report.rank)
     ).first()
     if worker is None:
-        raise NotFound(f"job {report.job_id} has no rank {report.rank}", field="workers")
+        return
     if worker.host_id != host.id:
         raise Forbidden(
             f"rank {report.rank} of job {report.job_id} does not run on host '{host.name}'"
@@ -132,17 +168,11 @@ def apply_worker_report(
     job = get(session, report.job_id)
     status = JobStatus(job.status)
     if status.terminal:
+        _release_ended_rank(session, worker, now)
         return
     states = [WorkerState(w.state) for w in job.workers]
     if to is WorkerState.FAILED:
-        tail = (report.error or f"exit code {report.exit_code}").strip().splitlines()[-1:]
-        finish(
-            session,
-            job,
-            JobStatus.FAILED,
-            now,
-            error=f"rank {report.rank} failed: {' '.join(tail)}",
-        )
+        finish(session, job, JobStatus.FAILED, now, error=_failure(report))
         record(session, principal.name, "job.failed", f"job:{job.id}", {"rank": report.rank})
     elif all(s is WorkerState.SUCCEEDED for s in states):
         if status is JobStatus.STARTING:
@@ -153,6 +183,24 @@ def apply_worker_report(
     ):
         transition(job, JobStatus.RUNNING)
         job.started_at = now
+
+
+def _release_ended_rank(session: Session, worker: Worker, now: datetime) -> None:
+    """The rank of an ended job is now reported ended too: its device is free at last."""
+    device = session.get(Device, worker.device_id) if worker.device_id is not None else None
+    if device is not None and device.job_id == worker.job_id and not may_still_run(worker):
+        release(device)
+        session.flush()
+        scheduler.place_pending(session, now)
+
+
+def _failure(report: WorkerReport) -> str:
+    """A job's error from its failed rank's report: the signal that killed the rank, else the
+    last line of its root cause (a traceback's last line names the exception)."""
+    if report.signal is not None:
+        return f"rank {report.rank} killed by {report.signal}"
+    tail = (report.error or f"exit code {report.exit_code}").strip().splitlines()[-1:]
+    return f"rank {report.rank} failed: {' '.join(tail)}"
 
 
 _RANKS_ON_HOST = (

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -15,7 +17,7 @@ import pytest
 from agent.client import ApiClient, make_http
 from agent.daemon import Agent, discover_devices
 from contract.api import TokenCreate
-from contract.enums import DeviceKind, JobStatus, Role
+from contract.enums import DeviceKind, JobStatus, Role, WorkerState
 from tests.conftest import ROOT, LiveServer
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
@@ -115,13 +117,28 @@ def test_failed_rank_fails_the_job_with_its_traceback(agent: tuple[Agent, ApiCli
     assert w1.error is not None and "Traceback" in w1.error and "RuntimeError: boom" in w1.error
 
 
+def test_a_rank_killed_by_sigkill_fails_the_job_naming_the_signal(
+    agent: tuple[Agent, ApiClient],
+) -> None:
+    a, admin = agent
+    job = admin.submit(_spec(iterations=100_000))
+    _wait(lambda: len(admin.telemetry(job.id, limit=10)) > 0)
+    os.kill(a.procs[(job.id, 1)].pid, signal.SIGKILL)  # as the kernel's OOM killer would
+    done = _wait(lambda: (j := admin.job(job.id)).status.terminal and j, timeout=60)
+    assert done.status is JobStatus.FAILED
+    assert done.error == "rank 1 killed by SIGKILL"
+    w1 = next(w for w in done.workers if w.rank == 1)
+    assert w1.exit_code == -9 and w1.error is not None and w1.error.startswith("killed by SIGKILL")
+
+
 def test_cancel_stops_the_workers(agent: tuple[Agent, ApiClient]) -> None:
     a, admin = agent
     job = admin.submit(_spec(iterations=100_000))
     _wait(lambda: len(admin.telemetry(job.id, limit=10)) > 0)
     admin.cancel(job.id)
     _wait(lambda: all(w.state.value == "stopped" for w in admin.job(job.id).workers), timeout=60)
-    assert all(p.popen.poll() is not None for p in a.procs.values())
+    assert all(p.state is WorkerState.STOPPED for p in a.procs.values())
+    assert not list((a.workdir / "state" / a.name).iterdir())  # no process left to stop
     # The devices are free again for the next job.
     assert all(d.status.value == "free" for h in admin.hosts() for d in h.devices)
 
