@@ -1,7 +1,7 @@
 // The jobs page: the job list with each running job's speed, and the submit form.
 
 import { api } from "./api.js";
-import { $, $$, banner, canOperate, clear, el, fmtAgo, fmtNum, statusBadge } from "./dom.js";
+import { $, $$, banner, canOperate, clear, el, fmtAgo, fmtNum, parseCount, statusBadge } from "./dom.js";
 
 const REFRESH_MS = 5000;
 const table = $("#jobs-table");
@@ -51,12 +51,6 @@ function render(items, total, speeds) {
 }
 
 // ---------------------------------------------------------------- submit form
-
-function parseCount(text) {
-  if (/^-?\d+$/.test(text)) return Number(text);
-  if (/^-?\d*\.\d+$/.test(text)) return Number(text); // the API says integers only
-  return text; // not a number: the API names the field
-}
 
 function value(name) {
   return form.elements[name].value.trim();
