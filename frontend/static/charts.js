@@ -250,9 +250,10 @@ export function idleFigure(data) {
   return { data: traces, layout };
 }
 
+// From 0 ms (pale but not white: white is "no report") to the grid's largest value.
 const HEAT_SCALES = {
-  busy: [[0, "#f8fafc"], [0.35, "#fde68a"], [0.7, "#f97316"], [1, "#991b1b"]],
-  idle: [[0, "#f8fafc"], [0.5, "#93c5fd"], [1, "#1e3a8a"]],
+  busy: [[0, "#fef9c3"], [0.4, "#fcd34d"], [0.7, "#f97316"], [1, "#991b1b"]],
+  idle: [[0, "#eff6ff"], [0.5, "#60a5fa"], [1, "#1e3a8a"]],
 };
 
 /**
@@ -272,6 +273,7 @@ export function heatmapFigure(data) {
     y: data.y,
     z: data.z,
     zmin: 0,
+    zmax: data.z.reduce((m, row) => row.reduce((a, v) => (v === null ? a : Math.max(a, v)), m), 1e-9),
     colorscale: HEAT_SCALES[busy ? "busy" : "idle"],
     hoverongaps: false,
     xgap: 0,
