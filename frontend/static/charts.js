@@ -299,6 +299,26 @@ export function heatmapFigure(data) {
 }
 
 /**
+ * One line per job over iterations, for the compare page. data: {jobs: [{label, series: {x, y}}],
+ * yTitle, hover (a d3 format with its unit, e.g. "%{y:.0f} samples/s")}
+ */
+export function comparisonFigure(data) {
+  const n = data.jobs.length;
+  const traces = data.jobs.map((j, i) => ({
+    type: "scatter",
+    mode: "lines",
+    name: j.label,
+    x: j.series.x,
+    y: j.series.y,
+    line: { color: rankColour(i, n), width: 2 },
+    hovertemplate: `${j.label}: ${data.hover}<extra></extra>`,
+  }));
+  const layout = baseLayout(data.yTitle, n);
+  layout.hovermode = "x unified";
+  return { data: traces, layout };
+}
+
+/**
  * Halve the resolution of the older half of a trace once it holds more than twice `budget`
  * points, so a long-running page keeps its whole history at a bounded cost per redraw.
  * Returns null when nothing needs doing.
