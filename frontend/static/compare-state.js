@@ -18,56 +18,57 @@ export function parseJobIds(search) {
   return { ids };
 }
 
-/** Per bucket of the series: the workers' idle share (sync over all their time), in percent. */
-function idlePerBucket(series) {
-  const sums = new Map(); // iteration -> [idle, total]
+/** Per bucket (keyed by its first iteration): the workers' idle and total time, and the
+ * samples of one iteration (the sum of the ranks' mean local batches). */
+function perBucket(series) {
+  const sums = new Map(); // iteration -> {idle, total, samples}
   for (const r of series.ranks) {
     r.iteration.forEach((it, i) => {
-      const idle = r.sync_ms[i];
-      const total = r.data_ms[i] + r.compute_ms[i] + idle;
-      const s = sums.get(it) ?? [0, 0];
-      sums.set(it, [s[0] + idle, s[1] + total]);
+      const s = sums.get(it) ?? { idle: 0, total: 0, samples: 0 };
+      s.idle += r.sync_ms[i];
+      s.total += r.data_ms[i] + r.compute_ms[i] + r.sync_ms[i];
+      s.samples += r.batch_size[i];
+      sums.set(it, s);
     });
   }
-  const its = [...sums.keys()].sort((a, b) => a - b);
-  return { x: its, y: its.map((it) => (sums.get(it)[1] > 0 ? (100 * sums.get(it)[0]) / sums.get(it)[1] : 0)) };
+  return sums;
 }
 
 const mean = (xs) => (xs.length ? xs.reduce((a, b) => a + b, 0) / xs.length : null);
 
 /**
- * One job's comparable series: samples/s (the global batch over the measured iteration time),
- * the measured iteration time, and the idle share, each per bucket; and their means over the run.
+ * One job's comparable series, per bucket of iterations: samples/s (the samples of an iteration
+ * over the measured iteration time, so an epoch's short last batch counts as the few samples it
+ * had), the measured iteration time, and the workers' idle share; and the whole run's figures.
  */
 export function compareSeries(job, series) {
-  const batch = job.spec.global_batch;
   const its = series.measured.iteration;
   const ms = series.measured.iteration_ms;
-  const idle = idlePerBucket(series);
-  const meanMs = mean(ms);
-  // Weight each bucket's idle share by its time, as the whole run's share would be.
-  const idleAll = (() => {
-    let idleMs = 0;
-    let totalMs = 0;
-    for (const r of series.ranks) {
-      r.iteration.forEach((_, i) => {
-        idleMs += r.sync_ms[i];
-        totalMs += r.data_ms[i] + r.compute_ms[i] + r.sync_ms[i];
-      });
-    }
-    return totalMs > 0 ? (100 * idleMs) / totalMs : null;
-  })();
+  const buckets = perBucket(series);
+  const samplesAt = (it) => buckets.get(it)?.samples ?? job.spec.global_batch;
+  const idleIts = [...buckets.keys()].sort((a, b) => a - b);
+  let idleMs = 0;
+  let totalMs = 0;
+  for (const b of buckets.values()) {
+    idleMs += b.idle;
+    totalMs += b.total;
+  }
+  const runMs = ms.reduce((a, b) => a + b, 0);
+  const runSamples = its.reduce((a, it) => a + samplesAt(it), 0);
   return {
     id: job.id,
     label: `#${job.id} ${job.name} (${job.spec.policy?.name ?? "minmax"})`,
-    throughput: { x: its, y: ms.map((m) => (m > 0 ? (1000 * batch) / m : null)) },
+    throughput: { x: its, y: its.map((it, i) => (ms[i] > 0 ? (1000 * samplesAt(it)) / ms[i] : null)) },
     iterationMs: { x: its, y: ms },
-    idlePct: idle,
+    idlePct: {
+      x: idleIts,
+      y: idleIts.map((it) => (buckets.get(it).total > 0 ? (100 * buckets.get(it).idle) / buckets.get(it).total : 0)),
+    },
     summary: {
       iterations: series.last_iteration === null ? 0 : series.last_iteration + 1,
-      meanMs,
-      samplesPerS: meanMs ? (1000 * batch) / meanMs : null,
-      idlePct: idleAll,
+      meanMs: mean(ms),
+      samplesPerS: runMs > 0 ? (1000 * runSamples) / runMs : null,
+      idlePct: totalMs > 0 ? (100 * idleMs) / totalMs : null,
     },
   };
 }

@@ -42,11 +42,12 @@ export class LiveCharts {
     return Number.isFinite(first) && s.newest > first ? s.newest - first : 0;
   }
 
-  markers() {
+  /** Plan markers laid out for `div`'s width (labels are staggered where they would overlap). */
+  markers(div) {
     const s = this.state;
     const span = this.span();
     this.markerSpan = span;
-    const width = this.divs.time.clientWidth || 800;
+    const width = div.clientWidth || 800;
     return charts.planMarkers(s.effectList(), s.plans, { highlight: s.highlight, span, widthPx: width });
   }
 
@@ -54,12 +55,13 @@ export class LiveCharts {
   async drawHistory(history) {
     const s = this.state;
     const world = s.world;
-    const markers = this.markers();
-    const timeFig = charts.iterationTimeFigure({ world, ...history, events: { x: [], y: [], text: [] }, markers });
+    const timeFig = charts.iterationTimeFigure({
+      world, ...history, events: { x: [], y: [], text: [] }, markers: this.markers(this.divs.time),
+    });
     timeFig.data[charts.iterationTraces(world).predicted].showlegend = history.predicted.x.length > 0;
     await Promise.all([
       Plotly.react(this.divs.time, ...figureArgs(timeFig)),
-      Plotly.react(this.divs.batch, ...figureArgs(charts.batchSizeFigure({ world, batch: history.batch, markers }))),
+      Plotly.react(this.divs.batch, ...figureArgs(charts.batchSizeFigure({ world, batch: history.batch, markers: this.markers(this.divs.batch) }))),
       Plotly.react(this.divs.idle, ...figureArgs(charts.idleFigure(s.idleData()))),
       this.drawHeatmap(),
     ]);
@@ -81,12 +83,20 @@ export class LiveCharts {
     return Plotly.react(this.divs.heat, ...figureArgs(fig));
   }
 
-  /** The measured iteration time drawn at `iteration` (where an event's marker sits). */
+  /**
+   * Where an event's marker sits: the measured iteration time at `iteration`, from what waits for
+   * the slower ranks' reports, what is queued, or what is drawn (the newest point at or before it).
+   */
   eventY(iteration) {
-    const m = this.divs.time.data?.[charts.iterationTraces(this.state.world).measured];
-    if (!m || !m.x.length) return 0;
-    for (let i = m.x.length - 1; i >= 0; i -= 1) if (m.x[i] <= iteration) return m.y[i];
-    return m.y[m.y.length - 1];
+    const s = this.state;
+    const waiting = s.pending.get(iteration);
+    if (waiting) return waiting.max;
+    const before = (m) => {
+      for (let i = m.x.length - 1; i >= 0; i -= 1) if (m.x[i] <= iteration) return m.y[i];
+      return null;
+    };
+    const drawn = this.divs.time.data?.[charts.iterationTraces(s.world).measured];
+    return before(s.queue.measured) ?? (drawn ? before(drawn) : null) ?? 0;
   }
 
   /** Follow the job's stream; `on` gets {plan, event, job, effect} callbacks for the tables. */
@@ -160,9 +170,8 @@ export class LiveCharts {
     const grown = this.markerSpan > 0 && this.span() > 2 * this.markerSpan;
     if (!this.markersDirty && !grown) return;
     this.markersDirty = false;
-    const m = this.markers();
-    Plotly.relayout(this.divs.time, m);
-    Plotly.relayout(this.divs.batch, m);
+    Plotly.relayout(this.divs.time, this.markers(this.divs.time));
+    Plotly.relayout(this.divs.batch, this.markers(this.divs.batch));
   }
 
   /** The idle bars and the heatmap, at most once a second. */

@@ -56,6 +56,7 @@ export class JobState {
     this.pending = new Map(); // iteration -> {count, max, since}: its measured time so far
     this.measuredUpTo = -1; // newest iteration on the measured line (it only grows)
     this.newest = -1;
+    this.recentSpeed = null; // samples/s the server measured when the page loaded
     this.highlight = null; // plan version issued from this page
     this.heat = { busy: lanes(this.world), idle: lanes(this.world) }; // per rank, for the heatmap
     this.queue = emptyQueue(this.world);
@@ -265,13 +266,14 @@ export class JobState {
     return busy + idle > 0 ? (100 * idle) / (busy + idle) : null;
   }
 
-  /** Samples per second over rank 0's recent iterations (its own timestamps), or null. */
+  /** Samples per second over rank 0's recent iterations (its own timestamps); before two live
+   * ones, what the server measured over them when the page loaded (null if nothing). */
   speed() {
     const r = this.rank0;
-    if (r.length < 2) return null;
+    if (r.length < 2) return this.recentSpeed;
     const [it0, ts0] = r[0];
     const [it1, ts1] = r[r.length - 1];
-    return ts1 > ts0 ? (this.job.spec.global_batch * (it1 - it0)) / (ts1 - ts0) : null;
+    return ts1 > ts0 ? (this.job.spec.global_batch * (it1 - it0)) / (ts1 - ts0) : this.recentSpeed;
   }
 
   /** The heatmap's grid of `metric` ("busy" or "idle") per rank over iterations. */

@@ -5,7 +5,7 @@ import { api } from "./api.js";
 import { $, banner, fmtNum } from "./dom.js";
 import { LiveCharts } from "./job-live.js";
 import { JobState } from "./job-state.js";
-import { renderEvents, renderHead, renderHistory, renderPlan, setLive } from "./job-tables.js";
+import { renderEvents, renderHead, renderHistory, renderIdleSummary, renderPlan, renderSpeed, setLive } from "./job-tables.js";
 import { OverridePanel } from "./overrides.js";
 
 const jobId = Number($("#main").dataset.jobId);
@@ -36,13 +36,15 @@ async function load() {
   live = new LiveCharts(state, divs, () => heatSelect.value);
   renderHead(state, "connecting");
 
-  const [plans, events, series, hosts] = await Promise.all([
+  const [plans, events, series, hosts, [recent]] = await Promise.all([
     api.plans(jobId),
     api.events(jobId),
     api.series(jobId, state.budget),
     api.hosts(),
+    api.throughput([jobId]),
     loadModels(),
   ]);
+  state.recentSpeed = recent?.samples_per_s ?? null;
   state.setPlans(plans);
   state.setHosts(hosts);
   await live.drawHistory(state.loadHistory(series, events, performance.now()));
@@ -50,6 +52,8 @@ async function load() {
   renderPlan(state);
   renderHistory(state);
   renderEvents(state);
+  renderSpeed(state);
+  renderIdleSummary(state);
   panel.update();
 
   const maxVersion = Math.max(0, ...state.plans.keys());

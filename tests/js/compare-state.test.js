@@ -20,7 +20,7 @@ describe("parseJobIds", () => {
   });
 });
 
-function series(ms, ranks) {
+function series(ms, ranks, batches = ms.map(() => 100)) {
   const its = ms.map((_, i) => i * 10);
   return {
     last_iteration: its.length ? its[its.length - 1] + 9 : null,
@@ -29,6 +29,7 @@ function series(ms, ranks) {
       rank,
       iteration: its,
       data_ms: its.map(() => 0),
+      batch_size: batches,
       compute_ms: its.map(() => busy),
       sync_ms: its.map(() => idle),
     })),
@@ -49,6 +50,13 @@ describe("compareSeries", () => {
 
     const minmax = compareSeries(job(2, "minmax"), series([50, 50], [[48, 2], [48, 2]]));
     assert.deepEqual(speedups([equal, minmax]), [1, 2]);
+  });
+
+  it("counts an epoch's short last batch as the samples it had", () => {
+    // Bucket 10 ran 20 samples per rank in a fifth of the time: the same rate, not five times it.
+    const tail = compareSeries(job(4, "minmax"), series([100, 20], [[90, 10], [90, 10]], [100, 20]));
+    assert.deepEqual(tail.throughput.y, [2000, 2000]);
+    assert.equal(tail.summary.samplesPerS, 2000);
   });
 
   it("has no numbers before any telemetry", () => {

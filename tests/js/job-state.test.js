@@ -103,6 +103,8 @@ describe("live rows", () => {
   it("drops repeats, reports each plan's first iteration once, and keeps a bounded window", () => {
     const s = new JobState(job(1));
     s.loadHistory(series([[0]]), [], 0);
+    s.recentSpeed = 500;
+    assert.equal(s.speed(), 500, "the server's figure until the stream brings two iterations");
     const rows = range(1, 40).map((it) => [0, it, 10, 1]);
     assert.deepEqual(s.ingest(telemetry(rows.slice(0, 5), 2), 0), [[2, 1]]);
     assert.deepEqual(s.ingest(telemetry(rows, 2), 0), [], "no new plan version");

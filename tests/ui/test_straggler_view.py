@@ -51,6 +51,9 @@ def test_heatmap_makes_the_slow_rank_obvious(
     _post(cluster, job["id"], range(0, 60))
     sign_in(pg, live_app.url, live_app.admin_token, path=f"/jobs/{job['id']}")
     pg.wait_for_function("document.querySelector('#live-state')?.dataset.state === 'live'")
+    # Before any live row: the speed and idle share from what the page loaded.
+    assert pg.locator("#job-speed").inner_text() == "5,120 samples/s"  # 256 per 0.05 s
+    assert pg.locator("#idle-summary").inner_text().endswith("% of worker time is idle.")
     heat = _chart(pg, "heatmap", "({z: d.data[0].z, x: d.data[0].x, type: d.data[0].type})")
     assert heat["type"] == "heatmap" and len(heat["z"]) == 4 and heat["x"][-1] == 59
     slow = [[v for v in row[30:] if v is not None] for row in heat["z"]]
@@ -58,7 +61,8 @@ def test_heatmap_makes_the_slow_rank_obvious(
     # Live iterations reach the heatmap too (it redraws about once a second).
     _post(cluster, job["id"], range(60, 80))
     pg.wait_for_function(
-        "document.querySelector('[data-chart=\"heatmap\"]').data[0].x.at(-1) === 79"
+        "document.querySelector('[data-chart=\"heatmap\"]').data[0].x.at(-1) === 79",
+        timeout=30_000,
     )
     # Idle: everyone else waits for rank 2, which never waits.
     pg.select_option("#heatmap-metric", "idle")
