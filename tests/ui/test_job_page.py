@@ -301,7 +301,7 @@ def test_fitted_models_are_shown_with_the_plan_when_the_api_has_them(
         }
         for r, p in enumerate(PER_SAMPLE_MS)
     ]
-    # The lead's GET /models is not on this branch yet: answer it in the browser.
+    # Known figures for GET /models, answered in the browser.
     pg.route(
         f"**/api/v1/jobs/{running.id}/models",
         lambda route: route.fulfill(json=models),
