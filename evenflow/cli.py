@@ -485,6 +485,8 @@ def cmd_demo(args: argparse.Namespace) -> None:
         )
         results = _run_policies(cluster, profile, iterations)
         _print_results(report(profile, results))
+        ids = ",".join(str(r.job_id) for r in results.values() if r.job_id is not None)
+        console.print(f"side by side: {cluster.url}/compare?jobs={ids}")
         if args.exit:
             return
         console.print(f"still serving the dashboard at {cluster.url}/ — Ctrl-C to stop")

@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -120,6 +120,8 @@ class PolicyResult:
     idle_fraction: float
     plan_changes: int
     iterations: int
+    job_id: int | None = None
+    """The job that ran it (for the dashboard's compare page)."""
 
 
 def measure(rows: Sequence[TelemetryOut]) -> PolicyResult:
@@ -167,7 +169,7 @@ def run_policy(
     done = cluster.wait(job.id, on_progress)
     if done.status.value != "succeeded":
         raise RuntimeError(f"job {job.id} ({policy.value}) {done.status.value}: {done.error}")
-    return measure(cluster.client.telemetry(job.id, limit=100_000))
+    return replace(measure(cluster.client.telemetry(job.id, limit=100_000)), job_id=job.id)
 
 
 def report(profile: Profile, results: dict[PolicyName, PolicyResult]) -> dict[str, Any]:
@@ -177,7 +179,7 @@ def report(profile: Profile, results: dict[PolicyName, PolicyResult]) -> dict[st
     return {
         "ideal_samples_per_s": profile.global_batch / continuous * 1000,
         "policies": {
-            p.value: {k: v for k, v in asdict(r).items() if k != "iterations"}
+            p.value: {k: v for k, v in asdict(r).items() if k not in ("iterations", "job_id")}
             for p, r in results.items()
         },
         "speedup_vs_equal": {

@@ -57,6 +57,8 @@ PAGES = {
     "audit": "Audit log",
 }
 
+CHARTED = {"job", "compare"}
+
 router = APIRouter(include_in_schema=False)
 
 
@@ -127,8 +129,8 @@ def _page(
         main_attrs=main_attrs,
         body=body,
         script=f"/static/{page}.js",
-        # Only the job page draws charts; Plotly runs before its module (deferred, in order).
-        vendor='<script src="/vendor/plotly.min.js" defer></script>\n' if page == "job" else "",
+        # Only these pages draw charts; Plotly runs before their module (deferred, in order).
+        vendor='<script src="/vendor/plotly.min.js" defer></script>\n' if page in CHARTED else "",
     )
     return HTMLResponse(text, status_code=status, headers=SECURITY_HEADERS)
 
@@ -212,6 +214,15 @@ async def job_page(request: Request, job_id: PathId) -> Response:
     if principal is None:
         return _to_login(request)
     return _page("job", f"Job {job_id}", principal, main_attrs=f'data-job-id="{job_id}"')
+
+
+@router.get("/compare")
+async def compare_page(request: Request) -> Response:
+    """Jobs side by side; the page reads ``?jobs=3,4`` itself and asks the API for each."""
+    principal = await signed_in(request)
+    if principal is None:
+        return _to_login(request)
+    return _page("compare", "Compare jobs", principal)
 
 
 async def _simple_page(request: Request, page: str) -> Response:
