@@ -45,7 +45,8 @@ import httpx
 
 from agent.backoff import Backoff
 from agent.client import ApiClient, ApiError
-from agent.environment import worker_environment
+from agent.environment import device_variables, worker_environment
+from agent.network import check_address
 from contract.agent import (
     WORKER_EXIT_JOB_ENDED,
     Assignment,
@@ -256,7 +257,7 @@ class Agent:
             "EVENFLOW_SPEC": json.dumps(a.spec),
             "RANK": str(a.rank),
             "WORLD_SIZE": str(a.world_size),
-            "LOCAL_RANK": str(a.device_index),
+            **device_variables(a.device_kind.value, a.device_index, a.backend, os.environ),
             "MASTER_ADDR": a.master_addr,
             "MASTER_PORT": str(a.master_port),
             "EVENFLOW_ERROR_FILE": str(error_path),
@@ -367,7 +368,9 @@ def run_agent(
 ) -> bool:
     """Run an agent until ``stop`` is set (or SIGINT/SIGTERM when run as the main thread) or
     another agent instance takes the host over; returns whether it was taken over. A refused
-    registration (401, 403, 409: another live agent holds the host) raises ``ApiError``."""
+    registration (401, 403, 409: another live agent holds the host) raises ``ApiError``; an
+    address that does not resolve raises ``agent.network.AddressError`` before anything starts."""
+    check_address(address)
     stop = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
