@@ -90,3 +90,16 @@ def test_bad_spec_file_and_unreachable_server(
     assert "global_batch" in str(exc.value)
     assert main(["jobs", "list", "--server", "http://127.0.0.1:9"]) == 1
     assert "cannot reach" in capsys.readouterr().err
+
+
+def test_agent_refuses_an_address_that_does_not_resolve(
+    env: LiveServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before this, such an agent registered and its jobs sat at the rendezvous for 10 minutes."""
+    argv = ["agent", "--name", "no-such-host.invalid", "--cpu-workers", "1"]
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--workdir", str(tmp_path / "w")])
+    assert exc.value.code not in (0, None)
+    assert "'no-such-host.invalid' does not resolve" in str(exc.value)
+    hosts = ApiClient(make_http(env.url, env.admin_token)).hosts()
+    assert not hosts, "nothing was registered"
