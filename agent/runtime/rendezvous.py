@@ -115,13 +115,20 @@ def init_process_group(
     process group on the assigned backend with ``timeout`` for its collectives."""
     store = connect(rdzv)
     store.set_timeout(timeout)
-    dist.init_process_group(
-        assignment.backend,
-        store=store,
-        rank=rdzv.rank,
-        world_size=rdzv.world_size,
-        timeout=timeout,
-    )
+    try:
+        dist.init_process_group(
+            assignment.backend,
+            store=store,
+            rank=rdzv.rank,
+            world_size=rdzv.world_size,
+            timeout=timeout,
+        )
+    except RuntimeError as exc:
+        raise RendezvousError(
+            f"rank {rdzv.rank} met the others at {rdzv.address}:{store.port} but its "
+            f"{assignment.backend} process group on {assignment.device} failed to form "
+            f"({_first_line(exc)})"
+        ) from exc
     return store
 
 
