@@ -5,7 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from contract.enums import Role
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from contract.enums import DeviceKind, Role
+from server.models import Device
+from server.planner import FreeDevice, JobRequest
+from server.services import scheduler
 from tests.api.test_scheduler import _devices_of, _host, _ids
 from tests.conftest import Api
 
@@ -89,3 +95,38 @@ def test_rank0_publishes_its_port_and_the_other_ranks_read_it(api: Api) -> None:
     api.client.post(f"/api/v1/jobs/{job['id']}/cancel", headers=api.headers())
     r = api.client.get(url, headers=api.headers())
     assert r.status_code == 409 and "has ended" in r.json()["detail"]
+
+
+DEVICES = st.lists(
+    st.tuples(
+        st.sampled_from(["cpu", "cuda"]),
+        st.integers(0, 3),  # host
+        st.sampled_from(["NVIDIA A100-SXM4-80GB", "Tesla T4", "CPU"]),
+    ),
+    min_size=1,
+    max_size=10,
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(devices=DEVICES, workers=st.integers(1, 6), extra=st.integers(0, 4))
+def test_placement_never_mixes_kinds_and_finds_one_kind_that_fits(
+    devices: list[tuple[str, int, str]], workers: int, extra: int
+) -> None:
+    by_id = {
+        i + 1: Device(id=i + 1, host_id=h, index=i, kind=DeviceKind(k), model=m, memory_mb=1024)
+        for i, (k, h, m) in enumerate(devices)
+    }
+    cands = [
+        FreeDevice(id=d.id, host=str(d.host_id), model=d.model, samples_per_s=10.0 + d.id)
+        for d in by_id.values()
+    ]
+    request = JobRequest(id="j", min_workers=workers, max_workers=workers + extra)
+    placement = scheduler._best_of_kinds(request, cands, by_id)
+    counts = {k: sum(1 for d in by_id.values() if d.kind == k) for k in DeviceKind}
+    if placement is None:
+        assert max(counts.values()) < workers
+        return
+    kinds = {by_id[int(d)].kind for d in placement.device_ids}
+    assert len(kinds) == 1
+    assert workers <= len(placement.device_ids) <= workers + extra
