@@ -158,8 +158,9 @@ def _serve(rdzv: Rendezvous) -> dist.TCPStore:
             timeout=timedelta(seconds=rdzv.timeout_s),
         )
     except RuntimeError as exc:
+        where = f"{rdzv.address}:{rdzv.port}" if rdzv.port else f"a free port of {rdzv.address}"
         raise RendezvousError(
-            f"rank 0 could not serve the rendezvous on {rdzv.address}:{rdzv.port} "
+            f"rank 0 could not serve the rendezvous on {where} within {rdzv.timeout_s:g} s "
             f"({_first_line(exc)})"
         ) from None
 

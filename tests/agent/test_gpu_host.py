@@ -10,6 +10,7 @@ import re
 import socket
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -37,24 +38,23 @@ if "RANK" in os.environ:
 """
 
 
-@pytest.fixture
-def agent_with(live_server: LiveServer, tmp_path: Path) -> Iterator[tuple[Path, Agent, ApiClient]]:
-    """An agent with two CPU devices whose workers see a fake CUDA through a sitecustomize."""
-    fake = tmp_path / "fake-cuda"
-    fake.mkdir()
-    (fake / "sitecustomize.py").write_text(FAKE_CUDA)
+@contextmanager
+def running_agent(
+    live_server: LiveServer, workdir: Path, address: str, pythonpath: str
+) -> Iterator[tuple[Agent, ApiClient]]:
+    """An agent with two CPU devices, running in a thread, and an admin client."""
     admin = ApiClient(make_http(live_server.url, live_server.admin_token))
     http = httpx.Client(base_url=live_server.url, timeout=10)
     a = Agent(
         ApiClient(http, live_server.admin_token),
         name="gpu-host",
-        address="127.0.0.1",
+        address=address,
         devices=discover_devices(cpu_workers=2),
         server_url=live_server.url,
         token=live_server.admin_token,
-        workdir=tmp_path / "agent",
+        workdir=workdir,
         extra_env={
-            "PYTHONPATH": f"{fake}:{ROOT}",
+            "PYTHONPATH": pythonpath,
             "EVENFLOW_TELEMETRY_S": "0.2",
             "EVENFLOW_PLAN_POLL_S": "0.2",
         },
@@ -63,11 +63,23 @@ def agent_with(live_server: LiveServer, tmp_path: Path) -> Iterator[tuple[Path, 
     stop = threading.Event()
     thread = threading.Thread(target=a.run, args=(stop, 0.3), daemon=True)
     thread.start()
-    yield fake, a, admin
-    stop.set()
-    thread.join(timeout=30)
-    http.close()
-    admin.http.close()
+    try:
+        yield a, admin
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+        http.close()
+        admin.http.close()
+
+
+@pytest.fixture
+def agent_with(live_server: LiveServer, tmp_path: Path) -> Iterator[tuple[Path, Agent, ApiClient]]:
+    """An agent whose workers see a fake CUDA through a sitecustomize."""
+    fake = tmp_path / "fake-cuda"
+    fake.mkdir()
+    (fake / "sitecustomize.py").write_text(FAKE_CUDA)
+    with running_agent(live_server, tmp_path / "agent", "127.0.0.1", f"{fake}:{ROOT}") as pair:
+        yield fake, *pair
 
 
 def test_cpu_ranks_on_a_cuda_host_train_with_gloo(
@@ -107,6 +119,19 @@ def test_a_job_starts_when_the_port_it_would_have_been_given_is_held(
     log = (a.workdir / f"job-{job.id}" / "rank-0.log").read_text()
     served = re.search(r"rendezvous served on 127\.0\.0\.1:(\d+)", log)
     assert served is not None and int(served.group(1)) != held
+
+
+def test_a_rendezvous_that_cannot_complete_fails_the_job_naming_the_address(
+    live_server: LiveServer, tmp_path: Path
+) -> None:
+    """The agent advertises an address nothing answers at (TEST-NET-1, RFC 5737): the job
+    fails within its rendezvous timeout, not after the 10 minutes of a collective timeout."""
+    with running_agent(live_server, tmp_path / "agent", "192.0.2.1", str(ROOT)) as (_, admin):
+        job = admin.submit(_spec(iterations=5, emulation=None, rendezvous_timeout_s=3))
+        done = _wait(lambda: (j := admin.job(job.id)).status.terminal and j, timeout=90)
+    assert done.status is JobStatus.FAILED
+    assert done.error is not None and "RendezvousError" in done.error
+    assert "192.0.2.1" in done.error and "within 3 s" in done.error
 
 
 def test_an_address_that_does_not_resolve_is_refused() -> None:
