@@ -137,7 +137,8 @@ def run_training(
     Uses the initialised default process group, or initialises one on the assigned backend
     through ``rendezvous`` (default: from MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE with the
     spec's ``rendezvous_timeout_s``) and destroys it at the end. Rank 0's ``initial_plan`` is
-    used on all ranks; without one, rank 0 fetches it. Other ranks may pass ``None``. Raises if the plan or the workload is unusable.
+    used on all ranks; without one, rank 0 fetches it. Other ranks may pass ``None``. Raises if
+    the plan or the workload is unusable.
     """
     created = not dist.is_initialized()
     if created:
