@@ -51,8 +51,9 @@ import httpx
 
 from agent.backoff import Backoff
 from agent.client import ApiClient, ApiError
-from agent.environment import worker_environment
+from agent.environment import device_variables, worker_environment
 from agent.launcher import Launcher, LaunchSpec, ProcessExit, SubprocessLauncher
+from agent.network import check_address
 from contract.agent import (
     WORKER_EXIT_JOB_ENDED,
     Assignment,
@@ -309,7 +310,7 @@ class Agent:
             "EVENFLOW_SPEC": json.dumps(a.spec),
             "RANK": str(a.rank),
             "WORLD_SIZE": str(a.world_size),
-            "LOCAL_RANK": str(a.device_index),
+            **device_variables(a.device_kind.value, a.device_index, a.backend, os.environ),
             "MASTER_ADDR": a.master_addr,
             "MASTER_PORT": str(a.master_port),
             "EVENFLOW_ERROR_FILE": str(error_path),
@@ -403,7 +404,9 @@ def run_agent(
 ) -> bool:
     """Run an agent until ``stop`` is set (or SIGINT/SIGTERM when run as the main thread) or
     another agent instance takes the host over; returns whether it was taken over. A refused
-    registration (``FATAL_REGISTER_STATUSES``) raises ``ApiError``."""
+    registration (``FATAL_REGISTER_STATUSES``) raises ``ApiError``; an address that does not
+    resolve raises ``agent.network.AddressError`` before anything starts."""
+    check_address(address)
     stop = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -94,6 +94,8 @@ class Assignment(Response):
     device_kind: DeviceKind
     master_addr: str
     master_port: int
+    """Rank 0's rendezvous port; 0 until rank 0 has bound one (it picks a free port and
+    publishes it; the other ranks look it up, ``PUT/GET /jobs/{id}/rendezvous``)."""
     backend: Literal["nccl", "gloo"]
     desired: Literal["run", "stop"]
     spec: dict[str, Any]
@@ -102,6 +104,21 @@ class Assignment(Response):
     """The rank's own credential (role ``worker``), given to its process as ``EVENFLOW_TOKEN``.
     Sent while the rank is still to be launched (each such answer mints a new one and retires
     the one before); None once it runs, and for ranks to stop."""
+
+
+class RendezvousIn(Request):
+    """Rank 0's worker tells the control plane the port its rendezvous store bound."""
+
+    port: int = Field(ge=1, le=65535)
+
+
+class RendezvousOut(Response):
+    """Where a job's ranks meet: rank 0's host address and the port it bound (None until rank
+    0 has published it)."""
+
+    job_id: int
+    address: str
+    port: int | None
 
 
 class HeartbeatAck(Response):

@@ -86,6 +86,9 @@ class JobSpec(Request):
     """One entry per rank; labels the job as emulated everywhere it shows."""
     max_batch_per_worker: int | None = Field(default=None, ge=1, le=10_000_000)
     priority: int = Field(default=0, ge=-100, le=100)
+    rendezvous_timeout_s: float = Field(default=120.0, gt=0, le=3600, allow_inf_nan=False)
+    """How long the ranks may take to meet (reach rank 0's address and port, all join); past
+    it the job fails with a reason naming the address and port that could not be reached."""
 
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:

@@ -321,6 +321,7 @@ def cmd_agent(args: argparse.Namespace) -> None:
     import socket
 
     from agent.daemon import discover_devices, run_agent
+    from agent.network import AddressError
 
     if args.token_file:
         try:
@@ -348,6 +349,8 @@ def cmd_agent(args: argparse.Namespace) -> None:
         )
     except ApiError as exc:
         raise SystemExit(f"error: {exc.detail}") from exc
+    except AddressError as exc:
+        raise SystemExit(f"error: {exc}") from exc
     if replaced:
         raise SystemExit(f"error: another agent took host {name} over (--replace); stopped")
 

@@ -255,3 +255,16 @@ def test_plan_override_events_watch_and_devices(
     assert len(lines) == 2
     assert all(line.startswith(f"job {job_id} starting") for line in lines)
     assert "plan v2 [40, 24]" in lines[-1]
+
+
+def test_agent_refuses_an_address_that_does_not_resolve(
+    env: LiveServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before this, such an agent registered and its jobs sat at the rendezvous for 10 minutes."""
+    argv = ["agent", "--name", "no-such-host.invalid", "--cpu-workers", "1"]
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--workdir", str(tmp_path / "w")])
+    assert exc.value.code not in (0, None)
+    assert "'no-such-host.invalid' does not resolve" in str(exc.value)
+    hosts = ApiClient(make_http(env.url, env.admin_token)).hosts()
+    assert not hosts, "nothing was registered"

@@ -5,6 +5,8 @@ lives in ``agent/client.py``. Endpoints (Bearer token)::
 
     GET  {server}/api/v1/jobs/{job_id}/plan?known_version=V&wait_s=W -> PlanOut (304: unchanged)
     POST {server}/api/v1/jobs/{job_id}/telemetry   TelemetryBatch -> TelemetryAck
+    PUT  {server}/api/v1/jobs/{job_id}/rendezvous  RendezvousIn -> RendezvousOut (rank 0)
+    GET  {server}/api/v1/jobs/{job_id}/rendezvous  -> RendezvousOut (port null until published)
 
 ``fetch_plan`` sends the version it last received as ``known_version`` (and ``If-None-Match``
 with the last ETag, if the server gives one) and answers ``None`` on 304. With ``plan_wait_s``
@@ -14,6 +16,10 @@ instead of a poll interval later; the request's read timeout is the client's plu
 ``plan_wait_s``. It raises on anything else that is not a 2xx. ``post_telemetry`` raises on
 failure, which makes the telemetry sender retry, except that it raises ``TelemetryClosed`` when
 the job has ended (409, or 401: the rank's credential died with its job), which stops the rank. Both run on the runtime's background threads, never in the loop.
+
+``publish_port`` and ``lookup_port`` carry rank 0's rendezvous port (chosen when it binds) to
+the other ranks before the process group exists; they raise ``TelemetryClosed`` too once the
+job has ended.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import httpx
 
 from agent.client import long_poll_timeout
 from agent.runtime.telemetry import TelemetryClosed
-from contract.agent import PlanOut, TelemetryAck, TelemetryBatch
+from contract.agent import PlanOut, RendezvousIn, RendezvousOut, TelemetryAck, TelemetryBatch
 from contract.base import MAX_PLAN_WAIT_S
 
 
@@ -47,6 +53,7 @@ class RemoteControlPlane:
         base = f"{server.rstrip('/')}/api/v1/jobs/{job_id}"
         self.plan_url = f"{base}/plan"
         self.telemetry_url = f"{base}/telemetry"
+        self.rendezvous_url = f"{base}/rendezvous"
         self._auth = {"Authorization": f"Bearer {token}"}
         self._etag: str | None = None
         self._version: int | None = None
@@ -84,6 +91,27 @@ class RemoteControlPlane:
             raise TelemetryClosed(_detail(response))
         response.raise_for_status()
         return TelemetryAck.model_validate_json(response.content)
+
+    def publish_port(self, port: int) -> None:
+        """Rank 0: the port its rendezvous store listens on."""
+        response = self._client.put(
+            self.rendezvous_url,
+            content=RendezvousIn(port=port).model_dump_json(),
+            headers={**self._auth, "Content-Type": "application/json"},
+        )
+        _raise_for(response)
+
+    def lookup_port(self) -> int | None:
+        """Rank 0's rendezvous port, or None while it has not published one."""
+        response = self._client.get(self.rendezvous_url, headers=self._auth)
+        _raise_for(response)
+        return RendezvousOut.model_validate_json(response.content).port
+
+
+def _raise_for(response: httpx.Response) -> None:
+    if response.status_code in (httpx.codes.CONFLICT, httpx.codes.UNAUTHORIZED):
+        raise TelemetryClosed(_detail(response))
+    response.raise_for_status()
 
 
 def _detail(response: httpx.Response) -> str:

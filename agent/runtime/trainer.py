@@ -27,6 +27,7 @@ from agent.runtime.emulation import Emulator
 from agent.runtime.fetcher import FetchPlan, PlanFetcher
 from agent.runtime.membership import ExclusionOptions
 from agent.runtime.plan_sync import PlanAgreement, RuntimePlan, agree_initial
+from agent.runtime.rendezvous import DeviceAssignment, Rendezvous, init_process_group
 from agent.runtime.telemetry import PostTelemetry, TelemetrySender, TelemetryStats
 from agent.runtime.workloads import Workload, builtin, load_entrypoint
 from contract.agent import PlanOut
@@ -60,6 +61,10 @@ class RuntimeOptions:
     """Apply the spec's ``emulation`` entry for this rank (when the spec has one)."""
     timeout: timedelta = timedelta(minutes=10)
     """Collective timeout when this function initialises the process group."""
+    assignment: DeviceAssignment | None = None
+    """The device and backend the control plane placed this rank on (never what torch can
+    see). None: gloo on the CPU, or the current CUDA device when the caller initialised an NCCL
+    group itself."""
     exclusion: ExclusionOptions = field(default_factory=ExclusionOptions)
     """How an excluded rank probes its speed and waits to be readmitted."""
 
@@ -103,21 +108,18 @@ class RunResult:
         return [v for _, v in self.plan_history]
 
 
-def init_process_group_from_env(timeout: timedelta = timedelta(minutes=10)) -> None:
-    """``init_process_group`` from RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (``env://``).
-
-    NCCL when CUDA is available, gloo otherwise.
-    """
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, init_method="env://", timeout=timeout)
-
-
-def device_for_backend(backend: str) -> torch.device:
-    """``cuda:LOCAL_RANK`` under NCCL (and make it current), else the CPU."""
+def device_for(backend: str, assignment: DeviceAssignment | None) -> torch.device:
+    """The device this rank trains on: its assignment's (which must match the group's
+    backend), else the CPU under gloo and the current CUDA device under NCCL."""
+    if assignment is not None:
+        if assignment.backend != backend:
+            raise ValueError(
+                f"this rank is assigned {assignment.backend} on {assignment.device}, but the "
+                f"process group runs {backend}"
+            )
+        return assignment.activate()
     if backend == "nccl":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-        return device
+        return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
@@ -128,16 +130,20 @@ def run_training(
     post_telemetry: PostTelemetry | None = None,
     initial_plan: PlanOut | RuntimePlan | None = None,
     options: RuntimeOptions = RuntimeOptions(),
+    rendezvous: Rendezvous | None = None,
 ) -> RunResult:
     """Train this rank's share of ``spec``; every rank of the job calls this together.
 
-    Uses the initialised default process group, or initialises one from the environment (and
-    destroys it at the end). Rank 0's ``initial_plan`` is used on all ranks; without one, rank 0
-    fetches it. Other ranks may pass ``None``. Raises if the plan or the workload is unusable.
+    Uses the initialised default process group, or initialises one on the assigned backend
+    through ``rendezvous`` (default: from MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE with the
+    spec's ``rendezvous_timeout_s``) and destroys it at the end. Rank 0's ``initial_plan`` is
+    used on all ranks; without one, rank 0 fetches it. Other ranks may pass ``None``. Raises if
+    the plan or the workload is unusable.
     """
     created = not dist.is_initialized()
     if created:
-        init_process_group_from_env(options.timeout)
+        rdzv = rendezvous or Rendezvous.from_env(os.environ, spec.rendezvous_timeout_s)
+        init_process_group(rdzv, options.assignment or DeviceAssignment(), options.timeout)
     start = time.monotonic()
     fetcher: PlanFetcher | None = None
     sender: TelemetrySender | None = None
@@ -146,7 +152,7 @@ def run_training(
         if world != spec.world_size:
             raise ValueError(f"job is for {spec.world_size} workers, process group has {world}")
         backend = str(dist.get_backend())
-        device = device_for_backend(backend)
+        device = device_for(backend, options.assignment)
         # The plan agreement's int64 tensor stays on the CPU: under NCCL it gets a gloo group.
         control = dist.new_group(backend="gloo") if backend != "gloo" else None
         if rank == 0 and initial_plan is None and fetch_plan is not None:

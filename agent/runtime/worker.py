@@ -8,9 +8,12 @@ The agent daemon launches one process per rank with this environment:
 ``EVENFLOW_JOB_ID``         the job's integer id
 ``EVENFLOW_SPEC``           the job's :class:`~contract.spec.JobSpec` as JSON
 ``RANK``, ``WORLD_SIZE``    this process's rank and the job's world size
-``MASTER_ADDR``,            rendezvous of ``torch.distributed`` (``env://``)
-``MASTER_PORT``
-``LOCAL_RANK``              optional; the CUDA device index on this host (default 0)
+``MASTER_ADDR``,            rank 0's address and rendezvous port; port ``0``: rank 0 binds a
+``MASTER_PORT``             free port and publishes it through the control plane, the other
+                            ranks look it up there (:mod:`agent.runtime.rendezvous`)
+``EVENFLOW_BACKEND``        optional; ``gloo`` (default) or ``nccl``: the assigned backend
+``EVENFLOW_DEVICE``         optional; ``cpu`` (default under gloo) or ``cuda:0`` (the one GPU
+                            ``CUDA_VISIBLE_DEVICES`` leaves this rank): the assigned device
 ``EVENFLOW_RESULT``         optional; path where the :class:`RunResult` is written as JSON
 ``EVENFLOW_PLAN_POLL_S``    optional; seconds between plan polls on rank 0 (default 1)
 ``EVENFLOW_PLAN_WAIT_S``    optional; longest seconds a plan long-poll is held, within 0..30
@@ -46,6 +49,7 @@ from pydantic import ValidationError
 
 from agent.runtime.parent import die_with_agent
 from agent.runtime.remote import RemoteControlPlane
+from agent.runtime.rendezvous import DeviceAssignment, Rendezvous
 from agent.runtime.telemetry import TelemetryClosed
 from agent.runtime.trainer import RunResult, RuntimeOptions, run_training
 from contract.agent import WORKER_EXIT_JOB_ENDED
@@ -91,7 +95,9 @@ def worker_main(environ: dict[str, str] | None = None) -> int:
         options = RuntimeOptions(
             plan_poll_s=float(env.get("EVENFLOW_PLAN_POLL_S", "1.0")),
             telemetry_flush_s=float(env.get("EVENFLOW_TELEMETRY_S", "2.0")),
+            assignment=DeviceAssignment.from_env(env),
         )
+        rdzv = Rendezvous.from_env(env, spec.rendezvous_timeout_s)
         # The plan fetch is a long-poll held up to this long (new plans arrive at once).
         plan_wait_s = float(env.get("EVENFLOW_PLAN_WAIT_S", "10.0"))
         if not 0 <= plan_wait_s <= MAX_PLAN_WAIT_S:
@@ -110,11 +116,15 @@ def worker_main(environ: dict[str, str] | None = None) -> int:
                 job_id,
                 plan_wait_s=plan_wait_s,
             )
+            rdzv = dataclasses.replace(
+                rdzv, publish_port=remote.publish_port, lookup_port=remote.lookup_port
+            )
             result = run_training(
                 spec,
                 fetch_plan=remote.fetch_plan,
                 post_telemetry=remote.post_telemetry,
                 options=options,
+                rendezvous=rdzv,
             )
     except TelemetryClosed as exc:
         log.warning("job %d has ended on the control plane (%s); stopping", job_id, exc)

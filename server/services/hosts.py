@@ -206,7 +206,7 @@ def assignments(session: Session, host: Host) -> list[Assignment]:
                 device_index=device.index,
                 device_kind=DeviceKind(device.kind),
                 master_addr=rank0_host,
-                master_port=job.master_port or 29500,
+                master_port=job.master_port or 0,  # 0: rank 0 binds one and publishes it
                 backend="nccl" if device.kind == DeviceKind.CUDA.value else "gloo",
                 desired="stop" if status.terminal else "run",
                 spec=job.spec,

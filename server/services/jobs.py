@@ -47,12 +47,27 @@ def list_jobs(
     return list(rows), int(session.scalar(count) or 0)
 
 
+def _check_devices(session: Session, ids: list[int]) -> None:
+    """Explicit devices must exist and be of one kind (one process group, one backend)."""
+    kinds = dict(session.execute(select(Device.id, Device.kind).where(Device.id.in_(ids))).all())
+    missing = [d for d in ids if d not in kinds]
+    if missing:
+        raise Invalid(f"unknown device ids {missing}", field="devices")
+    by_kind: dict[str, list[int]] = {}
+    for d in ids:
+        by_kind.setdefault(kinds[d], []).append(d)
+    if len(by_kind) > 1:
+        listed = "; ".join(f"{k} {v}" for k, v in sorted(by_kind.items()))
+        raise Invalid(
+            f"devices mixes device kinds ({listed}): a job's ranks share one backend, so they "
+            "must be all CUDA devices (NCCL) or all CPU slots (gloo)",
+            field="devices",
+        )
+
+
 def create(session: Session, spec: JobSpec, principal: Principal, now: datetime) -> Job:
     if spec.devices is not None:
-        known = set(session.scalars(select(Device.id).where(Device.id.in_(spec.devices))))
-        missing = [d for d in spec.devices if d not in known]
-        if missing:
-            raise Invalid(f"unknown device ids {missing}", field="devices")
+        _check_devices(session, spec.devices)
     job = Job(
         name=spec.name,
         owner=principal.name,

@@ -5,6 +5,10 @@ placed by the planner's integer program (``server.planner.place``: maximise the 
 throughput of the chosen devices, fewer hosts preferred, between ``workers`` and
 ``max_workers`` devices), warm-started from a greedy placement, with a time limit.
 
+A job's ranks are all CUDA devices (NCCL) or all CPU slots (gloo), never a mix: one process
+group has one backend. The program is solved per device kind and the better placement taken;
+a job naming devices of both kinds is refused when submitted.
+
 Device speeds for the job's workload come from telemetry of earlier (non-emulated) jobs of the
 same workload on that device: samples over compute time. A device never measured on it gets the
 published-figures prior (``server/planner/gpu_profiles.csv``), and a CPU a nominal one.
@@ -12,7 +16,6 @@ published-figures prior (``server/planner/gpu_profiles.csv``), and a CPU a nomin
 
 from __future__ import annotations
 
-import random
 from collections import defaultdict
 from datetime import datetime
 from functools import cache
@@ -28,6 +31,7 @@ from server.planner import (
     FreeDevice,
     GpuProfile,
     JobRequest,
+    Placement,
     SolveStatus,
     load_gpu_profiles,
     place,
@@ -130,8 +134,8 @@ def choose_devices(
         max_workers=spec.max_workers or spec.workers,
         priority=spec.priority,
     )
-    placement = place(request, candidates(session, spec, free), time_limit_s=PLACEMENT_TIME_LIMIT_S)
-    if placement.status is SolveStatus.INFEASIBLE or not placement.device_ids:
+    placement = _best_of_kinds(request, candidates(session, spec, free), by_id)
+    if placement is None:
         return None
     job.error = None
     chosen = [by_id[int(d)] for d in placement.device_ids]
@@ -143,6 +147,25 @@ def choose_devices(
         "hosts": len(placement.hosts_used),
     }
     return chosen
+
+
+def _best_of_kinds(
+    request: JobRequest, cands: list[FreeDevice], by_id: dict[int, Device]
+) -> Placement | None:
+    """The best placement on devices of one kind (never CPU and CUDA ranks in one job)."""
+    groups: dict[str, list[FreeDevice]] = defaultdict(list)
+    for c in cands:
+        groups[by_id[int(c.id)].kind].append(c)
+    best: Placement | None = None
+    for group in groups.values():
+        if len(group) < request.min_workers:
+            continue
+        placement = place(request, group, time_limit_s=PLACEMENT_TIME_LIMIT_S)
+        if placement.status is SolveStatus.INFEASIBLE or not placement.device_ids:
+            continue
+        if best is None or placement.objective > best.objective:
+            best = placement
+    return best
 
 
 def place_pending(session: Session, now: datetime) -> list[Job]:
@@ -178,7 +201,7 @@ def place_pending(session: Session, now: datetime) -> list[Job]:
                 )
             )
         job.status = JobStatus.STARTING
-        job.master_port = random.randint(29500, 39999)
+        job.master_port = None  # rank 0 binds a free port and publishes it (rendezvous)
         session.flush()
         plans.create(
             session,

@@ -1,14 +1,23 @@
-"""Jobs: submit, list, inspect, cancel."""
+"""Jobs: submit, list, inspect, cancel; the rendezvous port its ranks meet on."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Query
 
+from contract.agent import RendezvousIn, RendezvousOut
 from contract.api import JobList, JobOut
 from contract.enums import JobStatus
 from contract.spec import JobSpec
-from server.api.deps import JobReader, Now, Operator, PathId, SessionDep, Viewer
-from server.services import jobs
+from server.api.deps import (
+    Authenticated,
+    JobReader,
+    Now,
+    Operator,
+    PathId,
+    SessionDep,
+    Viewer,
+)
+from server.services import jobs, rendezvous
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 
@@ -42,3 +51,17 @@ def get_job(session: SessionDep, _: JobReader, job_id: PathId) -> JobOut:
 def cancel_job(session: SessionDep, principal: Operator, now: Now, job_id: PathId) -> JobOut:
     """Cancel a job that has not ended; its agents stop the workers."""
     return JobOut.model_validate(jobs.cancel(session, job_id, principal, now))
+
+
+@router.get("/{job_id}/rendezvous")
+def get_rendezvous(session: SessionDep, _: JobReader, job_id: PathId) -> RendezvousOut:
+    """Rank 0's address and rendezvous port (null until rank 0 has bound one)."""
+    return rendezvous.lookup(session, job_id)
+
+
+@router.put("/{job_id}/rendezvous")
+def put_rendezvous(
+    body: RendezvousIn, session: SessionDep, principal: Authenticated, job_id: PathId
+) -> RendezvousOut:
+    """Rank 0's worker publishes the port it bound (its own credential only)."""
+    return rendezvous.publish(session, job_id, body, principal)
