@@ -183,6 +183,8 @@ def test_wrong_server_one_line_and_agent_stops(
                 "ef_x",
                 "--name",
                 "h",
+                "--address",
+                "127.0.0.1",
                 "--cpu-workers",
                 "1",
                 "--workdir",
