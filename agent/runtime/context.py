@@ -22,10 +22,11 @@ uses this.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, SupportsFloat
 
 import torch
 import torch.distributed as dist
@@ -35,13 +36,15 @@ from agent.runtime.datasets import DatasetLike, dataset_size, take
 from agent.runtime.emulation import EMULATED_LABEL, Emulator
 from agent.runtime.gradients import GradientSync, broadcast_module
 from agent.runtime.membership import ExclusionOptions, GroupRole, Membership, Notice, Transition
+from agent.runtime.metrics import MetricNames
 from agent.runtime.plan_sync import PlanAgreement, RuntimePlan, decode_plan
 from agent.runtime.probes import ProbeLoss, forward_sum, probe, probe_size
 from agent.runtime.resync import resync
 from agent.runtime.sampler import GlobalBatchSampler
 from agent.runtime.telemetry import JumpWatch, TelemetryClosed, clamp_ms
 from agent.runtime.timing import IterationTimer, IterationTiming
-from contract.agent import TelemetryRecord
+from contract.agent import MetricPoint, TelemetryRecord
+from contract.base import LOSS_METRIC, MAX_METRIC_VALUE
 from contract.spec import JobSpec
 
 __all__ = ["ContextStats", "DatasetLike", "EvenflowContext", "dataset_size"]
@@ -111,6 +114,7 @@ class EvenflowContext:
         emulator: Emulator | None = None,
         submit: Callable[[TelemetryRecord], None] | None = None,
         flush: Callable[[], None] | None = None,
+        submit_metric: Callable[[MetricPoint], None] | None = None,
         group: dist.ProcessGroup | None = None,
         loss_every: int = 1,
         piggyback: bool = True,
@@ -127,6 +131,11 @@ class EvenflowContext:
         self.piggyback = piggyback
         """Carry the plan agreement inside the gradient all-reduce when the buffers allow."""
         self._submit = submit
+        self._submit_metric = submit_metric
+        """Queues a metric point (:mod:`agent.runtime.metrics`): the global loss from the plan's
+        leader, and what user code logs."""
+        self._metric_names = MetricNames()
+        self._loss_warned = False
         self._flush = flush
         """Asks the telemetry sender to post now: for the first ``EARLY_FLUSH_ITERATIONS``, and
         when a :class:`JumpWatch` flags a record (the control plane should hear of a slowdown's
@@ -139,6 +148,8 @@ class EvenflowContext:
         self.stats = ContextStats()
         self.iteration = 0
         """The iteration in progress (or next), counted from 0 across epochs."""
+        self._batch_iteration = 0
+        """The iteration of the batch ``batches()`` yielded last (what ``log`` reports at)."""
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self._sync: GradientSync | None = None
@@ -250,6 +261,7 @@ class EvenflowContext:
                     self._finish(None)
                     continue
                 self._awaiting_step = True
+                self._batch_iteration = it
                 yield batch
                 if self._awaiting_step:
                     raise RuntimeError("call ctx.step(loss_sum) exactly once per batch")
@@ -273,7 +285,44 @@ class EvenflowContext:
         loss_sum.backward()
         return self._finish(loss_sum)
 
+    def log(self, name: str, value: SupportsFloat, *, iteration: int | None = None) -> None:
+        """Report a training metric of this rank (an accuracy, a learning rate, a user loss):
+        charted on the job's page and served by ``GET /api/v1/jobs/{id}/metrics``.
+
+        ``iteration`` defaults to the iteration of the batch ``batches()`` yielded last (0
+        before the first). ``value`` is anything ``float()`` takes (a one-element tensor too).
+        Raises ``ValueError`` at once for a bad name (``loss`` is the runtime's own: the exact
+        global loss, reported every ``loss_every`` iterations), a non-finite value, or a second
+        value of a name in one iteration. Never blocks; delivery is best effort, except that
+        once the control plane has said the job ended this raises ``TelemetryClosed``."""
+        it = self._batch_iteration if iteration is None else iteration
+        if isinstance(it, bool) or not isinstance(it, int) or not 0 <= it <= 10**12:
+            raise ValueError(f"metric {name!r}: iteration {it!r} must be an int in [0, 10**12]")
+        self._report(name, self._metric_names.check(name, value, it), it)
+
     # ----------------------------------------------------------------------------- internals
+
+    def _report(self, name: str, value: float, iteration: int) -> None:
+        if self._submit_metric is None:
+            return
+        try:
+            self._submit_metric(
+                MetricPoint(rank=self.rank, iteration=iteration, name=name, value=value)
+            )
+        except TelemetryClosed:  # the job has ended on the control plane: stop training
+            raise
+        except Exception as exc:  # best effort
+            log.warning("metric %s at iteration %d dropped: %r", name, iteration, exc)
+
+    def _report_loss(self, iteration: int, value: float) -> None:
+        """The leader reports the global loss (every active rank holds the same value)."""
+        if self.rank != self._plan.leader:
+            return
+        if math.isfinite(value) and abs(value) <= MAX_METRIC_VALUE:
+            self._report(LOSS_METRIC, value, iteration)
+        elif not self._loss_warned:
+            self._loss_warned = True
+            log.warning("global loss %r at iteration %d is not reportable", value, iteration)
 
     def _finish(self, loss_sum: torch.Tensor | None) -> float | None:
         assert self._sync is not None and self.optimizer is not None and self._sampler
@@ -288,6 +337,7 @@ class EvenflowContext:
         if it % self.loss_every == 0 or it + 1 >= self._total:
             value = float(mean_loss.item())
             self.stats.record_loss(it, value, last=it + 1 >= self._total)
+            self._report_loss(it, value)
         self.optimizer.step()
         self._sync.zero_grad()
         self._emit(self.timer.finish(it, self._plan.version, b))

@@ -5,6 +5,7 @@ lives in ``agent/client.py``. Endpoints (Bearer token)::
 
     GET  {server}/api/v1/jobs/{job_id}/plan?known_version=V&wait_s=W -> PlanOut (304: unchanged)
     POST {server}/api/v1/jobs/{job_id}/telemetry   TelemetryBatch -> TelemetryAck
+    POST {server}/api/v1/jobs/{job_id}/metrics     MetricBatch -> MetricAck
 
 ``fetch_plan`` sends the version it last received as ``known_version`` (and ``If-None-Match``
 with the last ETag, if the server gives one) and answers ``None`` on 304. With ``plan_wait_s``
@@ -13,7 +14,9 @@ at once) or ``plan_wait_s`` passes (then 304), so a new plan arrives within mill
 instead of a poll interval later; the request's read timeout is the client's plus
 ``plan_wait_s``. It raises on anything else that is not a 2xx. ``post_telemetry`` raises on
 failure, which makes the telemetry sender retry, except that it raises ``TelemetryClosed`` when
-the job has ended (409, or 401: the rank's credential died with its job), which stops the rank. Both run on the runtime's background threads, never in the loop.
+the job has ended (409, or 401: the rank's credential died with its job), which stops the
+rank; ``post_metrics`` likewise. All run on the runtime's background threads, never in the
+loop.
 """
 
 from __future__ import annotations
@@ -24,12 +27,12 @@ import httpx
 
 from agent.client import long_poll_timeout
 from agent.runtime.telemetry import TelemetryClosed
-from contract.agent import PlanOut, TelemetryAck, TelemetryBatch
+from contract.agent import MetricAck, MetricBatch, PlanOut, TelemetryAck, TelemetryBatch
 from contract.base import MAX_PLAN_WAIT_S
 
 
 class RemoteControlPlane:
-    """``fetch_plan`` and ``post_telemetry`` for one job, bound to a client, server and token."""
+    """``fetch_plan``, ``post_telemetry`` and ``post_metrics`` for one job, bound to a client, server and token."""
 
     def __init__(
         self,
@@ -47,6 +50,7 @@ class RemoteControlPlane:
         base = f"{server.rstrip('/')}/api/v1/jobs/{job_id}"
         self.plan_url = f"{base}/plan"
         self.telemetry_url = f"{base}/telemetry"
+        self.metrics_url = f"{base}/metrics"
         self._auth = {"Authorization": f"Bearer {token}"}
         self._etag: str | None = None
         self._version: int | None = None
@@ -84,6 +88,18 @@ class RemoteControlPlane:
             raise TelemetryClosed(_detail(response))
         response.raise_for_status()
         return TelemetryAck.model_validate_json(response.content)
+
+    def post_metrics(self, batch: MetricBatch) -> MetricAck:
+        """Send metric points; raises ``httpx.HTTPError`` on failure (the sender retries)."""
+        response = self._client.post(
+            self.metrics_url,
+            content=batch.model_dump_json(),
+            headers={**self._auth, "Content-Type": "application/json"},
+        )
+        if response.status_code in (httpx.codes.CONFLICT, httpx.codes.UNAUTHORIZED):
+            raise TelemetryClosed(_detail(response))
+        response.raise_for_status()
+        return MetricAck.model_validate_json(response.content)
 
 
 def _detail(response: httpx.Response) -> str:
