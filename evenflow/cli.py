@@ -213,6 +213,24 @@ def cmd_jobs_events(args: argparse.Namespace) -> None:
     )
 
 
+def cmd_jobs_metrics(args: argparse.Namespace) -> None:
+    metrics = _client(args).metrics(args.id, names=args.names, rank=args.rank)
+    if args.names and not metrics.series:
+        known = ", ".join(metrics.names) or "none yet"
+        raise SystemExit(
+            f"error: job {args.id} has no metric {', '.join(args.names)} (it has: {known})"
+        )
+    _emit(
+        args,
+        metrics,
+        job_views.METRIC_COLUMNS,
+        job_views.metric_rows,
+        title=f"training metrics of job {args.id}"
+        if metrics.series
+        else f"job {args.id} has reported no metrics yet",
+    )
+
+
 def cmd_jobs_override(args: argparse.Namespace) -> None:
     batches = None
     if args.batches is not None:
@@ -634,6 +652,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = jobs.add_parser("events", parents=[client], help="a job's straggler events")
     p.add_argument("id", type=int)
     p.set_defaults(func=cmd_jobs_events)
+    p = jobs.add_parser(
+        "metrics", parents=[client], help="a job's training metrics: the loss, ctx.log values"
+    )
+    p.add_argument("id", type=int)
+    p.add_argument(
+        "--name", dest="names", action="append", help="only this metric (repeatable), e.g. loss"
+    )
+    p.add_argument("--rank", type=int, help="only this rank's")
+    p.set_defaults(func=cmd_jobs_metrics)
     p = jobs.add_parser(
         "override", parents=[client], help="change a job's plan by hand (--preview first)"
     )

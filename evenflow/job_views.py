@@ -10,11 +10,12 @@ from collections.abc import Sequence
 
 from contract.agent import PlanOut
 from contract.api import EventOut, HostOut, JobOut, ModelOut
-from contract.dashboard import SeriesOut, ThroughputOut
+from contract.dashboard import MetricsOut, SeriesOut, ThroughputOut
 
 PLAN_COLUMNS = ["rank", "batch", "model t(b)", "fit"]
 EVENT_COLUMNS = ["id", "rank", "kind", "severity", "iterations", "action"]
 DEVICE_COLUMNS = ["host", "status", "device id", "device", "model", "use"]
+METRIC_COLUMNS = ["metric", "rank", "iteration", "latest", "min", "max"]
 
 
 def plan_title(plan: PlanOut) -> str:
@@ -112,3 +113,19 @@ def watch_line(
     if job.error:
         parts.append(f"error: {job.error.splitlines()[0]}")
     return "  ".join(parts)
+
+
+def metric_rows(metrics: MetricsOut) -> list[list[object]]:
+    """One row per (metric, rank): its newest value exactly, and the range of its bucket means
+    (the global ``loss`` is reported by the plan's leader rank)."""
+    return [
+        [
+            m.name,
+            m.rank,
+            m.last_iteration,
+            f"{m.last_value:.6g}",
+            f"{min(m.value):.6g}" if m.value else "",
+            f"{max(m.value):.6g}" if m.value else "",
+        ]
+        for m in metrics.series
+    ]
