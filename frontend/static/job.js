@@ -5,6 +5,7 @@
 import { api } from "./api.js";
 import * as charts from "./charts.js";
 import { $, banner, clear, el, fmtAgo, fmtMs, fmtNum, fmtTime, statusBadge } from "./dom.js";
+import { mountMetrics } from "./metrics.js";
 import { OverridePanel } from "./overrides.js";
 
 // Redraws are spaced by at least MIN_FLUSH_MS and by 2.5 times what the last ones cost, so
@@ -560,4 +561,4 @@ load().catch((err) => {
   banner(err.status === 404 ? `Job ${jobId} not found.` : `Could not load the job: ${err.detail || err.message}`);
 });
 
-window.evenflow = { state, divs };
+window.evenflow = { state, divs, metrics: mountMetrics({ jobId, job: () => state.job }) };
