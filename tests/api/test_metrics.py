@@ -8,7 +8,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from contract.base import MAX_METRIC_NAMES
+from contract.base import MAX_METRIC_NAMES, MAX_TELEMETRY_RECORDS
 from contract.enums import Role
 from tests.conftest import Api
 
@@ -203,3 +203,10 @@ def test_a_job_reports_at_most_max_metric_names(api: Api) -> None:
     assert r.status_code == 422 and r.json()["field"] == "points.1.name"
     assert f"at most {MAX_METRIC_NAMES} metric names" in r.json()["detail"]
     assert len(_get(api, job)["names"]) == MAX_METRIC_NAMES
+
+
+def test_a_full_batch_is_one_insert_within_the_backends_parameter_limits(api: Api) -> None:
+    job, _ = _job(api)
+    points = [_point(i % 2, i // 2, f"m{i % 3}", 0.5) for i in range(MAX_TELEMETRY_RECORDS)]
+    assert _post(api, job, points).json() == {"accepted": MAX_TELEMETRY_RECORDS, "duplicates": 0}
+    assert _post(api, job, points).json() == {"accepted": 0, "duplicates": MAX_TELEMETRY_RECORDS}
