@@ -8,8 +8,8 @@ One iteration, on every active rank, in this order::
     -> data: this rank's slice of the global batch under the agreed plan
     -> compute: forward + backward of the SUMMED loss (skipped with 0 samples), emulation padding
     -> sync: one coalesced all-reduce of gradients and loss, scaled by 1 / global count
-    -> optimizer step, zero the gradient buffer
-    -> timing record -> telemetry queue (a background thread sends it)
+    -> optimizer step, zero the gradient buffer (the leader: the global loss -> metrics queue)
+    -> timing record -> telemetry queue (background threads send both)
 
 A rank the agreed plan excludes leaves this loop at that boundary: it probes its speed on each
 tick from the leader and waits for a join notice (:mod:`agent.runtime.membership`); ``batches()``
@@ -22,7 +22,6 @@ uses this.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -36,7 +35,7 @@ from agent.runtime.datasets import DatasetLike, dataset_size, take
 from agent.runtime.emulation import EMULATED_LABEL, Emulator
 from agent.runtime.gradients import GradientSync, broadcast_module
 from agent.runtime.membership import ExclusionOptions, GroupRole, Membership, Notice, Transition
-from agent.runtime.metrics import MetricNames
+from agent.runtime.metrics import MetricReporter
 from agent.runtime.plan_sync import PlanAgreement, RuntimePlan, decode_plan
 from agent.runtime.probes import ProbeLoss, forward_sum, probe, probe_size
 from agent.runtime.resync import resync
@@ -44,7 +43,6 @@ from agent.runtime.sampler import GlobalBatchSampler
 from agent.runtime.telemetry import JumpWatch, TelemetryClosed, clamp_ms
 from agent.runtime.timing import IterationTimer, IterationTiming
 from contract.agent import MetricPoint, TelemetryRecord
-from contract.base import LOSS_METRIC, MAX_METRIC_VALUE
 from contract.spec import JobSpec
 
 __all__ = ["ContextStats", "DatasetLike", "EvenflowContext", "dataset_size"]
@@ -131,11 +129,8 @@ class EvenflowContext:
         self.piggyback = piggyback
         """Carry the plan agreement inside the gradient all-reduce when the buffers allow."""
         self._submit = submit
-        self._submit_metric = submit_metric
-        """Queues a metric point (:mod:`agent.runtime.metrics`): the global loss from the plan's
-        leader, and what user code logs."""
-        self._metric_names = MetricNames()
-        self._loss_warned = False
+        self._metrics = MetricReporter(rank, submit_metric)
+        """The global loss from the plan's leader, and what user code logs (``log``)."""
         self._flush = flush
         """Asks the telemetry sender to post now: for the first ``EARLY_FLUSH_ITERATIONS``, and
         when a :class:`JumpWatch` flags a record (the control plane should hear of a slowdown's
@@ -295,34 +290,9 @@ class EvenflowContext:
         global loss, reported every ``loss_every`` iterations), a non-finite value, or a second
         value of a name in one iteration. Never blocks; delivery is best effort, except that
         once the control plane has said the job ended this raises ``TelemetryClosed``."""
-        it = self._batch_iteration if iteration is None else iteration
-        if isinstance(it, bool) or not isinstance(it, int) or not 0 <= it <= 10**12:
-            raise ValueError(f"metric {name!r}: iteration {it!r} must be an int in [0, 10**12]")
-        self._report(name, self._metric_names.check(name, value, it), it)
+        self._metrics.log(name, value, self._batch_iteration if iteration is None else iteration)
 
     # ----------------------------------------------------------------------------- internals
-
-    def _report(self, name: str, value: float, iteration: int) -> None:
-        if self._submit_metric is None:
-            return
-        try:
-            self._submit_metric(
-                MetricPoint(rank=self.rank, iteration=iteration, name=name, value=value)
-            )
-        except TelemetryClosed:  # the job has ended on the control plane: stop training
-            raise
-        except Exception as exc:  # best effort
-            log.warning("metric %s at iteration %d dropped: %r", name, iteration, exc)
-
-    def _report_loss(self, iteration: int, value: float) -> None:
-        """The leader reports the global loss (every active rank holds the same value)."""
-        if self.rank != self._plan.leader:
-            return
-        if math.isfinite(value) and abs(value) <= MAX_METRIC_VALUE:
-            self._report(LOSS_METRIC, value, iteration)
-        elif not self._loss_warned:
-            self._loss_warned = True
-            log.warning("global loss %r at iteration %d is not reportable", value, iteration)
 
     def _finish(self, loss_sum: torch.Tensor | None) -> float | None:
         assert self._sync is not None and self.optimizer is not None and self._sampler
@@ -337,7 +307,8 @@ class EvenflowContext:
         if it % self.loss_every == 0 or it + 1 >= self._total:
             value = float(mean_loss.item())
             self.stats.record_loss(it, value, last=it + 1 >= self._total)
-            self._report_loss(it, value)
+            if self.rank == self._plan.leader:  # every active rank holds the same value
+                self._metrics.loss(it, value)
         self.optimizer.step()
         self._sync.zero_grad()
         self._emit(self.timer.finish(it, self._plan.version, b))

@@ -12,12 +12,13 @@ once the job has ended. The server stores a point once per (job, name, rank, ite
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from collections.abc import Callable
 from typing import SupportsFloat
 
-from agent.runtime.sender import BatchSender
+from agent.runtime.sender import BatchSender, TelemetryClosed
 from contract.agent import MetricBatch, MetricPoint
 from contract.base import (
     LOSS_METRIC,
@@ -26,6 +27,8 @@ from contract.base import (
     MAX_TELEMETRY_RECORDS,
     NAME_PATTERN,
 )
+
+log = logging.getLogger("evenflow.runtime.metrics")
 
 PostMetrics = Callable[[MetricBatch], object]
 """Sends one batch; raises on any failure (its return value is ignored)."""
@@ -61,17 +64,50 @@ class MetricSender(BatchSender[MetricPoint]):
         )
 
 
-class MetricNames:
-    """Checks what user code logs, at the call, so a mistake is a clear ``ValueError`` where it
-    was made rather than a batch the server refuses later: a name of the contract's form (not
-    the reserved ``loss``), at most ``MAX_METRIC_NAMES`` of them, a finite value within
-    ``MAX_METRIC_VALUE``, and one value per name per iteration."""
+class MetricReporter:
+    """One rank's metric points on their way to the sender (``submit``; ``None``: checked, then
+    dropped). What user code logs is checked at the call, so a mistake is a clear
+    ``ValueError`` where it was made rather than a batch the server refuses later: a name of the
+    contract's form (not the reserved ``loss``), at most ``MAX_METRIC_NAMES`` of them, a finite
+    value within ``MAX_METRIC_VALUE``, one value per name per iteration. Delivery is best
+    effort: a failing ``submit`` is logged, except :class:`TelemetryClosed` (the job ended),
+    which stops training."""
 
-    def __init__(self) -> None:
+    def __init__(self, rank: int, submit: Callable[[MetricPoint], None] | None) -> None:
+        self.rank = rank
+        self._submit = submit
         self._last: dict[str, int] = {}
         """Per name, the last iteration logged."""
+        self._loss_warned = False
 
-    def check(self, name: str, value: SupportsFloat, iteration: int) -> float:
+    def log(self, name: str, value: SupportsFloat, iteration: int) -> None:
+        """A user metric of this rank at ``iteration``; ``ValueError`` saying what is wrong."""
+        if isinstance(iteration, bool) or not isinstance(iteration, int):
+            raise ValueError(f"metric {name!r}: iteration {iteration!r} must be an int")
+        if not 0 <= iteration <= 10**12:
+            raise ValueError(f"metric {name!r}: iteration {iteration} must be in [0, 10**12]")
+        self._send(name, self._check(name, value, iteration), iteration)
+
+    def loss(self, iteration: int, value: float) -> None:
+        """The job's global loss (the leader's to report); a non-finite one is skipped, with
+        one warning per run: the chart shows the gap."""
+        if math.isfinite(value) and abs(value) <= MAX_METRIC_VALUE:
+            self._send(LOSS_METRIC, value, iteration)
+        elif not self._loss_warned:
+            self._loss_warned = True
+            log.warning("global loss %r at iteration %d is not reported", value, iteration)
+
+    def _send(self, name: str, value: float, iteration: int) -> None:
+        if self._submit is None:
+            return
+        try:
+            self._submit(MetricPoint(rank=self.rank, iteration=iteration, name=name, value=value))
+        except TelemetryClosed:  # the job has ended on the control plane: stop training
+            raise
+        except Exception as exc:  # best effort
+            log.warning("metric %s at iteration %d dropped: %r", name, iteration, exc)
+
+    def _check(self, name: str, value: SupportsFloat, iteration: int) -> float:
         """The value as a float; raises ``ValueError`` saying what is wrong."""
         if not isinstance(name, str) or not 1 <= len(name) <= 128 or not _NAME.match(name):
             raise ValueError(

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from agent.runtime.context import EvenflowContext
-from agent.runtime.metrics import MetricSender
+from agent.runtime.metrics import MetricReporter, MetricSender
 from agent.runtime.plan_sync import PlanAgreement, RuntimePlan
 from agent.runtime.sampler import GlobalBatchSampler
 from agent.runtime.telemetry import TelemetryClosed
@@ -171,6 +171,18 @@ def test_log_never_raises_a_delivery_error_but_stops_when_the_job_ended() -> Non
 
     with pytest.raises(TelemetryClosed):
         _context(closed).log("acc", 1.0)
+
+
+def test_a_non_finite_global_loss_is_skipped_not_sent(caplog: pytest.LogCaptureFixture) -> None:
+    points: list[MetricPoint] = []
+    reporter = MetricReporter(2, points.append)
+    for it, value in enumerate([0.5, float("nan"), float("inf"), 2e30, 0.25]):
+        reporter.loss(it, value)
+    assert [(p.name, p.rank, p.iteration, p.value) for p in points] == [
+        ("loss", 2, 0, 0.5),
+        ("loss", 2, 4, 0.25),
+    ]
+    assert caplog.text.count("is not reported") == 1  # once per run, not per iteration
 
 
 def test_metric_sender_batches_retries_and_closes_on_409() -> None:
