@@ -27,6 +27,8 @@ from rich.table import Table
 
 from agent.client import ApiClient, ApiError, make_http
 from contract.api import OverrideCreate, TokenCreate
+from contract.base import LOSS_METRIC
+from contract.dashboard import MetricsOut
 from contract.enums import OverrideKind, Role
 from contract.problems import explain
 from contract.spec import JobSpec
@@ -265,6 +267,16 @@ def cmd_jobs_override(args: argparse.Namespace) -> None:
         console.print(f"{args.kind} {'previewed' if args.preview else 'applied'}")
 
 
+def _loss_series(client: ApiClient, job_id: int) -> MetricsOut | None:
+    """The job's loss for the watch line; None from a server without the metrics API."""
+    try:
+        return client.metrics(job_id, points=10, names=[LOSS_METRIC])
+    except ApiError as exc:
+        if exc.status_code in (404, 405):
+            return None
+        raise
+
+
 def cmd_jobs_watch(args: argparse.Namespace) -> None:
     """A live line until the job ends (or ``--count`` updates): on a terminal it rewrites
     itself; piped, it prints one line per update."""
@@ -277,6 +289,7 @@ def cmd_jobs_watch(args: argparse.Namespace) -> None:
             client.throughput(args.id),
             client.series(args.id, points=10, window=args.window),
             client.plan(args.id) if job.plan_version is not None else None,
+            _loss_series(client, args.id),
         )
         shown += 1
         done = job.status.terminal or (args.count is not None and shown >= args.count)

@@ -302,3 +302,6 @@ def test_jobs_metrics_prints_the_latest_value_per_series(
     assert data["series"][0]["value"][0] == 2.0
     with pytest.raises(SystemExit, match="has no metric nope \\(it has: acc, loss\\)"):
         main(["jobs", "metrics", str(job.id), "--name", "nope"])
+    capsys.readouterr()
+    main(["jobs", "watch", str(job.id), "--count", "1"])
+    assert "loss 1.1" in capsys.readouterr().out
