@@ -9,7 +9,10 @@ import { baseLayout, rankColour, rankName } from "./charts.js";
 import { $, clear, el, fmtNum } from "./dom.js";
 
 export const LOSS = "loss";
+// Refreshes are 2 s apart, or 5 times what the last one took (a long history costs the server
+// a scan per read), at most 10 s.
 const REFRESH_MS = 2000;
+const MAX_REFRESH_MS = 10000;
 const POINTS = 1000;
 const TERMINAL = new Set(["succeeded", "failed", "cancelled"]);
 const LINE = "#111827";
@@ -153,12 +156,14 @@ export function mountMetrics({ jobId, job, root = document }) {
   async function tick() {
     timer = null;
     const finished = TERMINAL.has(job()?.status);
+    const started = performance.now();
     try {
       await refresh();
     } catch (err) {
       console.warn("metrics refresh failed", err);
     }
-    if (!finished && !stopped) timer = setTimeout(tick, REFRESH_MS);
+    const wait = Math.min(MAX_REFRESH_MS, Math.max(REFRESH_MS, 5 * (performance.now() - started)));
+    if (!finished && !stopped) timer = setTimeout(tick, wait);
     window.dispatchEvent(new CustomEvent("evenflow:metrics", { detail: { finished } }));
   }
 

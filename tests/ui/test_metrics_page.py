@@ -92,7 +92,7 @@ def test_the_loss_chart_and_user_metrics_show_the_points_and_follow_the_job(
         ],
     )
     pg.wait_for_function(
-        f"document.querySelector('{loss}').data[0].x.length === 80", timeout=15_000
+        f"document.querySelector('{loss}').data[0].x.length === 80", timeout=25_000
     )
     ARTIFACTS.mkdir(exist_ok=True)
     pg.locator(loss).scroll_into_view_if_needed()
@@ -113,6 +113,6 @@ def test_a_job_without_metrics_says_how_to_log_them(
     assert pg.locator('[data-chart="loss"].empty').count() == 1
     _post_metrics(cluster, job_id, [{"rank": 1, "iteration": 3, "name": "loss", "value": 0.7}])
     pg.wait_for_function(
-        "document.querySelector('[data-chart=\"loss\"]').dataset.points === '1'", timeout=15_000
+        "document.querySelector('[data-chart=\"loss\"]').dataset.points === '1'", timeout=25_000
     )
     assert pg.locator('[data-chart="loss"].empty').count() == 0
