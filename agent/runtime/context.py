@@ -285,11 +285,12 @@ class EvenflowContext:
         charted on the job's page and served by ``GET /api/v1/jobs/{id}/metrics``.
 
         ``iteration`` defaults to the iteration of the batch ``batches()`` yielded last (0
-        before the first). ``value`` is anything ``float()`` takes (a one-element tensor too).
-        Raises ``ValueError`` at once for a bad name (``loss`` is the runtime's own: the exact
-        global loss, reported every ``loss_every`` iterations), a non-finite value, or a second
-        value of a name in one iteration. Never blocks; delivery is best effort, except that
-        once the control plane has said the job ended this raises ``TelemetryClosed``."""
+        before the first). ``value`` is anything ``float()`` takes, a one-element tensor too
+        (reading a CUDA tensor waits for the GPU: log those every few iterations). Raises
+        ``ValueError`` at once for a bad name (``loss`` is the runtime's own: the exact global
+        loss, reported every ``loss_every`` iterations), a non-finite value, or a second value
+        of a name in one iteration. Never blocks; delivery is best effort, except that once the
+        control plane has said the job ended this raises ``TelemetryClosed``."""
         self._metrics.log(name, value, self._batch_iteration if iteration is None else iteration)
 
     # ----------------------------------------------------------------------------- internals

@@ -32,7 +32,8 @@ from contract.base import MAX_PLAN_WAIT_S
 
 
 class RemoteControlPlane:
-    """``fetch_plan``, ``post_telemetry`` and ``post_metrics`` for one job, bound to a client, server and token."""
+    """``fetch_plan``, ``post_telemetry`` and ``post_metrics`` for one job, bound to a client,
+    a server and a token."""
 
     def __init__(
         self,

@@ -24,7 +24,8 @@ def _point(rank: int, it: int, name: str = "loss", value: float | None = None) -
 
 def _job(api: Api, workers: int = 2) -> tuple[int, dict[str, Any]]:
     host = api.register("h", devices=workers)
-    return int(api.submit(workers=workers, global_batch=32)["id"]), host  # type: ignore[call-overload]
+    job = api.submit(workers=workers, global_batch=32)
+    return int(str(job["id"])), host
 
 
 def _post(api: Api, job: int, points: list[dict[str, Any]], token: str | None = None) -> Any:

@@ -5,6 +5,7 @@ the call, and the metric sender shares the telemetry sender's queue discipline."
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from datetime import UTC, datetime
 
 import pytest
@@ -111,7 +112,7 @@ def test_the_leader_reports_the_exact_global_loss_and_each_rank_its_own_logs() -
     assert counts[4] != SIZES  # the partial batch of the epoch's end was among them
 
 
-def _context(submit: object = None, rank: int = 0) -> EvenflowContext:
+def _context(submit: Callable[[MetricPoint], None] | None = None, rank: int = 0) -> EvenflowContext:
     job = JobSpec.model_validate(
         {
             "name": "t",
@@ -122,7 +123,7 @@ def _context(submit: object = None, rank: int = 0) -> EvenflowContext:
         }
     )
     agreement = PlanAgreement(RuntimePlan(1, (8,)), rank=0, world_size=1, global_batch=8)
-    return EvenflowContext(job, agreement, rank=rank, world_size=1, submit_metric=submit)  # type: ignore[arg-type]
+    return EvenflowContext(job, agreement, rank=rank, world_size=1, submit_metric=submit)
 
 
 def test_log_refuses_bad_input_at_the_call() -> None:
