@@ -6,6 +6,7 @@ and talk to the real app in-process, without sockets.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
@@ -14,6 +15,8 @@ from contract.agent import (
     Heartbeat,
     HeartbeatAck,
     HostRegister,
+    MetricAck,
+    MetricBatch,
     PlanOut,
     TelemetryAck,
     TelemetryBatch,
@@ -32,7 +35,7 @@ from contract.api import (
     TokenCreated,
     TokenOut,
 )
-from contract.dashboard import SeriesOut, ThroughputOut
+from contract.dashboard import MetricsOut, SeriesOut, ThroughputOut
 from contract.spec import JobSpec
 
 API = "/api/v1"
@@ -172,6 +175,27 @@ class ApiClient:
             params={"since_iteration": since_iteration, "limit": limit},
         )
         return [TelemetryOut.model_validate(r) for r in resp.json()]
+
+    def post_metrics(self, job_id: int, batch: MetricBatch) -> MetricAck:
+        resp = self._call("POST", f"/jobs/{job_id}/metrics", json=batch.model_dump(mode="json"))
+        return MetricAck.model_validate(resp.json())
+
+    def metrics(
+        self,
+        job_id: int,
+        *,
+        points: int = 500,
+        names: Sequence[str] | None = None,
+        rank: int | None = None,
+    ) -> MetricsOut:
+        """The job's training metrics, at most ``points`` per (name, rank)."""
+        params: dict[str, Any] = {"points": points}
+        if names:
+            params["names"] = ",".join(names)
+        if rank is not None:
+            params["rank"] = rank
+        resp = self._call("GET", f"/jobs/{job_id}/metrics", params=params)
+        return MetricsOut.model_validate(resp.json())
 
     def models(self, job_id: int) -> list[ModelOut]:
         return [

@@ -11,6 +11,7 @@ from pydantic import Field, field_validator, model_validator
 
 from contract.base import (
     MAX_ID,
+    MAX_METRIC_VALUE,
     MAX_TELEMETRY_RECORDS,
     MAX_WORKERS,
     Id,
@@ -247,5 +248,28 @@ class TelemetryBatch(Request):
 
 
 class TelemetryAck(Response):
+    accepted: int
+    duplicates: int
+
+
+class MetricPoint(Request):
+    """One value of a named training metric, reported by one rank at one iteration.
+
+    ``loss`` (:data:`~contract.base.LOSS_METRIC`) is the job's global mean loss, exact, which
+    the plan's leader rank reports every few iterations; other names are what user code logs
+    with ``ctx.log(name, value)``. (job, name, rank, iteration) is unique: a retried batch
+    never duplicates, and the first value stored wins."""
+
+    rank: int = Field(ge=0, lt=MAX_WORKERS)
+    iteration: int = Field(ge=0, le=10**12)
+    name: Name
+    value: float = Field(ge=-MAX_METRIC_VALUE, le=MAX_METRIC_VALUE, allow_inf_nan=False)
+
+
+class MetricBatch(Request):
+    points: list[MetricPoint] = Field(min_length=1, max_length=MAX_TELEMETRY_RECORDS)
+
+
+class MetricAck(Response):
     accepted: int
     duplicates: int

@@ -16,6 +16,20 @@ MAX_TELEMETRY_RECORDS = 5000
 """Largest telemetry batch one request may carry."""
 
 
+MAX_METRIC_VALUE = 1e30
+"""Largest magnitude of a training metric's value: larger is an input error (a diverged loss
+is better seen as a gap than as a number that overflows the server's bucket sums)."""
+
+
+MAX_METRIC_NAMES = 64
+"""Most distinct metric names one job may report: each is a series in every chart read."""
+
+
+LOSS_METRIC = "loss"
+"""The name the runtime reports the job's global mean loss under (from the plan's leader
+rank); reserved, user code logs its own metrics under other names."""
+
+
 MAX_PLAN_WAIT_S = 30.0
 """Longest a plan long-poll (``GET /jobs/{id}/plan?wait_s=``) is held; clients' read timeouts
 must exceed it."""

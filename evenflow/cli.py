@@ -27,6 +27,8 @@ from rich.table import Table
 
 from agent.client import ApiClient, ApiError, make_http
 from contract.api import OverrideCreate, TokenCreate
+from contract.base import LOSS_METRIC
+from contract.dashboard import MetricsOut
 from contract.enums import OverrideKind, Role
 from contract.problems import explain
 from contract.spec import JobSpec
@@ -213,6 +215,24 @@ def cmd_jobs_events(args: argparse.Namespace) -> None:
     )
 
 
+def cmd_jobs_metrics(args: argparse.Namespace) -> None:
+    metrics = _client(args).metrics(args.id, names=args.names, rank=args.rank)
+    if args.names and not metrics.series:
+        known = ", ".join(metrics.names) or "none yet"
+        raise SystemExit(
+            f"error: job {args.id} has no metric {', '.join(args.names)} (it has: {known})"
+        )
+    _emit(
+        args,
+        metrics,
+        job_views.METRIC_COLUMNS,
+        job_views.metric_rows,
+        title=f"training metrics of job {args.id}"
+        if metrics.series
+        else f"job {args.id} has reported no metrics yet",
+    )
+
+
 def cmd_jobs_override(args: argparse.Namespace) -> None:
     batches = None
     if args.batches is not None:
@@ -247,6 +267,16 @@ def cmd_jobs_override(args: argparse.Namespace) -> None:
         console.print(f"{args.kind} {'previewed' if args.preview else 'applied'}")
 
 
+def _loss_series(client: ApiClient, job_id: int) -> MetricsOut | None:
+    """The job's loss for the watch line; None from a server without the metrics API."""
+    try:
+        return client.metrics(job_id, points=10, names=[LOSS_METRIC])
+    except ApiError as exc:
+        if exc.status_code in (404, 405):
+            return None
+        raise
+
+
 def cmd_jobs_watch(args: argparse.Namespace) -> None:
     """A live line until the job ends (or ``--count`` updates): on a terminal it rewrites
     itself; piped, it prints one line per update."""
@@ -259,6 +289,7 @@ def cmd_jobs_watch(args: argparse.Namespace) -> None:
             client.throughput(args.id),
             client.series(args.id, points=10, window=args.window),
             client.plan(args.id) if job.plan_version is not None else None,
+            _loss_series(client, args.id),
         )
         shown += 1
         done = job.status.terminal or (args.count is not None and shown >= args.count)
@@ -639,6 +670,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = jobs.add_parser("events", parents=[client], help="a job's straggler events")
     p.add_argument("id", type=int)
     p.set_defaults(func=cmd_jobs_events)
+    p = jobs.add_parser(
+        "metrics", parents=[client], help="a job's training metrics: the loss, ctx.log values"
+    )
+    p.add_argument("id", type=int)
+    p.add_argument(
+        "--name", dest="names", action="append", help="only this metric (repeatable), e.g. loss"
+    )
+    p.add_argument("--rank", type=int, help="only this rank's")
+    p.set_defaults(func=cmd_jobs_metrics)
     p = jobs.add_parser(
         "override", parents=[client], help="change a job's plan by hand (--preview first)"
     )

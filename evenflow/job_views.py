@@ -10,11 +10,13 @@ from collections.abc import Sequence
 
 from contract.agent import PlanOut
 from contract.api import EventOut, HostOut, JobOut, ModelOut
-from contract.dashboard import SeriesOut, ThroughputOut
+from contract.base import LOSS_METRIC
+from contract.dashboard import MetricsOut, SeriesOut, ThroughputOut
 
 PLAN_COLUMNS = ["rank", "batch", "model t(b)", "fit"]
 EVENT_COLUMNS = ["id", "rank", "kind", "severity", "iterations", "action"]
 DEVICE_COLUMNS = ["host", "status", "device id", "device", "model", "use"]
+METRIC_COLUMNS = ["metric", "rank", "iteration", "latest", "min", "max"]
 
 
 def plan_title(plan: PlanOut) -> str:
@@ -95,14 +97,22 @@ def idle_fraction(series: SeriesOut) -> float | None:
 
 
 def watch_line(
-    job: JobOut, speed: ThroughputOut | None, series: SeriesOut | None, plan: PlanOut | None
+    job: JobOut,
+    speed: ThroughputOut | None,
+    series: SeriesOut | None,
+    plan: PlanOut | None,
+    metrics: MetricsOut | None = None,
 ) -> str:
-    """``job 3 running  iteration 1234  2,507 samples/s  idle 6%  plan v4 [90, 90, 48, 28]``."""
+    """``job 3 running  iteration 1234  2,507 samples/s  loss 0.4312  idle 6%  plan v4 [90, 90,
+    48, 28]``."""
     parts = [f"job {job.id} {job.status.value}"]
     if speed is not None and speed.iteration is not None:
         parts.append(f"iteration {speed.iteration}")
     if speed is not None and speed.samples_per_s is not None:
         parts.append(f"{speed.samples_per_s:,.0f} samples/s")
+    loss = latest_loss(metrics) if metrics is not None else None
+    if loss is not None:
+        parts.append(f"loss {loss:.4g}")
     idle = idle_fraction(series) if series is not None else None
     if idle is not None:
         parts.append(f"idle {100 * idle:.0f}%")
@@ -112,3 +122,29 @@ def watch_line(
     if job.error:
         parts.append(f"error: {job.error.splitlines()[0]}")
     return "  ".join(parts)
+
+
+def latest_loss(metrics: MetricsOut) -> float | None:
+    """The newest global loss, whichever rank reported it."""
+    newest = max(
+        (s for s in metrics.series if s.name == LOSS_METRIC),
+        key=lambda s: s.last_iteration,
+        default=None,
+    )
+    return newest.last_value if newest is not None else None
+
+
+def metric_rows(metrics: MetricsOut) -> list[list[object]]:
+    """One row per (metric, rank): its newest value exactly, and the range of its bucket means
+    (the global ``loss`` is reported by the plan's leader rank)."""
+    return [
+        [
+            m.name,
+            m.rank,
+            m.last_iteration,
+            f"{m.last_value:.6g}",
+            f"{min(m.value):.6g}" if m.value else "",
+            f"{max(m.value):.6g}" if m.value else "",
+        ]
+        for m in metrics.series
+    ]

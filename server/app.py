@@ -25,7 +25,18 @@ from contract.agent import TelemetryBatch
 from contract.base import ErrorOut
 from contract.problems import explain
 from server.api.bodies import component_schemas
-from server.api.routes import audit, events, health, hosts, jobs, planner, plans, telemetry, tokens
+from server.api.routes import (
+    audit,
+    events,
+    health,
+    hosts,
+    job_metrics,
+    jobs,
+    planner,
+    plans,
+    telemetry,
+    tokens,
+)
 from server.api.routes.ui import mount_dashboard
 from server.cache import Caches
 from server.config import Settings
@@ -139,7 +150,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
 
     app.include_router(health.router, prefix=API_PREFIX)
-    for module in (hosts, jobs, plans, telemetry, events, audit, tokens, planner):
+    for module in (hosts, jobs, plans, telemetry, job_metrics, events, audit, tokens, planner):
         app.include_router(module.router, prefix=API_PREFIX, responses=ERROR_RESPONSES)
 
     # The dashboard: chart data, the live stream, and the web UI (pages, login, static files).

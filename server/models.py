@@ -287,6 +287,22 @@ class TelemetryRollup(Base):
     last_ts: Mapped[float] = mapped_column(Float)
 
 
+class JobMetric(Base):
+    """One value of a named training metric (the global ``loss``, or one user code logged)
+    reported by one rank at one iteration. (job, name, rank, iteration) is unique: retries
+    dedupe, the first value stored wins. Reads go through that key's index by job and name."""
+
+    __tablename__ = "job_metrics"
+    __table_args__ = (UniqueConstraint("job_id", "name", "rank", "iteration"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(128))
+    rank: Mapped[int] = mapped_column(Integer)
+    iteration: Mapped[int] = mapped_column(BigInteger)
+    value: Mapped[float] = mapped_column(Float)
+
+
 JOB_RANK = -1
 """``TelemetryRollup.rank`` of a bucket's job-level row."""
 

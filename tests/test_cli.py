@@ -270,3 +270,53 @@ def test_agent_refuses_an_address_that_does_not_resolve(
     assert "'no-such-host.invalid' does not resolve" in str(exc.value)
     hosts = ApiClient(make_http(env.url, env.admin_token)).hosts()
     assert not hosts, "nothing was registered"
+
+
+def test_jobs_metrics_prints_the_latest_value_per_series(
+    env: LiveServer, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from contract.agent import MetricBatch, MetricPoint
+
+    monkeypatch.setenv("COLUMNS", "80")
+    client = ApiClient(make_http(env.url, env.admin_token))
+    client.register_host(
+        HostRegister(
+            protocol_version=PROTOCOL_VERSION,
+            name="metrics-host",
+            address="127.0.0.1",
+            devices=[
+                DeviceInfo(index=i, kind=DeviceKind.CPU, model="CPU", memory_mb=64)
+                for i in range(2)
+            ],
+        )
+    )
+    job = client.submit(
+        {
+            "name": "m",
+            "workload": {"builtin": "mlp"},
+            "global_batch": 8,
+            "iterations": 10,
+            "workers": 2,
+        }
+    )
+    assert main(["jobs", "metrics", str(job.id)]) in (0, None)
+    assert "no metrics yet" in capsys.readouterr().out
+    points = [MetricPoint(rank=0, iteration=i, name="loss", value=2.0 - 0.1 * i) for i in range(10)]
+    points += [MetricPoint(rank=r, iteration=9, name="acc", value=0.5 + r / 10) for r in range(2)]
+    assert client.post_metrics(job.id, MetricBatch(points=points)).accepted == 12
+    main(["jobs", "metrics", str(job.id)])
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.strip().startswith(("loss", "acc"))]
+    assert rows == [
+        ["acc", "0", "9", "0.5", "0.5", "0.5"],
+        ["acc", "1", "9", "0.6", "0.6", "0.6"],
+        ["loss", "0", "9", "1.1", "1.1", "2"],
+    ]
+    data = _json(capsys, "jobs", "metrics", str(job.id), "--name", "loss")
+    assert isinstance(data, dict) and [s["name"] for s in data["series"]] == ["loss"]
+    assert data["series"][0]["value"][0] == 2.0
+    with pytest.raises(SystemExit, match="has no metric nope \\(it has: acc, loss\\)"):
+        main(["jobs", "metrics", str(job.id), "--name", "nope"])
+    capsys.readouterr()
+    main(["jobs", "watch", str(job.id), "--count", "1"])
+    assert "loss 1.1" in capsys.readouterr().out

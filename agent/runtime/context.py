@@ -8,8 +8,8 @@ One iteration, on every active rank, in this order::
     -> data: this rank's slice of the global batch under the agreed plan
     -> compute: forward + backward of the SUMMED loss (skipped with 0 samples), emulation padding
     -> sync: one coalesced all-reduce of gradients and loss, scaled by 1 / global count
-    -> optimizer step, zero the gradient buffer
-    -> timing record -> telemetry queue (a background thread sends it)
+    -> optimizer step, zero the gradient buffer (the leader: the global loss -> metrics queue)
+    -> timing record -> telemetry queue (background threads send both)
 
 A rank the agreed plan excludes leaves this loop at that boundary: it probes its speed on each
 tick from the leader and waits for a join notice (:mod:`agent.runtime.membership`); ``batches()``
@@ -25,7 +25,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, SupportsFloat
 
 import torch
 import torch.distributed as dist
@@ -35,13 +35,14 @@ from agent.runtime.datasets import DatasetLike, dataset_size, take
 from agent.runtime.emulation import EMULATED_LABEL, Emulator
 from agent.runtime.gradients import GradientSync, broadcast_module
 from agent.runtime.membership import ExclusionOptions, GroupRole, Membership, Notice, Transition
+from agent.runtime.metrics import MetricReporter
 from agent.runtime.plan_sync import PlanAgreement, RuntimePlan, decode_plan
 from agent.runtime.probes import ProbeLoss, forward_sum, probe, probe_size
 from agent.runtime.resync import resync
 from agent.runtime.sampler import GlobalBatchSampler
 from agent.runtime.telemetry import JumpWatch, TelemetryClosed, clamp_ms
 from agent.runtime.timing import IterationTimer, IterationTiming
-from contract.agent import TelemetryRecord
+from contract.agent import MetricPoint, TelemetryRecord
 from contract.spec import JobSpec
 
 __all__ = ["ContextStats", "DatasetLike", "EvenflowContext", "dataset_size"]
@@ -111,6 +112,7 @@ class EvenflowContext:
         emulator: Emulator | None = None,
         submit: Callable[[TelemetryRecord], None] | None = None,
         flush: Callable[[], None] | None = None,
+        submit_metric: Callable[[MetricPoint], None] | None = None,
         group: dist.ProcessGroup | None = None,
         loss_every: int = 1,
         piggyback: bool = True,
@@ -127,6 +129,8 @@ class EvenflowContext:
         self.piggyback = piggyback
         """Carry the plan agreement inside the gradient all-reduce when the buffers allow."""
         self._submit = submit
+        self._metrics = MetricReporter(rank, submit_metric)
+        """The global loss from the plan's leader, and what user code logs (``log``)."""
         self._flush = flush
         """Asks the telemetry sender to post now: for the first ``EARLY_FLUSH_ITERATIONS``, and
         when a :class:`JumpWatch` flags a record (the control plane should hear of a slowdown's
@@ -139,6 +143,8 @@ class EvenflowContext:
         self.stats = ContextStats()
         self.iteration = 0
         """The iteration in progress (or next), counted from 0 across epochs."""
+        self._batch_iteration = 0
+        """The iteration of the batch ``batches()`` yielded last (what ``log`` reports at)."""
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self._sync: GradientSync | None = None
@@ -250,6 +256,7 @@ class EvenflowContext:
                     self._finish(None)
                     continue
                 self._awaiting_step = True
+                self._batch_iteration = it
                 yield batch
                 if self._awaiting_step:
                     raise RuntimeError("call ctx.step(loss_sum) exactly once per batch")
@@ -273,6 +280,19 @@ class EvenflowContext:
         loss_sum.backward()
         return self._finish(loss_sum)
 
+    def log(self, name: str, value: SupportsFloat, *, iteration: int | None = None) -> None:
+        """Report a training metric of this rank (an accuracy, a learning rate, a user loss):
+        charted on the job's page and served by ``GET /api/v1/jobs/{id}/metrics``.
+
+        ``iteration`` defaults to the iteration of the batch ``batches()`` yielded last (0
+        before the first). ``value`` is anything ``float()`` takes, a one-element tensor too
+        (reading a CUDA tensor waits for the GPU: log those every few iterations). Raises
+        ``ValueError`` at once for a bad name (``loss`` is the runtime's own: the exact global
+        loss, reported every ``loss_every`` iterations), a non-finite value, or a second value
+        of a name in one iteration. Never blocks; delivery is best effort, except that once the
+        control plane has said the job ended this raises ``TelemetryClosed``."""
+        self._metrics.log(name, value, self._batch_iteration if iteration is None else iteration)
+
     # ----------------------------------------------------------------------------- internals
 
     def _finish(self, loss_sum: torch.Tensor | None) -> float | None:
@@ -288,6 +308,8 @@ class EvenflowContext:
         if it % self.loss_every == 0 or it + 1 >= self._total:
             value = float(mean_loss.item())
             self.stats.record_loss(it, value, last=it + 1 >= self._total)
+            if self.rank == self._plan.leader:  # every active rank holds the same value
+                self._metrics.loss(it, value)
         self.optimizer.step()
         self._sync.zero_grad()
         self._emit(self.timer.finish(it, self._plan.version, b))

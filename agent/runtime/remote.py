@@ -5,6 +5,7 @@ lives in ``agent/client.py``. Endpoints (Bearer token)::
 
     GET  {server}/api/v1/jobs/{job_id}/plan?known_version=V&wait_s=W -> PlanOut (304: unchanged)
     POST {server}/api/v1/jobs/{job_id}/telemetry   TelemetryBatch -> TelemetryAck
+    POST {server}/api/v1/jobs/{job_id}/metrics     MetricBatch -> MetricAck
     PUT  {server}/api/v1/jobs/{job_id}/rendezvous  RendezvousIn -> RendezvousOut (rank 0)
     GET  {server}/api/v1/jobs/{job_id}/rendezvous  -> RendezvousOut (port null until published)
 
@@ -15,7 +16,9 @@ at once) or ``plan_wait_s`` passes (then 304), so a new plan arrives within mill
 instead of a poll interval later; the request's read timeout is the client's plus
 ``plan_wait_s``. It raises on anything else that is not a 2xx. ``post_telemetry`` raises on
 failure, which makes the telemetry sender retry, except that it raises ``TelemetryClosed`` when
-the job has ended (409, or 401: the rank's credential died with its job), which stops the rank. Both run on the runtime's background threads, never in the loop.
+the job has ended (409, or 401: the rank's credential died with its job), which stops the
+rank; ``post_metrics`` likewise. All run on the runtime's background threads, never in the
+loop.
 
 ``publish_port`` and ``lookup_port`` carry rank 0's rendezvous port (chosen when it binds) to
 the other ranks before the process group exists; they raise ``TelemetryClosed`` too once the
@@ -30,12 +33,21 @@ import httpx
 
 from agent.client import long_poll_timeout
 from agent.runtime.telemetry import TelemetryClosed
-from contract.agent import PlanOut, RendezvousIn, RendezvousOut, TelemetryAck, TelemetryBatch
+from contract.agent import (
+    MetricAck,
+    MetricBatch,
+    PlanOut,
+    RendezvousIn,
+    RendezvousOut,
+    TelemetryAck,
+    TelemetryBatch,
+)
 from contract.base import MAX_PLAN_WAIT_S
 
 
 class RemoteControlPlane:
-    """``fetch_plan`` and ``post_telemetry`` for one job, bound to a client, server and token."""
+    """``fetch_plan``, ``post_telemetry`` and ``post_metrics`` for one job, bound to a client,
+    a server and a token."""
 
     def __init__(
         self,
@@ -53,6 +65,7 @@ class RemoteControlPlane:
         base = f"{server.rstrip('/')}/api/v1/jobs/{job_id}"
         self.plan_url = f"{base}/plan"
         self.telemetry_url = f"{base}/telemetry"
+        self.metrics_url = f"{base}/metrics"
         self.rendezvous_url = f"{base}/rendezvous"
         self._auth = {"Authorization": f"Bearer {token}"}
         self._etag: str | None = None
@@ -87,10 +100,18 @@ class RemoteControlPlane:
             content=batch.wire_json(),  # the columnar form: half the bytes to send and parse
             headers={**self._auth, "Content-Type": "application/json"},
         )
-        if response.status_code in (httpx.codes.CONFLICT, httpx.codes.UNAUTHORIZED):
-            raise TelemetryClosed(_detail(response))
-        response.raise_for_status()
+        _raise_for(response)
         return TelemetryAck.model_validate_json(response.content)
+
+    def post_metrics(self, batch: MetricBatch) -> MetricAck:
+        """Send metric points; raises ``httpx.HTTPError`` on failure (the sender retries)."""
+        response = self._client.post(
+            self.metrics_url,
+            content=batch.model_dump_json(),
+            headers={**self._auth, "Content-Type": "application/json"},
+        )
+        _raise_for(response)
+        return MetricAck.model_validate_json(response.content)
 
     def publish_port(self, port: int) -> None:
         """Rank 0: the port its rendezvous store listens on."""

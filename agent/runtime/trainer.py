@@ -7,7 +7,8 @@ or user entrypoint) and driven through :class:`~agent.runtime.context.EvenflowCo
 end the threads are closed (telemetry flushed within a deadline) and a :class:`RunResult` returned.
 
 The control plane is reached only through two injected callables, so nothing here does HTTP:
-``fetch_plan() -> PlanOut | None`` and ``post_telemetry(TelemetryBatch)`` (raises on failure).
+``fetch_plan() -> PlanOut | None``, ``post_telemetry(TelemetryBatch)`` and
+``post_metrics(MetricBatch)`` (the posts raise on failure).
 :mod:`agent.runtime.remote` builds them from an ``httpx.Client``.
 """
 
@@ -26,6 +27,7 @@ from agent.runtime.context import EvenflowContext
 from agent.runtime.emulation import Emulator
 from agent.runtime.fetcher import FetchPlan, PlanFetcher
 from agent.runtime.membership import ExclusionOptions
+from agent.runtime.metrics import MetricSender, PostMetrics
 from agent.runtime.plan_sync import PlanAgreement, RuntimePlan, agree_initial
 from agent.runtime.rendezvous import DeviceAssignment, Rendezvous, init_process_group
 from agent.runtime.telemetry import PostTelemetry, TelemetrySender, TelemetryStats
@@ -93,6 +95,8 @@ class RunResult:
     wall_s: float = 0.0
     plan_fetch_errors: int = 0
     telemetry: TelemetryStats | None = None
+    metrics: TelemetryStats | None = None
+    """Delivery of the metric points (the leader's global loss, ``ctx.log`` values)."""
     exclusions: list[tuple[int, int]] = field(default_factory=list)
     """(first iteration sat out, iteration rejoined at) for each time this rank was excluded;
     the job's end counts as a rejoin (this rank then received the final parameters)."""
@@ -128,6 +132,7 @@ def run_training(
     *,
     fetch_plan: FetchPlan | None = None,
     post_telemetry: PostTelemetry | None = None,
+    post_metrics: PostMetrics | None = None,
     initial_plan: PlanOut | RuntimePlan | None = None,
     options: RuntimeOptions = RuntimeOptions(),
     rendezvous: Rendezvous | None = None,
@@ -147,6 +152,7 @@ def run_training(
     start = time.monotonic()
     fetcher: PlanFetcher | None = None
     sender: TelemetrySender | None = None
+    metric_sender: MetricSender | None = None
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         if world != spec.world_size:
@@ -178,6 +184,12 @@ def run_training(
                 flush_interval_s=options.telemetry_flush_s,
                 max_buffer=options.telemetry_max_buffer,
             )
+        if post_metrics is not None:
+            metric_sender = MetricSender(
+                post_metrics,
+                flush_interval_s=options.telemetry_flush_s,
+                max_buffer=options.telemetry_max_buffer,
+            )
         agreement = PlanAgreement(
             initial,
             rank=rank,
@@ -202,6 +214,7 @@ def run_training(
             emulator=emulator,
             submit=sender.submit if sender else None,
             flush=sender.flush_soon if sender else None,
+            submit_metric=metric_sender.submit if metric_sender else None,
             loss_every=loss_every,
             piggyback=options.piggyback_agreement,
             exclusion=options.exclusion,
@@ -230,10 +243,14 @@ def run_training(
     finally:
         if fetcher is not None:
             fetcher.close()
+        if metric_sender is not None:  # both flush within the one deadline
+            metric_sender.start_closing(options.close_deadline_s)
         telemetry = sender.close(options.close_deadline_s) if sender is not None else None
+        metrics = metric_sender.close(options.close_deadline_s) if metric_sender else None
         if created:
             dist.destroy_process_group()
     result.telemetry = telemetry
+    result.metrics = metrics
     result.plan_fetch_errors = fetcher.errors if fetcher else 0
     result.wall_s = time.monotonic() - start
     return result

@@ -32,7 +32,7 @@ plane said the job had ended (its telemetry answered 409): one log line, no trac
 its agent died.
 
 ``EVENFLOW_TOKEN`` is the rank's own credential, minted for this job and rank: it reads the
-job's plan and posts this rank's telemetry, nothing else, and dies with the job.
+job's plan and posts this rank's telemetry and metrics, nothing else, and dies with the job.
 """
 
 from __future__ import annotations
@@ -123,6 +123,7 @@ def worker_main(environ: dict[str, str] | None = None) -> int:
                 spec,
                 fetch_plan=remote.fetch_plan,
                 post_telemetry=remote.post_telemetry,
+                post_metrics=remote.post_metrics,
                 options=options,
                 rendezvous=rdzv,
             )

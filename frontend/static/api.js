@@ -59,6 +59,7 @@ export const api = {
   overrides: (id) => get(`/jobs/${id}/overrides`),
   override: (id, body) => post(`/jobs/${id}/overrides`, body),
   series: (id, points) => get(`/jobs/${id}/series?points=${points}`),
+  metrics: (id, points) => get(`/jobs/${id}/metrics?points=${points}`),
   throughput: (ids) => (ids.length ? get(`/dashboard/throughput?ids=${ids.join(",")}`) : []),
   audit: ({ target, limit = 100, offset = 0 } = {}) =>
     get(`/audit?limit=${limit}&offset=${offset}${target ? `&target=${encodeURIComponent(target)}` : ""}`),

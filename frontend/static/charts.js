@@ -26,7 +26,7 @@ export const iterationTraces = (world) => ({
   events: world + 2,
 });
 
-function baseLayout(yTitle, world) {
+export function baseLayout(yTitle, world) {
   return {
     margin: { l: 64, r: 16, t: 28, b: 44 },
     font: { family: FONT, size: 12, color: "#1f2937" },

@@ -6,6 +6,7 @@ import { $, banner, fmtNum } from "./dom.js";
 import { LiveCharts } from "./job-live.js";
 import { JobState } from "./job-state.js";
 import { renderEvents, renderHead, renderHistory, renderIdleSummary, renderPlan, renderSpeed, setLive } from "./job-tables.js";
+import { mountMetrics } from "./metrics.js";
 import { OverridePanel } from "./overrides.js";
 
 const jobId = Number($("#main").dataset.jobId);
@@ -110,4 +111,5 @@ load().catch((err) => {
   banner(`Could not load the job: ${err.detail ?? err.message}`);
 });
 
-window.evenflow = { get state() { return state; }, divs };
+const metrics = mountMetrics({ jobId, job: () => state?.job ?? null });
+window.evenflow = { get state() { return state; }, divs, metrics };

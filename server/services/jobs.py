@@ -226,29 +226,34 @@ _RANKS_ON_HOST = (
 
 
 def check_may_write_ranks(
-    db: Session | Connection, principal: Principal, job_id: int, ranks: list[int]
+    db: Session | Connection,
+    principal: Principal,
+    job_id: int,
+    ranks: list[int],
+    what: str = "telemetry",
 ) -> None:
-    """Who may post timings of these ranks of a job (``db``: a session, or the Core connection
-    of the telemetry ingest's hot path): an admin any; an agent only ranks placed on its own
-    host; a worker credential only its own job and rank; nobody else."""
+    """Who may post timings or metrics (``what``, for the messages) of these ranks of a job
+    (``db``: a session, or the Core connection of the telemetry ingest's hot path): an admin
+    any; an agent only ranks placed on its own host; a worker credential only its own job and
+    rank; nobody else."""
     if principal.role is Role.ADMIN:
         return
     if principal.role is Role.WORKER:
         if principal.job_id != job_id:
             raise Forbidden(
                 f"'{principal.name}' is a worker credential of job {principal.job_id}; "
-                f"it may not post telemetry for job {job_id}"
+                f"it may not post {what} for job {job_id}"
             )
         other = next((r for r in ranks if r != principal.rank), None)
         if other is not None:
             raise Forbidden(
-                f"'{principal.name}' may post telemetry for rank {principal.rank} only, "
+                f"'{principal.name}' may post {what} for rank {principal.rank} only, "
                 f"not rank {other}"
             )
         return
     if principal.role is not Role.AGENT:
         raise Forbidden(
-            f"posting telemetry needs an agent, worker or admin token; '{principal.name}' is "
+            f"posting {what} needs an agent, worker or admin token; '{principal.name}' is "
             f"{principal.role.value}"
         )
     placed = set(db.scalars(_RANKS_ON_HOST, {"job_id": job_id, "host": principal.host}))
@@ -256,5 +261,5 @@ def check_may_write_ranks(
     if other is not None:
         raise Forbidden(
             f"rank {other} of job {job_id} is not placed on host '{principal.host}'; agent "
-            f"token '{principal.name}' may post telemetry only for that host's ranks"
+            f"token '{principal.name}' may post {what} only for that host's ranks"
         )
