@@ -7,10 +7,11 @@ from fastapi import APIRouter, Query
 from contract.api import JobList, JobOut
 from contract.enums import JobStatus
 from contract.spec import JobSpec
+from server.api.bodies import JSONRoute
 from server.api.deps import JobReader, Now, Operator, PathId, SessionDep, Viewer
 from server.services import jobs
 
-router = APIRouter(prefix="/jobs", tags=["jobs"])
+router = APIRouter(prefix="/jobs", tags=["jobs"], route_class=JSONRoute)
 
 
 @router.post("", status_code=201)

@@ -33,12 +33,13 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 from sqlalchemy.orm import Session, sessionmaker
 
+from server.api.bodies import JSONRoute
 from server.api.deps import Context, PathId, Viewer
 from server.context import AppContext
 from server.services import feed
 from server.services.feed import Cursor
 
-router = APIRouter(prefix="/jobs", tags=["dashboard"])
+router = APIRouter(prefix="/jobs", tags=["dashboard"], route_class=JSONRoute)
 
 POLL_S = 0.25
 MIN_GAP_S = 0.05

@@ -2,8 +2,9 @@
 
 Pages are HTML shells from ``frontend/`` filled with the signed-in user; their ES modules
 (``frontend/static/``) fetch everything else from the REST API with the session cookie.
-The cookie holds the API token itself (HttpOnly, SameSite=Strict): ``server.api.deps`` reads
-it when a request has no Authorization header, so the API's role checks apply unchanged.
+The cookie holds the API token itself (HttpOnly, SameSite=Strict): ``server.api.gate`` reads
+it when a request has no Authorization header, so the API's role checks apply unchanged, and
+refuses a cookie's write (and any ``/login`` or ``/logout``) whose Origin is not this server.
 Anonymous visitors are sent to ``/login``; the API answers them 401 as always.
 
 Plotly.js comes from the ``plotly`` Python package, so the dashboard works offline.
@@ -27,7 +28,9 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 
 import frontend
+from server.api.bodies import JSONRoute
 from server.api.deps import PathId
+from server.api.gate import SESSION_COOKIE
 from server.api.routes import series as series_routes
 from server.api.routes import stream as stream_routes
 from server.context import context_of
@@ -35,7 +38,7 @@ from server.errors import Unauthorized
 from server.services import tokens
 from server.services.tokens import Principal
 
-COOKIE = "evenflow_session"
+COOKIE = SESSION_COOKIE
 COOKIE_MAX_AGE_S = 12 * 3600
 FRONTEND_DIR = FsPath(frontend.__file__).parent
 PLOTLY_JS = FsPath(plotly.__file__).parent / "package_data" / "plotly.min.js"
@@ -57,7 +60,7 @@ PAGES = {
     "audit": "Audit log",
 }
 
-router = APIRouter(include_in_schema=False)
+router = APIRouter(include_in_schema=False, route_class=JSONRoute)
 
 
 def mount_dashboard(app: FastAPI, *, api_prefix: str, responses: dict[int | str, Any]) -> None:
@@ -158,9 +161,11 @@ async def login_form(request: Request) -> Response:
 
 @router.post("/login")
 async def login(request: Request) -> Response:
-    """Check the token and keep it in an HttpOnly, SameSite=Strict cookie."""
+    """Check the token and keep it in an HttpOnly, SameSite=Strict cookie. The body is read
+    up to ``MAX_LOGIN_BODY`` bytes (413 past it), and only from this server's own pages: both
+    checked by ``server.api.gate``."""
     raw = await request.body()
-    form = parse_qs(raw[:MAX_LOGIN_BODY].decode("utf-8", "replace"), max_num_fields=4)
+    form = parse_qs(raw.decode("utf-8", "replace"), max_num_fields=4)
     secret = (form.get("token") or [""])[0].strip()
     next_path = _safe_next((form.get("next") or [""])[0])
     if not secret:
