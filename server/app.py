@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
+from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
@@ -32,6 +33,7 @@ from server.context import AppContext
 from server.controller import Controller
 from server.db import make_engine, migrate, session_factory, transaction
 from server.errors import EvenflowError
+from server.live import StreamSlots
 from server.locks import WriterLock, bootstrap_lock, writer_lock_for
 from server.metrics import Metrics, MetricsMiddleware
 from server.notify import Bus, PgNotifyBus, PlanWaiters, open_bus
@@ -52,7 +54,7 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
         409: "Conflicts with the stored state",
         413: "Request body too large",
         422: "Invalid input; `field` names the culprit",
-        429: "Too many bad credentials from this address",
+        429: "Too many bad credentials from this address, or too many live streams",
     }.items()
 }
 
@@ -99,11 +101,16 @@ async def _on_http_error(_: Request, exc: Exception) -> Response:
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     context = _build_context(settings or Settings())
-    app = FastAPI(
+    # The API docs (/docs, /redoc) load Swagger UI and ReDoc from the ``fastapi-offline``
+    # package, served here: nothing a page of this server loads comes from another host.
+    app = FastAPIOffline(
         title="Evenflow",
         version="1",
         summary="Per-worker batch sizes for synchronous training on heterogeneous GPUs.",
         lifespan=_lifespan(context),
+        static_url="/vendor/docs",
+        # Swagger UI would fetch a validity badge from validator.swagger.io: no other host.
+        swagger_ui_parameters={"validatorUrl": None},
     )
     app.state.context = context
 
@@ -159,6 +166,7 @@ def _build_context(settings: Settings) -> AppContext:
         # Urgent telemetry (a worker's iteration time jumped) runs the controller's next round
         # now: over the wake bus to a controller process, or directly when it is a thread here.
         wake_controller=lambda job_id: wake_bus.publish([job_id]),
+        stream_slots=StreamSlots(settings.max_streams_per_token),
     )
 
 

@@ -73,6 +73,10 @@ class Settings(BaseSettings):
 
     auth_failures_window_s: float = Field(default=60.0, ge=1)
 
+    max_streams_per_token: int = Field(default=8, ge=1, le=10_000)
+    """Live streams (``GET /jobs/{id}/stream``) one token may hold open at once, per server
+    process; one more gets 429."""
+
     @field_validator("allowed_origins", mode="before")
     @classmethod
     def _origins(cls, v: object) -> object:

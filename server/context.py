@@ -17,7 +17,7 @@ from starlette.applications import Starlette
 
 from server.cache import Caches
 from server.config import Settings
-from server.live import TelemetryNotifier
+from server.live import StreamSlots, TelemetryNotifier
 from server.metrics import Metrics
 from server.notify import Bus, PlanWaiters
 
@@ -42,6 +42,8 @@ class AppContext:
     wake_controller: Callable[[int], None]
     """Runs the controller's next round for a job now (urgent telemetry)."""
     telemetry_notifier: TelemetryNotifier = field(default_factory=TelemetryNotifier)
+    stream_slots: StreamSlots = field(default_factory=lambda: StreamSlots(8))
+    """Live streams open per token in this process (``create_app`` sets the cap)."""
     generated_admin_token: str | None = None
     """The admin token generated at start-up when none was configured (shown once)."""
 
