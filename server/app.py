@@ -38,6 +38,7 @@ from server.locks import WriterLock, bootstrap_lock, writer_lock_for
 from server.metrics import Metrics, MetricsMiddleware
 from server.notify import Bus, PgNotifyBus, PlanWaiters, open_bus
 from server.services import tokens as token_service
+from server.throttle import FailureLimit
 
 log = logging.getLogger("evenflow.server")
 
@@ -167,6 +168,7 @@ def _build_context(settings: Settings) -> AppContext:
         # now: over the wake bus to a controller process, or directly when it is a thread here.
         wake_controller=lambda job_id: wake_bus.publish([job_id]),
         stream_slots=StreamSlots(settings.max_streams_per_token),
+        auth_failures=FailureLimit(settings.auth_failures_max, settings.auth_failures_window_s),
     )
 
 

@@ -17,8 +17,7 @@ A pure ASGI middleware (``Gate``), so nothing is parsed for a caller who may not
 3. **Bad-token throttling.** A client address whose credentials failed ``auth_failures_max``
    times within ``auth_failures_window_s`` gets 429 with ``Retry-After`` for further bad
    credentials; a valid credential from that address still works (a NAT or proxy shares
-   one address among many users).
-
+   one address among many users). ``/login`` counts against the same limit.
 4. **Body size.** A ``Content-Length`` over the path's limit: 413 at once. A chunked body is
    counted as the app reads it and refused (413) at the limit, not after it is all read.
    (FastAPI's own ``max_body_size`` answers a declared length in plain text, not
@@ -29,15 +28,11 @@ Refusals carry the one ``ErrorOut`` body.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
 from fastapi.responses import JSONResponse
-from limits import RateLimitItemPerSecond
-from limits.storage import MemoryStorage
-from limits.strategies import MovingWindowRateLimiter
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.requests import cookie_parser
@@ -86,7 +81,7 @@ class Gate:
         self.max_body, self.body_limits = max_body, body_limits
         settings = context.settings
         self.allowed_origins = frozenset(_origin(o) for o in settings.allowed_origins)
-        self.failures = FailureLimit(settings.auth_failures_max, settings.auth_failures_window_s)
+        self.failures = context.auth_failures
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -148,8 +143,7 @@ class Gate:
             return error_response(401, exc.message)
         return error_response(
             429,
-            f"too many bad credentials from {address}: at most {self.failures.max} in "
-            f"{self.failures.window_s:g} s; retry in {retry_after} s",
+            self.failures.message(address, retry_after),
             headers={"Retry-After": str(retry_after)},
         )
 
@@ -213,21 +207,3 @@ def _origin(url: str) -> str:
     if port is None or port == _DEFAULT_PORTS.get(scheme):
         return f"{scheme}://{host}"
     return f"{scheme}://{host}:{port}"
-
-
-class FailureLimit:
-    """At most ``max`` failures per client address in any ``window_s`` seconds (a moving
-    window, in memory: per server process)."""
-
-    def __init__(self, max_failures: int, window_s: float) -> None:
-        self.max, self.window_s = max_failures, window_s
-        self._item = RateLimitItemPerSecond(max_failures, max(1, round(window_s)))
-        self._limiter = MovingWindowRateLimiter(MemoryStorage())
-
-    def fail(self, address: str) -> int | None:
-        """Count one failure; None while within the limit, else seconds until the oldest
-        failure leaves the window."""
-        if self._limiter.hit(self._item, address):
-            return None
-        reset = self._limiter.get_window_stats(self._item, address).reset_time
-        return max(1, round(reset - time.time()))

@@ -273,3 +273,10 @@ def test_bad_tokens_are_throttled_per_address_but_valid_ones_still_work(tmp_path
         assert client.get("/api/v1/jobs", headers=api.headers(viewer)).status_code == 200
         assert client.post("/api/v1/jobs", json=SPEC, headers=api.headers()).status_code == 201
         assert client.get("/api/v1/jobs", headers=api.headers("ef_x")).status_code == 429
+        # The dashboard's sign-in counts against the same limit, and still admits a good token.
+        form = {"Content-Type": "application/x-www-form-urlencoded", **SAME_ORIGIN}
+        r = client.post("/login", content="token=ef_guess-4", headers=form)
+        assert r.status_code == 429 and "too many bad credentials" in r.text
+        assert int(r.headers["Retry-After"]) > 0 and "set-cookie" not in r.headers
+        r = client.post("/login", content=f"token={viewer}", headers=form, follow_redirects=False)
+        assert r.status_code == 303 and "evenflow_session=" in r.headers["set-cookie"]

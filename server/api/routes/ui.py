@@ -30,12 +30,11 @@ from fastapi.staticfiles import StaticFiles
 import frontend
 from server.api.bodies import JSONRoute
 from server.api.deps import PathId
-from server.api.gate import SESSION_COOKIE
+from server.api.gate import SESSION_COOKIE, authenticate
 from server.api.routes import series as series_routes
 from server.api.routes import stream as stream_routes
 from server.context import context_of
 from server.errors import Unauthorized
-from server.services import tokens
 from server.services.tokens import Principal
 
 COOKIE = SESSION_COOKIE
@@ -80,17 +79,10 @@ async def signed_in(request: Request) -> Principal | None:
     secret = request.cookies.get(COOKIE)
     if not secret:
         return None
-    key = tokens.hash_token(secret)
-    context = context_of(request.app)
-    cache_ = context.caches.tokens
-    principal: Principal | None = cache_.get(key)
-    if principal is None:
-        try:
-            principal = await run_in_threadpool(tokens.authenticate_with, context.sessions, secret)
-        except Unauthorized:
-            return None
-        cache_.put(key, principal)
-    return principal
+    try:
+        return await authenticate(context_of(request.app), secret)
+    except Unauthorized:
+        return None
 
 
 def _safe_next(target: str | None) -> str:
@@ -170,13 +162,18 @@ async def login(request: Request) -> Response:
     next_path = _safe_next((form.get("next") or [""])[0])
     if not secret:
         return _login_page(next_path, "Enter an API token.", status=401)
+    context = context_of(request.app)
     try:
-        principal = await run_in_threadpool(
-            tokens.authenticate_with, context_of(request.app).sessions, secret
-        )
+        await authenticate(context, secret)
     except Unauthorized as exc:
+        address = request.client.host if request.client else "unknown"
+        retry_after = context.auth_failures.fail(address)
+        if retry_after is not None:
+            message = context.auth_failures.message(address, retry_after)
+            page = _login_page(next_path, f"Not signed in: {message}.", status=429)
+            page.headers["Retry-After"] = str(retry_after)
+            return page
         return _login_page(next_path, f"Not signed in: {exc.message}.", status=401)
-    context_of(request.app).caches.tokens.put(tokens.hash_token(secret), principal)
     response = RedirectResponse(next_path, status_code=303)
     response.set_cookie(
         COOKIE,
