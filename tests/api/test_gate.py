@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from starlette.datastructures import Headers
 from contract.enums import Role
 from server.api.gate import cross_origin
 from server.app import MAX_BODY_BYTES, create_app
+from server.throttle import FailureLimit
 from tests.conftest import ADMIN_TOKEN, SAME_ORIGIN, Api, make_settings
 
 FOREIGN = {"Origin": "http://testserver:8888"}  # a notebook on another port of the same host
@@ -187,7 +189,7 @@ def _call(app: FastAPI, path: str, headers: dict[str, str], chunks: int, size: i
             more = receives < chunks
             return {"type": "http.request", "body": b"x" * size, "more_body": more}
 
-        async def send(message: dict[str, Any]) -> None:
+        async def send(message: MutableMapping[str, Any]) -> None:
             sent.append(message)
 
         scope = {
@@ -280,3 +282,19 @@ def test_bad_tokens_are_throttled_per_address_but_valid_ones_still_work(tmp_path
         assert int(r.headers["Retry-After"]) > 0 and "set-cookie" not in r.headers
         r = client.post("/login", content=f"token={viewer}", headers=form, follow_redirects=False)
         assert r.status_code == 303 and "evenflow_session=" in r.headers["set-cookie"]
+
+
+@given(
+    cap=st.integers(1, 8),
+    addresses=st.lists(st.sampled_from(["10.0.0.1", "10.0.0.2", "::1"]), max_size=40),
+)
+def test_each_address_has_its_own_budget_of_failures(cap: int, addresses: list[str]) -> None:
+    limit = FailureLimit(cap, 3600)
+    seen: Counter[str] = Counter()
+    for address in addresses:
+        seen[address] += 1
+        retry_after = limit.fail(address)
+        if seen[address] <= cap:
+            assert retry_after is None
+        else:
+            assert retry_after is not None and 0 < retry_after <= 3600

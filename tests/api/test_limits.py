@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import re
 import time
+from collections import Counter
 from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
+from hypothesis import given
+from hypothesis import strategies as st
 
 from contract.enums import Role
 from server.app import create_app
 from server.context import context_of
+from server.live import StreamSlots
 from tests.conftest import ADMIN_TOKEN, Api, make_settings, serving
 
 # --------------------------------------------------------------------------- live streams
@@ -91,3 +95,18 @@ def test_the_api_docs_load_nothing_from_another_host(sqlite_api: Api) -> None:
             assert url.startswith("/"), url
             assert client.get(url).status_code == 200, url
     assert '"validatorUrl": null' in client.get("/docs").text  # no badge from swagger.io
+
+
+@given(st.lists(st.tuples(st.sampled_from([1, 2, -7]), st.booleans()), max_size=60))
+def test_stream_slots_never_exceed_the_cap(steps: list[tuple[int, bool]]) -> None:
+    slots, held = StreamSlots(3), Counter[int]()
+    for token, opening in steps:
+        if opening:
+            took = slots.take(token)
+            assert took == (held[token] < 3)
+            held[token] += took
+        elif held[token]:
+            slots.give_back(token)
+            held[token] -= 1
+        assert slots.held(token) == held[token] <= 3
+    assert slots.held() == sum(held.values())
