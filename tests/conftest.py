@@ -31,6 +31,8 @@ from server.db import make_engine, migrate
 
 ROOT = Path(__file__).resolve().parents[1]
 ADMIN_TOKEN = "ef_test-admin-token-0123456789"
+SAME_ORIGIN = {"Origin": "http://testserver"}
+"""What a browser on the dashboard sends with a write: the TestClient's own origin."""
 PG_ADMIN_URL = os.environ.get(
     "EVENFLOW_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 )

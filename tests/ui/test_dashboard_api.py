@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from contract.enums import Role
-from tests.conftest import Api
+from tests.conftest import SAME_ORIGIN, Api
 from tests.ui.simulated import emulated_iteration
 
 
@@ -151,7 +151,7 @@ def test_login_sets_an_httponly_strict_cookie_and_logout_clears_it(sqlite_api: A
     r = client.post(
         "/login",
         content=f"token={viewer}&next=/jobs/3",
-        headers={"Content-Type": "application/x-www-form-urlencoded"},
+        headers={"Content-Type": "application/x-www-form-urlencoded", **SAME_ORIGIN},
         follow_redirects=False,
     )
     assert r.status_code == 303 and r.headers["location"] == "/jobs/3"
@@ -162,7 +162,7 @@ def test_login_sets_an_httponly_strict_cookie_and_logout_clears_it(sqlite_api: A
     assert page.status_code == 200 and 'data-user="vera"' in page.text
     assert "default-src 'self'" in page.headers["content-security-policy"]
     assert client.get("/api/v1/jobs").status_code == 200  # the cookie is the token
-    out = client.post("/logout", follow_redirects=False)
+    out = client.post("/logout", headers=SAME_ORIGIN, follow_redirects=False)
     assert out.status_code == 303 and 'evenflow_session=""' in out.headers["set-cookie"]
     client.cookies.clear()
     assert client.get("/jobs", follow_redirects=False).headers["location"] == "/login?next=/jobs"
@@ -170,7 +170,7 @@ def test_login_sets_an_httponly_strict_cookie_and_logout_clears_it(sqlite_api: A
 
 def test_bad_logins_and_redirects(sqlite_api: Api) -> None:
     client = sqlite_api.client
-    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    form = {"Content-Type": "application/x-www-form-urlencoded", **SAME_ORIGIN}
     r = client.post("/login", content="token=ef_nope", headers=form, follow_redirects=False)
     assert r.status_code == 401 and "unknown token" in r.text and "set-cookie" not in r.headers
     r = client.post("/login", content="", headers=form, follow_redirects=False)

@@ -6,10 +6,11 @@ from fastapi import APIRouter, Query, Response
 
 from contract.api import EventOut, OverrideCreate, OverrideOut
 from contract.enums import OverrideKind
+from server.api.bodies import JSONRoute
 from server.api.deps import Operator, PathId, SessionDep, Viewer
 from server.services import events, jobs, overrides
 
-router = APIRouter(prefix="/jobs", tags=["events"])
+router = APIRouter(prefix="/jobs", tags=["events"], route_class=JSONRoute)
 
 
 @router.get("/{job_id}/events")

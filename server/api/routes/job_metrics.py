@@ -8,10 +8,11 @@ from contract.agent import MetricAck, MetricBatch
 from contract.base import MAX_METRIC_NAMES
 from contract.dashboard import MetricsOut
 from contract.enums import Role
+from server.api.bodies import JSONRoute
 from server.api.deps import Authenticated, PathId, SessionDep, Viewer
 from server.services import job_metrics, jobs
 
-router = APIRouter(prefix="/jobs", tags=["metrics"])
+router = APIRouter(prefix="/jobs", tags=["metrics"], route_class=JSONRoute)
 
 _NAME = r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}"
 NAMES_PATTERN = rf"^{_NAME}(,{_NAME}){{0,{MAX_METRIC_NAMES - 1}}}$"

@@ -8,6 +8,7 @@ from contract.agent import RendezvousIn, RendezvousOut
 from contract.api import JobList, JobOut
 from contract.enums import JobStatus
 from contract.spec import JobSpec
+from server.api.bodies import JSONRoute
 from server.api.deps import (
     Authenticated,
     JobReader,
@@ -19,7 +20,7 @@ from server.api.deps import (
 )
 from server.services import jobs, rendezvous
 
-router = APIRouter(prefix="/jobs", tags=["jobs"])
+router = APIRouter(prefix="/jobs", tags=["jobs"], route_class=JSONRoute)
 
 
 @router.post("", status_code=201)
