@@ -5,6 +5,7 @@ lives in ``agent/client.py``. Endpoints (Bearer token)::
 
     GET  {server}/api/v1/jobs/{job_id}/plan?known_version=V&wait_s=W -> PlanOut (304: unchanged)
     POST {server}/api/v1/jobs/{job_id}/telemetry   TelemetryBatch -> TelemetryAck
+    POST {server}/api/v1/jobs/{job_id}/checkpoints CheckpointReport -> CheckpointOut
 
 ``fetch_plan`` sends the version it last received as ``known_version`` (and ``If-None-Match``
 with the last ETag, if the server gives one) and answers ``None`` on 304. With ``plan_wait_s``
@@ -23,8 +24,9 @@ from typing import Any
 import httpx
 
 from agent.client import long_poll_timeout
+from agent.runtime.checkpoint import Saved
 from agent.runtime.telemetry import TelemetryClosed
-from contract.agent import PlanOut, TelemetryAck, TelemetryBatch
+from contract.agent import CheckpointReport, PlanOut, TelemetryAck, TelemetryBatch
 from contract.base import MAX_PLAN_WAIT_S
 
 
@@ -47,6 +49,7 @@ class RemoteControlPlane:
         base = f"{server.rstrip('/')}/api/v1/jobs/{job_id}"
         self.plan_url = f"{base}/plan"
         self.telemetry_url = f"{base}/telemetry"
+        self.checkpoints_url = f"{base}/checkpoints"
         self._auth = {"Authorization": f"Bearer {token}"}
         self._etag: str | None = None
         self._version: int | None = None
@@ -84,6 +87,22 @@ class RemoteControlPlane:
             raise TelemetryClosed(_detail(response))
         response.raise_for_status()
         return TelemetryAck.model_validate_json(response.content)
+
+    def report_checkpoint(self, rank: int, saved: Saved) -> None:
+        """Tell the control plane of a checkpoint this rank wrote; raises on failure."""
+        body = CheckpointReport(
+            rank=rank,
+            iteration=saved.iteration,
+            size_bytes=saved.size_bytes,
+            url=saved.url,
+            write_ms=round(saved.write_ms, 3),
+        )
+        response = self._client.post(
+            self.checkpoints_url,
+            content=body.model_dump_json(),
+            headers={**self._auth, "Content-Type": "application/json"},
+        )
+        response.raise_for_status()
 
 
 def _detail(response: httpx.Response) -> str:

@@ -19,11 +19,15 @@ The agent daemon launches one process per rank with this environment:
 ``EVENFLOW_LOG_LEVEL``      optional; default ``INFO``
 ``EVENFLOW_ERROR_FILE``     optional; where the traceback of a failure is written, so the
                             agent reports the root cause rather than a log tail
+``EVENFLOW_JOB_DIR``        optional; the agent's directory for this job: checkpoints go to
+                            its ``checkpoints/`` when the spec's ``checkpoint`` has no path
 ==========================  =================================================================
 
 Exit status 0 after a completed run, 1 on any failure (the traceback is logged to stderr), 2
 when the environment is incomplete or malformed, 3 (``WORKER_EXIT_JOB_ENDED``) when the control
-plane said the job had ended (its telemetry answered 409): one log line, no traceback.
+plane said the job had ended (its telemetry answered 409): one log line, no traceback; 4
+(``WORKER_EXIT_FATAL``) when the job cannot run as specified (its checkpoint directory cannot
+be written), which the control plane does not retry.
 
 ``EVENFLOW_TOKEN`` is the rank's own credential, minted for this job and rank: it reads the
 job's plan and posts this rank's telemetry, nothing else, and dies with the job.
@@ -41,10 +45,11 @@ import traceback
 import httpx
 from pydantic import ValidationError
 
+from agent.runtime.checkpoint import CheckpointPathError
 from agent.runtime.remote import RemoteControlPlane
 from agent.runtime.telemetry import TelemetryClosed
 from agent.runtime.trainer import RunResult, RuntimeOptions, run_training
-from contract.agent import WORKER_EXIT_JOB_ENDED
+from contract.agent import WORKER_EXIT_FATAL, WORKER_EXIT_JOB_ENDED
 from contract.base import MAX_PLAN_WAIT_S
 from contract.spec import JobSpec
 
@@ -85,6 +90,7 @@ def worker_main(environ: dict[str, str] | None = None) -> int:
         options = RuntimeOptions(
             plan_poll_s=float(env.get("EVENFLOW_PLAN_POLL_S", "1.0")),
             telemetry_flush_s=float(env.get("EVENFLOW_TELEMETRY_S", "2.0")),
+            checkpoint_dir=checkpoint_dir(spec, job_id, env.get("EVENFLOW_JOB_DIR")),
         )
         # The plan fetch is a long-poll held up to this long (new plans arrive at once).
         plan_wait_s = float(env.get("EVENFLOW_PLAN_WAIT_S", "10.0"))
@@ -104,20 +110,24 @@ def worker_main(environ: dict[str, str] | None = None) -> int:
                 job_id,
                 plan_wait_s=plan_wait_s,
             )
+            rank = int(env["RANK"])
             result = run_training(
                 spec,
                 fetch_plan=remote.fetch_plan,
                 post_telemetry=remote.post_telemetry,
                 options=options,
+                report_checkpoint=lambda saved: remote.report_checkpoint(rank, saved),
             )
+    except CheckpointPathError as exc:
+        log.error("%s", exc)
+        _write_error(env, str(exc))
+        return WORKER_EXIT_FATAL
     except TelemetryClosed as exc:
         log.warning("job %d has ended on the control plane (%s); stopping", job_id, exc)
         return WORKER_EXIT_JOB_ENDED
     except Exception:
         log.exception("training failed")
-        if env.get("EVENFLOW_ERROR_FILE"):
-            with open(env["EVENFLOW_ERROR_FILE"], "w") as f:
-                f.write(traceback.format_exc())
+        _write_error(env, traceback.format_exc())
         return 1
     text = result_json(result)
     log.info("finished: %s", text)
@@ -125,6 +135,22 @@ def worker_main(environ: dict[str, str] | None = None) -> int:
         with open(env["EVENFLOW_RESULT"], "w") as f:
             f.write(text)
     return 0
+
+
+def checkpoint_dir(spec: JobSpec, job_id: int, job_dir: str | None) -> str | None:
+    """Where this job's checkpoints go: ``<checkpoint.path>/job-<id>`` (so jobs sharing a path
+    never resume from each other's), else the agent's job directory's ``checkpoints``."""
+    if spec.checkpoint is None:
+        return None
+    if spec.checkpoint.path is not None:
+        return f"{spec.checkpoint.path.rstrip('/')}/job-{job_id}"
+    return f"{job_dir.rstrip('/')}/checkpoints" if job_dir else None
+
+
+def _write_error(env: dict[str, str], text: str) -> None:
+    if env.get("EVENFLOW_ERROR_FILE"):
+        with open(env["EVENFLOW_ERROR_FILE"], "w") as f:
+            f.write(text)
 
 
 if __name__ == "__main__":
