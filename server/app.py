@@ -24,7 +24,18 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from contract.agent import TelemetryBatch
 from contract.base import ErrorOut
 from server.api.bodies import component_schemas
-from server.api.routes import audit, events, health, hosts, jobs, planner, plans, telemetry, tokens
+from server.api.routes import (
+    audit,
+    checkpoints,
+    events,
+    health,
+    hosts,
+    jobs,
+    planner,
+    plans,
+    telemetry,
+    tokens,
+)
 from server.api.routes.ui import mount_dashboard
 from server.cache import Caches
 from server.config import Settings
@@ -137,7 +148,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
 
     app.include_router(health.router, prefix=API_PREFIX)
-    for module in (hosts, jobs, plans, telemetry, events, audit, tokens, planner):
+    for module in (hosts, jobs, plans, telemetry, checkpoints, events, audit, tokens, planner):
         app.include_router(module.router, prefix=API_PREFIX, responses=ERROR_RESPONSES)
 
     # The dashboard: chart data, the live stream, and the web UI (pages, login, static files).

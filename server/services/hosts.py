@@ -193,6 +193,7 @@ def assignments(session: Session, host: Host) -> list[Assignment]:
                 desired="stop" if status.terminal else "run",
                 spec=job.spec,
                 worker_token=tokens.mint_worker_token(worker) if launch else None,
+                attempt=job.attempt,
             )
         )
     return out
@@ -200,7 +201,8 @@ def assignments(session: Session, host: Host) -> list[Assignment]:
 
 def mark_lost(session: Session, now: datetime, after_s: float) -> list[Host]:
     """Hosts silent for longer than ``after_s`` become lost; their devices go offline and the
-    jobs running there fail (a synchronous job cannot go on without a rank)."""
+    jobs running there restart elsewhere while their ``max_restarts`` allows, else fail (a
+    synchronous job cannot go on without a rank)."""
     cutoff = now - timedelta(seconds=after_s)
     lost = list(
         session.scalars(
@@ -224,7 +226,5 @@ def mark_lost(session: Session, now: datetime, after_s: float) -> list[Host]:
         for job_id in sorted(job_ids):
             job = session.get(Job, job_id)
             if job is not None and not JobStatus(job.status).terminal:
-                jobs.finish(
-                    session, job, JobStatus.FAILED, now, error=f"host '{host.name}' was lost"
-                )
+                jobs.fail_or_restart(session, job, f"host '{host.name}' was lost", now)
     return lost

@@ -1,5 +1,15 @@
-"""Jobs: submission, cancellation, worker reports and the job state machine
-(``contract.enums.JobStatus`` draws it)."""
+"""Jobs: submission, cancellation, worker reports, restarts after a failure and the job state
+machine (``contract.enums.JobStatus`` draws it).
+
+A failure (a rank reports FAILED, or the host of one of its ranks is lost) restarts the job
+while its spec's ``max_restarts`` allows: the job becomes a new *attempt* (``Job.attempt``), its
+devices are given back and its workers (with their credentials) deleted, and it is placed
+again as a pending job: the same devices when they are free, others otherwise, between
+``workers`` and ``max_workers`` of them, with a new initial plan and rendezvous port. Agents
+launch the new attempt's ranks and stop the old ones; the runtime resumes from the job's
+newest checkpoint (or from iteration 0 without checkpoints). After ``max_restarts`` restarts,
+the next failure fails the job with every reason listed. A rank that exits with
+``WORKER_EXIT_FATAL`` (the job cannot run as specified) fails it at once."""
 
 from __future__ import annotations
 
@@ -8,7 +18,8 @@ from datetime import datetime
 from sqlalchemy import Connection, bindparam, func, select
 from sqlalchemy.orm import Session, selectinload
 
-from contract.agent import WorkerReport
+from contract.agent import WORKER_EXIT_FATAL, WorkerReport
+from contract.api import RestartOut
 from contract.enums import (
     JOB_TRANSITIONS,
     WORKER_TRANSITIONS,
@@ -20,7 +31,7 @@ from contract.enums import (
 from contract.spec import JobSpec
 from server.cache import mark_tokens_changed
 from server.errors import Conflict, Forbidden, Invalid, NotFound
-from server.models import Device, Host, Job, Worker
+from server.models import Checkpoint, Device, Host, IterationTelemetry, Job, Worker
 from server.services import scheduler
 from server.services.audit import record
 from server.services.tokens import Principal
@@ -92,6 +103,63 @@ def finish(
     scheduler.place_pending(session, now)
 
 
+def fail_or_restart(
+    session: Session, job: Job, reason: str, now: datetime, *, retry: bool = True
+) -> None:
+    """A rank of a live job failed or was lost: restart the job while its ``max_restarts``
+    allows (and ``retry``: a restart can mend the failure), else fail it with every reason."""
+    if retry and job.restarts < job.job_spec.max_restarts:
+        restart(session, job, reason, now)
+        return
+    reasons = [*(r["reason"] for r in job.restart_history), reason]
+    error = reason
+    if len(reasons) > 1:
+        listed = "; ".join(f"attempt {i}: {r}" for i, r in enumerate(reasons))
+        error = f"failed after {len(reasons) - 1} restart(s): {listed}"
+    finish(session, job, JobStatus.FAILED, now, error=error)
+    record(session, "system", "job.failed", f"job:{job.id}", {"reason": reason})
+
+
+def restart(session: Session, job: Job, reason: str, now: datetime) -> None:
+    """Begin the job's next attempt: devices back, workers gone, pending again, placed anew."""
+    resumed_from, lost = _progress_lost(session, job)
+    entry = RestartOut(
+        attempt=job.attempt + 1,
+        at=now,
+        reason=reason if job.job_spec.checkpoint else f"{reason} (no checkpoint: from iteration 0)",
+        resumed_from=resumed_from,
+        iterations_lost=lost,
+    )
+    job.restart_history = [*(job.restart_history or []), entry.model_dump(mode="json")]
+    job.attempt += 1
+    transition(job, JobStatus.PENDING)
+    mark_tokens_changed(session)  # the old attempt's credentials die with its workers
+    for dev in session.scalars(select(Device).where(Device.job_id == job.id)):
+        dev.job_id = None
+        if dev.status == DeviceStatus.BUSY.value:
+            dev.status = DeviceStatus.FREE
+    job.workers.clear()
+    session.flush()  # the old ranks' rows go before the new attempt's are added
+    session.expire(job, ["workers"])
+    record(session, "system", "job.restart", f"job:{job.id}", entry.model_dump(mode="json"))
+    scheduler.place_pending(session, now)
+
+
+def _progress_lost(session: Session, job: Job) -> tuple[int | None, int | None]:
+    """(the newest checkpoint's iteration, iterations done since it), as far as the control
+    plane has heard: checkpoints and telemetry reported so far."""
+    newest = session.scalar(
+        select(func.max(Checkpoint.iteration)).where(Checkpoint.job_id == job.id)
+    )
+    T = IterationTelemetry
+    last = session.scalar(
+        select(func.max(T.iteration)).where(T.job_id == job.id, T.probe.is_(False))
+    )
+    start = int(newest) if newest is not None else 0
+    lost = max(0, int(last) + 1 - start) if last is not None else None
+    return (int(newest) if newest is not None else None), lost
+
+
 def cancel(session: Session, job_id: int, principal: Principal, now: datetime) -> Job:
     job = get(session, job_id)
     if JobStatus(job.status).terminal:
@@ -110,7 +178,11 @@ def rank0_address(session: Session, job: Job) -> str:
 def apply_worker_report(
     session: Session, host: Host, report: WorkerReport, principal: Principal, now: datetime
 ) -> None:
-    """A worker changed state on ``host``; advance the worker and, through it, the job."""
+    """A worker changed state on ``host``; advance the worker and, through it, the job. Reports
+    about an earlier attempt's processes are ignored (that attempt has been replaced)."""
+    attempt = session.scalar(select(Job.attempt).where(Job.id == report.job_id))
+    if attempt is not None and report.attempt != attempt:
+        return
     worker = session.scalars(
         select(Worker).where(Worker.job_id == report.job_id, Worker.rank == report.rank)
     ).first()
@@ -136,14 +208,9 @@ def apply_worker_report(
     states = [WorkerState(w.state) for w in job.workers]
     if to is WorkerState.FAILED:
         tail = (report.error or f"exit code {report.exit_code}").strip().splitlines()[-1:]
-        finish(
-            session,
-            job,
-            JobStatus.FAILED,
-            now,
-            error=f"rank {report.rank} failed: {' '.join(tail)}",
-        )
-        record(session, principal.name, "job.failed", f"job:{job.id}", {"rank": report.rank})
+        reason = f"rank {report.rank} failed: {' '.join(tail)}"
+        retry = report.exit_code != WORKER_EXIT_FATAL
+        fail_or_restart(session, job, reason, now, retry=retry)
     elif all(s is WorkerState.SUCCEEDED for s in states):
         if status is JobStatus.STARTING:
             transition(job, JobStatus.RUNNING)
@@ -163,7 +230,11 @@ _RANKS_ON_HOST = (
 
 
 def check_may_write_ranks(
-    db: Session | Connection, principal: Principal, job_id: int, ranks: list[int]
+    db: Session | Connection,
+    principal: Principal,
+    job_id: int,
+    ranks: list[int],
+    action: str = "post telemetry",
 ) -> None:
     """Who may post timings of these ranks of a job (``db``: a session, or the Core connection
     of the telemetry ingest's hot path): an admin any; an agent only ranks placed on its own
@@ -174,18 +245,17 @@ def check_may_write_ranks(
         if principal.job_id != job_id:
             raise Forbidden(
                 f"'{principal.name}' is a worker credential of job {principal.job_id}; "
-                f"it may not post telemetry for job {job_id}"
+                f"it may not {action} for job {job_id}"
             )
         other = next((r for r in ranks if r != principal.rank), None)
         if other is not None:
             raise Forbidden(
-                f"'{principal.name}' may post telemetry for rank {principal.rank} only, "
-                f"not rank {other}"
+                f"'{principal.name}' may {action} for rank {principal.rank} only, not rank {other}"
             )
         return
     if principal.role is not Role.AGENT:
         raise Forbidden(
-            f"posting telemetry needs an agent, worker or admin token; '{principal.name}' is "
+            f"only an agent, worker or admin token may {action}; '{principal.name}' is "
             f"{principal.role.value}"
         )
     placed = set(db.scalars(_RANKS_ON_HOST, {"job_id": job_id, "host": principal.host}))
@@ -193,5 +263,5 @@ def check_may_write_ranks(
     if other is not None:
         raise Forbidden(
             f"rank {other} of job {job_id} is not placed on host '{principal.host}'; agent "
-            f"token '{principal.name}' may post telemetry only for that host's ranks"
+            f"token '{principal.name}' may {action} only for that host's ranks"
         )
