@@ -72,8 +72,9 @@ class PolicySpec(Request):
 class CheckpointSpec(Request):
     """Periodic checkpoints a failed job resumes from (``agent.runtime.checkpoint``)."""
 
-    every_iterations: int = Field(ge=1, le=100_000_000)
-    """Write one after every this many iterations (counted from 0 across epochs)."""
+    every_iterations: int = Field(default=100, ge=1, le=100_000_000)
+    """Write one after every this many iterations (counted from 0 across epochs); a restart
+    re-runs at most this many."""
     path: Text | None = Field(default=None, min_length=1, max_length=1024)
     """A directory or fsspec URL (``/shared/ckpt``, ``file:///...``, ``s3://bucket/x``); the job's
     checkpoints go under ``<path>/job-<id>/``. Default: the agent's job directory on rank 0's
