@@ -10,7 +10,9 @@ from typing import Any
 from contract.agent import WORKER_EXIT_FATAL
 from contract.enums import Role
 from server.context import context_of
-from server.services import hosts
+from server.models import Job
+from server.services import control_loop, hosts
+from server.services.rebalancer import Tracker
 from tests.conftest import Api
 
 CHECKPOINT = {"every_iterations": 10, "path": "/tmp/evenflow-ckpt-test"}
@@ -219,3 +221,19 @@ def test_bad_checkpoint_and_restart_specs_are_refused(api: Api) -> None:
         r = api.client.post("/api/v1/jobs", json=spec, headers=api.headers())
         assert r.status_code == 422, r.text
         assert field in r.text
+
+
+def test_the_control_loop_forgets_what_it_learnt_about_an_earlier_attempt() -> None:
+    """A restarted job may run on other devices or another number of them: its fitted models,
+    straggler baselines and cadence start afresh; another job's are kept."""
+    state = control_loop.LoopState()
+    first, other = Job(id=1, attempt=0), Job(id=2, attempt=0)
+    for job in (first, other):
+        state.follow(job)
+        state.trackers[job.id] = Tracker(last_id=99)
+        state.decided_at[job.id] = 1.0
+    state.follow(first)  # the same attempt: nothing forgotten
+    assert state.trackers[1].last_id == 99
+    state.follow(Job(id=1, attempt=1))
+    assert 1 not in state.trackers and 1 not in state.decided_at
+    assert state.attempts == {1: 1, 2: 0} and state.trackers[2].last_id == 99
