@@ -34,6 +34,7 @@ from typing import Any
 import torch.distributed as dist
 
 from agent.runtime.plan_sync import RuntimePlan
+from agent.runtime.sampler import GlobalBatchSampler
 from agent.runtime.trainer import RuntimeOptions, run_training
 from contract.enums import JobStatus
 from contract.spec import JobSpec
@@ -97,6 +98,7 @@ def kill_one_worker(workdir: Path, iterations: int = 240) -> dict[str, Any]:
     new = [r for r in rows if restart_version is not None and r.plan_version >= restart_version]
     old_done = max(r.iteration for r in old) + 1 if old else done_before
     resumed_ts = _resumed_at(jobdir / "rank-0.log", killed_at)
+    sampler = GlobalBatchSampler(1797, 256)  # the digits: every epoch ends on 5 samples
     return {
         "status": out.status.value,
         "succeeded": out.status is JobStatus.SUCCEEDED,
@@ -112,7 +114,7 @@ def kill_one_worker(workdir: Path, iterations: int = 240) -> dict[str, Any]:
             round(min(r.ts for r in new) - killed_at, 2) if new else None
         ),
         "global_samples": result.get("global_samples"),
-        "expected_global_samples": iterations * 256,
+        "expected_global_samples": sum(map(sampler.global_count, range(iterations))),
     }
 
 

@@ -13,6 +13,7 @@ the next failure fails the job with every reason listed. A rank that exits with
 
 from __future__ import annotations
 
+import signal
 from datetime import datetime
 
 from sqlalchemy import Connection, bindparam, func, select
@@ -207,8 +208,7 @@ def apply_worker_report(
         return
     states = [WorkerState(w.state) for w in job.workers]
     if to is WorkerState.FAILED:
-        tail = (report.error or f"exit code {report.exit_code}").strip().splitlines()[-1:]
-        reason = f"rank {report.rank} failed: {' '.join(tail)}"
+        reason = failure_reason(report)
         retry = report.exit_code != WORKER_EXIT_FATAL
         fail_or_restart(session, job, reason, now, retry=retry)
     elif all(s is WorkerState.SUCCEEDED for s in states):
@@ -220,6 +220,20 @@ def apply_worker_report(
     ):
         transition(job, JobStatus.RUNNING)
         job.started_at = now
+
+
+def failure_reason(report: WorkerReport) -> str:
+    """One line on why a rank failed: the signal that killed it (its log's last line would
+    be whatever it was doing), else its error's last line (a traceback's exception)."""
+    code = report.exit_code
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"rank {report.rank} was killed by {name} (exit {code})"
+    tail = (report.error or f"exit code {code}").strip().splitlines()[-1:]
+    return f"rank {report.rank} failed: {' '.join(tail)}"
 
 
 _RANKS_ON_HOST = (

@@ -7,11 +7,11 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from contract.agent import WORKER_EXIT_FATAL
-from contract.enums import Role
+from contract.agent import WORKER_EXIT_FATAL, WorkerReport
+from contract.enums import Role, WorkerState
 from server.context import context_of
 from server.models import Job
-from server.services import control_loop, hosts
+from server.services import control_loop, hosts, jobs
 from server.services.rebalancer import Tracker
 from tests.conftest import Api
 
@@ -109,6 +109,15 @@ def test_a_failed_rank_restarts_the_job_from_its_last_checkpoint(api: Api) -> No
     _heartbeat(api, host, _failed(job["id"], 0, attempt=0))
     again = api.client.get(f"/api/v1/jobs/{job['id']}", headers=api.headers()).json()
     assert (again["attempt"], again["status"]) == (1, "starting")
+
+
+def test_a_rank_killed_by_a_signal_says_so() -> None:
+    report = WorkerReport(
+        job_id=1, rank=2, state=WorkerState.FAILED, exit_code=-9, error="INFO plan v3 in force"
+    )
+    assert jobs.failure_reason(report) == "rank 2 was killed by SIGKILL (exit -9)"
+    report = report.model_copy(update={"exit_code": 1, "error": "Traceback\nValueError: x"})
+    assert jobs.failure_reason(report) == "rank 2 failed: ValueError: x"
 
 
 def test_after_max_restarts_the_job_fails_with_every_reason(api: Api) -> None:
