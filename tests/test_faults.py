@@ -19,6 +19,7 @@ from evenflow.local_cluster import LocalCluster
 B, ITERATIONS, EVERY = 64, 160, 10
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(600)
 def test_a_job_survives_a_worker_killed_mid_run(tmp_path: Path) -> None:
     spec = JobSpec.model_validate(

@@ -68,6 +68,7 @@ def _train(rank: int, world: int, iterations: int, path: str | None) -> tuple[Ru
     return result, final
 
 
+@pytest.mark.distributed
 def test_a_stopped_job_resumed_on_other_workers_ends_as_an_uninterrupted_one(
     tmp_path: Path,
 ) -> None:
