@@ -23,6 +23,7 @@ from contract.agent import (
 )
 from contract.api import (
     AuditOut,
+    CheckpointOut,
     EventOut,
     HostOut,
     JobList,
@@ -154,6 +155,10 @@ class ApiClient:
             "GET", f"/jobs/{job_id}/plan", params=params, ok=(200, 304), timeout=timeout
         )
         return None if resp.status_code == 304 else PlanOut.model_validate(resp.json())
+
+    def checkpoints(self, job_id: int, *, limit: int = 100) -> list[CheckpointOut]:
+        resp = self._call("GET", f"/jobs/{job_id}/checkpoints", params={"limit": limit})
+        return [CheckpointOut.model_validate(c) for c in resp.json()]
 
     def plans(self, job_id: int) -> list[PlanOut]:
         return [

@@ -29,8 +29,10 @@ same host name while this one heartbeats is refused (409) unless it asks to repl
 replaced, this agent's heartbeats are refused with 409 and it stops its workers and exits.
 
 When a rank fails, the other ranks of its job on this host are stopped at once: they would
-otherwise block in a collective until the process group times out. The control plane marks the
-job failed on the first report and tells other hosts to stop their ranks. An unreachable control
+otherwise block in a collective until the process group times out. The control plane, on the
+first report, either fails the job (its other hosts' ranks are told to stop) or restarts it as
+a new *attempt*: ranks are keyed by (job, rank, attempt), so an earlier attempt's processes no
+longer wanted are stopped before the new attempt's are launched. An unreachable control
 plane never stops training: heartbeats are retried and reports are kept until they are taken.
 """
 
@@ -122,8 +124,8 @@ class WorkerProcess:
     stop_requested: bool = False
 
     @property
-    def key(self) -> tuple[int, int]:
-        return self.assignment.job_id, self.assignment.rank
+    def key(self) -> tuple[int, int, int]:
+        return self.assignment.job_id, self.assignment.rank, self.assignment.attempt
 
     def ended(self, end: ProcessExit) -> None:
         self.exit_code, self.signal = end.code, end.signal_name
@@ -136,6 +138,7 @@ class WorkerProcess:
             exit_code=self.exit_code,
             signal=self.signal,
             error=self.error,
+            attempt=self.assignment.attempt,
         )
 
 
@@ -164,8 +167,9 @@ class Agent:
     state under ``workdir/state/<name>``, so agents of other host names sharing a workdir
     never touch each other's workers); tests pass a scripted one."""
     host_id: int | None = None
-    procs: dict[tuple[int, int], WorkerProcess] = field(default_factory=dict)
-    done: set[tuple[int, int]] = field(default_factory=set)
+    procs: dict[tuple[int, int, int], WorkerProcess] = field(default_factory=dict)
+    """By (job, rank, attempt)."""
+    done: set[tuple[int, int, int]] = field(default_factory=set)
     pending: list[WorkerReport] = field(default_factory=list)
     """Reports about ranks that have no process here (told to stop before launch)."""
 
@@ -238,7 +242,10 @@ class Agent:
 
     # ------------------------------------------------------------------ processes
     def _reconcile(self, assignments: list[Assignment]) -> None:
-        wanted = {(a.job_id, a.rank): a for a in assignments}
+        wanted = {(a.job_id, a.rank, a.attempt): a for a in assignments}
+        for key, old in self.procs.items():  # first, so a new attempt never meets the old
+            if key not in wanted and old.state is WorkerState.RUNNING:
+                self._stop(old)
         for key, a in wanted.items():
             proc = self.procs.get(key)
             if a.desired == "run" and proc is None and key not in self.done:
@@ -251,23 +258,28 @@ class Agent:
             elif a.desired == "stop" and proc is None and key not in self.done:
                 self.done.add(key)
                 self.pending.append(
-                    WorkerReport(job_id=a.job_id, rank=a.rank, state=WorkerState.STOPPED)
+                    WorkerReport(
+                        job_id=a.job_id, rank=a.rank, state=WorkerState.STOPPED, attempt=a.attempt
+                    )
                 )
-        for key, proc in self.procs.items():
-            if key not in wanted and proc.state is WorkerState.RUNNING:
-                self._stop(proc)
 
     def _refuse(self, a: Assignment) -> None:
         """A rank to run without a credential was handed out before (to an earlier instance of
         this agent): launching it again cannot join its job."""
-        self.done.add((a.job_id, a.rank))
+        self.done.add((a.job_id, a.rank, a.attempt))
         error = (
             f"rank {a.rank} of job {a.job_id} was already handed to an earlier agent on this "
             "host; its credential is not known to this agent, so it is not launched again"
         )
         log.error("%s", error)
         self.pending.append(
-            WorkerReport(job_id=a.job_id, rank=a.rank, state=WorkerState.FAILED, error=error)
+            WorkerReport(
+                job_id=a.job_id,
+                rank=a.rank,
+                state=WorkerState.FAILED,
+                error=error,
+                attempt=a.attempt,
+            )
         )
 
     def _launch(self, a: Assignment, worker_token: str) -> None:
@@ -285,7 +297,7 @@ class Agent:
                 log_path=log_path,
             )
         )
-        self.procs[(a.job_id, a.rank)] = WorkerProcess(a, pid, log_path, error_path)
+        self.procs[(a.job_id, a.rank, a.attempt)] = WorkerProcess(a, pid, log_path, error_path)
         log.info(
             "job %d rank %d/%d: launched (pid %d, %s device %d)",
             a.job_id,
@@ -315,6 +327,7 @@ class Agent:
             "MASTER_PORT": str(a.master_port),
             "EVENFLOW_ERROR_FILE": str(error_path),
             "EVENFLOW_RESULT": str(jobdir / f"rank-{a.rank}.result.json"),
+            "EVENFLOW_JOB_DIR": str(jobdir),
             "EVENFLOW_AGENT_PID": str(os.getpid()),
         }
         return worker_environment(os.environ, job_vars, self.secret_env)

@@ -43,6 +43,11 @@ WORKER_ORPHAN_EXIT_S = 10.0
 plane counts on it before it shows the devices of a silent host's ended jobs free."""
 
 
+WORKER_EXIT_FATAL = 4
+"""A worker's exit status when the job cannot run as specified wherever it is placed (its
+checkpoint path cannot be written): the control plane fails the job without restarting it."""
+
+
 class HostRegister(Request):
     protocol_version: int = Field(ge=0, le=MAX_ID)
     name: Name
@@ -77,6 +82,9 @@ class WorkerReport(Request):
     signal: str | None = Field(default=None, pattern=r"^SIG[A-Z0-9+]{1,16}$")
     """The signal that killed the process (``SIGKILL``), when one did."""
     error: Text | None = Field(default=None, max_length=65_536)
+    attempt: int = Field(default=0, ge=0, le=MAX_ID)
+    """The job attempt the rank was launched for (``Assignment.attempt``); reports about an
+    earlier attempt's processes are ignored."""
 
 
 class Heartbeat(Request):
@@ -105,6 +113,10 @@ class Assignment(Response):
     """The rank's own credential (role ``worker``), given to its process as ``EVENFLOW_TOKEN``.
     Sent while the rank is still to be launched (each such answer mints a new one and retires
     the one before); None once it runs, and for ranks to stop."""
+    attempt: int = 0
+    """Which start of the job this is: 0, then one more for each restart after a failure. A
+    rank of a new attempt is a new process (fresh credential and rendezvous), even where the
+    same rank of an earlier attempt ran on this host."""
 
 
 class RendezvousIn(Request):
@@ -245,6 +257,17 @@ class TelemetryBatch(Request):
     def wire_json(self) -> str:
         """The body to post: the columnar form, absent fields left out."""
         return self.columnar().model_dump_json(exclude_none=True)
+
+
+class CheckpointReport(Request):
+    """A checkpoint a job's rank has written (``POST /jobs/{id}/checkpoints``)."""
+
+    rank: int = Field(ge=0, lt=MAX_WORKERS)
+    iteration: int = Field(ge=1, le=10**12)
+    """Iterations done when it was written: a resume runs this one next."""
+    size_bytes: int = Field(ge=0, le=2**62)
+    url: Text = Field(min_length=1, max_length=2048)
+    write_ms: Ms = 0.0
 
 
 class TelemetryAck(Response):

@@ -52,6 +52,33 @@ class WorkerOut(Response):
     error: str | None = None
 
 
+class RestartOut(Response):
+    """One restart of a job after a failure."""
+
+    attempt: int
+    """The attempt this restart began (the first start is attempt 0)."""
+    at: datetime
+    reason: str
+    resumed_from: int | None = None
+    """The checkpoint's iteration the new attempt resumes at (None: from iteration 0)."""
+    iterations_lost: int | None = None
+    """Iterations done after that checkpoint and run again (None when unknown)."""
+
+
+class CheckpointOut(Response):
+    """A checkpoint a job's rank wrote."""
+
+    id: int
+    job_id: int
+    attempt: int
+    rank: int
+    iteration: int
+    size_bytes: int
+    url: str
+    write_ms: float
+    created_at: datetime
+
+
 class JobOut(Response):
     id: int
     name: str
@@ -66,6 +93,10 @@ class JobOut(Response):
     plan_version: int | None = None
     frozen: bool = False
     workers: list[WorkerOut] = []
+    attempt: int = 0
+    """Starts after the first (one per restart)."""
+    restarts: int = 0
+    restart_history: list[RestartOut] = []
 
 
 class JobList(Response):

@@ -173,12 +173,50 @@ def cmd_jobs_show(args: argparse.Namespace) -> None:
             "" if w.exit_code is None else str(w.exit_code),
         )
     console.print(workers)
+    if job.restart_history:
+        _print_restarts(job)
     if job.plan_version is not None:
         plan = client.plan(job.id)
         if plan is not None:
             console.print(
                 f"plan v{plan.version} ({plan.source.value}): {plan.batch_sizes}  — {plan.reason}"
             )
+
+
+def _print_restarts(job: Any) -> None:
+    restarts = Table("attempt", "at", "resumed from", "iterations lost", title="restarts")
+    for r in job.restart_history:
+        restarts.add_row(
+            str(r.attempt),
+            r.at.strftime("%Y-%m-%d %H:%M:%S"),
+            "iteration 0" if r.resumed_from is None else f"iteration {r.resumed_from}",
+            "" if r.iterations_lost is None else str(r.iterations_lost),
+        )
+    console.print(restarts)
+    for r in job.restart_history:  # reasons whole, not wrapped in a narrow column
+        console.print(f"attempt {r.attempt} after: {r.reason}", soft_wrap=True)
+    console.print(f"restarts: {job.restarts} of at most {job.spec.get('max_restarts', 3)}")
+
+
+def cmd_jobs_checkpoints(args: argparse.Namespace) -> None:
+    items = _client(args).checkpoints(args.id, limit=args.limit)
+
+    def rows(cs: list[Any]) -> list[list[Any]]:
+        return [
+            [
+                c.iteration,
+                c.created_at.strftime("%Y-%m-%d %H:%M:%S"),
+                f"{c.size_bytes / 1024:.1f} KiB",
+                f"{c.write_ms:.1f}",
+                c.rank,
+                c.attempt,
+                c.url,
+            ]
+            for c in cs
+        ]
+
+    columns = ["iteration", "written", "size", "write ms", "rank", "attempt", "url"]
+    _emit(args, items, columns, rows, title=f"checkpoints of job {args.id}")
 
 
 def cmd_jobs_cancel(args: argparse.Namespace) -> None:
@@ -661,6 +699,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = jobs.add_parser("show", parents=[client])
     p.add_argument("id", type=int)
     p.set_defaults(func=cmd_jobs_show)
+    p = jobs.add_parser("checkpoints", parents=[client], help="a job's checkpoints, newest first")
+    p.add_argument("id", type=int)
+    p.add_argument("--limit", type=int, default=100)
+    p.set_defaults(func=cmd_jobs_checkpoints)
     p = jobs.add_parser("cancel", parents=[client])
     p.add_argument("id", type=int)
     p.set_defaults(func=cmd_jobs_cancel)

@@ -28,6 +28,7 @@ from server.api.bodies import component_schemas
 from server.api.gate import Gate, error_response
 from server.api.routes import (
     audit,
+    checkpoints,
     events,
     health,
     hosts,
@@ -133,7 +134,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
 
     app.include_router(health.router, prefix=API_PREFIX)
-    for module in (hosts, jobs, plans, telemetry, job_metrics, events, audit, tokens, planner):
+    for module in (
+        hosts,
+        jobs,
+        plans,
+        telemetry,
+        job_metrics,
+        checkpoints,
+        events,
+        audit,
+        tokens,
+        planner,
+    ):
         app.include_router(module.router, prefix=API_PREFIX, responses=ERROR_RESPONSES)
 
     # The dashboard: chart data, the live stream, and the web UI (pages, login, static files).

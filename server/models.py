@@ -168,6 +168,11 @@ class Job(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime, default=None)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime, default=None)
+    attempt: Mapped[int] = mapped_column(Integer, default=0)
+    """Which start of the job runs now: 0, then one more per restart after a failure. The
+    workers (and their credentials) are those of this attempt only."""
+    restart_history: Mapped[list[dict[str, Any]]] = mapped_column(Json, default=list)
+    """One ``contract.api.RestartOut`` (as JSON) per restart, oldest first."""
 
     workers: Mapped[list[Worker]] = relationship(
         back_populates="job", order_by="Worker.rank", cascade="all, delete-orphan"
@@ -177,6 +182,10 @@ class Job(Base):
     def job_spec(self) -> JobSpec:
         """The stored spec, validated: typed fields instead of reading the JSON by key."""
         return JobSpec.model_validate(self.spec)
+
+    @property
+    def restarts(self) -> int:
+        return len(self.restart_history or [])
 
 
 class Worker(Base):
@@ -305,6 +314,22 @@ class JobMetric(Base):
 
 JOB_RANK = -1
 """``TelemetryRollup.rank`` of a bucket's job-level row."""
+
+
+class Checkpoint(Base):
+    """A checkpoint a job's rank wrote and reported (the file itself lives at ``url``)."""
+
+    __tablename__ = "checkpoints"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    attempt: Mapped[int] = mapped_column(Integer)
+    rank: Mapped[int] = mapped_column(Integer)
+    iteration: Mapped[int] = mapped_column(BigInteger)
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    url: Mapped[str] = mapped_column(Text)
+    write_ms: Mapped[float] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
 class StragglerEvent(Base):

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from agent.client import ApiClient, make_http
-from contract.agent import DeviceInfo, HostRegister
+from contract.agent import DeviceInfo, Heartbeat, HostRegister, WorkerReport
 from contract.base import PROTOCOL_VERSION
-from contract.enums import DeviceKind
+from contract.enums import DeviceKind, WorkerState
 from evenflow.cli import main
 from tests.conftest import LiveServer
 
@@ -320,3 +320,45 @@ def test_jobs_metrics_prints_the_latest_value_per_series(
     capsys.readouterr()
     main(["jobs", "watch", str(job.id), "--count", "1"])
     assert "loss 1.1" in capsys.readouterr().out
+
+
+def test_jobs_show_lists_restarts_and_jobs_checkpoints_lists_checkpoints(
+    env: LiveServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    client = ApiClient(make_http(env.url, env.admin_token))
+    host = client.register_host(
+        HostRegister(
+            protocol_version=PROTOCOL_VERSION,
+            name="cli-host",
+            address="127.0.0.1",
+            devices=[
+                DeviceInfo(index=i, kind=DeviceKind.CPU, model="CPU", memory_mb=1) for i in range(2)
+            ],
+        )
+    )
+    job = client.submit(
+        {
+            "name": "ft",
+            "workload": {"builtin": "mlp"},
+            "global_batch": 64,
+            "iterations": 100,
+            "workers": 2,
+            "checkpoint": {"every_iterations": 10, "path": str(tmp_path)},
+        }
+    )
+    r = client.http.post(
+        f"/api/v1/jobs/{job.id}/checkpoints",
+        json={"rank": 0, "iteration": 10, "size_bytes": 4096, "url": f"{tmp_path}/x.pt"},
+        headers={"Authorization": f"Bearer {env.admin_token}"},
+    )
+    assert r.status_code == 201, r.text
+    report = WorkerReport(job_id=job.id, rank=1, state=WorkerState.FAILED, error="OOM killed")
+    client.heartbeat(host.id, Heartbeat(workers=[report]))
+    assert main(["jobs", "show", str(job.id)]) == 0
+    out = capsys.readouterr().out
+    assert "restarts" in out and "rank 1 failed: OOM killed" in out
+    assert "iteration 10" in out and "restarts: 1 of at most 3" in out
+    listed = _json(capsys, "jobs", "checkpoints", str(job.id))
+    assert isinstance(listed, list) and [c["iteration"] for c in listed] == [10]
+    assert main(["jobs", "checkpoints", str(job.id)]) == 0
+    assert "4.0 KiB" in capsys.readouterr().out

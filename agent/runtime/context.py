@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from agent.runtime.checkpoint import Checkpointer, LoadState, Saved, SaveState, save_model
 from agent.runtime.datasets import DatasetLike, dataset_size, take
 from agent.runtime.emulation import EMULATED_LABEL, Emulator
 from agent.runtime.gradients import GradientSync, broadcast_module
@@ -77,6 +78,10 @@ class ContextStats:
     """Speed probes this rank ran while excluded."""
     resync_ms: list[float] = field(default_factory=list)
     """Host time of each re-synchronisation this rank took part in."""
+    resumed_from: int | None = None
+    """The iteration this run resumed at from a checkpoint (None: it started from 0)."""
+    checkpoints: list[tuple[int, int, float]] = field(default_factory=list)
+    """(iteration, bytes, write ms) of each checkpoint this rank wrote."""
     _loss_stride: int = field(default=1, repr=False)
     _loss_calls: int = field(default=0, repr=False)
 
@@ -117,6 +122,8 @@ class EvenflowContext:
         loss_every: int = 1,
         piggyback: bool = True,
         exclusion: ExclusionOptions = ExclusionOptions(),
+        checkpointer: Checkpointer | None = None,
+        on_checkpoint_saved: Callable[[Saved], None] | None = None,
     ) -> None:
         self.spec = spec
         self.rank = rank
@@ -162,6 +169,10 @@ class EvenflowContext:
         probes`)."""
         self._dataset: DatasetLike | None = None
         self._probe_failed = False
+        self.checkpointer = checkpointer
+        """The job's checkpoints (None when its spec asks for none)."""
+        self._on_saved = on_checkpoint_saved
+        self._first_iteration = 0
         if emulator is not None:
             log.info("rank %d: %s speed %s", rank, EMULATED_LABEL, emulator.worker)
 
@@ -216,6 +227,32 @@ class EvenflowContext:
             raise ValueError("a plan with excluded ranks needs an initialised process group")
         return model, optimizer
 
+    def on_checkpoint(self, name: str, save: SaveState, load: LoadState) -> None:
+        """Keep state of the user's own in every checkpoint: ``save()`` returns it (any picklable
+        object; called on the rank that writes), ``load(obj)`` puts it back on every rank when
+        the job resumes, before the first batch. Register before ``ctx.batches()``. Without
+        checkpoints in the spec this does nothing."""
+        if self.checkpointer is not None:
+            self.checkpointer.add(name, save, load)
+
+    def register_state(self, name: str, obj: Any) -> None:
+        """``on_checkpoint`` for an object with ``state_dict()`` and ``load_state_dict()`` (an LR
+        scheduler, an EMA, a GradScaler)."""
+        self.on_checkpoint(name, obj.state_dict, obj.load_state_dict)
+
+    def save_final(self, path: str | None = None) -> str | None:
+        """Save the trained model's ``state_dict`` (call it after the loop; every rank holds the
+        trained model then): to ``path`` (a file or fsspec URL), or ``final.pt`` in the job's
+        checkpoint directory. Rank 0 writes, atomically; it returns the URL there, None
+        elsewhere."""
+        if self.model is None:
+            raise RuntimeError("call ctx.prepare(model, optimizer) before ctx.save_final()")
+        if path is None and self.checkpointer is None:
+            raise ValueError("save_final needs a path when the job has no checkpoint directory")
+        if self.rank != 0:
+            return None
+        return save_model(self.model, path, self.checkpointer)
+
     def total_iterations(self, dataset_size: int) -> int:
         """Iterations this job runs: ``iterations``, or ``epochs`` whole passes over the data."""
         if self.spec.iterations is not None:
@@ -231,6 +268,7 @@ class EvenflowContext:
         self._sampler = sampler = GlobalBatchSampler(n, self.spec.global_batch, seed=self.seed)
         self._total = total = self.total_iterations(n)
         self._dataset = dataset
+        self._resume()
         try:
             while self.iteration < total:
                 it = self.iteration
@@ -319,7 +357,58 @@ class EvenflowContext:
         self.stats.samples_seen += b
         self.stats.global_samples += count
         self.iteration += 1
+        self._maybe_checkpoint()
         return value
+
+    # ------------------------------------------------------------------------ checkpoints
+
+    def _resume(self) -> None:
+        """Pick up from the newest checkpoint, if the job has one (every rank, together)."""
+        if self.checkpointer is None or self.iteration > 0:
+            return
+        assert self.model is not None and self.optimizer is not None and self._sampler
+        assert self._sync is not None
+        resumed = self.checkpointer.resume(
+            self.model,
+            self.optimizer,
+            self._sampler,
+            rank=self.rank,
+            group=self._sync.group,
+            control=self.agreement.group,
+        )
+        if resumed is None:
+            log.info("rank %d: no checkpoint yet; starting at iteration 0", self.rank)
+            return
+        self.iteration = self._first_iteration = resumed.iteration
+        self.stats.resumed_from = resumed.iteration
+        self.stats.global_samples = resumed.global_samples
+        if len(self.agreement.history) == 1:
+            self.agreement.history = [(resumed.iteration, self.agreement.current.version)]
+        log.info(
+            "rank %d: resumed at iteration %d from %s", self.rank, resumed.iteration, resumed.url
+        )
+
+    def _maybe_checkpoint(self) -> None:
+        """After an iteration: the plan's leader (rank 0 unless excluded; parameters are the same
+        on every active rank) writes a checkpoint when one is due."""
+        cp = self.checkpointer
+        if cp is None or not cp.due(self.iteration) or self.rank != self._plan.leader:
+            return
+        assert self.model is not None and self.optimizer is not None and self._sampler
+        saved = cp.save(
+            iteration=self.iteration,
+            model=self.model,
+            optimizer=self.optimizer,
+            sampler=self._sampler,
+            plan=self._plan,
+            global_samples=self.stats.global_samples,
+        )
+        self.stats.checkpoints.append((saved.iteration, saved.size_bytes, saved.write_ms))
+        if self._on_saved is not None:
+            try:
+                self._on_saved(saved)
+            except Exception as exc:  # reporting a checkpoint is best effort
+                log.warning("checkpoint %d not reported: %r", saved.iteration, exc)
 
     # ------------------------------------------------------------------------ membership
 
@@ -451,5 +540,5 @@ class EvenflowContext:
                     self._flush()
                     if self._sync is not None:
                         self._sync.raise_flag()  # and every other rank posts after the next
-                elif t.iteration < EARLY_FLUSH_ITERATIONS:
+                elif t.iteration < self._first_iteration + EARLY_FLUSH_ITERATIONS:
                     self._flush()

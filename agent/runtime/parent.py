@@ -28,8 +28,9 @@ import threading
 log = logging.getLogger("evenflow.runtime.parent")
 
 CHECK_INTERVAL_S = 1.0
-EXIT_AGENT_GONE = 4
-"""Exit status of a worker whose agent died (nobody is left to read it but init)."""
+EXIT_AGENT_GONE = 5
+"""Exit status of a worker whose agent died (nobody is left to read it but init); not 4,
+``WORKER_EXIT_FATAL``, which tells the control plane not to restart the job."""
 PR_SET_PDEATHSIG = 1
 
 

@@ -8,6 +8,7 @@ lives in ``agent/client.py``. Endpoints (Bearer token)::
     POST {server}/api/v1/jobs/{job_id}/metrics     MetricBatch -> MetricAck
     PUT  {server}/api/v1/jobs/{job_id}/rendezvous  RendezvousIn -> RendezvousOut (rank 0)
     GET  {server}/api/v1/jobs/{job_id}/rendezvous  -> RendezvousOut (port null until published)
+    POST {server}/api/v1/jobs/{job_id}/checkpoints CheckpointReport -> CheckpointOut
 
 ``fetch_plan`` sends the version it last received as ``known_version`` (and ``If-None-Match``
 with the last ETag, if the server gives one) and answers ``None`` on 304. With ``plan_wait_s``
@@ -32,8 +33,10 @@ from typing import Any
 import httpx
 
 from agent.client import long_poll_timeout
+from agent.runtime.checkpoint import Saved
 from agent.runtime.telemetry import TelemetryClosed
 from contract.agent import (
+    CheckpointReport,
     MetricAck,
     MetricBatch,
     PlanOut,
@@ -67,6 +70,7 @@ class RemoteControlPlane:
         self.telemetry_url = f"{base}/telemetry"
         self.metrics_url = f"{base}/metrics"
         self.rendezvous_url = f"{base}/rendezvous"
+        self.checkpoints_url = f"{base}/checkpoints"
         self._auth = {"Authorization": f"Bearer {token}"}
         self._etag: str | None = None
         self._version: int | None = None
@@ -127,6 +131,22 @@ class RemoteControlPlane:
         response = self._client.get(self.rendezvous_url, headers=self._auth)
         _raise_for(response)
         return RendezvousOut.model_validate_json(response.content).port
+
+    def report_checkpoint(self, rank: int, saved: Saved) -> None:
+        """Tell the control plane of a checkpoint this rank wrote; raises on failure."""
+        body = CheckpointReport(
+            rank=rank,
+            iteration=saved.iteration,
+            size_bytes=saved.size_bytes,
+            url=saved.url,
+            write_ms=round(saved.write_ms, 3),
+        )
+        response = self._client.post(
+            self.checkpoints_url,
+            content=body.model_dump_json(),
+            headers={**self._auth, "Content-Type": "application/json"},
+        )
+        _raise_for(response)
 
 
 def _raise_for(response: httpx.Response) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from sqlalchemy import select
+from sqlalchemy import exists, or_, select
 from sqlalchemy.orm import Session, selectinload
 
 from contract.agent import WORKER_ORPHAN_EXIT_S, Assignment, Heartbeat, HeartbeatAck, HostRegister
@@ -177,6 +177,7 @@ def heartbeat(
         scheduler.place_pending(session, now)
     for report in hb.workers:
         jobs.apply_worker_report(session, host, report, principal, now)
+    jobs.release_replaced(session, host, hb.workers, now)
     return HeartbeatAck(
         host_id=host.id, status=HostStatus(host.status), assignments=assignments(session, host)
     )
@@ -211,6 +212,7 @@ def assignments(session: Session, host: Host) -> list[Assignment]:
                 desired="stop" if status.terminal else "run",
                 spec=job.spec,
                 worker_token=tokens.mint_worker_token(worker) if launch else None,
+                attempt=job.attempt,
             )
         )
     return out
@@ -218,7 +220,8 @@ def assignments(session: Session, host: Host) -> list[Assignment]:
 
 def mark_lost(session: Session, now: datetime, after_s: float) -> list[Host]:
     """Hosts silent for longer than ``after_s`` become lost; their devices go offline and the
-    jobs running there fail (a synchronous job cannot go on without a rank)."""
+    jobs running there restart elsewhere while their ``max_restarts`` allows, else fail (a
+    synchronous job cannot go on without a rank)."""
     cutoff = now - timedelta(seconds=after_s)
     lost = list(
         session.scalars(
@@ -242,14 +245,13 @@ def mark_lost(session: Session, now: datetime, after_s: float) -> list[Host]:
         for job_id in sorted(job_ids):
             job = session.get(Job, job_id)
             if job is not None and not JobStatus(job.status).terminal:
-                jobs.finish(
-                    session, job, JobStatus.FAILED, now, error=f"host '{host.name}' was lost"
-                )
+                jobs.fail_or_restart(session, job, f"host '{host.name}' was lost", now)
     return lost
 
 
 def release_silent(session: Session, now: datetime, after_s: float) -> list[Device]:
-    """Let go of the devices that ended jobs still hold on lost hosts silent for longer than
+    """Let go of the devices that ended jobs (or a restarted job's earlier attempt) still hold
+    on lost hosts silent for longer than
     ``after_s`` (the lost-host limit) plus ``WORKER_ORPHAN_EXIT_S``: their agent is taken for
     dead, and workers exit within that bound of their agent's death. The devices stay offline
     while their host is lost; should it come back, they are busy again until its agent reports
@@ -261,7 +263,10 @@ def release_silent(session: Session, now: datetime, after_s: float) -> list[Devi
             .join(Job, Device.job_id == Job.id)
             .join(Host, Device.host_id == Host.id)
             .where(
-                Job.status.in_([s.value for s in JobStatus if s.terminal]),
+                or_(
+                    Job.status.in_([s.value for s in JobStatus if s.terminal]),
+                    ~exists().where(Worker.device_id == Device.id, Worker.job_id == Job.id),
+                ),
                 Host.status == HostStatus.LOST.value,
                 Host.last_heartbeat < cutoff,
             )

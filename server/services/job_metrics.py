@@ -46,7 +46,7 @@ def ingest(
         raise NotFound(f"job {job_id} not found")
     status, world = found
     points = batch.points
-    check_may_write_ranks(session, principal, job_id, [p.rank for p in points], "metrics")
+    check_may_write_ranks(session, principal, job_id, [p.rank for p in points], "post metrics")
     if status == JobStatus.PENDING.value:
         raise Conflict(
             f"job {job_id} is pending; it has no workers to report metrics", field="status"

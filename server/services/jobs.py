@@ -1,14 +1,26 @@
-"""Jobs: submission, cancellation, worker reports and the job state machine
-(``contract.enums.JobStatus`` draws it)."""
+"""Jobs: submission, cancellation, worker reports, restarts after a failure and the job state
+machine (``contract.enums.JobStatus`` draws it).
+
+A failure (a rank reports FAILED, or the host of one of its ranks is lost) restarts the job
+while its spec's ``max_restarts`` allows: the job becomes a new *attempt* (``Job.attempt``), its
+devices are given back and its workers (with their credentials) deleted, and it is placed
+again as a pending job: the same devices when they are free, others otherwise, between
+``workers`` and ``max_workers`` of them, with a new initial plan and rendezvous port. Agents
+launch the new attempt's ranks and stop the old ones; the runtime resumes from the job's
+newest checkpoint (or from iteration 0 without checkpoints). After ``max_restarts`` restarts,
+the next failure fails the job with every reason listed. A rank that exits with
+``WORKER_EXIT_FATAL`` (the job cannot run as specified) fails it at once."""
 
 from __future__ import annotations
 
+import signal
 from datetime import datetime
 
 from sqlalchemy import Connection, bindparam, func, select
 from sqlalchemy.orm import Session, selectinload
 
-from contract.agent import WorkerReport
+from contract.agent import WORKER_EXIT_FATAL, WorkerReport
+from contract.api import RestartOut
 from contract.enums import (
     JOB_TRANSITIONS,
     WORKER_TRANSITIONS,
@@ -20,7 +32,7 @@ from contract.enums import (
 from contract.spec import JobSpec
 from server.cache import mark_tokens_changed
 from server.errors import Conflict, Forbidden, Invalid, NotFound
-from server.models import Device, Host, Job, Worker
+from server.models import Checkpoint, Device, Host, IterationTelemetry, Job, Worker
 from server.services import scheduler
 from server.services.audit import record
 from server.services.tokens import Principal
@@ -139,6 +151,63 @@ def release(device: Device) -> None:
         device.status = DeviceStatus.FREE
 
 
+def fail_or_restart(
+    session: Session, job: Job, reason: str, now: datetime, *, retry: bool = True
+) -> None:
+    """A rank of a live job failed or was lost: restart the job while its ``max_restarts``
+    allows (and ``retry``: a restart can mend the failure), else fail it with every reason."""
+    if retry and job.restarts < job.job_spec.max_restarts:
+        restart(session, job, reason, now)
+        return
+    reasons = [*(r["reason"] for r in job.restart_history), reason]
+    error = reason
+    if len(reasons) > 1:
+        listed = "; ".join(f"attempt {i}: {r}" for i, r in enumerate(reasons))
+        error = f"failed after {len(reasons) - 1} restart(s): {listed}"
+    finish(session, job, JobStatus.FAILED, now, error=error)
+    record(session, "system", "job.failed", f"job:{job.id}", {"reason": reason})
+
+
+def restart(session: Session, job: Job, reason: str, now: datetime) -> None:
+    """Begin the job's next attempt: devices back, workers gone, pending again, placed anew."""
+    resumed_from, lost = _progress_lost(session, job)
+    entry = RestartOut(
+        attempt=job.attempt + 1,
+        at=now,
+        reason=reason if job.job_spec.checkpoint else f"{reason} (no checkpoint: from iteration 0)",
+        resumed_from=resumed_from,
+        iterations_lost=lost,
+    )
+    job.restart_history = [*(job.restart_history or []), entry.model_dump(mode="json")]
+    job.attempt += 1
+    transition(job, JobStatus.PENDING)
+    mark_tokens_changed(session)  # the old attempt's credentials die with its workers
+    on_device = {w.device_id: w for w in job.workers}
+    for dev in session.scalars(select(Device).where(Device.job_id == job.id)):
+        if not may_still_run(on_device.get(dev.id)):
+            release(dev)  # the others stay the job's until ``release_replaced``
+    job.workers.clear()
+    session.flush()  # the old ranks' rows go before the new attempt's are added
+    session.expire(job, ["workers"])
+    record(session, "system", "job.restart", f"job:{job.id}", entry.model_dump(mode="json"))
+    scheduler.place_pending(session, now)
+
+
+def _progress_lost(session: Session, job: Job) -> tuple[int | None, int | None]:
+    """(the newest checkpoint's iteration, iterations done since it), as far as the control
+    plane has heard: checkpoints and telemetry reported so far."""
+    newest = session.scalar(
+        select(func.max(Checkpoint.iteration)).where(Checkpoint.job_id == job.id)
+    )
+    T = IterationTelemetry
+    last = session.scalar(
+        select(func.max(T.iteration)).where(T.job_id == job.id, T.probe.is_(False))
+    )
+    start = int(newest) if newest is not None else 0
+    lost = max(0, int(last) + 1 - start) if last is not None else None
+    return (int(newest) if newest is not None else None), lost
+
+
 def cancel(session: Session, job_id: int, principal: Principal, now: datetime) -> Job:
     job = get(session, job_id)
     if JobStatus(job.status).terminal:
@@ -161,7 +230,12 @@ def apply_worker_report(
 
     A report about a rank the control plane does not know (its database was reset, or the job
     removed) is skipped rather than refusing the whole heartbeat: the answer does not list that
-    rank, so the agent stops the process."""
+    rank, so the agent stops the process. Reports about an earlier attempt's processes are
+    ignored too (that attempt has been replaced; ``release_replaced`` frees their devices once
+    the host reports none of them running)."""
+    attempt = session.scalar(select(Job.attempt).where(Job.id == report.job_id))
+    if attempt is not None and report.attempt != attempt:
+        return
     worker = session.scalars(
         select(Worker).where(Worker.job_id == report.job_id, Worker.rank == report.rank)
     ).first()
@@ -187,8 +261,9 @@ def apply_worker_report(
         return
     states = [WorkerState(w.state) for w in job.workers]
     if to is WorkerState.FAILED:
-        finish(session, job, JobStatus.FAILED, now, error=_failure(report))
-        record(session, principal.name, "job.failed", f"job:{job.id}", {"rank": report.rank})
+        reason = failure_reason(report)
+        retry = report.exit_code != WORKER_EXIT_FATAL
+        fail_or_restart(session, job, reason, now, retry=retry)
     elif all(s is WorkerState.SUCCEEDED for s in states):
         if status is JobStatus.STARTING:
             transition(job, JobStatus.RUNNING)
@@ -200,6 +275,38 @@ def apply_worker_report(
         job.started_at = now
 
 
+def release_replaced(
+    session: Session, host: Host, reports: list[WorkerReport], now: datetime
+) -> None:
+    """Free the devices of ``host`` that a restarted job's earlier attempt still holds (no rank
+    of the current attempt is placed there) once its agent reports none of that attempt's
+    processes running: the heartbeat answer no longer lists them, so the agent stops them, and
+    a process is reported running for as long as it runs."""
+    held = {d.id: d for d in host.devices if d.job_id is not None}
+    if not held:
+        return
+    placed = set(
+        session.execute(
+            select(Worker.device_id, Worker.job_id).where(Worker.device_id.in_(held))
+        ).all()
+    )
+    released = False
+    for dev in held.values():
+        if (dev.id, dev.job_id) in placed:
+            continue
+        attempt = session.scalar(select(Job.attempt).where(Job.id == dev.job_id))
+        if attempt is None or any(
+            r.job_id == dev.job_id and r.attempt < attempt and r.state is WorkerState.RUNNING
+            for r in reports
+        ):
+            continue
+        release(dev)
+        released = True
+    if released:
+        session.flush()
+        scheduler.place_pending(session, now)
+
+
 def _release_ended_rank(session: Session, worker: Worker, now: datetime) -> None:
     """The rank of an ended job is now reported ended too: its device is free at last."""
     device = session.get(Device, worker.device_id) if worker.device_id is not None else None
@@ -209,12 +316,19 @@ def _release_ended_rank(session: Session, worker: Worker, now: datetime) -> None
         scheduler.place_pending(session, now)
 
 
-def _failure(report: WorkerReport) -> str:
-    """A job's error from its failed rank's report: the signal that killed the rank, else the
-    last line of its root cause (a traceback's last line names the exception)."""
+def failure_reason(report: WorkerReport) -> str:
+    """One line on why a rank failed: the signal that killed it (its log's last line would
+    be whatever it was doing), else its error's last line (a traceback's exception)."""
     if report.signal is not None:
         return f"rank {report.rank} killed by {report.signal}"
-    tail = (report.error or f"exit code {report.exit_code}").strip().splitlines()[-1:]
+    code = report.exit_code
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"rank {report.rank} killed by {name}"
+    tail = (report.error or f"exit code {code}").strip().splitlines()[-1:]
     return f"rank {report.rank} failed: {' '.join(tail)}"
 
 
@@ -230,9 +344,9 @@ def check_may_write_ranks(
     principal: Principal,
     job_id: int,
     ranks: list[int],
-    what: str = "telemetry",
+    action: str = "post telemetry",
 ) -> None:
-    """Who may post timings or metrics (``what``, for the messages) of these ranks of a job
+    """Who may post timings, metrics or checkpoints (``action``, for the messages) of these ranks of a job
     (``db``: a session, or the Core connection of the telemetry ingest's hot path): an admin
     any; an agent only ranks placed on its own host; a worker credential only its own job and
     rank; nobody else."""
@@ -242,18 +356,17 @@ def check_may_write_ranks(
         if principal.job_id != job_id:
             raise Forbidden(
                 f"'{principal.name}' is a worker credential of job {principal.job_id}; "
-                f"it may not post {what} for job {job_id}"
+                f"it may not {action} for job {job_id}"
             )
         other = next((r for r in ranks if r != principal.rank), None)
         if other is not None:
             raise Forbidden(
-                f"'{principal.name}' may post {what} for rank {principal.rank} only, "
-                f"not rank {other}"
+                f"'{principal.name}' may {action} for rank {principal.rank} only, not rank {other}"
             )
         return
     if principal.role is not Role.AGENT:
         raise Forbidden(
-            f"posting {what} needs an agent, worker or admin token; '{principal.name}' is "
+            f"only an agent, worker or admin token may {action}; '{principal.name}' is "
             f"{principal.role.value}"
         )
     placed = set(db.scalars(_RANKS_ON_HOST, {"job_id": job_id, "host": principal.host}))
@@ -261,5 +374,5 @@ def check_may_write_ranks(
     if other is not None:
         raise Forbidden(
             f"rank {other} of job {job_id} is not placed on host '{principal.host}'; agent "
-            f"token '{principal.name}' may post {what} only for that host's ranks"
+            f"token '{principal.name}' may {action} only for that host's ranks"
         )

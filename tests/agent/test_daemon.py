@@ -106,13 +106,21 @@ def test_job_runs_to_success_with_rebalanced_plans(agent: tuple[Agent, ApiClient
 
 
 def test_failed_rank_fails_the_job_with_its_traceback(agent: tuple[Agent, ApiClient]) -> None:
+    """The rank fails again on its restart (the agent launches the new attempt's ranks although
+    the same (job, rank) ran here before); out of restarts, the job fails with both reasons."""
     _, admin = agent
     job = admin.submit(
-        _spec(workload={"entrypoint": "tests.agent.failing_workload:main"}, emulation=None)
+        _spec(
+            workload={"entrypoint": "tests.agent.failing_workload:main"},
+            emulation=None,
+            max_restarts=1,
+        )
     )
     done = _wait(lambda: (j := admin.job(job.id)).status.terminal and j)
     assert done.status is JobStatus.FAILED
-    assert done.error is not None and "rank 1 failed" in done.error and "corrupt" in done.error
+    assert (done.attempt, done.restarts) == (1, 1)
+    assert done.error is not None and done.error.startswith("failed after 1 restart(s)")
+    assert done.error.count("rank 1 failed") == 2 and "corrupt" in done.error
     w1 = next(w for w in done.workers if w.rank == 1)
     assert w1.error is not None and "Traceback" in w1.error and "RuntimeError: boom" in w1.error
 

@@ -52,7 +52,7 @@ def test_duplicate_device_is_422_naming_field(api: Api) -> None:
 
 def test_silent_host_is_lost_and_its_job_fails_then_recovers(api: Api) -> None:
     host = api.register("h", devices=2)
-    job = api.submit(workers=2)
+    job = api.submit(workers=2, max_restarts=0)
     sessions = api.client.app.state.context.sessions  # type: ignore[attr-defined]
     later = datetime.now(UTC) + timedelta(seconds=120)
     with transaction(sessions) as s:
@@ -71,6 +71,28 @@ def test_silent_host_is_lost_and_its_job_fails_then_recovers(api: Api) -> None:
     assert r.json()["status"] == "active"
     got = api.client.get(f"/api/v1/hosts/{host['id']}", headers=api.headers()).json()
     assert all(d["status"] == "free" for d in got["devices"])
+
+
+def test_a_job_restarted_after_its_host_was_lost_waits_and_gets_its_devices_back(
+    api: Api,
+) -> None:
+    host = api.register("h", devices=2)
+    job = api.submit(workers=2)
+    before = api.client.get(f"/api/v1/jobs/{job['id']}", headers=api.headers()).json()
+    sessions = api.client.app.state.context.sessions  # type: ignore[attr-defined]
+    later = datetime.now(UTC) + timedelta(seconds=120)
+    with transaction(sessions) as s:
+        hosts.mark_lost(s, later, after_s=30)
+    j = api.client.get(f"/api/v1/jobs/{job['id']}", headers=api.headers()).json()
+    assert (j["status"], j["attempt"], j["workers"]) == ("pending", 1, [])  # nowhere to go
+    r = api.client.post(
+        f"/api/v1/hosts/{host['id']}/heartbeat", json={}, headers=api.headers(str(host["_token"]))
+    )
+    assert [(a["rank"], a["attempt"]) for a in r.json()["assignments"]] == [(0, 1), (1, 1)]
+    j = api.client.get(f"/api/v1/jobs/{job['id']}", headers=api.headers()).json()
+    assert j["status"] == "starting"
+    same = [w["device_id"] for w in before["workers"]]
+    assert [w["device_id"] for w in j["workers"]] == same  # the same devices, back
 
 
 def test_recent_heartbeat_is_not_lost(api: Api) -> None:

@@ -75,7 +75,7 @@ def test_worker_reports_drive_the_job_to_success(api: Api) -> None:
 
 def test_a_failed_rank_fails_the_job_with_its_traceback(api: Api) -> None:
     host = api.register("h", devices=2)
-    job = api.submit(workers=2)
+    job = api.submit(workers=2, max_restarts=0)  # restarts: tests/api/test_restarts.py
     _report(api, host, job["id"], 0, "running")
     tb = "Traceback (most recent call last):\n  File x\nRuntimeError: CUDA out of memory"
     _report(api, host, job["id"], 1, "failed", exit_code=1, error=tb)

@@ -1,6 +1,6 @@
 """job_metrics: training metrics (the global loss, user-logged values) per rank and iteration
 
-Revision ID: metrics_job_metrics
+Revision ID: 0021_job_metrics
 Revises: 0020_worker_credentials
 Create Date: 2026-11-24 03:00:00
 """
@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "metrics_job_metrics"
+revision: str = "0021_job_metrics"
 down_revision: str | None = "0020_worker_credentials"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
