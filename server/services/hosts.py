@@ -175,12 +175,33 @@ def heartbeat(
                 _back_online(session, dev)
         record(session, principal.name, "host.recovered", f"host:{host.id}")
         scheduler.place_pending(session, now)
+    placed = _placed_here(session, host)
+    changed = False
     for report in hb.workers:
+        known = placed.get((report.job_id, report.rank))
+        if known is not None and (known[1] != report.attempt or known[0].state == report.state):
+            continue  # an earlier attempt's, or nothing new: the common case, with no query
         jobs.apply_worker_report(session, host, report, principal, now)
-    jobs.release_replaced(session, host, hb.workers, now)
+        changed = True
+    if changed:  # a report may have ended or restarted a job: its ranks may be gone
+        session.flush()
+        placed = _placed_here(session, host)
+    on_devices = {(w.device_id, w.job_id) for w, _ in placed.values()}
+    jobs.release_replaced(session, host, hb.workers, now, placed=on_devices)
     return HeartbeatAck(
         host_id=host.id, status=HostStatus(host.status), assignments=assignments(session, host)
     )
+
+
+def _placed_here(session: Session, host: Host) -> dict[tuple[int, int], tuple[Worker, int]]:
+    """The ranks placed on ``host`` with their job's current attempt, by (job, rank): one
+    query, so a heartbeat's unchanged reports cost nothing more."""
+    rows = session.execute(
+        select(Worker, Job.attempt)
+        .join(Job, Worker.job_id == Job.id)
+        .where(Worker.host_id == host.id)
+    ).all()
+    return {(w.job_id, w.rank): (w, attempt) for w, attempt in rows}
 
 
 def assignments(session: Session, host: Host) -> list[Assignment]:
@@ -244,7 +265,13 @@ def mark_lost(session: Session, now: datetime, after_s: float) -> list[Host]:
             dev.status = DeviceStatus.OFFLINE
         for job_id in sorted(job_ids):
             job = session.get(Job, job_id)
-            if job is not None and not JobStatus(job.status).terminal:
+            # only a live attempt with a rank here loses it (a restarting job's old attempt
+            # may still hold devices here: they just go offline)
+            if (
+                job is not None
+                and any(w.host_id == host.id for w in job.workers)
+                and JobStatus(job.status) in (JobStatus.STARTING, JobStatus.RUNNING)
+            ):
                 jobs.fail_or_restart(session, job, f"host '{host.name}' was lost", now)
     return lost
 

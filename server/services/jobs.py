@@ -276,23 +276,20 @@ def apply_worker_report(
 
 
 def release_replaced(
-    session: Session, host: Host, reports: list[WorkerReport], now: datetime
+    session: Session,
+    host: Host,
+    reports: list[WorkerReport],
+    now: datetime,
+    *,
+    placed: set[tuple[int | None, int]],
 ) -> None:
     """Free the devices of ``host`` that a restarted job's earlier attempt still holds (no rank
-    of the current attempt is placed there) once its agent reports none of that attempt's
-    processes running: the heartbeat answer no longer lists them, so the agent stops them, and
-    a process is reported running for as long as it runs."""
-    held = {d.id: d for d in host.devices if d.job_id is not None}
-    if not held:
-        return
-    placed = set(
-        session.execute(
-            select(Worker.device_id, Worker.job_id).where(Worker.device_id.in_(held))
-        ).all()
-    )
+    of the job is ``placed`` there: (device, job) of the host's ranks) once its agent reports
+    none of that attempt's processes running: the heartbeat answer no longer lists them, so the
+    agent stops them, and a process is reported running for as long as it runs."""
     released = False
-    for dev in held.values():
-        if (dev.id, dev.job_id) in placed:
+    for dev in host.devices:
+        if dev.job_id is None or (dev.id, dev.job_id) in placed:
             continue
         attempt = session.scalar(select(Job.attempt).where(Job.id == dev.job_id))
         if attempt is None or any(

@@ -85,7 +85,8 @@ def _devices(api: Api) -> list[tuple[str, int | None]]:
 
 
 def _running(api: Api, agent: Agent, launcher: ScriptedLauncher) -> int:
-    job_id = int(api.submit(workers=2)["id"])  # type: ignore[call-overload]
+    # no restarts: these tests are about what one attempt's failure does (tests/api/test_restarts)
+    job_id = int(api.submit(workers=2, max_restarts=0)["id"])  # type: ignore[call-overload]
     agent.tick()  # launches both ranks
     agent.tick()  # reports them running
     assert launcher.calls[-2:] == [("launch", job_id, 0), ("launch", job_id, 1)]
@@ -165,16 +166,16 @@ def test_a_process_the_control_plane_does_not_list_is_stopped(
 ) -> None:
     agent, launcher = host
     job_id = _running(api, agent, launcher)
-    known = agent.procs[(job_id, 0)]
+    known = agent.procs[(job_id, 0, 0)]
     stray = known.assignment.model_copy(update={"job_id": 999})
     pid = launcher.launch(
         LaunchSpec(job_id=999, rank=0, command=["x"], env={}, log_path=known.log_path)
     )
-    agent.procs[(999, 0)] = WorkerProcess(stray, pid, known.log_path, known.error_path)
+    agent.procs[(999, 0, 0)] = WorkerProcess(stray, pid, known.log_path, known.error_path)
     assert agent.tick() is not None  # the report of an unknown rank does not wedge heartbeats
     assert launcher.stopped() == [(999, 0)]
-    assert agent.procs[(job_id, 0)].state is WorkerState.RUNNING
-    assert agent.tick() is not None and (999, 0) not in agent.procs
+    assert agent.procs[(job_id, 0, 0)].state is WorkerState.RUNNING
+    assert agent.tick() is not None and (999, 0, 0) not in agent.procs
 
 
 def test_a_rank_whose_job_ended_exits_and_is_reported_stopped_not_failed(

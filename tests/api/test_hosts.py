@@ -159,7 +159,7 @@ def test_a_silent_hosts_devices_are_released_only_once_its_workers_have_surely_e
     api: Api,
 ) -> None:
     host = api.register("h", devices=2)
-    job = api.submit(workers=2)
+    job = api.submit(workers=2, max_restarts=0)  # the job ends with its host
     _heartbeat(api, host)
     _heartbeat(api, host, (job["id"], 0, "running"), (job["id"], 1, "running"))
     sessions = api.client.app.state.context.sessions  # type: ignore[attr-defined]
@@ -187,7 +187,7 @@ def test_a_lost_host_that_returns_keeps_its_devices_busy_until_its_agent_reports
     api: Api,
 ) -> None:
     host = api.register("h", devices=2)
-    job = api.submit(workers=2)
+    job = api.submit(workers=2, max_restarts=0)  # the job ends with its host
     _heartbeat(api, host)
     _heartbeat(api, host, (job["id"], 0, "running"), (job["id"], 1, "running"))
     sessions = api.client.app.state.context.sessions  # type: ignore[attr-defined]

@@ -115,9 +115,39 @@ def test_a_rank_killed_by_a_signal_says_so() -> None:
     report = WorkerReport(
         job_id=1, rank=2, state=WorkerState.FAILED, exit_code=-9, error="INFO plan v3 in force"
     )
-    assert jobs.failure_reason(report) == "rank 2 was killed by SIGKILL (exit -9)"
+    assert jobs.failure_reason(report) == "rank 2 killed by SIGKILL"
+    signalled = report.model_copy(update={"exit_code": None, "signal": "SIGTERM"})
+    assert jobs.failure_reason(signalled) == "rank 2 killed by SIGTERM"
     report = report.model_copy(update={"exit_code": 1, "error": "Traceback\nValueError: x"})
     assert jobs.failure_reason(report) == "rank 2 failed: ValueError: x"
+
+
+def test_an_old_attempts_live_rank_keeps_its_device_until_reported_gone(api: Api) -> None:
+    """A restart never shows a device free while a rank of the old attempt may still run on
+    it: rank 0 on host-a keeps its device until host-a's agent no longer reports it running."""
+    a = api.register("host-a", devices=1)
+    b = api.register("host-b", devices=1)
+    job = api.submit(workers=2)
+    _assignments(api, a, job["id"])
+    _assignments(api, b, job["id"])
+    running = {"job_id": job["id"], "rank": 0, "state": "running", "attempt": 0}
+    _heartbeat(api, a, running)
+    _heartbeat(api, b, _failed(job["id"], 1))  # rank 1 on host-b fails: restart
+
+    def devices() -> dict[str, tuple[str, object]]:
+        listed = api.client.get("/api/v1/hosts", headers=api.headers()).json()
+        return {h["name"]: (h["devices"][0]["status"], h["devices"][0]["job_id"]) for h in listed}
+
+    out = api.client.get(f"/api/v1/jobs/{job['id']}", headers=api.headers()).json()
+    assert (out["attempt"], out["status"]) == (1, "pending")  # one device is still held
+    assert devices() == {"host-a": ("busy", job["id"]), "host-b": ("free", None)}
+    ack = _heartbeat(api, a, running)  # still running: still held
+    assert devices()["host-a"] == ("busy", job["id"])
+    assert not [x for x in ack["assignments"] if x["job_id"] == job["id"]]  # so the agent stops it
+    _heartbeat(api, a, {**running, "state": "stopped"})  # gone: the new attempt is placed
+    out = api.client.get(f"/api/v1/jobs/{job['id']}", headers=api.headers()).json()
+    assert (out["attempt"], out["status"]) == (1, "starting")
+    assert [x["attempt"] for x in _assignments(api, a, job["id"])] == [1]
 
 
 def test_after_max_restarts_the_job_fails_with_every_reason(api: Api) -> None:
@@ -135,6 +165,11 @@ def test_after_max_restarts_the_job_fails_with_every_reason(api: Api) -> None:
         "attempt 2: rank 0 failed: boom 2"
     )
     assert all(h["resumed_from"] is None for h in out["restart_history"])
+    devices = api.client.get("/api/v1/hosts", headers=api.headers()).json()[0]["devices"]
+    # rank 1 of the last attempt was handed out and not yet reported ended: may still run
+    assert sorted(d["status"] for d in devices) == ["busy", "free"]
+    stopped = {"job_id": job["id"], "rank": 1, "state": "stopped", "attempt": 2}
+    _heartbeat(api, host, stopped)
     devices = api.client.get("/api/v1/hosts", headers=api.headers()).json()[0]["devices"]
     assert {d["status"] for d in devices} == {"free"}
 
@@ -174,6 +209,9 @@ def test_a_lost_host_restarts_the_job_on_fewer_devices_when_the_spec_allows(api:
                 h.last_heartbeat = later
         lost = hosts.mark_lost(session, later, after_s=60)
     assert [h.name for h in lost] == ["host-b"]
+    out = api.client.get(f"/api/v1/jobs/{job['id']}", headers=api.headers()).json()
+    assert out["status"] == "pending" and out["attempt"] == 1  # rank 0 may still run on host-a
+    _heartbeat(api, a)  # host-a's agent runs nothing of the old attempt (any more)
     out = api.client.get(f"/api/v1/jobs/{job['id']}", headers=api.headers()).json()
     assert out["status"] == "starting" and out["attempt"] == 1
     assert out["restart_history"][0]["reason"].startswith("host 'host-b' was lost")
