@@ -21,7 +21,7 @@ from contract.spec import JobSpec
 from server.cache import mark_tokens_changed
 from server.errors import Conflict, Forbidden, Invalid, NotFound
 from server.models import Device, Host, Job, Worker
-from server.services import scheduler
+from server.services import events, scheduler
 from server.services.audit import record
 from server.services.tokens import Principal
 
@@ -83,6 +83,7 @@ def finish(
     transition(job, status)
     job.finished_at = now
     job.error = error
+    events.close_open(session, job.id)  # the straggler watch stops with the job
     mark_tokens_changed(session)  # its workers' credentials die with it (cached ones too)
     for dev in session.scalars(select(Device).where(Device.job_id == job.id)):
         dev.job_id = None
