@@ -63,6 +63,9 @@ class JobOut(Response):
     started_at: datetime | None = None
     finished_at: datetime | None = None
     error: str | None = None
+    pending_reason: str | None = None
+    """Why a pending job waits for devices ("needs 4 devices, 2 free, 2 busy with job 7");
+    None once it is placed."""
     plan_version: int | None = None
     frozen: bool = False
     workers: list[WorkerOut] = []

@@ -106,11 +106,22 @@ def cmd_jobs_submit(args: argparse.Namespace) -> None:
         raise SystemExit(f"error: {args.file}: {loc}: {first['msg']}") from exc
     job = _client(args).submit(spec)
     _emit(args, job, JOB_COLUMNS, lambda j: _job_rows([j]), title="submitted")
+    if not args.json:
+        _print_pending([job])
 
 
 def cmd_jobs_list(args: argparse.Namespace) -> None:
     jobs = _client(args).jobs(status=args.status, limit=args.limit)
     _emit(args, jobs, JOB_COLUMNS, lambda d: _job_rows(d.items), title=f"{jobs.total} jobs")
+    if not args.json:
+        _print_pending(jobs.items)
+
+
+def _print_pending(jobs: list[Any]) -> None:
+    """Why each pending job waits, one line each (under the table: no column to truncate)."""
+    for j in jobs:
+        if j.status.value == "pending" and j.pending_reason:
+            console.print(f"job {j.id} waits: {j.pending_reason}", highlight=False, markup=False)
 
 
 def cmd_jobs_show(args: argparse.Namespace) -> None:
@@ -122,6 +133,7 @@ def cmd_jobs_show(args: argparse.Namespace) -> None:
     _emit(args, job, JOB_COLUMNS, lambda j: _job_rows([j]))
     if job.error:
         console.print(f"[red]error:[/red] {job.error}")
+    _print_pending([job])
     workers = Table("rank", "device", "host", "state", "exit", title="workers")
     for w in job.workers:
         workers.add_row(

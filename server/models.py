@@ -164,6 +164,8 @@ class Job(Base):
     """Operators' standing constraints: ``{"pins": {rank: batch}, "excluded": [rank, ...]}``."""
     plan_version: Mapped[int | None] = mapped_column(Integer, default=None)
     error: Mapped[str | None] = mapped_column(Text, default=None)
+    pending_reason: Mapped[str | None] = mapped_column(String(500), default=None)
+    """Why a pending job waits ("needs 4 devices, 2 free, 2 busy with job 7"); None otherwise."""
     master_port: Mapped[int | None] = mapped_column(Integer, default=None)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime, default=None)

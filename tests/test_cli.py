@@ -4,12 +4,14 @@ non-zero exits with the server's message."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
 
 from agent.client import ApiClient, make_http
 from contract.agent import DeviceInfo, HostRegister
+from contract.api import JobOut
 from contract.base import PROTOCOL_VERSION
 from contract.enums import DeviceKind
 from evenflow.cli import main
@@ -48,18 +50,42 @@ def test_submit_list_show_cancel(
         "name: cli-job\nworkload: {builtin: mlp}\nglobal_batch: 64\niterations: 10\nworkers: 2\n"
     )
     job = _json(capsys, "jobs", "submit", str(spec))
-    assert isinstance(job, dict) and job["status"] == "starting"
+    # The submission answers before placement; the server's controller places it next.
+    assert isinstance(job, dict) and job["status"] == "pending"
+    _placed(client, job["id"])
     listed = _json(capsys, "jobs", "list")
     assert isinstance(listed, dict) and [j["id"] for j in listed["items"]] == [job["id"]]
     assert main(["jobs", "show", str(job["id"])]) == 0
     out = capsys.readouterr().out
     assert "cli-job" in out and "plan v1" in out and "[32, 32]" in out
+    assert "waits" not in out
+    # A second job waits for the first one's devices, and says so.
+    second = _json(capsys, "jobs", "submit", str(spec))
+    assert isinstance(second, dict)
+    reason = f"needs 2 devices, 0 free, 2 busy with job {job['id']}"
+    assert _placed(client, second["id"]).pending_reason == reason
+    assert main(["jobs", "show", str(second["id"])]) == 0
+    assert f"job {second['id']} waits: {reason}" in capsys.readouterr().out
+    assert main(["jobs", "list"]) == 0
+    assert f"job {second['id']} waits: {reason}" in capsys.readouterr().out
+    client.cancel(second["id"])
     assert main(["hosts", "list"]) == 0
     assert "cli-host" in capsys.readouterr().out
     cancelled = _json(capsys, "jobs", "cancel", str(job["id"]))
     assert isinstance(cancelled, dict) and cancelled["status"] == "cancelled"
     assert main(["jobs", "cancel", str(job["id"])]) == 1
     assert "409" in capsys.readouterr().err
+
+
+def _placed(client: ApiClient, job_id: int) -> JobOut:
+    """The job once the server's controller has tried to place it."""
+    deadline = time.monotonic() + 30
+    while True:
+        job = client.job(job_id)
+        if job.status.value != "pending" or "controller" not in (job.pending_reason or ""):
+            return job
+        assert time.monotonic() < deadline, job
+        time.sleep(0.05)
 
 
 def test_tokens_create_and_revoke(

@@ -401,6 +401,9 @@ function renderHead() {
     el("span", { id: "live-state", class: "live", "data-state": source ? "live" : "connecting" }, source ? "live" : "connecting…"),
   );
   $("#emulated-note").hidden = !job.emulated;
+  const waiting = job.status === "pending" && job.pending_reason;
+  $("#pending-note").hidden = !waiting;
+  $("#pending-note").textContent = waiting ? `Waiting for devices: ${job.pending_reason}.` : "";
   const spec = job.spec;
   const facts = [
     ["workers", fmtNum(state.world)],

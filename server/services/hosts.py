@@ -93,7 +93,7 @@ def register(
         if key not in reported and dev.job_id is None:
             dev.status = DeviceStatus.OFFLINE
     session.flush()
-    scheduler.place_pending(session, now)
+    scheduler.request_placement(session)
     return host
 
 
@@ -156,7 +156,7 @@ def heartbeat(
             if dev.status == DeviceStatus.OFFLINE.value:
                 dev.status = DeviceStatus.BUSY if dev.job_id else DeviceStatus.FREE
         record(session, principal.name, "host.recovered", f"host:{host.id}")
-        scheduler.place_pending(session, now)
+        scheduler.request_placement(session)
     for report in hb.workers:
         jobs.apply_worker_report(session, host, report, principal, now)
     return HeartbeatAck(

@@ -53,6 +53,7 @@ def create(session: Session, spec: JobSpec, principal: Principal, now: datetime)
         missing = [d for d in spec.devices if d not in known]
         if missing:
             raise Invalid(f"unknown device ids {missing}", field="devices")
+    scheduler.check_placeable(session, spec)
     job = Job(
         name=spec.name,
         owner=principal.name,
@@ -65,7 +66,11 @@ def create(session: Session, spec: JobSpec, principal: Principal, now: datetime)
     session.add(job)
     session.flush()
     record(session, principal.name, "job.create", f"job:{job.id}", {"name": spec.name})
-    scheduler.place_pending(session, now)
+    # Placement is the controller's (it may take seconds): the submission answers at once.
+    job.pending_reason = scheduler.explain(
+        session, spec, scheduler.free_devices(session), tried=False
+    )
+    scheduler.request_placement(session)
     return job
 
 
@@ -90,7 +95,7 @@ def finish(
         if dev.status == DeviceStatus.BUSY.value:
             dev.status = DeviceStatus.FREE
     session.flush()
-    scheduler.place_pending(session, now)
+    scheduler.request_placement(session)  # its devices are free for pending jobs
 
 
 def cancel(session: Session, job_id: int, principal: Principal, now: datetime) -> Job:

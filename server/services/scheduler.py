@@ -1,5 +1,10 @@
 """Placement of pending jobs onto free devices, highest priority first.
 
+Placement runs in the controller, every round (``server.controller``), never in a request: a
+submission answers at once, and a job that cannot be placed yet carries ``pending_reason``
+(``explain``). A job that could never be placed (more workers than devices exist on the
+registered hosts) is refused at submission (``check_placeable``).
+
 A job naming explicit ``devices`` gets exactly those once they are all free. Any other job is
 placed by the planner's integer program (``server.planner.place``: maximise the predicted
 throughput of the chosen devices, fewer hosts preferred, between ``workers`` and
@@ -23,6 +28,7 @@ from sqlalchemy.orm import Session
 
 from contract.enums import DeviceKind, DeviceStatus, HostStatus, JobStatus, PlanSource, WorkerState
 from contract.spec import JobSpec
+from server.errors import Invalid
 from server.models import Device, Host, IterationTelemetry, Job, TelemetryRollup, Worker
 from server.planner import (
     FreeDevice,
@@ -145,6 +151,63 @@ def choose_devices(
     return chosen
 
 
+def check_placeable(session: Session, spec: JobSpec) -> None:
+    """Refuse (422) a job that could never be placed: it needs more devices than the registered
+    hosts have, busy or not."""
+    if spec.workers is None:
+        return  # explicit devices: their existence is checked by the caller
+    per_host = session.execute(
+        select(Host.name, func.count(Device.id))
+        .join(Device)
+        .group_by(Host.name)
+        .order_by(Host.name)
+    ).all()
+    total = sum(int(n) for _, n in per_host)
+    if spec.workers > total:
+        hosts = ", ".join(f"{n} on {name}" for name, n in per_host) or "no host is registered"
+        raise Invalid(
+            f"the job needs {spec.workers} device{'s' if spec.workers != 1 else ''} but the "
+            f"registered hosts have {total} "
+            f"({hosts}): {spec.workers - total} short, so it could never be placed",
+            field="workers",
+        )
+
+
+def request_placement(session: Session) -> None:
+    """Ask for a placement round once this session commits (devices were added or freed, or a
+    job was submitted): the request's session pokes the controller (``server.api.deps``)."""
+    session.info["placement"] = True
+
+
+def explain(session: Session, spec: JobSpec, free: list[Device], *, tried: bool) -> str:
+    """Why a job is not placed with these devices free: "needs 4 devices, 2 free, 2 busy with
+    job 7". ``tried``: placement was attempted with them (else it has yet to be)."""
+    free_ids = {d.id for d in free}
+    devices = list(session.scalars(select(Device).join(Host).order_by(Device.id)))
+    if spec.devices is not None:
+        wanted = set(spec.devices)
+        devices = [d for d in devices if d.id in wanted]
+        need = f"needs devices {sorted(wanted)}"
+        have = f"{sum(1 for d in devices if d.id in free_ids)} of them free"
+    else:
+        need = f"needs {spec.workers} device{'s' if spec.workers != 1 else ''}"
+        have = f"{len(free)} free"
+    busy: dict[int, int] = defaultdict(int)
+    for d in devices:
+        if d.job_id is not None and d.id not in free_ids:
+            busy[d.job_id] += 1
+    parts = [need, have]
+    for job_id, n in sorted(busy.items()):
+        parts.append(f"{n} busy with job {job_id}")
+    away = sum(1 for d in devices if d.job_id is None and d.id not in free_ids)
+    if away:
+        parts.append(f"{away} offline")
+    enough = spec.workers is not None and len(free) >= spec.workers
+    if spec.devices is None and enough:
+        parts.append("no placement fits them" if tried else "waiting for the controller")
+    return ", ".join(parts)
+
+
 def place_pending(session: Session, now: datetime) -> list[Job]:
     """Give devices to every pending job that fits, by priority then age. Returns jobs placed."""
     pending = list(
@@ -162,7 +225,11 @@ def place_pending(session: Session, now: datetime) -> list[Job]:
         spec = job.job_spec
         chosen = choose_devices(session, job, spec, free)
         if chosen is None:
+            reason = explain(session, spec, free, tried=True)
+            if job.pending_reason != reason:
+                job.pending_reason = reason
             continue
+        job.pending_reason = None
         taken = {d.id for d in chosen}
         free = [d for d in free if d.id not in taken]
         for rank, dev in enumerate(chosen):

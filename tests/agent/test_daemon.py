@@ -14,7 +14,9 @@ import pytest
 
 from agent.client import ApiClient, make_http
 from agent.daemon import Agent, discover_devices
+from contract.agent import DeviceInfo, HostRegister
 from contract.api import TokenCreate
+from contract.base import PROTOCOL_VERSION
 from contract.enums import DeviceKind, JobStatus, Role
 from tests.conftest import ROOT, LiveServer
 
@@ -156,7 +158,18 @@ def test_job_code_holds_only_its_own_rank_credential(
     stop = threading.Event()
     thread = threading.Thread(target=a.run, args=(stop, 0.3), daemon=True)
     thread.start()
-    victim = admin.submit(_spec(workers=5, emulation=None, name="victim"))  # stays pending
+    # Another job, on a host no agent runs: placed there, it never starts.
+    parking = admin.register_host(
+        HostRegister(
+            protocol_version=PROTOCOL_VERSION,
+            name="parking",
+            address="127.0.0.1",
+            devices=[DeviceInfo(index=0, kind=DeviceKind.CPU, model="CPU", memory_mb=1)],
+        )
+    )
+    victim = admin.submit(
+        _spec(workers=None, devices=[parking.devices[0].id], emulation=None, name="victim")
+    )
     try:
         job = admin.submit(
             _spec(
@@ -189,4 +202,4 @@ def test_job_code_holds_only_its_own_rank_credential(
         assert env["EVENFLOW_TOKEN"].startswith("efw_")
         assert env["NCCL_DEBUG"] == "WARN" and env["RANK"] == str(rank)
         assert seen["cancel"] == 403
-    assert victim_status is JobStatus.PENDING
+    assert victim_status in (JobStatus.PENDING, JobStatus.STARTING)  # not cancelled by it

@@ -62,3 +62,23 @@ def test_cluster_and_audit_pages_show_hosts_jobs_and_who_did_what(
     pg.click("#audit-filter button")
     pg.wait_for_function("!document.querySelector('tr[data-action=\"host.register\"]')")
     assert pg.locator('tr[data-action="job.placed"]').count() == 1
+
+
+def test_a_pending_job_page_says_why_it_waits(
+    page: Page, live_app: LiveApp, cluster: Cluster
+) -> None:
+    pg = page.page
+    cluster.register("gpu-01", 2)
+    running = cluster.submit(2, 64, name="first")
+    assert running["status"] == "starting"
+    waiting = cluster.submit(2, 64, name="second")
+    assert waiting["status"] == "pending"
+    sign_in(pg, live_app.url, live_app.admin_token, path=f"/jobs/{waiting['id']}")
+    note = pg.locator("#pending-note")
+    note.wait_for(state="visible")
+    assert note.inner_text() == (
+        f"Waiting for devices: needs 2 devices, 0 free, 2 busy with job {running['id']}."
+    )
+    pg.goto(f"{live_app.url}/jobs/{running['id']}")
+    pg.locator("#job-name").filter(has_text="first").wait_for()
+    assert not pg.locator("#pending-note").is_visible()
