@@ -47,6 +47,7 @@ from agent.backoff import Backoff
 from agent.client import ApiClient, ApiError
 from agent.environment import worker_environment
 from contract.agent import (
+    LOG_TAIL_CHARS,
     WORKER_EXIT_JOB_ENDED,
     Assignment,
     DeviceInfo,
@@ -106,6 +107,7 @@ class WorkerProcess:
     state: WorkerState = WorkerState.RUNNING
     exit_code: int | None = None
     error: str | None = None
+    log_tail: str | None = None
     reported: WorkerState | None = None
     stop_requested: bool = False
 
@@ -120,6 +122,7 @@ class WorkerProcess:
             state=self.state,
             exit_code=self.exit_code,
             error=self.error,
+            log_tail=self.log_tail,
         )
 
 
@@ -291,6 +294,8 @@ class Agent:
             if code is None:
                 continue
             proc.exit_code = code
+            if code != 0:
+                proc.log_tail = _log_tail(proc.log_path)
             if proc.stop_requested or code == WORKER_EXIT_JOB_ENDED:
                 proc.state = WorkerState.STOPPED
             elif code == 0:
@@ -398,3 +403,17 @@ def run_agent(
                 stop.wait(delay)
         agent.run(stop, interval_s)
         return agent.replaced
+
+
+def _log_tail(path: Path) -> str | None:
+    """The last lines of a rank's log, at most ``LOG_TAIL_CHARS`` (whole lines where it can)."""
+    try:
+        with path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - LOG_TAIL_CHARS))
+            text = f.read().decode(errors="replace").replace("\x00", "")
+    except OSError:
+        return None
+    if len(text) >= LOG_TAIL_CHARS and "\n" in text:
+        text = text.split("\n", 1)[1]  # drop the partial first line
+    return text[-LOG_TAIL_CHARS:] or None

@@ -62,6 +62,10 @@ class HostRegister(Request):
         return devices
 
 
+LOG_TAIL_CHARS = 32_768
+"""The most of a rank's log an agent uploads (its last lines)."""
+
+
 class WorkerReport(Request):
     """What an agent says about one of its workers."""
 
@@ -70,6 +74,9 @@ class WorkerReport(Request):
     state: WorkerState = Field(strict=False)
     exit_code: int | None = Field(default=None, ge=-(2**31), le=MAX_ID)
     error: Text | None = Field(default=None, max_length=65_536)
+    log_tail: Text | None = Field(default=None, max_length=LOG_TAIL_CHARS)
+    """The last lines of the rank's log (at most ``LOG_TAIL_CHARS``), sent with a rank that
+    failed or was stopped: what it printed before it ended."""
 
 
 class Heartbeat(Request):

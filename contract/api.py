@@ -52,6 +52,19 @@ class WorkerOut(Response):
     error: str | None = None
 
 
+class RankLogOut(Response):
+    """One rank's end as its agent reported it: the root cause and the last lines of its log."""
+
+    rank: int
+    state: WorkerState
+    exit_code: int | None = None
+    error: str | None = None
+    """Root-cause traceback (its error file), or the log's last lines without one."""
+    log_tail: str | None = None
+    """The last lines of its log (bounded), uploaded when it failed or was stopped; None while
+    it runs or once it succeeded."""
+
+
 class JobOut(Response):
     id: int
     name: str

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -150,6 +151,41 @@ def cmd_jobs_show(args: argparse.Namespace) -> None:
             console.print(
                 f"plan v{plan.version} ({plan.source.value}): {plan.batch_sizes}  — {plan.reason}"
             )
+
+
+def cmd_jobs_logs(args: argparse.Namespace) -> None:
+    """Each rank's root cause and log tail; with ``--follow``, wait for ranks that are still
+    running and print theirs as they end, until the job does."""
+    client = _client(args)
+    shown: set[int] = set()
+    while True:
+        job = client.job(args.id)
+        ranks = client.logs(args.id, args.rank)
+        ended = [r for r in ranks if r.rank not in shown and r.state.value not in _LIVE_STATES]
+        if args.json:
+            print(json.dumps(_jsonable(ended), indent=2))
+        else:
+            for r in ended:
+                _print_rank_log(r)
+        shown.update(r.rank for r in ended)
+        if not args.follow or job.status.terminal or len(shown) == len(ranks):
+            if not args.json and not shown:
+                console.print(f"job {args.id} ({job.status.value}): no rank has ended yet")
+            return
+        time.sleep(args.interval)
+
+
+_LIVE_STATES = {"assigned", "launching", "running"}
+
+
+def _print_rank_log(r: Any) -> None:
+    exit_text = "" if r.exit_code is None else f", exit {r.exit_code}"
+    console.print(f"[bold]rank {r.rank}[/bold] ({r.state.value}{exit_text})")
+    body = r.log_tail or r.error
+    if not body:
+        console.print("  (no log uploaded)")
+        return
+    console.print(body.rstrip("\n"), markup=False, highlight=False)
 
 
 def cmd_jobs_cancel(args: argparse.Namespace) -> None:
@@ -524,6 +560,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = jobs.add_parser("show", parents=[client])
     p.add_argument("id", type=int)
     p.set_defaults(func=cmd_jobs_show)
+    p = jobs.add_parser(
+        "logs", parents=[client], help="each rank's root cause and last log lines once it ended"
+    )
+    p.add_argument("id", type=int)
+    p.add_argument("--rank", type=int, default=None)
+    p.add_argument("--follow", action="store_true", help="wait for running ranks to end")
+    p.add_argument("--interval", type=float, default=2.0, help=argparse.SUPPRESS)
+    p.set_defaults(func=cmd_jobs_logs)
     p = jobs.add_parser("cancel", parents=[client])
     p.add_argument("id", type=int)
     p.set_defaults(func=cmd_jobs_cancel)

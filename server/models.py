@@ -201,6 +201,8 @@ class Worker(Base):
     )
     exit_code: Mapped[int | None] = mapped_column(Integer, default=None)
     error: Mapped[str | None] = mapped_column(Text, default=None)
+    log_tail: Mapped[str | None] = mapped_column(Text, default=None)
+    """The last lines of the rank's log, uploaded by its agent when it failed or was stopped."""
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     token_hash: Mapped[str | None] = mapped_column(String(64), unique=True, default=None)
     """SHA-256 of this rank's worker credential (``server.services.tokens``): minted when the

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from agent.client import ApiClient, make_http
-from contract.agent import DeviceInfo, HostRegister
-from contract.api import JobOut
+from contract.agent import DeviceInfo, Heartbeat, HostRegister, WorkerReport
+from contract.api import JobOut, TokenCreate
 from contract.base import PROTOCOL_VERSION
-from contract.enums import DeviceKind
+from contract.enums import DeviceKind, Role, WorkerState
 from evenflow.cli import main
 from tests.conftest import LiveServer
 
@@ -116,3 +116,60 @@ def test_bad_spec_file_and_unreachable_server(
     assert "global_batch" in str(exc.value)
     assert main(["jobs", "list", "--server", "http://127.0.0.1:9"]) == 1
     assert "cannot reach" in capsys.readouterr().err
+
+
+def test_jobs_logs_prints_each_ranks_tail(
+    env: LiveServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    agent_token = (
+        ApiClient(make_http(env.url, env.admin_token))
+        .create_token(TokenCreate(name="agent-logs-host", role=Role.AGENT, host="logs-host"))
+        .token
+    )
+    agent = ApiClient(make_http(env.url, agent_token))
+    host = agent.register_host(
+        HostRegister(
+            protocol_version=PROTOCOL_VERSION,
+            name="logs-host",
+            address="127.0.0.1",
+            devices=[
+                DeviceInfo(index=i, kind=DeviceKind.CPU, model="CPU", memory_mb=1) for i in range(2)
+            ],
+        )
+    )
+    admin = ApiClient(make_http(env.url, env.admin_token))
+    job = admin.submit(
+        {
+            "name": "dies",
+            "workload": {"builtin": "mlp"},
+            "global_batch": 8,
+            "iterations": 5,
+            "workers": 2,
+        }
+    )
+    assert _placed(admin, job.id).status.value == "starting"
+    assert main(["jobs", "logs", str(job.id)]) == 0
+    assert "no rank has ended yet" in capsys.readouterr().out
+    reports = [
+        WorkerReport(
+            job_id=job.id,
+            rank=1,
+            state=WorkerState.FAILED,
+            exit_code=1,
+            error="RuntimeError: boom",
+            log_tail="step 3\nRuntimeError: boom\n",
+        ),
+        WorkerReport(
+            job_id=job.id, rank=0, state=WorkerState.STOPPED, exit_code=-15, log_tail="step 3\n"
+        ),
+    ]
+    agent.heartbeat(host.id, Heartbeat(workers=reports))
+    assert main(["jobs", "logs", str(job.id), "--follow"]) == 0  # the job ended: returns
+    out = capsys.readouterr().out
+    assert "rank 0 (stopped, exit -15)" in out and "rank 1 (failed, exit 1)" in out
+    assert "RuntimeError: boom" in out
+    assert main(["jobs", "logs", str(job.id), "--rank", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "rank 1" in out and "rank 0" not in out
+    assert main(["jobs", "logs", str(job.id), "--rank", "9"]) == 1
+    assert "no rank 9" in capsys.readouterr().err

@@ -404,6 +404,7 @@ function renderHead() {
   const waiting = job.status === "pending" && job.pending_reason;
   $("#pending-note").hidden = !waiting;
   $("#pending-note").textContent = waiting ? `Waiting for devices: ${job.pending_reason}.` : "";
+  if (job.status === "failed") renderFailure();
   const spec = job.spec;
   const facts = [
     ["workers", fmtNum(state.world)],
@@ -421,6 +422,28 @@ function renderHead() {
     el("div", {}, el("dt", {}, "iteration"), el("dd", { id: "job-iteration" }, "—")),
   );
   renderSpeed();
+}
+
+let failureShown = false;
+
+// A failed job: the reason, the failed ranks' root-cause tracebacks and every rank's log tail.
+async function renderFailure() {
+  if (failureShown) return;
+  failureShown = true;
+  const [job, ranks] = await Promise.all([api.job(jobId), api.logs(jobId).catch(() => [])]);
+  $("#failure").hidden = false;
+  $("#failure-reason").textContent = job.error || "failed";
+  $("#failure-traceback").textContent = (job.workers || [])
+    .filter((w) => w.state === "failed" && w.error)
+    .map((w) => `rank ${w.rank}:\n${w.error}`)
+    .join("\n\n");
+  clear(
+    $("#failure-logs"),
+    ranks.map((r) =>
+      el("details", { "data-rank": r.rank, open: r.state === "failed" },
+        el("summary", {}, `rank ${r.rank} · ${r.state}${r.exit_code == null ? "" : ` · exit ${r.exit_code}`}`),
+        el("pre", { class: "log" }, r.log_tail || "(no log uploaded)"))),
+  );
 }
 
 function renderSpeed() {

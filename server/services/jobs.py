@@ -74,6 +74,17 @@ def create(session: Session, spec: JobSpec, principal: Principal, now: datetime)
     return job
 
 
+def logs(session: Session, job_id: int, rank: int | None) -> list[Worker]:
+    """The job's ranks (one, with ``rank``) with their root cause and log tail."""
+    job = get(session, job_id)
+    if rank is None:
+        return list(job.workers)
+    found = [w for w in job.workers if w.rank == rank]
+    if not found:
+        raise NotFound(f"job {job_id} has no rank {rank}", field="rank")
+    return found
+
+
 def transition(job: Job, to: JobStatus) -> None:
     frm = JobStatus(job.status)
     if to not in JOB_TRANSITIONS[frm]:
@@ -135,6 +146,8 @@ def apply_worker_report(
     worker.state, worker.exit_code, worker.updated_at = to, report.exit_code, now
     if report.error:
         worker.error = report.error
+    if report.log_tail:
+        worker.log_tail = report.log_tail
     job = get(session, report.job_id)
     status = JobStatus(job.status)
     if status.terminal:

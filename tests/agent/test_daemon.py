@@ -13,11 +13,11 @@ import httpx
 import pytest
 
 from agent.client import ApiClient, make_http
-from agent.daemon import Agent, discover_devices
-from contract.agent import DeviceInfo, HostRegister
+from agent.daemon import Agent, _log_tail, discover_devices
+from contract.agent import LOG_TAIL_CHARS, DeviceInfo, HostRegister
 from contract.api import TokenCreate
 from contract.base import PROTOCOL_VERSION
-from contract.enums import DeviceKind, JobStatus, Role
+from contract.enums import DeviceKind, JobStatus, Role, WorkerState
 from tests.conftest import ROOT, LiveServer
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
@@ -115,6 +115,22 @@ def test_failed_rank_fails_the_job_with_its_traceback(agent: tuple[Agent, ApiCli
     assert done.error is not None and "rank 1 failed" in done.error and "corrupt" in done.error
     w1 = next(w for w in done.workers if w.rank == 1)
     assert w1.error is not None and "Traceback" in w1.error and "RuntimeError: boom" in w1.error
+    # Its agent uploaded the last lines of its log with the failure.
+    (log,) = admin.logs(job.id, rank=1)
+    assert log.state is WorkerState.FAILED and log.log_tail is not None
+    assert "RuntimeError: boom" in log.log_tail
+
+
+def test_a_log_tail_is_the_end_of_the_log_in_whole_lines(tmp_path: Path) -> None:
+    log = tmp_path / "rank-0.log"
+    log.write_text("".join(f"line {i}\n" for i in range(20_000)))
+    tail = _log_tail(log)
+    assert tail is not None and len(tail) <= LOG_TAIL_CHARS
+    assert tail.startswith("line ") and tail.endswith("line 19999\n")
+    short = tmp_path / "short.log"
+    short.write_text("only\n")
+    assert _log_tail(short) == "only\n"
+    assert _log_tail(tmp_path / "missing.log") is None
 
 
 def test_cancel_stops_the_workers(agent: tuple[Agent, ApiClient]) -> None:

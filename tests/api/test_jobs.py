@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from contract.agent import LOG_TAIL_CHARS
+from contract.enums import Role
 from server.context import context_of
 from server.controller import Controller
 from tests.conftest import Api
@@ -150,6 +152,42 @@ def test_a_failed_rank_fails_the_job_with_its_traceback(api: Api) -> None:
         f"/api/v1/hosts/{host['id']}/heartbeat", json={}, headers=api.headers(host["_token"])
     ).json()
     assert [(a["rank"], a["desired"]) for a in ack["assignments"]] == [(0, "stop")]
+
+
+def test_each_ranks_root_cause_and_log_tail_are_served_per_rank(api: Api) -> None:
+    host = api.register("h", devices=2)
+    job = api.submit(workers=2)
+    r = api.client.get(f"/api/v1/jobs/{job['id']}/logs", headers=api.headers())
+    assert r.status_code == 200
+    assert [(x["rank"], x["state"], x["log_tail"]) for x in r.json()] == [
+        (0, "assigned", None),
+        (1, "assigned", None),
+    ]
+    _report(api, host, job["id"], 0, "running")
+    tb = "Traceback (most recent call last):\nRuntimeError: boom"
+    tail = "step 41 loss 0.3\nstep 42 loss 0.3\n" + tb
+    _report(api, host, job["id"], 1, "failed", exit_code=1, error=tb, log_tail=tail)
+    _report(api, host, job["id"], 0, "stopped", exit_code=-15, log_tail="step 42 loss 0.3\n")
+    viewer = api.token(Role.VIEWER)
+    r = api.client.get(f"/api/v1/jobs/{job['id']}/logs", headers=api.headers(viewer))
+    assert r.status_code == 200, r.text
+    by_rank = {x["rank"]: x for x in r.json()}
+    assert by_rank[1]["state"] == "failed" and by_rank[1]["exit_code"] == 1
+    assert by_rank[1]["error"] == tb and by_rank[1]["log_tail"] == tail
+    assert by_rank[0]["state"] == "stopped" and by_rank[0]["log_tail"] == "step 42 loss 0.3\n"
+    one = api.client.get(f"/api/v1/jobs/{job['id']}/logs?rank=1", headers=api.headers())
+    assert [x["rank"] for x in one.json()] == [1]
+    missing = api.client.get(f"/api/v1/jobs/{job['id']}/logs?rank=7", headers=api.headers())
+    assert missing.status_code == 404 and missing.json()["field"] == "rank"
+    assert api.client.get("/api/v1/jobs/999/logs", headers=api.headers()).status_code == 404
+
+
+def test_a_log_tail_over_the_bound_is_refused(api: Api) -> None:
+    host = api.register("h", devices=1)
+    job = api.submit(workers=1)
+    r = _report(api, host, job["id"], 0, "failed", exit_code=1, log_tail="x" * (LOG_TAIL_CHARS + 1))
+    assert r.status_code == 422 and "log_tail" in r.text
+    assert _job(api, job["id"])["status"] == "starting"  # nothing stored from it
 
 
 def test_bad_specs_are_422_naming_the_field(api: Api) -> None:
