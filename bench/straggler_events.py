@@ -66,6 +66,10 @@ def run(cluster: LocalCluster, p: Profile, policy: PolicyName) -> dict[str, Any]
         "by_kind": dict(sorted(kinds.items())),
         "ranks": sorted({e.rank for e in events if e.rank is not None}),
         "starts": sorted({e.start_iteration for e in events})[:12],
+        "detail": [
+            (e.rank, e.kind, e.start_iteration, e.end_iteration, round(e.severity, 2))
+            for e in sorted(events, key=lambda e: e.start_iteration)[:12]
+        ],
     }
 
 
