@@ -31,6 +31,7 @@ from contract.api import (
     ModelOut,
     OverrideCreate,
     OverrideOut,
+    RankLogOut,
     TelemetryOut,
     TokenCreate,
     TokenCreated,
@@ -136,6 +137,11 @@ class ApiClient:
 
     def cancel(self, job_id: int) -> JobOut:
         return JobOut.model_validate(self._call("POST", f"/jobs/{job_id}/cancel").json())
+
+    def logs(self, job_id: int, rank: int | None = None) -> list[RankLogOut]:
+        params = {} if rank is None else {"rank": rank}
+        resp = self._call("GET", f"/jobs/{job_id}/logs", params=params)
+        return [RankLogOut.model_validate(r) for r in resp.json()]
 
     # -- plans
     def plan(

@@ -57,6 +57,7 @@ from agent.environment import device_variables, worker_environment
 from agent.launcher import Launcher, LaunchSpec, ProcessExit, SubprocessLauncher
 from agent.network import check_address
 from contract.agent import (
+    LOG_TAIL_CHARS,
     WORKER_EXIT_JOB_ENDED,
     Assignment,
     DeviceInfo,
@@ -120,6 +121,7 @@ class WorkerProcess:
     exit_code: int | None = None
     signal: str | None = None
     error: str | None = None
+    log_tail: str | None = None
     reported: WorkerState | None = None
     stop_requested: bool = False
 
@@ -139,6 +141,7 @@ class WorkerProcess:
             signal=self.signal,
             error=self.error,
             attempt=self.assignment.attempt,
+            log_tail=self.log_tail,
         )
 
 
@@ -341,6 +344,8 @@ class Agent:
             if end is None:
                 continue
             proc.ended(end)
+            if end.code != 0:
+                proc.log_tail = _log_tail(proc.log_path)
             if proc.stop_requested or end.code == WORKER_EXIT_JOB_ENDED:
                 proc.state = WorkerState.STOPPED
             elif end.code == 0:
@@ -364,7 +369,7 @@ class Agent:
     def _root_cause(proc: WorkerProcess) -> str:
         """What to report of a failed rank: that a signal killed it (with its log's tail), else
         the traceback from its error file, else its log's tail."""
-        tail = _log_tail(proc.log_path)
+        tail = _last_lines(proc.log_path)
         if proc.signal is not None:
             return f"killed by {proc.signal}" + (
                 f"; last lines of its log:\n{tail}" if tail else ""
@@ -393,7 +398,8 @@ class Agent:
                 self._stop(proc)
 
 
-def _log_tail(path: Path) -> str:
+def _last_lines(path: Path) -> str:
+    """The log's last ``ERROR_TAIL_LINES`` lines, for a failure's root cause without a traceback."""
     try:
         lines = path.read_text(errors="replace").splitlines()
     except OSError:
@@ -450,3 +456,17 @@ def run_agent(
                 stop.wait(delay)
         agent.run(stop, interval_s)
         return agent.replaced
+
+
+def _log_tail(path: Path) -> str | None:
+    """The last lines of a rank's log, at most ``LOG_TAIL_CHARS`` (whole lines where it can)."""
+    try:
+        with path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - LOG_TAIL_CHARS))
+            text = f.read().decode(errors="replace").replace("\x00", "")
+    except OSError:
+        return None
+    if len(text) >= LOG_TAIL_CHARS and "\n" in text:
+        text = text.split("\n", 1)[1]  # drop the partial first line
+    return text[-LOG_TAIL_CHARS:] or None

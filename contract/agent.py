@@ -72,6 +72,10 @@ class HostRegister(Request):
         return devices
 
 
+LOG_TAIL_CHARS = 32_768
+"""The most of a rank's log an agent uploads (its last lines)."""
+
+
 class WorkerReport(Request):
     """What an agent says about one of its workers."""
 
@@ -85,6 +89,9 @@ class WorkerReport(Request):
     attempt: int = Field(default=0, ge=0, le=MAX_ID)
     """The job attempt the rank was launched for (``Assignment.attempt``); reports about an
     earlier attempt's processes are ignored."""
+    log_tail: Text | None = Field(default=None, max_length=LOG_TAIL_CHARS)
+    """The last lines of the rank's log (at most ``LOG_TAIL_CHARS``), sent with a rank that
+    failed or was stopped: what it printed before it ended."""
 
 
 class Heartbeat(Request):

@@ -79,6 +79,19 @@ class CheckpointOut(Response):
     created_at: datetime
 
 
+class RankLogOut(Response):
+    """One rank's end as its agent reported it: the root cause and the last lines of its log."""
+
+    rank: int
+    state: WorkerState
+    exit_code: int | None = None
+    error: str | None = None
+    """Root-cause traceback (its error file), or the log's last lines without one."""
+    log_tail: str | None = None
+    """The last lines of its log (bounded), uploaded when it failed or was stopped; None while
+    it runs or once it succeeded."""
+
+
 class JobOut(Response):
     id: int
     name: str
@@ -90,6 +103,9 @@ class JobOut(Response):
     started_at: datetime | None = None
     finished_at: datetime | None = None
     error: str | None = None
+    pending_reason: str | None = None
+    """Why a pending job waits for devices ("needs 4 devices, 2 free, 2 busy with job 7");
+    None once it is placed."""
     plan_version: int | None = None
     frozen: bool = False
     workers: list[WorkerOut] = []

@@ -132,6 +132,8 @@ def cmd_jobs_submit(args: argparse.Namespace) -> None:
         raise SystemExit(f"error: cannot read {args.file}: {exc}") from exc
     job = _client(args).submit(_validated(JobSpec, raw, args.file))
     _emit(args, job, JOB_COLUMNS, lambda j: _job_rows([j]), title="submitted")
+    if not args.json:
+        _print_pending([job])
 
 
 M = TypeVar("M", bound=BaseModel)
@@ -151,6 +153,15 @@ def _validated(model: type[M], raw: Any, source: str) -> M:
 def cmd_jobs_list(args: argparse.Namespace) -> None:
     jobs = _client(args).jobs(status=args.status, limit=args.limit)
     _emit(args, jobs, JOB_COLUMNS, lambda d: _job_rows(d.items), title=f"{jobs.total} jobs")
+    if not args.json:
+        _print_pending(jobs.items)
+
+
+def _print_pending(jobs: list[Any]) -> None:
+    """Why each pending job waits, one line each (under the table: no column to truncate)."""
+    for j in jobs:
+        if j.status.value == "pending" and j.pending_reason:
+            console.print(f"job {j.id} waits: {j.pending_reason}", highlight=False, markup=False)
 
 
 def cmd_jobs_show(args: argparse.Namespace) -> None:
@@ -163,6 +174,7 @@ def cmd_jobs_show(args: argparse.Namespace) -> None:
     console.print(f"owner {job.owner}")
     if job.error:
         console.print(f"[red]error:[/red] {job.error}")
+    _print_pending([job])
     workers = Table("rank", "device", "host", "state", "exit", title="workers")
     for w in job.workers:
         workers.add_row(
@@ -217,6 +229,41 @@ def cmd_jobs_checkpoints(args: argparse.Namespace) -> None:
 
     columns = ["iteration", "written", "size", "write ms", "rank", "attempt", "url"]
     _emit(args, items, columns, rows, title=f"checkpoints of job {args.id}")
+
+
+def cmd_jobs_logs(args: argparse.Namespace) -> None:
+    """Each rank's root cause and log tail; with ``--follow``, wait for ranks that are still
+    running and print theirs as they end, until the job does."""
+    client = _client(args)
+    shown: set[int] = set()
+    while True:
+        job = client.job(args.id)
+        ranks = client.logs(args.id, args.rank)
+        ended = [r for r in ranks if r.rank not in shown and r.state.value not in _LIVE_STATES]
+        if args.json:
+            print(json.dumps(_jsonable(ended), indent=2))
+        else:
+            for r in ended:
+                _print_rank_log(r)
+        shown.update(r.rank for r in ended)
+        if not args.follow or job.status.terminal or len(shown) == len(ranks):
+            if not args.json and not shown:
+                console.print(f"job {args.id} ({job.status.value}): no rank has ended yet")
+            return
+        time.sleep(args.interval)
+
+
+_LIVE_STATES = {"assigned", "launching", "running"}
+
+
+def _print_rank_log(r: Any) -> None:
+    exit_text = "" if r.exit_code is None else f", exit {r.exit_code}"
+    console.print(f"[bold]rank {r.rank}[/bold] ({r.state.value}{exit_text})")
+    body = r.log_tail or r.error
+    if not body:
+        console.print("  (no log uploaded)")
+        return
+    console.print(body.rstrip("\n"), markup=False, highlight=False)
 
 
 def cmd_jobs_cancel(args: argparse.Namespace) -> None:
@@ -703,6 +750,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("id", type=int)
     p.add_argument("--limit", type=int, default=100)
     p.set_defaults(func=cmd_jobs_checkpoints)
+    p = jobs.add_parser(
+        "logs", parents=[client], help="each rank's root cause and last log lines once it ended"
+    )
+    p.add_argument("id", type=int)
+    p.add_argument("--rank", type=int, default=None)
+    p.add_argument("--follow", action="store_true", help="wait for running ranks to end")
+    p.add_argument("--interval", type=float, default=2.0, help=argparse.SUPPRESS)
+    p.set_defaults(func=cmd_jobs_logs)
     p = jobs.add_parser("cancel", parents=[client])
     p.add_argument("id", type=int)
     p.set_defaults(func=cmd_jobs_cancel)

@@ -214,7 +214,7 @@ def _lifespan(context: AppContext) -> Callable[[FastAPI], AbstractAsyncContextMa
             loop = Controller(
                 settings, engine=engine, sessions=sessions, write_lock=context.write_lock
             )
-            context.wake_controller = lambda job_id: loop.poke()
+            context.wake_controller = lambda job_id: loop.poke((job_id,))
             controller = threading.Thread(
                 target=loop.run, args=(stop,), name="evenflow-controller", daemon=True
             )

@@ -164,6 +164,8 @@ class Job(Base):
     """Operators' standing constraints: ``{"pins": {rank: batch}, "excluded": [rank, ...]}``."""
     plan_version: Mapped[int | None] = mapped_column(Integer, default=None)
     error: Mapped[str | None] = mapped_column(Text, default=None)
+    pending_reason: Mapped[str | None] = mapped_column(String(500), default=None)
+    """Why a pending job waits ("needs 4 devices, 2 free, 2 busy with job 7"); None otherwise."""
     master_port: Mapped[int | None] = mapped_column(Integer, default=None)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime, default=None)
@@ -208,6 +210,8 @@ class Worker(Base):
     )
     exit_code: Mapped[int | None] = mapped_column(Integer, default=None)
     error: Mapped[str | None] = mapped_column(Text, default=None)
+    log_tail: Mapped[str | None] = mapped_column(Text, default=None)
+    """The last lines of the rank's log, uploaded by its agent when it failed or was stopped."""
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     token_hash: Mapped[str | None] = mapped_column(String(64), unique=True, default=None)
     """SHA-256 of this rank's worker credential (``server.services.tokens``): minted when the

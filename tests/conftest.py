@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
@@ -27,7 +28,9 @@ from contract.base import PROTOCOL_VERSION
 from contract.enums import Role
 from server.app import create_app
 from server.config import Settings
-from server.db import make_engine, migrate
+from server.context import context_of
+from server.db import make_engine, migrate, transaction
+from server.services import scheduler
 
 ROOT = Path(__file__).resolve().parents[1]
 ADMIN_TOKEN = "ef_test-admin-token-0123456789"
@@ -126,11 +129,19 @@ class Api:
         assert r.status_code == 201, r.text
         data: dict[str, object] = r.json()
         data["_token"] = tok
+        self.place()  # its devices are free: pending jobs may start
         return data
 
     def submit(
-        self, workers: int | None = 2, global_batch: int = 64, **extra: object
+        self,
+        workers: int | None = 2,
+        global_batch: int = 64,
+        *,
+        place: bool = True,
+        **extra: object,
     ) -> dict[str, object]:
+        """Submit a job; with ``place``, then run a placement round (as the controller would
+        next) and return the job as it is after it."""
         spec = {
             "name": "job",
             "workload": {"builtin": "mlp"},
@@ -143,19 +154,39 @@ class Api:
         r = self.client.post("/api/v1/jobs", json=spec, headers=self.headers())
         assert r.status_code == 201, r.text
         data: dict[str, object] = r.json()
-        return data
+        if not place:
+            return data
+        self.place()
+        job = self.client.get(f"/api/v1/jobs/{data['id']}", headers=self.headers())
+        assert job.status_code == 200, job.text
+        placed: dict[str, object] = job.json()
+        return placed
+
+    def place(self) -> list[int]:
+        """One placement round, as the controller runs it (``Controller.place``): the tests'
+        apps never place on their own (their controller runs only when a test drives it)."""
+        context = context_of(self.client.app)  # type: ignore[arg-type]
+        with context.write_lock, transaction(context.sessions) as s:
+            return [j.id for j in scheduler.place_pending(s, datetime.now(UTC))]
+
+
+def _driven(client: TestClient) -> Api:
+    """An ``Api`` whose app's controller runs only when a test drives it: requests do not poke
+    it (placement: ``Api.place``; rounds: ``control_loop.sweep``), so tests are deterministic."""
+    context_of(client.app).wake_controller = lambda _job_id: None  # type: ignore[arg-type]
+    return Api(client)
 
 
 @pytest.fixture
 def api(db_url: str) -> Iterator[Api]:
     with TestClient(create_app(make_settings(db_url))) as client:
-        yield Api(client)
+        yield _driven(client)
 
 
 @pytest.fixture
 def sqlite_api(tmp_path: Path) -> Iterator[Api]:
     with TestClient(create_app(make_settings(f"sqlite:///{tmp_path / 'e.db'}"))) as client:
-        yield Api(client)
+        yield _driven(client)
 
 
 def free_port() -> int:

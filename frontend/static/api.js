@@ -56,6 +56,7 @@ export const api = {
   plan: (id) => get(`/jobs/${id}/plan`),
   plans: (id, limit = 1000) => get(`/jobs/${id}/plans?limit=${limit}`),
   events: (id, limit = 1000) => get(`/jobs/${id}/events?limit=${limit}`),
+  logs: (id) => get(`/jobs/${id}/logs`),
   overrides: (id) => get(`/jobs/${id}/overrides`),
   override: (id, body) => post(`/jobs/${id}/overrides`, body),
   series: (id, points) => get(`/jobs/${id}/series?points=${points}`),

@@ -1,6 +1,7 @@
 // The job page's text: the head with its facts, the current plan with the fitted models, the
 // plan history and the straggler events. Each function renders one part from a JobState.
 
+import { api } from "./api.js";
 import { rankColour, rankName } from "./charts.js";
 import { $, clear, el, fmtAgo, fmtMs, fmtNum, fmtTime, statusBadge } from "./dom.js";
 
@@ -12,6 +13,28 @@ export function setLive(mode) {
   if (!node) return;
   node.dataset.state = mode;
   node.textContent = LIVE_TEXT[mode];
+}
+
+let failureShown = false;
+
+// A failed job: the reason, the failed ranks' root-cause tracebacks and every rank's log tail.
+async function renderFailure(jobId) {
+  if (failureShown) return;
+  failureShown = true;
+  const [job, ranks] = await Promise.all([api.job(jobId), api.logs(jobId).catch(() => [])]);
+  $("#failure").hidden = false;
+  $("#failure-reason").textContent = job.error || "failed";
+  $("#failure-traceback").textContent = (job.workers || [])
+    .filter((w) => w.state === "failed" && w.error)
+    .map((w) => `rank ${w.rank}:\n${w.error}`)
+    .join("\n\n");
+  clear(
+    $("#failure-logs"),
+    ranks.map((r) =>
+      el("details", { "data-rank": r.rank, open: r.state === "failed" },
+        el("summary", {}, `rank ${r.rank} · ${r.state}${r.exit_code === null || r.exit_code === undefined ? "" : ` · exit ${r.exit_code}`}`),
+        el("pre", { class: "log" }, r.log_tail || "(no log uploaded)"))),
+  );
 }
 
 export function renderHead(state, liveMode) {
@@ -27,6 +50,10 @@ export function renderHead(state, liveMode) {
     el("span", { id: "live-state", class: "live", "data-state": liveMode }, LIVE_TEXT[liveMode]),
   );
   $("#emulated-note").hidden = !job.emulated;
+  const waiting = job.status === "pending" && job.pending_reason;
+  $("#pending-note").hidden = !waiting;
+  $("#pending-note").textContent = waiting ? `Waiting for devices: ${job.pending_reason}.` : "";
+  if (job.status === "failed") renderFailure(job.id);
   const spec = job.spec;
   const facts = [
     ["workers", fmtNum(state.world)],

@@ -16,6 +16,7 @@ from contract.enums import Role
 from server.api.gate import PRINCIPAL_STATE, SESSION_COOKIE, authenticate
 from server.config import Settings
 from server.context import AppContext, context_of
+from server.notify import PLACEMENT
 from server.services import tokens
 from server.services.tokens import Principal
 
@@ -42,6 +43,8 @@ def _session(request: Request, context: Context) -> Iterator[Session]:
     lock = context.write_lock if request.method not in SAFE_METHODS else nullcontext()
     with lock, context.sessions() as session, session.begin():
         yield session
+    if session.info.get("placement"):  # committed: jobs to place, or devices to place them on
+        context.wake_controller(PLACEMENT)
 
 
 SessionDep = Annotated[Session, Depends(_session, scope="function")]

@@ -102,7 +102,7 @@ def register(
         if key not in reported and dev.job_id is None:
             dev.status = DeviceStatus.OFFLINE
     session.flush()
-    scheduler.place_pending(session, now)
+    scheduler.request_placement(session)
     return host
 
 
@@ -174,7 +174,7 @@ def heartbeat(
             if dev.status == DeviceStatus.OFFLINE.value:
                 _back_online(session, dev)
         record(session, principal.name, "host.recovered", f"host:{host.id}")
-        scheduler.place_pending(session, now)
+        scheduler.request_placement(session)
     placed = _placed_here(session, host)
     changed = False
     for report in hb.workers:
@@ -303,5 +303,5 @@ def release_silent(session: Session, now: datetime, after_s: float) -> list[Devi
         jobs.release(dev)
     if held:
         session.flush()
-        scheduler.place_pending(session, now)
+        scheduler.request_placement(session)
     return held

@@ -33,7 +33,7 @@ from contract.spec import JobSpec
 from server.cache import mark_tokens_changed
 from server.errors import Conflict, Forbidden, Invalid, NotFound
 from server.models import Checkpoint, Device, Host, IterationTelemetry, Job, Worker
-from server.services import scheduler
+from server.services import events, scheduler
 from server.services.audit import record
 from server.services.tokens import Principal
 
@@ -80,6 +80,7 @@ def _check_devices(session: Session, ids: list[int]) -> None:
 def create(session: Session, spec: JobSpec, principal: Principal, now: datetime) -> Job:
     if spec.devices is not None:
         _check_devices(session, spec.devices)
+    scheduler.check_placeable(session, spec)
     job = Job(
         name=spec.name,
         owner=principal.name,
@@ -92,8 +93,23 @@ def create(session: Session, spec: JobSpec, principal: Principal, now: datetime)
     session.add(job)
     session.flush()
     record(session, principal.name, "job.create", f"job:{job.id}", {"name": spec.name})
-    scheduler.place_pending(session, now)
+    # Placement is the controller's (it may take seconds): the submission answers at once.
+    job.pending_reason = scheduler.explain(
+        session, spec, scheduler.free_devices(session), tried=False
+    )
+    scheduler.request_placement(session)
     return job
+
+
+def logs(session: Session, job_id: int, rank: int | None) -> list[Worker]:
+    """The job's ranks (one, with ``rank``) with their root cause and log tail."""
+    job = get(session, job_id)
+    if rank is None:
+        return list(job.workers)
+    found = [w for w in job.workers if w.rank == rank]
+    if not found:
+        raise NotFound(f"job {job_id} has no rank {rank}", field="rank")
+    return found
 
 
 def transition(job: Job, to: JobStatus) -> None:
@@ -111,13 +127,14 @@ def finish(
     transition(job, status)
     job.finished_at = now
     job.error = error
+    events.close_open(session, job.id)  # the straggler watch stops with the job
     mark_tokens_changed(session)  # its workers' credentials die with it (cached ones too)
     on_device = {w.device_id: w for w in job.workers}
     for dev in session.scalars(select(Device).where(Device.job_id == job.id)):
         if not may_still_run(on_device.get(dev.id)):
             release(dev)
     session.flush()
-    scheduler.place_pending(session, now)
+    scheduler.request_placement(session)  # its devices are free for pending jobs
 
 
 def may_still_run(worker: Worker | None) -> bool:
@@ -190,7 +207,7 @@ def restart(session: Session, job: Job, reason: str, now: datetime) -> None:
     session.flush()  # the old ranks' rows go before the new attempt's are added
     session.expire(job, ["workers"])
     record(session, "system", "job.restart", f"job:{job.id}", entry.model_dump(mode="json"))
-    scheduler.place_pending(session, now)
+    scheduler.request_placement(session)
 
 
 def _progress_lost(session: Session, job: Job) -> tuple[int | None, int | None]:
@@ -254,11 +271,19 @@ def apply_worker_report(
     worker.state, worker.exit_code, worker.updated_at = to, report.exit_code, now
     if report.error:
         worker.error = report.error
+    if report.log_tail:
+        worker.log_tail = report.log_tail
     job = get(session, report.job_id)
-    status = JobStatus(job.status)
-    if status.terminal:
+    if JobStatus(job.status).terminal:
         _release_ended_rank(session, worker, now)
         return
+    _advance_job(session, job, report, now)
+
+
+def _advance_job(session: Session, job: Job, report: WorkerReport, now: datetime) -> None:
+    """A live job after one of its ranks changed state: restart or fail it on a failure,
+    succeed when every rank did, run once every rank runs."""
+    status, to = JobStatus(job.status), report.state
     states = [WorkerState(w.state) for w in job.workers]
     if to is WorkerState.FAILED:
         reason = failure_reason(report)
@@ -301,7 +326,7 @@ def release_replaced(
         released = True
     if released:
         session.flush()
-        scheduler.place_pending(session, now)
+        scheduler.request_placement(session)
 
 
 def _release_ended_rank(session: Session, worker: Worker, now: datetime) -> None:
@@ -310,7 +335,7 @@ def _release_ended_rank(session: Session, worker: Worker, now: datetime) -> None
     if device is not None and device.job_id == worker.job_id and not may_still_run(worker):
         release(device)
         session.flush()
-        scheduler.place_pending(session, now)
+        scheduler.request_placement(session)
 
 
 def failure_reason(report: WorkerReport) -> str:

@@ -30,6 +30,7 @@ def test_missing_and_unknown_tokens_are_401_with_reason(api: Api) -> None:
 
 
 def test_roles_gate_writes(api: Api) -> None:
+    api.register("h", devices=1)
     viewer, operator = api.token(Role.VIEWER), api.token(Role.OPERATOR)
     spec = {
         "name": "j",

@@ -111,7 +111,12 @@ def test_stream_sends_new_telemetry_plans_and_job_state(sqlite_api: Api) -> None
     assert its == [5, 5, 6, 6, 7, 7]
     assert messages[1][1]["version"] == 2 and messages[1][1]["batch_sizes"] == [40, 24]
     # set_batches freezes automatic rebalancing so the planner does not undo it
-    assert messages[2][1] == {"status": "starting", "frozen": True, "plan_version": 2}
+    assert messages[2][1] == {
+        "status": "starting",
+        "frozen": True,
+        "plan_version": 2,
+        "pending_reason": None,
+    }
 
 
 def test_stream_resumes_from_last_event_id_and_ends_with_the_job(sqlite_api: Api) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Query
 
 from contract.agent import RendezvousIn, RendezvousOut
-from contract.api import JobList, JobOut
+from contract.api import JobList, JobOut, RankLogOut
 from contract.enums import JobStatus
 from contract.spec import JobSpec
 from server.api.bodies import JSONRoute
@@ -46,6 +46,18 @@ def list_jobs(
 def get_job(session: SessionDep, _: JobReader, job_id: PathId) -> JobOut:
     """One job with its workers."""
     return JobOut.model_validate(jobs.get(session, job_id))
+
+
+@router.get("/{job_id}/logs")
+def get_logs(
+    session: SessionDep,
+    _: JobReader,
+    job_id: PathId,
+    rank: int | None = Query(None, ge=0, le=10_000),
+) -> list[RankLogOut]:
+    """Each rank's (or one rank's) root cause and the last lines of its log, uploaded by its
+    agent when it failed or was stopped."""
+    return [RankLogOut.model_validate(w) for w in jobs.logs(session, job_id, rank)]
 
 
 @router.post("/{job_id}/cancel")
