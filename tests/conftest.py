@@ -229,6 +229,22 @@ def serving(app: FastAPI) -> Iterator[str]:
         thread.join(timeout=10)
 
 
+def register_host(url: str, token: str, name: str = "h", devices: int = 1) -> None:
+    """Register a host of CPU devices with a live server (as an admin may), so jobs fit."""
+    body = {
+        "protocol_version": PROTOCOL_VERSION,
+        "name": name,
+        "address": "127.0.0.1",
+        "devices": [
+            {"index": i, "kind": "cpu", "model": "CPU", "memory_mb": 1024} for i in range(devices)
+        ],
+    }
+    r = httpx.post(
+        f"{url}/api/v1/hosts/register", json=body, headers={"Authorization": f"Bearer {token}"}
+    )
+    assert r.status_code == 201, r.text
+
+
 @pytest.fixture
 def live_server(tmp_path: Path) -> Iterator[LiveServer]:
     """A real uvicorn server on a free port, in a thread, rebalancing like a real one."""

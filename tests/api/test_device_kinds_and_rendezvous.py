@@ -33,9 +33,10 @@ def _rank_tokens(api: Api, host: dict[str, Any]) -> dict[tuple[int, int], str]:
 def test_a_job_is_never_placed_across_cpu_and_cuda_devices(api: Api) -> None:
     gpu = _host(api, "gpu", ["NVIDIA A100-SXM4-80GB"])
     cpu = _host(api, "cpu", ["CPU", "CPU"], kind="cpu")
-    across = api.submit(workers=3)  # 3 free devices, but only 2 of one kind: it waits
-    j = api.client.get(f"/api/v1/jobs/{across['id']}", headers=api.headers()).json()
-    assert j["status"] == "pending" and not j["workers"]
+    spec = {"name": "across", "workload": {"builtin": "mlp"}, "global_batch": 8, "iterations": 9}
+    r = api.client.post("/api/v1/jobs", json={**spec, "workers": 3}, headers=api.headers())
+    assert r.status_code == 422, r.text  # 3 devices, but only 2 of one kind: never placeable
+    assert "cpu: 2 on cpu; cuda: 1 on gpu" in r.json()["detail"]
     two = api.submit(workers=2, max_workers=3, priority=5)  # takes one kind, never both
     assert _devices_of(api, two) == _ids(cpu, 0, 1)
     one = api.submit(workers=1)

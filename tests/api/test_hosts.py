@@ -88,6 +88,11 @@ def test_a_job_restarted_after_its_host_was_lost_waits_and_gets_its_devices_back
     r = api.client.post(
         f"/api/v1/hosts/{host['id']}/heartbeat", json={}, headers=api.headers(str(host["_token"]))
     )
+    assert r.status_code == 200
+    api.place()  # the controller's next placement round
+    r = api.client.post(
+        f"/api/v1/hosts/{host['id']}/heartbeat", json={}, headers=api.headers(str(host["_token"]))
+    )
     assert [(a["rank"], a["attempt"]) for a in r.json()["assignments"]] == [(0, 1), (1, 1)]
     j = api.client.get(f"/api/v1/jobs/{job['id']}", headers=api.headers()).json()
     assert j["status"] == "starting"
@@ -147,7 +152,9 @@ def test_devices_of_an_ended_job_stay_busy_until_their_ranks_are_reported_ended(
     ack = _heartbeat(api, host, (job["id"], 0, "stopped"))
     assert _devices(api) == [("free", None), ("busy", job["id"])]
     assert {a["job_id"] for a in ack["assignments"]} == {job["id"]}  # nothing new placed yet
-    ack = _heartbeat(api, host, (job["id"], 1, "stopped"))
+    _heartbeat(api, host, (job["id"], 1, "stopped"))
+    api.place()  # the controller's next placement round
+    ack = _heartbeat(api, host)
     assert _devices(api) == [("busy", waiting["id"]), ("busy", waiting["id"])]
     assert [(a["job_id"], a["desired"]) for a in ack["assignments"]] == [
         (waiting["id"], "run"),

@@ -159,7 +159,7 @@ def test_a_failed_rank_fails_the_job_with_its_traceback(api: Api) -> None:
 
 def test_each_ranks_root_cause_and_log_tail_are_served_per_rank(api: Api) -> None:
     host = api.register("h", devices=2)
-    job = api.submit(workers=2)
+    job = api.submit(workers=2, max_restarts=0)  # the failure ends the job (no restart)
     r = api.client.get(f"/api/v1/jobs/{job['id']}/logs", headers=api.headers())
     assert r.status_code == 200
     assert [(x["rank"], x["state"], x["log_tail"]) for x in r.json()] == [

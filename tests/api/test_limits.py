@@ -17,7 +17,7 @@ from contract.enums import Role
 from server.app import create_app
 from server.context import context_of
 from server.live import StreamSlots
-from tests.conftest import ADMIN_TOKEN, Api, make_settings, serving
+from tests.conftest import ADMIN_TOKEN, Api, make_settings, register_host, serving
 
 # --------------------------------------------------------------------------- live streams
 
@@ -27,6 +27,7 @@ def test_live_streams_per_token_are_capped_and_given_back(tmp_path: Path) -> Non
     slots = context_of(app).stream_slots
     with serving(app) as url, httpx.Client(base_url=url, timeout=30) as client:
         api_headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        register_host(url, ADMIN_TOKEN)
         job = client.post(
             "/api/v1/jobs",
             json={
@@ -64,6 +65,7 @@ def test_live_streams_per_token_are_capped_and_given_back(tmp_path: Path) -> Non
 
 def test_a_stream_that_ends_gives_its_slot_back(sqlite_api: Api) -> None:
     api = sqlite_api
+    api.register("h", devices=1)
     job = api.submit(workers=1, global_batch=8)["id"]
     slots = context_of(api.client.app).stream_slots  # type: ignore[arg-type]
     for _ in range(slots.cap + 2):

@@ -25,6 +25,7 @@ def _heartbeat(api: Api, host: dict[str, Any], *reports: dict[str, Any]) -> dict
         headers=api.headers(str(host["_token"])),
     )
     assert r.status_code == 200, r.text
+    api.place()  # the controller's next placement round
     data: dict[str, Any] = r.json()
     return data
 
