@@ -73,7 +73,9 @@ def _emit(
     console.print(table)
 
 
-FOLDED = frozenset({"name", "owner", "model", "use", "action", "model t(b)", "fit", "detail"})
+FOLDED = frozenset(
+    {"name", "owner", "model", "use", "action", "model t(b)", "fit", "detail", "url", "reason"}
+)
 """Columns of free text: they wrap onto more lines at 80 columns; the others (ids, statuses,
 numbers, times) keep their width, so nothing is cut short and short values stay whole."""
 

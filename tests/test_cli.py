@@ -417,6 +417,7 @@ def test_jobs_logs_prints_each_ranks_tail(
             "global_batch": 8,
             "iterations": 5,
             "workers": 2,
+            "max_restarts": 0,  # the failure ends the job
         }
     )
     assert _placed(admin, job.id).status.value == "starting"

@@ -137,6 +137,7 @@ def test_workers_die_within_10_s_of_a_kill_9_of_their_agent(
     )
     reaped.append(agent.pid)
     try:
+        assert _wait_for(lambda: any(h.name == "orphan-host" for h in admin.hosts()), 30)
         job = admin.submit(
             {
                 "name": "long",
