@@ -135,6 +135,9 @@ class TelemetryRecord(Request):
     probe: bool = False
     """A timing an excluded rank took off the critical path (its gradients are discarded);
     ``batch_size`` is the probe's size, not part of the global batch."""
+    peak_memory_mb: float | None = Field(default=None, ge=0, le=1e9, allow_inf_nan=False)
+    """Peak device memory of the iteration's compute (CUDA: ``max_memory_allocated`` after a
+    reset; emulated: the worker's memory formula); None where it is not measured (CPU)."""
 
 
 TELEMETRY_FIELDS = tuple(TelemetryRecord.model_fields)
@@ -158,6 +161,10 @@ class TelemetryColumns(Request):
     ts: list[Annotated[float, Field(ge=0, le=1e11, allow_inf_nan=False)]]
     probe: list[bool] | None = None
     """Absent: no record is a probe."""
+    peak_memory_mb: (
+        list[Annotated[float, Field(ge=0, le=1e9, allow_inf_nan=False)] | None] | None
+    ) = None
+    """Absent: no record measured its peak memory."""
 
     @model_validator(mode="after")
     def _same_length(self) -> TelemetryColumns:
@@ -169,9 +176,16 @@ class TelemetryColumns(Request):
         return self
 
     def arrays(self) -> tuple[list[Any], ...]:
-        """Every field's array in ``TELEMETRY_FIELDS`` order (``probe`` filled in)."""
-        probe = self.probe if self.probe is not None else [False] * len(self.rank)
-        return tuple(probe if n == "probe" else getattr(self, n) for n in TELEMETRY_FIELDS)
+        """Every field's array in ``TELEMETRY_FIELDS`` order (``probe`` and ``peak_memory_mb``
+        filled in when absent)."""
+        n = len(self.rank)
+        filled: dict[str, list[Any]] = {
+            "probe": self.probe if self.probe is not None else [False] * n,
+            "peak_memory_mb": self.peak_memory_mb
+            if self.peak_memory_mb is not None
+            else [None] * n,
+        }
+        return tuple(filled[f] if f in filled else getattr(self, f) for f in TELEMETRY_FIELDS)
 
 
 class TelemetryBatch(Request):
@@ -215,6 +229,8 @@ class TelemetryBatch(Request):
         arrays: dict[str, Any] = dict(zip(TELEMETRY_FIELDS, self.arrays(), strict=True))
         if not any(arrays["probe"]):
             arrays["probe"] = None
+        if all(m is None for m in arrays["peak_memory_mb"]):
+            arrays["peak_memory_mb"] = None
         columns = TelemetryColumns.model_construct(None, **arrays)
         return TelemetryBatch.model_construct(records=None, columns=columns, urgent=self.urgent)
 

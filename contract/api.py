@@ -134,6 +134,8 @@ class TelemetryOut(Response):
     compute_ms: float
     sync_ms: float
     ts: float
+    peak_memory_mb: float | None = None
+    """Peak device memory of the iteration's compute (None: not measured)."""
 
 
 class EventOut(Response):

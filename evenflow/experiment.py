@@ -10,7 +10,8 @@ A profile (YAML)::
     workers:
       - {name: slow, per_sample_ms: 4.0, intercept_ms: 5}
       - {name: fast, per_sample_ms: 1.0, intercept_ms: 5,
-         slowdowns: [{from_iteration: 100, to_iteration: 200, factor: 3}]}
+         slowdowns: [{from_iteration: 100, to_iteration: 200, factor: 3}],
+         memory_mb: 12288, memory_base_mb: 4600, memory_per_sample_mb: 90}   # optional
 
 Measures, per policy (iteration ``i`` ends when its last rank reports it):
 
@@ -51,6 +52,10 @@ class ProfileWorker(BaseModel):
     per_sample_ms: float = Field(gt=0, le=1e4)
     intercept_ms: float = Field(default=0.0, ge=0, le=1e5)
     slowdowns: list[Slowdown] = Field(default_factory=list)
+    memory_mb: int | None = Field(default=None, ge=1, le=10_000_000)
+    """The emulated device's memory: a pass that needs more raises an out-of-memory error."""
+    memory_base_mb: float = Field(default=0.0, ge=0, le=10_000_000)
+    memory_per_sample_mb: float = Field(default=0.0, ge=0, le=10_000_000)
 
 
 class Profile(BaseModel):
@@ -91,6 +96,9 @@ class Profile(BaseModel):
                     per_sample_ms=w.per_sample_ms,
                     intercept_ms=w.intercept_ms,
                     slowdowns=w.slowdowns,
+                    memory_mb=w.memory_mb,
+                    memory_base_mb=w.memory_base_mb,
+                    memory_per_sample_mb=w.memory_per_sample_mb,
                 )
                 for w in self.workers
             ],

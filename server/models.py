@@ -251,6 +251,8 @@ class IterationTelemetry(Base):
     ts: Mapped[float] = mapped_column(Float)
     """Worker-side unix time at the end of the iteration."""
     probe: Mapped[bool] = mapped_column(Boolean, default=False)
+    peak_memory_mb: Mapped[float | None] = mapped_column(Float, default=None)
+    """Peak device memory of the iteration's compute; None where it is not measured."""
 
 
 class TelemetryRollup(Base):

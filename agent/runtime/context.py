@@ -270,6 +270,10 @@ class EvenflowContext:
         if not self._awaiting_step:
             raise RuntimeError("ctx.step() outside a batch of ctx.batches()")
         self._awaiting_step = False
+        if self.emulator is not None:  # an emulated device runs out of memory here, as CUDA's would
+            peak = self.emulator.allocate(self._local)
+            if peak is not None:
+                self.timer.note_peak_memory(peak)
         loss_sum.backward()
         return self._finish(loss_sum)
 
@@ -415,6 +419,7 @@ class EvenflowContext:
                         sync_ms=clamp_ms(t.sync_ms),
                         ts=t.ts,
                         probe=probe,
+                        peak_memory_mb=t.peak_memory_mb,
                     )
                 )
             except TelemetryClosed:  # the job has ended on the control plane: stop training
