@@ -95,6 +95,9 @@ class PolicySpec(Request):
     explore_iterations: int = Field(default=10, ge=0, le=10_000)
     """Iterations at the start that perturb batch sizes so each worker's model is identifiable."""
     granularity: int = Field(default=1, ge=1, le=4096)
+    memory_headroom: float = Field(default=0.1, ge=0, le=0.9, allow_inf_nan=False)
+    """Fraction of each device's memory plans leave unused when they derive a worker's memory
+    cap (the most samples one pass may hold) from its fitted memory model."""
 
 
 class JobSpec(Request):

@@ -6,7 +6,9 @@ One iteration, on every active rank, in this order::
     plan agreement at the boundary (inside the gradient all-reduce, or one tiny broadcast)
       [-> when the plan changes who is active: regroup, and re-synchronise readmitted ranks]
     -> data: this rank's slice of the global batch under the agreed plan
-    -> compute: forward + backward of the SUMMED loss (skipped with 0 samples), emulation padding
+    -> compute: forward + backward of the SUMMED loss (skipped with 0 samples), emulation padding;
+       a slice larger than this rank's memory cap in the plan is yielded as several micro-batches
+       (passes of at most the cap), each stepped, their gradients accumulated in place
     -> sync: one coalesced all-reduce of gradients and loss, scaled by 1 / global count
     -> optimizer step, zero the gradient buffer
     -> timing record -> telemetry queue (a background thread sends it)
@@ -146,6 +148,10 @@ class EvenflowContext:
         self._awaiting_step = False
         self._plan: RuntimePlan = agreement.current
         self._local = 0
+        self._passes: tuple[int, ...] = ()
+        """Sizes of this iteration's passes (one unless the memory cap splits the slice)."""
+        self._pass = 0
+        self._loss_acc: torch.Tensor | None = None
         self._total = 0
         self.membership = Membership(
             rank, world_size, group=group, control_group=agreement.group, options=exclusion
@@ -241,18 +247,7 @@ class EvenflowContext:
                         continue
                 self._plan = self.agreement.current
                 self.membership.tick(it, self._plan)
-                self.timer.begin()
-                idx = sampler.local_indices(it, self._plan.batch_sizes, self.rank)
-                self._local = len(idx)
-                batch = take(dataset, idx, self.device) if self._local else None
-                self.timer.data_done()
-                if self._local == 0:
-                    self._finish(None)
-                    continue
-                self._awaiting_step = True
-                yield batch
-                if self._awaiting_step:
-                    raise RuntimeError("call ctx.step(loss_sum) exactly once per batch")
+                yield from self._iteration(it, dataset, sampler)
             if self.membership.role is GroupRole.ACTIVE and self.agreement.current.excluded:
                 self.agreement.close()
                 self._resync(self.membership.end(self.iteration, self.agreement.current), False)
@@ -265,25 +260,58 @@ class EvenflowContext:
             self._emit(self.timer.drain())
 
     def step(self, loss_sum: torch.Tensor) -> float | None:
-        """Backward the summed loss, all-reduce, step the optimizer; the global mean loss when
-        it was recorded this iteration (every ``loss_every`` iterations), else ``None``."""
+        """Backward the summed loss; after the iteration's last pass, all-reduce and step the
+        optimizer. The global mean loss when it was recorded this iteration (every
+        ``loss_every`` iterations), else ``None`` (always ``None`` before the last pass)."""
         if not self._awaiting_step:
             raise RuntimeError("ctx.step() outside a batch of ctx.batches()")
         self._awaiting_step = False
+        size = self._passes[self._pass]
+        self._pass += 1
         if self.emulator is not None:  # an emulated device runs out of memory here, as CUDA's would
-            peak = self.emulator.allocate(self._local)
+            peak = self.emulator.allocate(size)
             if peak is not None:
                 self.timer.note_peak_memory(peak)
-        loss_sum.backward()
-        return self._finish(loss_sum)
+        loss_sum.backward()  # accumulates into the gradient buffers over the passes
+        loss = loss_sum.detach()
+        total = loss if self._loss_acc is None else self._loss_acc + loss
+        if self._pass < len(self._passes):
+            self._loss_acc = total
+            return None
+        self._loss_acc = None
+        return self._finish(total)
 
     # ----------------------------------------------------------------------------- internals
+
+    def _iteration(
+        self, it: int, dataset: DatasetLike, sampler: GlobalBatchSampler
+    ) -> Iterator[Any]:
+        """One iteration's passes: this rank's slice, or its micro-batches of at most the
+        plan's memory cap for this rank (gradients accumulate; the update is unchanged)."""
+        self.timer.begin()
+        idx = sampler.local_indices(it, self._plan.batch_sizes, self.rank)
+        self._local = len(idx)
+        cap = self._plan.cap_of(self.rank)
+        chunks = [idx] if cap is None or self._local <= cap else list(idx.split(cap))
+        parts = [take(dataset, c, self.device) for c in chunks] if self._local else []
+        self.timer.data_done()
+        self._passes = tuple(len(c) for c in chunks) if self._local else ()
+        self._pass, self._loss_acc = 0, None
+        if self._local == 0:
+            self._finish(None)
+            return
+        for part in parts:
+            self._awaiting_step = True
+            yield part
+            if self._awaiting_step:
+                raise RuntimeError("call ctx.step(loss_sum) exactly once per batch")
 
     def _finish(self, loss_sum: torch.Tensor | None) -> float | None:
         assert self._sync is not None and self.optimizer is not None and self._sampler
         it, b = self.iteration, self._local
         if self.emulator is not None and b > 0:
-            self.timer.add_padding(self.emulator.pad(it, b, self.timer.compute_elapsed_ms()))
+            elapsed = self.timer.compute_elapsed_ms()
+            self.timer.add_padding(self.emulator.pad(it, b, elapsed, self._passes))
         self.timer.compute_done()
         count = self._sampler.global_count(it)
         mean_loss = self._sync.all_reduce(count, loss_sum)

@@ -75,9 +75,14 @@ class Emulator:
             )
         return need
 
-    def pad(self, iteration: int, batch_size: int, elapsed_ms: float) -> float:
-        """Sleep until the compute phase has lasted ``target_ms``; return the ms slept."""
-        remaining = self.target_ms(iteration, batch_size) - elapsed_ms
+    def pad(
+        self, iteration: int, batch_size: int, elapsed_ms: float, passes: tuple[int, ...] = ()
+    ) -> float:
+        """Sleep until the compute phase has lasted ``target_ms`` (summed over ``passes``, the
+        sizes of the accumulated passes, when there are several); return the ms slept."""
+        sizes = passes or (batch_size,)
+        target = sum(self.target_ms(iteration, b) for b in sizes)
+        remaining = target - elapsed_ms
         if remaining <= 0:
             return 0.0
         self._sleep(remaining / 1000.0)

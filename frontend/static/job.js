@@ -445,6 +445,27 @@ function modelFor(rank) {
   return m && m.per_sample_ms !== null && m.per_sample_ms !== undefined ? m : null;
 }
 
+function memoryCells(rank, b) {
+  // The rank's memory cap (most samples per pass; a larger share accumulates over passes), the
+  // predicted peak of its largest pass against its device's memory, and the fitted line.
+  const m = state.models?.find((x) => x.rank === rank) ?? null;
+  if (!m || (m.memory_cap === null && m.memory_base_mb === null)) {
+    return [el("td", { class: "muted" }, "—"), el("td", { class: "muted" }, "—"), el("td", { class: "muted small", title: m?.memory_reason ?? "" }, "not measured")];
+  }
+  const passes = m.memory_cap ? Math.ceil(b / m.memory_cap) : 1;
+  const capText = m.memory_cap === null ? "—" : `${fmtNum(m.memory_cap)}${passes > 1 ? ` (${passes} passes)` : ""}`;
+  const memText = m.predicted_memory_mb === null ? "—"
+    : `${fmtNum(Math.round(m.predicted_memory_mb))}${m.device_memory_mb ? ` / ${fmtNum(m.device_memory_mb)}` : ""} MB`;
+  const fitText = m.memory_base_mb === null ? "—"
+    : `${fmtNum(Math.round(m.memory_base_mb))} + ${m.memory_per_sample_mb.toPrecision(3)}·b${m.memory_identifiable ? "" : " *"}`;
+  const title = `${m.memory_reason}${m.oom_batch ? `; a pass of ${m.oom_batch} ran out of memory` : ""}`;
+  return [
+    el("td", { class: "num", "data-memory-cap": rank }, capText),
+    el("td", { class: "num" }, memText),
+    el("td", { class: "num small", title }, fitText),
+  ];
+}
+
 function renderPlan() {
   const plan = state.plans.get(state.job.plan_version);
   const table = $("#plan-table");
@@ -457,7 +478,7 @@ function renderPlan() {
   const hasModels = Array.isArray(state.models) && state.models.length > 0;
   const maxB = Math.max(1, ...plan.batch_sizes);
   const head = ["worker", "device", "batch", ""];
-  if (hasModels) head.push("ms / sample", "intercept", "floor", "r²", "predicted");
+  if (hasModels) head.push("ms / sample", "intercept", "floor", "r²", "predicted", "memory cap", "memory", "memory fit");
   const rows = plan.batch_sizes.map((b, rank) => {
     const w = state.job.workers.find((x) => x.rank === rank);
     const dev = w?.device_id ? state.hosts.get(w.device_id) : null;
@@ -478,6 +499,7 @@ function renderPlan() {
         el("td", { class: "num", title: m && !m.identifiable ? "not identifiable yet: needs two distinct batch sizes" : "" },
           m ? `${m.r2 === null || m.r2 === undefined ? "—" : m.r2.toFixed(2)}${m.identifiable ? "" : " *"}` : "—"),
         el("td", { class: "num" }, fmtMs(pred)),
+        ...memoryCells(rank, b),
       );
     }
     return el("tr", {}, cells);

@@ -25,7 +25,7 @@ from contract.enums import PlanSource, PolicyName
 from server.models import IterationTelemetry, Job
 from server.planner import ModelFit, Observation, fit_model
 from server.planner.rebalance import RebalanceDecision, RebalanceInput, decide
-from server.services import plans, retention
+from server.services import memory, plans, retention
 
 SOLVER = {
     PolicyName.EQUAL: "equal",
@@ -168,8 +168,14 @@ def propose(
             min_gain=spec.policy.min_gain,
             force=force,
             current_from_guesses=current_from_guesses,
+            memory_caps=_caps_or_empty(memory.caps(session, job)),
+            current_caps=tuple(current.memory_caps or ()),
         )
     )
+
+
+def _caps_or_empty(caps: tuple[int | None, ...]) -> tuple[int | None, ...]:
+    return caps if any(c is not None for c in caps) else ()
 
 
 def apply(
@@ -192,6 +198,7 @@ def apply(
         reason or decision.reason,
         by=by,
         predicted_ms=decision.predicted_ms,
+        memory_caps=list(decision.memory_caps) or None,
     )
     return plan.version
 
