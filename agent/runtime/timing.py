@@ -34,6 +34,8 @@ class IterationTiming:
     """Unix time (seconds) at the end of the iteration on this host."""
     peak_memory_mb: float | None = None
     """Peak device memory of the compute phase; None where it is not measured."""
+    oom_batch: int | None = None
+    """Size of a pass that ran out of memory in this iteration (then redone smaller)."""
 
 
 @dataclass
@@ -46,6 +48,7 @@ class _Pending:
     ts: float
     events: tuple[torch.cuda.Event, ...]
     peak_memory_mb: float | None = None
+    oom_batch: int | None = None
 
 
 class IterationTimer:
@@ -61,6 +64,7 @@ class IterationTimer:
         self._t = [0.0, 0.0, 0.0, 0.0]
         self._pad_ms = 0.0
         self._peak_mb: float | None = None
+        self._oom: int | None = None
         self._pending: deque[_Pending] = deque()
         if self.cuda:
             # A pool of (data_done, compute_done, sync_done) event sets; a set is reused once read.
@@ -71,6 +75,7 @@ class IterationTimer:
         self._t[0] = time.perf_counter()
         self._pad_ms = 0.0
         self._peak_mb = None
+        self._oom = None
 
     def data_done(self) -> None:
         self._t[1] = time.perf_counter()
@@ -97,6 +102,10 @@ class IterationTimer:
     def add_padding(self, ms: float) -> None:
         """Count host-side padding (emulation) as compute time; on CPU the wall clock has it."""
         self._pad_ms += ms
+
+    def note_oom(self, size: int) -> None:
+        """A pass of ``size`` ran out of memory in this iteration (the smallest is kept)."""
+        self._oom = size if self._oom is None else min(self._oom, size)
 
     def compute_done(self) -> None:
         self._t[2] = time.perf_counter()
@@ -126,6 +135,7 @@ class IterationTimer:
                     (t[3] - t[2]) * 1000.0,
                     ts,
                     self._peak_mb,
+                    self._oom,
                 )
             ]
         self._pending.append(
@@ -138,6 +148,7 @@ class IterationTimer:
                 ts,
                 self._events,
                 self._peak_mb,
+                self._oom,
             )
         )
         self._events = (
@@ -167,6 +178,7 @@ class IterationTimer:
                     float(e[1].elapsed_time(e[2])),
                     p.ts,
                     p.peak_memory_mb,
+                    p.oom_batch,
                 )
             )
             self._free.append(e)

@@ -119,6 +119,7 @@ function eventY(iteration) {
 
 function eventText(e) {
   const who = e.rank === null ? "job" : charts.rankName(e.rank);
+  if (e.kind === "oom") return `OOM: ${who}, a pass of ${e.detail?.batch ?? "?"} ran out of memory; ${e.action}`;
   return `${e.kind}: ${who}, severity ${e.severity.toFixed(2)}, action ${e.action}`;
 }
 

@@ -75,19 +75,25 @@ class Tracker:
     """rank -> newest iteration reported outside probes."""
     first_of_version: dict[int, int] = field(default_factory=dict)
     """plan version -> first iteration any rank reported with it."""
+    ooms: list[tuple[int, int, int]] = field(default_factory=list)
+    """(rank, iteration, pass size) of out-of-memory reports not handled yet."""
+    oom_seen: set[tuple[int, int]] = field(default_factory=set)
 
     def update(self, session: Session, job: Job) -> Progress:
         T = IterationTelemetry
         if session.get_bind().dialect.name == "postgresql":
             self.reread = 5000
-        new = select(T.id, T.rank, T.iteration, T.plan_version, T.probe).where(
+        new = select(T.id, T.rank, T.iteration, T.plan_version, T.probe, T.oom_batch).where(
             T.job_id == job.id, T.id > self.last_id - self.reread
         )
         if self.last_id == 0:  # a fresh tracker: history older than the window is rolled up
             self.first_of_version.update(retention.first_iteration_of_versions(session, job.id))
         rows = session.connection().execute(new).all()  # Core rows: no ORM loading per row
-        for row_id, rank, iteration, version, probe in rows:
+        for row_id, rank, iteration, version, probe, oom in rows:
             self.last_id = max(self.last_id, int(row_id))
+            if oom is not None and (rank, iteration) not in self.oom_seen:
+                self.oom_seen.add((rank, iteration))  # re-read rows are not reported twice
+                self.ooms.append((int(rank), int(iteration), int(oom)))
             if not probe:
                 self.max_iteration[rank] = max(self.max_iteration.get(rank, -1), int(iteration))
             first = self.first_of_version.get(version)

@@ -7,6 +7,8 @@ from typing import Any
 
 from contract.base import PROTOCOL_VERSION
 from contract.enums import Role
+from server.db import transaction
+from server.services import control_loop
 from tests.conftest import Api
 
 SMALL_MB, BIG_MB = 12_288, 81_920
@@ -117,3 +119,27 @@ def test_an_out_of_memory_report_caps_the_rank_below_the_failing_size(api: Api) 
     assert r.status_code == 200, r.text
     models = api.client.get(f"/api/v1/jobs/{job}/models", headers=api.headers()).json()
     assert models[1]["oom_batch"] == 140 and models[1]["memory_cap"] == 139
+
+
+def test_an_out_of_memory_report_is_an_event_and_a_new_plan_under_every_policy(api: Api) -> None:
+    """Even ``equal`` (never re-planned on its own) gets a plan that carries the lowered cap."""
+    _cuda_host(api)
+    job = int(api.submit(workers=2, global_batch=200, policy={"name": "equal"})["id"])  # type: ignore[call-overload]
+    records = [
+        _rec(0, 0, 100, 105.0, peak_memory_mb=None),
+        _rec(1, 0, 100, 305.0, peak_memory_mb=None, oom_batch=100),
+    ]
+    state = control_loop.LoopState()
+    for _ in range(2):  # a retried batch and a second round record nothing twice
+        api.client.post(
+            f"/api/v1/jobs/{job}/telemetry", json={"records": records}, headers=api.headers()
+        )
+        with transaction(api.client.app.state.context.sessions) as s:  # type: ignore[attr-defined]
+            control_loop.sweep(s, state, watch=False)
+    events = api.client.get(f"/api/v1/jobs/{job}/events", headers=api.headers()).json()
+    assert [(e["kind"], e["rank"], e["detail"]["batch"]) for e in events] == [("oom", 1, 100)]
+    assert "cap 99 per pass" in events[0]["action"]
+    plan = api.client.get(f"/api/v1/jobs/{job}/plan", headers=api.headers()).json()
+    assert plan["version"] == 2 and "out of memory on rank(s) 1" in plan["reason"]
+    assert plan["memory_caps"] == [None, 99]
+    assert plan["batch_sizes"] == [101, 99]  # equal within the cap; the rest to rank 0
