@@ -16,6 +16,7 @@ from contract.enums import JobStatus, PlanSource
 from server.models import IterationTelemetry, Job, StragglerEvent
 from server.services import memory, rebalancer, stragglers
 from server.services.audit import record
+from server.services.memory import OOM_EVENT
 from server.services.rebalancer import LastDecision, Progress, Tracker
 from server.services.stragglers import Watch, watch_job
 
@@ -60,9 +61,6 @@ def live_jobs(session: Session) -> list[int]:
         )
     )
 
-
-OOM_EVENT = "oom"
-"""The event kind of an out-of-memory report (shown with the straggler events)."""
 
 IDLE_SWEEP_S = 5.0
 """A live job with no new telemetry is still swept this often (time-based decisions)."""

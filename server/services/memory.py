@@ -23,8 +23,11 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from contract.enums import DeviceKind
-from server.models import Device, IterationTelemetry, Job, Plan, Worker
+from server.models import Device, IterationTelemetry, Job, Plan, StragglerEvent, Worker
 from server.planner.memory import MemoryFit, MemoryObservation, fit_memory
+
+OOM_EVENT = "oom"
+"""The event kind of an out-of-memory report (shown with the straggler events)."""
 
 WINDOW = 200
 """Iterations of history a memory fit looks at (memory does not drift; this bounds the read)."""
@@ -104,14 +107,24 @@ def observations(session: Session, job: Job) -> dict[int, list[MemoryObservation
 
 
 def ooms(session: Session, job_id: int) -> dict[int, int]:
-    """Per rank, the smallest pass size that ran out of memory."""
-    T = IterationTelemetry
-    rows = session.execute(
-        select(T.rank, func.min(T.oom_batch))
-        .where(T.job_id == job_id, T.oom_batch.is_not(None))
-        .group_by(T.rank)
-    ).all()
-    return {int(rank): int(b) for rank, b in rows if b is not None}
+    """Per rank, the smallest pass size that ran out of memory: from the ``oom`` events (kept
+    after old telemetry is rolled up) and the recent telemetry (reports not yet turned into
+    events by the control loop)."""
+    T, E = IterationTelemetry, StragglerEvent
+    last = session.scalar(select(func.max(T.iteration)).where(T.job_id == job_id))
+    out: dict[int, int] = {}
+    if last is not None:
+        rows = session.execute(
+            select(T.rank, func.min(T.oom_batch))
+            .where(T.job_id == job_id, T.iteration > last - WINDOW, T.oom_batch.is_not(None))
+            .group_by(T.rank)
+        ).all()
+        out = {int(rank): int(b) for rank, b in rows if b is not None}
+    for event in session.scalars(select(E).where(E.job_id == job_id, E.kind == OOM_EVENT)):
+        size = event.detail.get("batch")
+        if event.rank is not None and isinstance(size, int):
+            out[event.rank] = min(out.get(event.rank, size), size)
+    return out
 
 
 def ranks(session: Session, job: Job) -> list[RankMemory]:
