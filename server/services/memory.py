@@ -96,6 +96,7 @@ def observations(session: Session, job: Job) -> dict[int, list[MemoryObservation
             T.iteration > last - WINDOW,
             T.batch_size > 0,
             T.peak_memory_mb.is_not(None),
+            T.oom_batch.is_(None),  # redone in passes smaller than the plan's: size unknown
         )
     ).all()
     for rank, version, batch, peak, probe in rows:
