@@ -450,16 +450,17 @@ function memoryCells(rank, b) {
   // The rank's memory cap (most samples per pass; a larger share accumulates over passes), the
   // predicted peak of its largest pass against its device's memory, and the fitted line.
   const m = state.models?.find((x) => x.rank === rank) ?? null;
-  if (!m || (m.memory_cap === null && m.memory_base_mb === null)) {
+  // `== null` also covers a server that predates the memory fields (undefined).
+  if (!m || (m.memory_cap == null && m.memory_base_mb == null)) {
     return [el("td", { class: "muted" }, "—"), el("td", { class: "muted" }, "—"), el("td", { class: "muted small", title: m?.memory_reason ?? "" }, "not measured")];
   }
   const passes = m.memory_cap ? Math.ceil(b / m.memory_cap) : 1;
-  const capText = m.memory_cap === null ? "—" : `${fmtNum(m.memory_cap)}${passes > 1 ? ` (${passes} passes)` : ""}`;
-  const memText = m.predicted_memory_mb === null ? "—"
+  const capText = m.memory_cap == null ? "—" : `${fmtNum(m.memory_cap)}${passes > 1 ? ` (${passes} passes)` : ""}`;
+  const memText = m.predicted_memory_mb == null ? "—"
     : `${fmtNum(Math.round(m.predicted_memory_mb))}${m.device_memory_mb ? ` / ${fmtNum(m.device_memory_mb)}` : ""} MB`;
-  const fitText = m.memory_base_mb === null ? "—"
+  const fitText = m.memory_base_mb == null || m.memory_per_sample_mb == null ? "—"
     : `${fmtNum(Math.round(m.memory_base_mb))} + ${m.memory_per_sample_mb.toPrecision(3)}·b${m.memory_identifiable ? "" : " *"}`;
-  const title = `${m.memory_reason}${m.oom_batch ? `; a pass of ${m.oom_batch} ran out of memory` : ""}`;
+  const title = `${m.memory_reason ?? ""}${m.oom_batch ? `; a pass of ${m.oom_batch} ran out of memory` : ""}`;
   return [
     el("td", { class: "num", "data-memory-cap": rank }, capText),
     el("td", { class: "num" }, memText),
