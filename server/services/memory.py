@@ -73,7 +73,8 @@ def device_memory(session: Session, job: Job) -> list[int | None]:
     return out
 
 
-def _caps_by_version(session: Session, job_id: int) -> dict[int, list[int | None]]:
+def caps_by_version(session: Session, job_id: int) -> dict[int, list[int | None]]:
+    """The memory caps each of the job's plans carried, by version (plans with caps only)."""
     rows = session.execute(
         select(Plan.version, Plan.memory_caps).where(
             Plan.job_id == job_id, Plan.memory_caps.is_not(None)
@@ -89,7 +90,7 @@ def observations(session: Session, job: Job) -> dict[int, list[MemoryObservation
     out: dict[int, list[MemoryObservation]] = defaultdict(list)
     if last is None:
         return out
-    caps = _caps_by_version(session, job.id)
+    caps = caps_by_version(session, job.id)
     rows = session.execute(
         select(T.rank, T.plan_version, T.batch_size, T.peak_memory_mb, T.probe).where(
             T.job_id == job.id,

@@ -120,12 +120,14 @@ def fits(session: Session, job: Job, *, window: int = FIT_WINDOW) -> list[ModelF
     last = session.scalar(select(func.max(T.iteration)).where(T.job_id == job.id))
     by_rank: dict[int, list[Observation]] = defaultdict(list)
     if last is not None:
-        recent = select(T.rank, T.iteration, T.batch_size, T.compute_ms).where(
-            T.job_id == job.id, T.iteration > last - window, T.batch_size > 0
-        )
+        recent = select(
+            T.rank, T.iteration, T.batch_size, T.compute_ms, T.plan_version, T.probe
+        ).where(T.job_id == job.id, T.iteration > last - window, T.batch_size > 0)
         rows = session.connection().execute(recent).all()  # Core rows: no ORM loading per row
-        for rank, iteration, batch, compute in rows:
-            by_rank[int(rank)].append(Observation(int(batch), float(compute), int(iteration)))
+        caps = memory.caps_by_version(session, job.id)
+        for rank, iteration, batch, compute, version, probe in rows:
+            cap = None if probe else _cap_in(caps.get(int(version)), int(rank))
+            by_rank[int(rank)].append(_one_pass(int(batch), float(compute), int(iteration), cap))
     spec = job.job_spec
     return [
         fit_model(
@@ -138,6 +140,20 @@ def fits(session: Session, job: Job, *, window: int = FIT_WINDOW) -> list[ModelF
         else None
         for r in range(len(job.workers))
     ]
+
+
+def _cap_in(caps: list[int | None] | None, rank: int) -> int | None:
+    return caps[rank] if caps and rank < len(caps) else None
+
+
+def _one_pass(batch: int, compute_ms: float, iteration: int, cap: int | None) -> Observation:
+    """An iteration that ran ``k`` accumulated passes took ``k c + s b``: as an observation of
+    the single-pass model it is one pass of ``b / k`` samples in ``compute / k`` (exact on the
+    linear part), so intercepts are not counted twice when the planner adds the passes."""
+    if not cap or batch <= cap:
+        return Observation(batch, compute_ms, iteration)
+    k = -(-batch // cap)
+    return Observation(max(1, round(batch / k)), compute_ms / k, iteration)
 
 
 def controls(job: Job) -> tuple[dict[int, int], frozenset[int]]:

@@ -143,3 +143,29 @@ def test_an_out_of_memory_report_is_an_event_and_a_new_plan_under_every_policy(a
     assert plan["version"] == 2 and "out of memory on rank(s) 1" in plan["reason"]
     assert plan["memory_caps"] == [None, 99]
     assert plan["batch_sizes"] == [101, 99]  # equal within the cap; the rest to rank 0
+
+
+def test_the_time_fit_counts_an_accumulated_iteration_as_passes(api: Api) -> None:
+    """Rank 0 (t = 5 + b per pass) runs shares above its cap of 71 as two passes, 10 + b in all:
+    the fitted single-pass model stays 5 + 1.0 b instead of absorbing the second intercept."""
+    job = _job_with_telemetry(api)
+    api.client.post(
+        f"/api/v1/jobs/{job}/overrides",
+        json={"kind": "rebalance_now", "reason": "caps"},
+        headers=api.headers(),
+    )
+    plan = api.client.get(f"/api/v1/jobs/{job}/plan", headers=api.headers()).json()
+    assert plan["memory_caps"][0] == 71
+    records = []
+    for it in range(12, 40):
+        b0 = 100 if it % 2 else 130  # two passes either way
+        records += [
+            _rec(0, it, b0, 10 + 1.0 * b0, plan_version=plan["version"]),
+            _rec(1, it, 200 - b0, 5 + 3.0 * (200 - b0), plan_version=plan["version"]),
+        ]
+    r = api.client.post(
+        f"/api/v1/jobs/{job}/telemetry", json={"records": records}, headers=api.headers()
+    )
+    assert r.status_code == 200, r.text
+    fast = api.client.get(f"/api/v1/jobs/{job}/models", headers=api.headers()).json()[0]
+    assert abs(fast["per_sample_ms"] - 1.0) < 0.05 and abs(fast["intercept_ms"] - 5.0) < 1.0
