@@ -145,6 +145,9 @@ class TelemetryRecord(Request):
     oom_batch: int | None = Field(default=None, ge=1, le=10_000_000)
     """The size of a pass that ran out of device memory in this iteration (the rank then redid
     the iteration in smaller passes); None when none did."""
+    pass_size: int | None = Field(default=None, ge=1, le=10_000_000)
+    """The largest pass the iteration ran (its batch, unless it accumulated over passes): what
+    ``peak_memory_mb`` belongs to. None: not reported (one pass of ``batch_size``)."""
 
 
 TELEMETRY_FIELDS = tuple(TelemetryRecord.model_fields)
@@ -174,6 +177,8 @@ class TelemetryColumns(Request):
     """Absent: no record measured its peak memory."""
     oom_batch: list[Annotated[int, Field(ge=1, le=10_000_000)] | None] | None = None
     """Absent: no record ran out of memory."""
+    pass_size: list[Annotated[int, Field(ge=1, le=10_000_000)] | None] | None = None
+    """Absent: no record reported its largest pass."""
 
     @model_validator(mode="after")
     def _same_length(self) -> TelemetryColumns:
@@ -193,6 +198,7 @@ class TelemetryColumns(Request):
             if self.peak_memory_mb is not None
             else [None] * n,
             "oom_batch": self.oom_batch if self.oom_batch is not None else [None] * n,
+            "pass_size": self.pass_size if self.pass_size is not None else [None] * n,
         }
         return tuple(filled[f] if f in filled else getattr(self, f) for f in TELEMETRY_FIELDS)
 
@@ -238,7 +244,7 @@ class TelemetryBatch(Request):
         arrays: dict[str, Any] = dict(zip(TELEMETRY_FIELDS, self.arrays(), strict=True))
         if not any(arrays["probe"]):
             arrays["probe"] = None
-        for optional in ("peak_memory_mb", "oom_batch"):
+        for optional in ("peak_memory_mb", "oom_batch", "pass_size"):
             if all(m is None for m in arrays[optional]):
                 arrays[optional] = None
         columns = TelemetryColumns.model_construct(None, **arrays)

@@ -153,6 +153,8 @@ class TelemetryOut(Response):
     """Peak device memory of the iteration's compute (None: not measured)."""
     oom_batch: int | None = None
     """A pass of this size ran out of memory in the iteration (it was redone in smaller ones)."""
+    pass_size: int | None = None
+    """The iteration's largest pass (None: one pass of ``batch_size``)."""
 
 
 class EventOut(Response):

@@ -257,6 +257,8 @@ class IterationTelemetry(Base):
     """Peak device memory of the iteration's compute; None where it is not measured."""
     oom_batch: Mapped[int | None] = mapped_column(Integer, default=None)
     """Size of a pass that ran out of memory in the iteration; None when none did."""
+    pass_size: Mapped[int | None] = mapped_column(Integer, default=None)
+    """The iteration's largest pass (what its peak memory belongs to); None: not reported."""
 
 
 class TelemetryRollup(Base):

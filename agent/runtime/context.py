@@ -327,6 +327,8 @@ class EvenflowContext:
                 self.timer.data_done()
                 first = False
             self._passes, self._pass, self._loss_acc = tuple(len(c) for c in chunks), 0, None
+            if len(chunks) > 1:
+                self.timer.note_pass_size(max(self._passes))
             failed = yield from self._run_passes(parts)
             if failed is None:
                 return
@@ -355,6 +357,7 @@ class EvenflowContext:
         self._loss_acc = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+        self.timer.restart_peak()
         cap = self._guard.failed(self._plan.version, size, exc)  # raises when nothing fits
         self.timer.note_oom(size)
         self.stats.ooms.append((self.iteration, size))
@@ -511,6 +514,7 @@ class EvenflowContext:
                         probe=probe,
                         peak_memory_mb=t.peak_memory_mb,
                         oom_batch=t.oom_batch,
+                        pass_size=t.pass_size,
                     )
                 )
             except TelemetryClosed:  # the job has ended on the control plane: stop training

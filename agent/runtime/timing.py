@@ -36,6 +36,8 @@ class IterationTiming:
     """Peak device memory of the compute phase; None where it is not measured."""
     oom_batch: int | None = None
     """Size of a pass that ran out of memory in this iteration (then redone smaller)."""
+    pass_size: int | None = None
+    """The iteration's largest pass, when it ran more than one."""
 
 
 @dataclass
@@ -49,6 +51,7 @@ class _Pending:
     events: tuple[torch.cuda.Event, ...]
     peak_memory_mb: float | None = None
     oom_batch: int | None = None
+    pass_size: int | None = None
 
 
 class IterationTimer:
@@ -65,6 +68,7 @@ class IterationTimer:
         self._pad_ms = 0.0
         self._peak_mb: float | None = None
         self._oom: int | None = None
+        self._pass_size: int | None = None
         self._pending: deque[_Pending] = deque()
         if self.cuda:
             # A pool of (data_done, compute_done, sync_done) event sets; a set is reused once read.
@@ -76,6 +80,7 @@ class IterationTimer:
         self._pad_ms = 0.0
         self._peak_mb = None
         self._oom = None
+        self._pass_size = None
 
     def data_done(self) -> None:
         self._t[1] = time.perf_counter()
@@ -102,6 +107,16 @@ class IterationTimer:
     def add_padding(self, ms: float) -> None:
         """Count host-side padding (emulation) as compute time; on CPU the wall clock has it."""
         self._pad_ms += ms
+
+    def note_pass_size(self, size: int) -> None:
+        """The iteration's largest pass, when it differs from its batch (accumulation)."""
+        self._pass_size = size
+
+    def restart_peak(self) -> None:
+        """Forget the peak so far (an attempt that ran out of memory is not the iteration's)."""
+        self._peak_mb = None
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
 
     def note_oom(self, size: int) -> None:
         """A pass of ``size`` ran out of memory in this iteration (the smallest is kept)."""
@@ -136,6 +151,7 @@ class IterationTimer:
                     ts,
                     self._peak_mb,
                     self._oom,
+                    self._pass_size,
                 )
             ]
         self._pending.append(
@@ -149,6 +165,7 @@ class IterationTimer:
                 self._events,
                 self._peak_mb,
                 self._oom,
+                self._pass_size,
             )
         )
         self._events = (
@@ -179,6 +196,7 @@ class IterationTimer:
                     p.ts,
                     p.peak_memory_mb,
                     p.oom_batch,
+                    p.pass_size,
                 )
             )
             self._free.append(e)

@@ -1,4 +1,4 @@
-"""memory-aware plans: iteration_telemetry.peak_memory_mb and .oom_batch, plans.memory_caps
+"""memory-aware plans: iteration_telemetry.peak_memory_mb, .oom_batch, .pass_size; plans.memory_caps
 
 Revision ID: memory_plans
 Revises: 0020_worker_credentials
@@ -23,6 +23,7 @@ def upgrade() -> None:
     with op.batch_alter_table("iteration_telemetry", schema=None) as batch_op:
         batch_op.add_column(sa.Column("peak_memory_mb", sa.Float(), nullable=True))
         batch_op.add_column(sa.Column("oom_batch", sa.Integer(), nullable=True))
+        batch_op.add_column(sa.Column("pass_size", sa.Integer(), nullable=True))
     with op.batch_alter_table("plans", schema=None) as batch_op:
         batch_op.add_column(sa.Column("memory_caps", Json, nullable=True))
 
@@ -31,5 +32,6 @@ def downgrade() -> None:
     with op.batch_alter_table("plans", schema=None) as batch_op:
         batch_op.drop_column("memory_caps")
     with op.batch_alter_table("iteration_telemetry", schema=None) as batch_op:
+        batch_op.drop_column("pass_size")
         batch_op.drop_column("oom_batch")
         batch_op.drop_column("peak_memory_mb")

@@ -92,18 +92,20 @@ def observations(session: Session, job: Job) -> dict[int, list[MemoryObservation
         return out
     caps = caps_by_version(session, job.id)
     rows = session.execute(
-        select(T.rank, T.plan_version, T.batch_size, T.peak_memory_mb, T.probe).where(
+        select(T.rank, T.plan_version, T.batch_size, T.peak_memory_mb, T.probe, T.pass_size).where(
             T.job_id == job.id,
             T.iteration > last - WINDOW,
             T.batch_size > 0,
             T.peak_memory_mb.is_not(None),
-            T.oom_batch.is_(None),  # redone in passes smaller than the plan's: size unknown
         )
     ).all()
-    for rank, version, batch, peak, probe in rows:
+    for rank, version, batch, peak, probe, pass_size in rows:
         plan_caps = caps.get(int(version))
         cap = plan_caps[rank] if plan_caps and rank < len(plan_caps) and not probe else None
-        size = int(batch) if not cap else min(int(batch), int(cap))
+        if pass_size is not None:  # the rank says which pass the peak belongs to
+            size = int(pass_size)
+        else:
+            size = int(batch) if not cap else min(int(batch), int(cap))
         out[int(rank)].append(MemoryObservation(size, float(peak or 0.0)))
     return out
 
@@ -140,6 +142,10 @@ def ranks(session: Session, job: Job) -> list[RankMemory]:
         fit = fit_memory(seen[rank]) if seen.get(rank) else None
         model = fit.usable if fit else None
         cap = model.cap(device_mb, headroom) if model is not None and device_mb else None
+        if cap is not None and device_mb:  # a pass measured within the headroom fits, whatever
+            usable = (1 - headroom) * device_mb  # the model says
+            fitted = [o.batch_size for o in seen[rank] if o.peak_mb <= usable]
+            cap = max([cap, *fitted])
         oom = failed.get(rank)
         if oom is not None:
             cap = oom - 1 if cap is None else min(cap, oom - 1)

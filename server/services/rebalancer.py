@@ -121,12 +121,12 @@ def fits(session: Session, job: Job, *, window: int = FIT_WINDOW) -> list[ModelF
     by_rank: dict[int, list[Observation]] = defaultdict(list)
     if last is not None:
         recent = select(
-            T.rank, T.iteration, T.batch_size, T.compute_ms, T.plan_version, T.probe
+            T.rank, T.iteration, T.batch_size, T.compute_ms, T.plan_version, T.probe, T.pass_size
         ).where(T.job_id == job.id, T.iteration > last - window, T.batch_size > 0)
         rows = session.connection().execute(recent).all()  # Core rows: no ORM loading per row
         caps = memory.caps_by_version(session, job.id)
-        for rank, iteration, batch, compute, version, probe in rows:
-            cap = None if probe else _cap_in(caps.get(int(version)), int(rank))
+        for rank, iteration, batch, compute, version, probe, pass_size in rows:
+            cap = pass_size or (None if probe else _cap_in(caps.get(int(version)), int(rank)))
             by_rank[int(rank)].append(_one_pass(int(batch), float(compute), int(iteration), cap))
     spec = job.job_spec
     return [

@@ -169,3 +169,22 @@ def test_the_time_fit_counts_an_accumulated_iteration_as_passes(api: Api) -> Non
     assert r.status_code == 200, r.text
     fast = api.client.get(f"/api/v1/jobs/{job}/models", headers=api.headers()).json()[0]
     assert abs(fast["per_sample_ms"] - 1.0) < 0.05 and abs(fast["intercept_ms"] - 5.0) < 1.0
+
+
+def test_after_an_out_of_memory_error_the_cap_comes_from_the_pass_that_fitted(api: Api) -> None:
+    """Rank 0 (12 GB) ran out of memory at 100 and redid its share in passes of 50: the peak
+    belongs to 50 (``pass_size``), so its cap is the conservative guess through that point
+    (11059 MB / 182.6 MB per sample = 60), not just one below the size that failed."""
+    _cuda_host(api)
+    job = int(api.submit(workers=2, global_batch=200, policy={"name": "equal"})["id"])  # type: ignore[call-overload]
+    records = [
+        _rec(0, 0, 100, 115.0, oom_batch=100, pass_size=50, peak_memory_mb=BASE + PER_SAMPLE * 50),
+        _rec(1, 0, 100, 305.0),
+    ]
+    r = api.client.post(
+        f"/api/v1/jobs/{job}/telemetry", json={"records": records}, headers=api.headers()
+    )
+    assert r.status_code == 200, r.text
+    small = api.client.get(f"/api/v1/jobs/{job}/models", headers=api.headers()).json()[0]
+    assert small["memory_cap"] == 60 and small["oom_batch"] == 100
+    assert not small["memory_identifiable"]  # one pass size seen: a labelled guess

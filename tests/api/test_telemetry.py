@@ -46,7 +46,13 @@ def test_retried_batch_never_duplicates(api: Api) -> None:
     ).json() == {"accepted": 1, "duplicates": 2}
     rows = api.client.get(f"/api/v1/jobs/{job}/telemetry", headers=api.headers()).json()
     assert len(rows) == 101
-    assert rows[0] == {**_rec(0, 0), "probe": False, "peak_memory_mb": None, "oom_batch": None}
+    assert rows[0] == {
+        **_rec(0, 0),
+        "probe": False,
+        "peak_memory_mb": None,
+        "oom_batch": None,
+        "pass_size": None,
+    }
     metrics = api.client.get("/metrics").text
     assert (
         'evenflow_http_requests_total{method="POST",route="/api/v1/jobs/{job_id}/telemetry",status="200"} 3.0'
@@ -88,6 +94,7 @@ def test_a_columnar_batch_stores_what_the_same_records_would(api: Api) -> None:
             probe=(i == 3 and r == 1),
             peak_memory_mb=None if r else 100.0 + i,
             oom_batch=24 if (r, i) == (0, 2) else None,
+            pass_size=12 if (r, i) == (0, 2) else None,
         )
         for i in range(5)
         for r in range(2)
@@ -114,7 +121,9 @@ def test_a_columnar_batch_stores_what_the_same_records_would(api: Api) -> None:
     last = api.client.get(
         f"/api/v1/jobs/{job}/telemetry?since_iteration=5&rank=1", headers=api.headers()
     ).json()
-    assert last == [{**_rec(1, 5), "probe": False, "peak_memory_mb": None, "oom_batch": None}]
+    assert last == [
+        {**_rec(1, 5), "probe": False, "peak_memory_mb": None, "oom_batch": None, "pass_size": None}
+    ]
 
 
 def test_peak_memory_is_stored_from_records_and_columns_and_bounded(api: Api) -> None:

@@ -55,6 +55,7 @@ def test_a_pass_that_does_not_fit_is_redone_smaller_and_the_update_is_unchanged(
     assert ctx.stats.iterations == 6 and ctx.stats.samples_seen == 6 * 32  # nothing lost
     assert records[0].oom_batch == 16 and all(r.oom_batch is None for r in records[1:])
     assert [r.peak_memory_mb for r in records] == [180.0] * 6  # passes of 8: 100 + 10 * 8
+    assert [r.pass_size for r in records] == [8] * 6  # what the peak belongs to
     for a, b in zip(_params(ctx), _params(reference), strict=True):
         assert (a - b).abs().max().item() < 1e-6  # the same SGD update, to 1e-6
     assert [loss for _, loss in ctx.stats.losses] == pytest.approx(
