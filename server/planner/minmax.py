@@ -73,14 +73,14 @@ class Fleet:
     def _reach(self, budget: FloatArray) -> FloatArray:
         """Most samples one pass (unbounded) runs within ``budget`` ms; -inf where none."""
         s, c, f = self.s, self.c, self.f
-        with np.errstate(divide="ignore", invalid="ignore"):
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             reach = np.where(s > 0, (budget - c) / s, np.where(c <= budget, np.inf, -np.inf))
         return np.where(f <= budget, reach, -np.inf)
 
     def _accumulated_reach(self, makespan: float) -> FloatArray:
         """Most samples within ``makespan`` counting passes of at most ``m`` (a first guess)."""
         one = predict_many(self.s, self.c, self.f, self.m)
-        with np.errstate(divide="ignore", invalid="ignore"):
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             full = np.where(one > 0, np.floor(makespan / one), np.inf)
         full = np.minimum(full, np.floor(self.hi / self.m) + 1.0)
         extra = np.clip(self._reach(makespan - full * one), 0.0, self.m - 1.0)
