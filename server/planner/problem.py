@@ -166,6 +166,14 @@ def _worker_bounds(w: WorkerSpec, g: int, total: int) -> tuple[int, int]:
     hi_raw = total if w.max_batch is None else min(w.max_batch, total)
     if w.micro_batch == 0:  # not even one sample fits in the device's memory
         hi_raw = 0
+        asked = w.pinned_batch or w.min_batch
+        if asked:
+            raise Infeasible(
+                f"worker {w.id}: not one sample fits its memory (memory cap 0), yet it must "
+                f"take {asked}",
+                constraint="worker_bounds",
+                worker=w.id,
+            )
     if w.max_batch is not None and w.min_batch > w.max_batch:
         raise Infeasible(
             f"worker {w.id}: min_batch {w.min_batch} > max_batch {w.max_batch}",

@@ -190,13 +190,19 @@ def propose(
             min_gain=spec.policy.min_gain,
             force=force,
             current_from_guesses=current_from_guesses,
-            memory_caps=_caps_or_empty(memory.caps(session, job)),
+            memory_caps=_caps_or_empty(
+                memory.caps(session, job), standing_pins if pins is None else pins
+            ),
             current_caps=tuple(current.memory_caps or ()),
         )
     )
 
 
-def _caps_or_empty(caps: tuple[int | None, ...]) -> tuple[int | None, ...]:
+def _caps_or_empty(caps: tuple[int | None, ...], pins: dict[int, int]) -> tuple[int | None, ...]:
+    """The caps to plan with: none at all when no rank has one. A pinned rank whose memory
+    fits not one sample keeps its pin (an operator's decision wins; the rank runs passes of
+    one and fails the job only if even those do not fit)."""
+    caps = tuple(1 if c == 0 and r in pins and pins[r] else c for r, c in enumerate(caps))
     return caps if any(c is not None for c in caps) else ()
 
 
