@@ -122,12 +122,21 @@ def _bounds(inp: RebalanceInput, rank: int) -> tuple[int, int]:
     return 0, cap // inp.granularity * inp.granularity
 
 
+def _nudge_bounds(inp: RebalanceInput, rank: int) -> tuple[int, int]:
+    """A nudge's bounds: the rank's own, and its memory cap (exploring never adds a pass)."""
+    lo, hi = _bounds(inp, rank)
+    cap = inp.memory_caps[rank] if rank < len(inp.memory_caps) else None
+    if cap is not None and lo < cap < hi:
+        hi = cap // inp.granularity * inp.granularity
+    return lo, max(lo, hi)
+
+
 def _nudge(inp: RebalanceInput, sizes: list[int], stuck: list[int]) -> list[int]:
     """Move each stuck rank ~20% off its only observed size, keeping the sum and all bounds."""
     g = inp.granularity
     out = list(sizes)
     for rank in stuck:
-        lo, hi = _bounds(inp, rank)
+        lo, hi = _nudge_bounds(inp, rank)
         if lo == hi:
             continue
         step = max(g, round(EXPLORE_STEP * max(out[rank], g) / g) * g)
@@ -140,7 +149,7 @@ def _nudge(inp: RebalanceInput, sizes: list[int], stuck: list[int]) -> list[int]
         )
         remaining = delta
         for other in others:
-            olo, ohi = _bounds(inp, other)
+            olo, ohi = _nudge_bounds(inp, other)
             room = out[other] - olo if remaining > 0 else ohi - out[other]
             take = min(abs(remaining), room // g * g)
             if take <= 0:
