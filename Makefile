@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.evenflow-installed
 
-.PHONY: setup demo test lint typecheck pytest bench browser-deps clean
+.PHONY: setup demo test lint typecheck pytest jstest bench browser-deps clean
 
 setup: $(STAMP)
 
@@ -19,6 +19,12 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
 
+# The dashboard's JS tooling (eslint), pinned by package-lock.json; the pages themselves need no build.
+NODE_STAMP := node_modules/.evenflow-installed
+$(NODE_STAMP): package.json package-lock.json
+	npm ci --no-audit --no-fund --loglevel=error
+	touch $(NODE_STAMP)
+
 demo: setup
 	$(BIN)/evenflow demo
 
@@ -28,9 +34,14 @@ browser-deps:
 	@command -v chromium >/dev/null && command -v docker-compose >/dev/null || \
 	  { [ "$$(id -u)" = 0 ] && (apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium docker-compose >/dev/null) || echo "note: could not install chromium/docker-compose"; }
 
-lint: setup
+lint: setup $(NODE_STAMP)
 	$(BIN)/ruff check contract server agent evenflow frontend migrations tests bench
 	$(BIN)/ruff format --check contract server agent evenflow frontend migrations tests bench
+	npx --no-install eslint frontend/static tests/js eslint.config.js
+
+# The dashboard's pure modules (no DOM) under node's own test runner.
+jstest:
+	node --test tests/js/*.test.js
 
 typecheck: setup
 	$(BIN)/mypy contract server agent evenflow
@@ -38,7 +49,7 @@ typecheck: setup
 pytest: setup browser-deps
 	$(BIN)/pytest -q
 
-test: lint typecheck pytest
+test: lint typecheck jstest pytest
 
 # Each prints its figures; together they take about 20 minutes on 2 cores.
 bench: setup browser-deps
@@ -49,4 +60,4 @@ bench: setup browser-deps
 	$(BIN)/python bench/live.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) node_modules build *.egg-info .pytest_cache .mypy_cache .ruff_cache

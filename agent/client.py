@@ -6,6 +6,7 @@ and talk to the real app in-process, without sockets.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
@@ -14,23 +15,29 @@ from contract.agent import (
     Heartbeat,
     HeartbeatAck,
     HostRegister,
+    MetricAck,
+    MetricBatch,
     PlanOut,
     TelemetryAck,
     TelemetryBatch,
 )
 from contract.api import (
     AuditOut,
+    CheckpointOut,
     EventOut,
     HostOut,
     JobList,
     JobOut,
+    ModelOut,
     OverrideCreate,
     OverrideOut,
+    RankLogOut,
     TelemetryOut,
     TokenCreate,
     TokenCreated,
     TokenOut,
 )
+from contract.dashboard import MetricsOut, SeriesOut, ThroughputOut
 from contract.spec import JobSpec
 
 API = "/api/v1"
@@ -57,6 +64,15 @@ def long_poll_timeout(client: httpx.Client, wait_s: float) -> httpx.Timeout:
     return httpx.Timeout(connect=t.connect, read=read, write=t.write, pool=t.pool)
 
 
+def _not_ours(resp: httpx.Response) -> str:
+    """One line for an answer that is not the API's JSON (a proxy's or another server's page)."""
+    kind = resp.headers.get("content-type", "no content type").split(";")[0]
+    return (
+        f"{resp.reason_phrase or 'error'} ({kind}) from {resp.request.url}: "
+        "not an Evenflow API answer; is the server address right?"
+    )
+
+
 class ApiClient:
     def __init__(self, http: httpx.Client, token: str | None = None) -> None:
         self.http = http
@@ -81,7 +97,7 @@ class ApiClient:
                 body = resp.json()
                 detail, field = str(body.get("detail", resp.text)), body.get("field")
             except ValueError:
-                detail, field = resp.text or resp.reason_phrase, None
+                detail, field = _not_ours(resp), None
             raise ApiError(resp.status_code, detail, field)
         return resp
 
@@ -122,6 +138,11 @@ class ApiClient:
     def cancel(self, job_id: int) -> JobOut:
         return JobOut.model_validate(self._call("POST", f"/jobs/{job_id}/cancel").json())
 
+    def logs(self, job_id: int, rank: int | None = None) -> list[RankLogOut]:
+        params = {} if rank is None else {"rank": rank}
+        resp = self._call("GET", f"/jobs/{job_id}/logs", params=params)
+        return [RankLogOut.model_validate(r) for r in resp.json()]
+
     # -- plans
     def plan(
         self, job_id: int, known_version: int | None = None, wait_s: float = 0.0
@@ -140,6 +161,10 @@ class ApiClient:
             "GET", f"/jobs/{job_id}/plan", params=params, ok=(200, 304), timeout=timeout
         )
         return None if resp.status_code == 304 else PlanOut.model_validate(resp.json())
+
+    def checkpoints(self, job_id: int, *, limit: int = 100) -> list[CheckpointOut]:
+        resp = self._call("GET", f"/jobs/{job_id}/checkpoints", params={"limit": limit})
+        return [CheckpointOut.model_validate(c) for c in resp.json()]
 
     def plans(self, job_id: int) -> list[PlanOut]:
         return [
@@ -161,6 +186,43 @@ class ApiClient:
             params={"since_iteration": since_iteration, "limit": limit},
         )
         return [TelemetryOut.model_validate(r) for r in resp.json()]
+
+    def post_metrics(self, job_id: int, batch: MetricBatch) -> MetricAck:
+        resp = self._call("POST", f"/jobs/{job_id}/metrics", json=batch.model_dump(mode="json"))
+        return MetricAck.model_validate(resp.json())
+
+    def metrics(
+        self,
+        job_id: int,
+        *,
+        points: int = 500,
+        names: Sequence[str] | None = None,
+        rank: int | None = None,
+    ) -> MetricsOut:
+        """The job's training metrics, at most ``points`` per (name, rank)."""
+        params: dict[str, Any] = {"points": points}
+        if names:
+            params["names"] = ",".join(names)
+        if rank is not None:
+            params["rank"] = rank
+        resp = self._call("GET", f"/jobs/{job_id}/metrics", params=params)
+        return MetricsOut.model_validate(resp.json())
+
+    def models(self, job_id: int) -> list[ModelOut]:
+        return [
+            ModelOut.model_validate(m) for m in self._call("GET", f"/jobs/{job_id}/models").json()
+        ]
+
+    # -- dashboard figures
+    def series(self, job_id: int, *, points: int = 50, window: int = 20) -> SeriesOut:
+        resp = self._call(
+            "GET", f"/jobs/{job_id}/series", params={"points": points, "window": window}
+        )
+        return SeriesOut.model_validate(resp.json())
+
+    def throughput(self, job_id: int) -> ThroughputOut:
+        resp = self._call("GET", "/dashboard/throughput", params={"ids": str(job_id)})
+        return ThroughputOut.model_validate(resp.json()[0])
 
     # -- events, overrides, audit
     def events(self, job_id: int) -> list[EventOut]:

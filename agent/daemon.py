@@ -8,6 +8,7 @@ knows are stopped too. States follow ``contract.enums.WorkerState``::
 
     (assigned) --launch--> RUNNING --exit 0--> SUCCEEDED
                               |----exit != 0--> FAILED (root-cause traceback from the error file)
+                              |----signal-----> FAILED ("killed by SIGKILL")
                               +----stopped----> STOPPED
 
 Each worker gets its environment from an allow-list (``agent.environment``) and its own
@@ -16,24 +17,31 @@ code never sees the agent's token nor any variable the operator marks secret. A 
 stops because its job ended on the control plane exits with ``WORKER_EXIT_JOB_ENDED`` and is
 reported stopped.
 
+Processes are started, polled and stopped through an injected ``agent.launcher.Launcher`` (tests
+script one). The real one records each running worker (pid, start time) under
+``workdir/state/<host name>``: the agent stops what an earlier agent of the host left there once
+it has registered, so a restarted agent never launches a rank beside its still-running old self.
+Each worker gets the agent's pid (``EVENFLOW_AGENT_PID``) and dies with it
+(``agent.runtime.parent``).
+
 The agent holds its host by an instance id (one per process). A second agent registering the
 same host name while this one heartbeats is refused (409) unless it asks to replace it; once
 replaced, this agent's heartbeats are refused with 409 and it stops its workers and exits.
 
 When a rank fails, the other ranks of its job on this host are stopped at once: they would
-otherwise block in a collective until the process group times out. The control plane marks the
-job failed on the first report and tells other hosts to stop their ranks. An unreachable control
+otherwise block in a collective until the process group times out. The control plane, on the
+first report, either fails the job (its other hosts' ranks are told to stop) or restarts it as
+a new *attempt*: ranks are keyed by (job, rank, attempt), so an earlier attempt's processes no
+longer wanted are stopped before the new attempt's are launched. An unreachable control
 plane never stops training: heartbeats are retried and reports are kept until they are taken.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import signal
-import subprocess
 import sys
 import threading
 import uuid
@@ -45,8 +53,11 @@ import httpx
 
 from agent.backoff import Backoff
 from agent.client import ApiClient, ApiError
-from agent.environment import worker_environment
+from agent.environment import device_variables, worker_environment
+from agent.launcher import Launcher, LaunchSpec, ProcessExit, SubprocessLauncher
+from agent.network import check_address
 from contract.agent import (
+    LOG_TAIL_CHARS,
     WORKER_EXIT_JOB_ENDED,
     Assignment,
     DeviceInfo,
@@ -61,6 +72,9 @@ from contract.enums import DeviceKind, WorkerState
 log = logging.getLogger("evenflow.agent")
 
 STOP_GRACE_S = 5.0
+FATAL_REGISTER_STATUSES = (401, 403, 404, 405, 409)
+"""Registration answers that retrying cannot change: a refused token, another live agent on
+the host, or an address that is not an Evenflow control plane (404/405: no such API there)."""
 ERROR_TAIL_LINES = 60
 
 
@@ -100,18 +114,23 @@ class WorkerProcess:
     """One rank this agent launched."""
 
     assignment: Assignment
-    popen: subprocess.Popen[bytes]
+    pid: int
     log_path: Path
     error_path: Path
     state: WorkerState = WorkerState.RUNNING
     exit_code: int | None = None
+    signal: str | None = None
     error: str | None = None
+    log_tail: str | None = None
     reported: WorkerState | None = None
     stop_requested: bool = False
 
     @property
-    def key(self) -> tuple[int, int]:
-        return self.assignment.job_id, self.assignment.rank
+    def key(self) -> tuple[int, int, int]:
+        return self.assignment.job_id, self.assignment.rank, self.assignment.attempt
+
+    def ended(self, end: ProcessExit) -> None:
+        self.exit_code, self.signal = end.code, end.signal_name
 
     def report(self) -> WorkerReport:
         return WorkerReport(
@@ -119,7 +138,10 @@ class WorkerProcess:
             rank=self.assignment.rank,
             state=self.state,
             exit_code=self.exit_code,
+            signal=self.signal,
             error=self.error,
+            attempt=self.assignment.attempt,
+            log_tail=self.log_tail,
         )
 
 
@@ -143,14 +165,27 @@ class Agent:
     """Take the host over from another live agent instance when registering."""
     replaced: bool = False
     """Another instance took the host over: this one must stop."""
+    launcher: Launcher | None = None
+    """Starts and stops the worker processes (default: ``SubprocessLauncher`` keeping its
+    state under ``workdir/state/<name>``, so agents of other host names sharing a workdir
+    never touch each other's workers); tests pass a scripted one."""
     host_id: int | None = None
-    procs: dict[tuple[int, int], WorkerProcess] = field(default_factory=dict)
-    done: set[tuple[int, int]] = field(default_factory=set)
+    procs: dict[tuple[int, int, int], WorkerProcess] = field(default_factory=dict)
+    """By (job, rank, attempt)."""
+    done: set[tuple[int, int, int]] = field(default_factory=set)
     pending: list[WorkerReport] = field(default_factory=list)
     """Reports about ranks that have no process here (told to stop before launch)."""
 
+    def __post_init__(self) -> None:
+        if self.launcher is None:
+            self.launcher = SubprocessLauncher(self.workdir / "state" / self.name)
+        self._launcher: Launcher = self.launcher
+
     # ------------------------------------------------------------------ control plane
     def register(self) -> int:
+        """Register (or re-register), then stop what an earlier agent of this host left running:
+        before anything is launched, and never while another live agent holds the host (that
+        registration is refused first)."""
         host = self.client.register_host(
             HostRegister(
                 protocol_version=PROTOCOL_VERSION,
@@ -161,6 +196,7 @@ class Agent:
                 replace=self.replace,
             )
         )
+        self._launcher.stop_leftovers()
         self.host_id = host.id
         log.info(
             "registered host %s (id %d) with %d device(s)", self.name, host.id, len(self.devices)
@@ -209,7 +245,10 @@ class Agent:
 
     # ------------------------------------------------------------------ processes
     def _reconcile(self, assignments: list[Assignment]) -> None:
-        wanted = {(a.job_id, a.rank): a for a in assignments}
+        wanted = {(a.job_id, a.rank, a.attempt): a for a in assignments}
+        for key, old in self.procs.items():  # first, so a new attempt never meets the old
+            if key not in wanted and old.state is WorkerState.RUNNING:
+                self._stop(old)
         for key, a in wanted.items():
             proc = self.procs.get(key)
             if a.desired == "run" and proc is None and key not in self.done:
@@ -222,23 +261,28 @@ class Agent:
             elif a.desired == "stop" and proc is None and key not in self.done:
                 self.done.add(key)
                 self.pending.append(
-                    WorkerReport(job_id=a.job_id, rank=a.rank, state=WorkerState.STOPPED)
+                    WorkerReport(
+                        job_id=a.job_id, rank=a.rank, state=WorkerState.STOPPED, attempt=a.attempt
+                    )
                 )
-        for key, proc in self.procs.items():
-            if key not in wanted and proc.state is WorkerState.RUNNING:
-                self._stop(proc)
 
     def _refuse(self, a: Assignment) -> None:
         """A rank to run without a credential was handed out before (to an earlier instance of
         this agent): launching it again cannot join its job."""
-        self.done.add((a.job_id, a.rank))
+        self.done.add((a.job_id, a.rank, a.attempt))
         error = (
             f"rank {a.rank} of job {a.job_id} was already handed to an earlier agent on this "
             "host; its credential is not known to this agent, so it is not launched again"
         )
         log.error("%s", error)
         self.pending.append(
-            WorkerReport(job_id=a.job_id, rank=a.rank, state=WorkerState.FAILED, error=error)
+            WorkerReport(
+                job_id=a.job_id,
+                rank=a.rank,
+                state=WorkerState.FAILED,
+                error=error,
+                attempt=a.attempt,
+            )
         )
 
     def _launch(self, a: Assignment, worker_token: str) -> None:
@@ -246,6 +290,31 @@ class Agent:
         jobdir.mkdir(parents=True, exist_ok=True)
         log_path, error_path = jobdir / f"rank-{a.rank}.log", jobdir / f"rank-{a.rank}.error"
         error_path.unlink(missing_ok=True)
+        env = self._worker_env(a, worker_token, jobdir, error_path)
+        pid = self._launcher.launch(
+            LaunchSpec(
+                job_id=a.job_id,
+                rank=a.rank,
+                command=[self.python, "-m", "agent.runtime.worker"],
+                env=env,
+                log_path=log_path,
+            )
+        )
+        self.procs[(a.job_id, a.rank, a.attempt)] = WorkerProcess(a, pid, log_path, error_path)
+        log.info(
+            "job %d rank %d/%d: launched (pid %d, %s device %d)",
+            a.job_id,
+            a.rank,
+            a.world_size,
+            pid,
+            a.device_kind.value,
+            a.device_index,
+        )
+
+    def _worker_env(
+        self, a: Assignment, worker_token: str, jobdir: Path, error_path: Path
+    ) -> dict[str, str]:
+        """The whole environment of one rank's process (``agent.environment``)."""
         job_vars = {
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
             "PYTHONUNBUFFERED": "1",
@@ -256,54 +325,40 @@ class Agent:
             "EVENFLOW_SPEC": json.dumps(a.spec),
             "RANK": str(a.rank),
             "WORLD_SIZE": str(a.world_size),
-            "LOCAL_RANK": str(a.device_index),
+            **device_variables(a.device_kind.value, a.device_index, a.backend, os.environ),
             "MASTER_ADDR": a.master_addr,
             "MASTER_PORT": str(a.master_port),
             "EVENFLOW_ERROR_FILE": str(error_path),
             "EVENFLOW_RESULT": str(jobdir / f"rank-{a.rank}.result.json"),
+            "EVENFLOW_JOB_DIR": str(jobdir),
+            "EVENFLOW_AGENT_PID": str(os.getpid()),
         }
-        env = worker_environment(os.environ, job_vars, self.secret_env)
-        with log_path.open("ab") as out:
-            popen = subprocess.Popen(
-                [self.python, "-m", "agent.runtime.worker"],
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        self.procs[(a.job_id, a.rank)] = WorkerProcess(a, popen, log_path, error_path)
-        log.info(
-            "job %d rank %d/%d: launched (pid %d, %s device %d)",
-            a.job_id,
-            a.rank,
-            a.world_size,
-            popen.pid,
-            a.device_kind.value,
-            a.device_index,
-        )
+        return worker_environment(os.environ, job_vars, self.secret_env)
 
     def _poll(self) -> None:
         failed_jobs: set[int] = set()
         for proc in self.procs.values():
             if proc.state is not WorkerState.RUNNING:
                 continue
-            code = proc.popen.poll()
-            if code is None:
+            end = self._launcher.poll(proc.pid)
+            if end is None:
                 continue
-            proc.exit_code = code
-            if proc.stop_requested or code == WORKER_EXIT_JOB_ENDED:
+            proc.ended(end)
+            if end.code != 0:
+                proc.log_tail = _log_tail(proc.log_path)
+            if proc.stop_requested or end.code == WORKER_EXIT_JOB_ENDED:
                 proc.state = WorkerState.STOPPED
-            elif code == 0:
+            elif end.code == 0:
                 proc.state = WorkerState.SUCCEEDED
             else:
                 proc.state = WorkerState.FAILED
                 proc.error = self._root_cause(proc)
                 failed_jobs.add(proc.assignment.job_id)
                 log.error(
-                    "job %d rank %d failed (exit %d): %s",
+                    "job %d rank %d failed (%s): %s",
                     proc.assignment.job_id,
                     proc.assignment.rank,
-                    code,
+                    f"killed by {proc.signal}" if proc.signal else f"exit {end.code}",
                     (proc.error or "").strip().splitlines()[-1:],
                 )
         for proc in self.procs.values():  # siblings of a failed rank would hang in a collective
@@ -312,23 +367,20 @@ class Agent:
 
     @staticmethod
     def _root_cause(proc: WorkerProcess) -> str:
+        """What to report of a failed rank: that a signal killed it (with its log's tail), else
+        the traceback from its error file, else its log's tail."""
+        tail = _last_lines(proc.log_path)
+        if proc.signal is not None:
+            return f"killed by {proc.signal}" + (
+                f"; last lines of its log:\n{tail}" if tail else ""
+            )
         if proc.error_path.exists():
             return proc.error_path.read_text(errors="replace")[-60_000:]
-        try:
-            lines = proc.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return f"exit code {proc.exit_code}"
-        return "\n".join(lines[-ERROR_TAIL_LINES:])[-60_000:] or f"exit code {proc.exit_code}"
+        return tail or f"exit code {proc.exit_code}"
 
     def _stop(self, proc: WorkerProcess) -> None:
         proc.stop_requested = True
-        _signal_group(proc.popen, signal.SIGTERM)
-        try:
-            proc.popen.wait(timeout=STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            _signal_group(proc.popen, signal.SIGKILL)
-            proc.popen.wait()
-        proc.exit_code = proc.popen.returncode
+        proc.ended(self._launcher.stop(proc.pid, STOP_GRACE_S))
         proc.state = WorkerState.STOPPED
         log.info("job %d rank %d: stopped", proc.assignment.job_id, proc.assignment.rank)
 
@@ -346,9 +398,13 @@ class Agent:
                 self._stop(proc)
 
 
-def _signal_group(popen: subprocess.Popen[bytes], sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(popen.pid, sig)
+def _last_lines(path: Path) -> str:
+    """The log's last ``ERROR_TAIL_LINES`` lines, for a failure's root cause without a traceback."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return "\n".join(lines[-ERROR_TAIL_LINES:])[-60_000:]
 
 
 def run_agent(
@@ -367,7 +423,9 @@ def run_agent(
 ) -> bool:
     """Run an agent until ``stop`` is set (or SIGINT/SIGTERM when run as the main thread) or
     another agent instance takes the host over; returns whether it was taken over. A refused
-    registration (401, 403, 409: another live agent holds the host) raises ``ApiError``."""
+    registration (``FATAL_REGISTER_STATUSES``) raises ``ApiError``; an address that does not
+    resolve raises ``agent.network.AddressError`` before anything starts."""
+    check_address(address)
     stop = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -391,10 +449,24 @@ def run_agent(
                 agent.register()
                 break
             except (ApiError, httpx.TransportError) as exc:
-                if isinstance(exc, ApiError) and exc.status_code in (401, 403, 409):
+                if isinstance(exc, ApiError) and exc.status_code in FATAL_REGISTER_STATUSES:
                     raise
                 delay = backoff.failed()
                 log.warning("cannot register yet (%s); retrying in %.1f s", exc, delay)
                 stop.wait(delay)
         agent.run(stop, interval_s)
         return agent.replaced
+
+
+def _log_tail(path: Path) -> str | None:
+    """The last lines of a rank's log, at most ``LOG_TAIL_CHARS`` (whole lines where it can)."""
+    try:
+        with path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - LOG_TAIL_CHARS))
+            text = f.read().decode(errors="replace").replace("\x00", "")
+    except OSError:
+        return None
+    if len(text) >= LOG_TAIL_CHARS and "\n" in text:
+        text = text.split("\n", 1)[1]  # drop the partial first line
+    return text[-LOG_TAIL_CHARS:] or None

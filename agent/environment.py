@@ -7,6 +7,10 @@ and prefixes below), then the job's variables that the agent sets itself (the re
 the agent's credential (``EVENFLOW_TOKEN``, ``EVENFLOW_TOKEN_FILE``), any other server secret,
 and every variable the agent's operator marks secret (``evenflow agent --secret-env NAME``);
 nor any allowed variable whose value carries one of those secrets.
+
+A rank's device comes from its assignment (:func:`device_variables`): a CUDA rank sees only its
+own GPU (``CUDA_VISIBLE_DEVICES``, so it trains on ``cuda:0``), a CPU rank sees none (even on a
+CUDA host) and trains with gloo.
 """
 
 from __future__ import annotations
@@ -48,6 +52,33 @@ AGENT_SECRETS = frozenset(
 
 MIN_SECRET_LEN = 8
 """A secret value at least this long is also looked for inside other passed values."""
+
+
+def device_variables(
+    kind: str, index: int, backend: str, parent_env: Mapping[str, str]
+) -> dict[str, str]:
+    """The variables that pin a rank to the device it was placed on: ``EVENFLOW_BACKEND``,
+    ``EVENFLOW_DEVICE``, ``CUDA_VISIBLE_DEVICES`` and ``LOCAL_RANK``.
+
+    ``index`` is the device's index as the agent's torch numbers it, i.e. within the agent's own
+    ``CUDA_VISIBLE_DEVICES`` when the operator set one; the worker is given that physical entry.
+    """
+    if kind == "cuda":
+        parent = parent_env.get("CUDA_VISIBLE_DEVICES", "")
+        visible = [v.strip() for v in parent.split(",") if v.strip()]
+        own = visible[index] if index < len(visible) else str(index)
+        return {
+            "EVENFLOW_BACKEND": backend,
+            "EVENFLOW_DEVICE": "cuda:0",
+            "CUDA_VISIBLE_DEVICES": own,
+            "LOCAL_RANK": "0",
+        }
+    return {
+        "EVENFLOW_BACKEND": backend,
+        "EVENFLOW_DEVICE": "cpu",
+        "CUDA_VISIBLE_DEVICES": "",  # a CPU rank on a CUDA host must not touch a GPU
+        "LOCAL_RANK": str(index),
+    }
 
 
 def is_passed(name: str) -> bool:

@@ -41,9 +41,9 @@ from server.planner import (  # noqa: E402
     solve,
     solve_ilp,
 )
+from server.planner.profiles import DEFAULT_PROFILES  # noqa: E402
 
 DEFAULT_SIZES = (4, 16, 64, 256, 1024, 4096, 10_000)
-PROFILE_PATHS = (ROOT / "data" / "gpu_profiles.csv", Path("/work/shared/data/gpu_profiles.csv"))
 INTERCEPT_SAMPLES = 38.0 / 2.83  # V100 ResNet-50: intercept worth ~13.4 samples
 
 
@@ -151,16 +151,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cbc-time-limit", type=float, default=30.0)
     parser.add_argument("--cbc-max-workers", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--profiles", type=Path, default=None)
+    parser.add_argument("--profiles", type=Path, default=DEFAULT_PROFILES)
     parser.add_argument("--json", type=Path, default=None, help="also write results here")
     args = parser.parse_args(argv)
     if args.cbc_time_limit > 60:
         parser.error("--cbc-time-limit is at most 60 s")
-    path = args.profiles or next((p for p in PROFILE_PATHS if p.exists()), None)
-    if path is None:
-        parser.error("gpu_profiles.csv not found; pass --profiles")
     rows = [
-        r for r in load_gpu_profiles(path) if r.model == "resnet50" and r.batch_per_gpu is not None
+        r
+        for r in load_gpu_profiles(args.profiles)
+        if r.model == "resnet50" and r.batch_per_gpu is not None
     ]
     results = []
     for n in (int(s) for s in args.sizes.split(",")):

@@ -11,6 +11,7 @@ from pydantic import Field, field_validator, model_validator
 
 from contract.base import (
     MAX_ID,
+    MAX_METRIC_VALUE,
     MAX_TELEMETRY_RECORDS,
     MAX_WORKERS,
     Id,
@@ -37,6 +38,15 @@ WORKER_EXIT_JOB_ENDED = 3
 """A worker's exit status when it stopped because its job had ended on the control plane
 (its telemetry was answered 409 or its credential refused): the agent reports it stopped."""
 
+WORKER_ORPHAN_EXIT_S = 10.0
+"""A worker exits within this long of its agent's death (``agent.runtime.parent``): the control
+plane counts on it before it shows the devices of a silent host's ended jobs free."""
+
+
+WORKER_EXIT_FATAL = 4
+"""A worker's exit status when the job cannot run as specified wherever it is placed (its
+checkpoint path cannot be written): the control plane fails the job without restarting it."""
+
 
 class HostRegister(Request):
     protocol_version: int = Field(ge=0, le=MAX_ID)
@@ -62,6 +72,10 @@ class HostRegister(Request):
         return devices
 
 
+LOG_TAIL_CHARS = 32_768
+"""The most of a rank's log an agent uploads (its last lines)."""
+
+
 class WorkerReport(Request):
     """What an agent says about one of its workers."""
 
@@ -69,7 +83,15 @@ class WorkerReport(Request):
     rank: int = Field(ge=0, lt=MAX_WORKERS)
     state: WorkerState = Field(strict=False)
     exit_code: int | None = Field(default=None, ge=-(2**31), le=MAX_ID)
+    signal: str | None = Field(default=None, pattern=r"^SIG[A-Z0-9+]{1,16}$")
+    """The signal that killed the process (``SIGKILL``), when one did."""
     error: Text | None = Field(default=None, max_length=65_536)
+    attempt: int = Field(default=0, ge=0, le=MAX_ID)
+    """The job attempt the rank was launched for (``Assignment.attempt``); reports about an
+    earlier attempt's processes are ignored."""
+    log_tail: Text | None = Field(default=None, max_length=LOG_TAIL_CHARS)
+    """The last lines of the rank's log (at most ``LOG_TAIL_CHARS``), sent with a rank that
+    failed or was stopped: what it printed before it ended."""
 
 
 class Heartbeat(Request):
@@ -88,6 +110,8 @@ class Assignment(Response):
     device_kind: DeviceKind
     master_addr: str
     master_port: int
+    """Rank 0's rendezvous port; 0 until rank 0 has bound one (it picks a free port and
+    publishes it; the other ranks look it up, ``PUT/GET /jobs/{id}/rendezvous``)."""
     backend: Literal["nccl", "gloo"]
     desired: Literal["run", "stop"]
     spec: dict[str, Any]
@@ -96,6 +120,25 @@ class Assignment(Response):
     """The rank's own credential (role ``worker``), given to its process as ``EVENFLOW_TOKEN``.
     Sent while the rank is still to be launched (each such answer mints a new one and retires
     the one before); None once it runs, and for ranks to stop."""
+    attempt: int = 0
+    """Which start of the job this is: 0, then one more for each restart after a failure. A
+    rank of a new attempt is a new process (fresh credential and rendezvous), even where the
+    same rank of an earlier attempt ran on this host."""
+
+
+class RendezvousIn(Request):
+    """Rank 0's worker tells the control plane the port its rendezvous store bound."""
+
+    port: int = Field(ge=1, le=65535)
+
+
+class RendezvousOut(Response):
+    """Where a job's ranks meet: rank 0's host address and the port it bound (None until rank
+    0 has published it)."""
+
+    job_id: int
+    address: str
+    port: int | None
 
 
 class HeartbeatAck(Response):
@@ -255,6 +298,40 @@ class TelemetryBatch(Request):
         return self.columnar().model_dump_json(exclude_none=True)
 
 
+class CheckpointReport(Request):
+    """A checkpoint a job's rank has written (``POST /jobs/{id}/checkpoints``)."""
+
+    rank: int = Field(ge=0, lt=MAX_WORKERS)
+    iteration: int = Field(ge=1, le=10**12)
+    """Iterations done when it was written: a resume runs this one next."""
+    size_bytes: int = Field(ge=0, le=2**62)
+    url: Text = Field(min_length=1, max_length=2048)
+    write_ms: Ms = 0.0
+
+
 class TelemetryAck(Response):
+    accepted: int
+    duplicates: int
+
+
+class MetricPoint(Request):
+    """One value of a named training metric, reported by one rank at one iteration.
+
+    ``loss`` (:data:`~contract.base.LOSS_METRIC`) is the job's global mean loss, exact, which
+    the plan's leader rank reports every few iterations; other names are what user code logs
+    with ``ctx.log(name, value)``. (job, name, rank, iteration) is unique: a retried batch
+    never duplicates, and the first value stored wins."""
+
+    rank: int = Field(ge=0, lt=MAX_WORKERS)
+    iteration: int = Field(ge=0, le=10**12)
+    name: Name
+    value: float = Field(ge=-MAX_METRIC_VALUE, le=MAX_METRIC_VALUE, allow_inf_nan=False)
+
+
+class MetricBatch(Request):
+    points: list[MetricPoint] = Field(min_length=1, max_length=MAX_TELEMETRY_RECORDS)
+
+
+class MetricAck(Response):
     accepted: int
     duplicates: int

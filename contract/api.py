@@ -52,6 +52,46 @@ class WorkerOut(Response):
     error: str | None = None
 
 
+class RestartOut(Response):
+    """One restart of a job after a failure."""
+
+    attempt: int
+    """The attempt this restart began (the first start is attempt 0)."""
+    at: datetime
+    reason: str
+    resumed_from: int | None = None
+    """The checkpoint's iteration the new attempt resumes at (None: from iteration 0)."""
+    iterations_lost: int | None = None
+    """Iterations done after that checkpoint and run again (None when unknown)."""
+
+
+class CheckpointOut(Response):
+    """A checkpoint a job's rank wrote."""
+
+    id: int
+    job_id: int
+    attempt: int
+    rank: int
+    iteration: int
+    size_bytes: int
+    url: str
+    write_ms: float
+    created_at: datetime
+
+
+class RankLogOut(Response):
+    """One rank's end as its agent reported it: the root cause and the last lines of its log."""
+
+    rank: int
+    state: WorkerState
+    exit_code: int | None = None
+    error: str | None = None
+    """Root-cause traceback (its error file), or the log's last lines without one."""
+    log_tail: str | None = None
+    """The last lines of its log (bounded), uploaded when it failed or was stopped; None while
+    it runs or once it succeeded."""
+
+
 class JobOut(Response):
     id: int
     name: str
@@ -63,9 +103,16 @@ class JobOut(Response):
     started_at: datetime | None = None
     finished_at: datetime | None = None
     error: str | None = None
+    pending_reason: str | None = None
+    """Why a pending job waits for devices ("needs 4 devices, 2 free, 2 busy with job 7");
+    None once it is placed."""
     plan_version: int | None = None
     frozen: bool = False
     workers: list[WorkerOut] = []
+    attempt: int = 0
+    """Starts after the first (one per restart)."""
+    restarts: int = 0
+    restart_history: list[RestartOut] = []
 
 
 class JobList(Response):

@@ -16,6 +16,20 @@ MAX_TELEMETRY_RECORDS = 5000
 """Largest telemetry batch one request may carry."""
 
 
+MAX_METRIC_VALUE = 1e30
+"""Largest magnitude of a training metric's value: larger is an input error (a diverged loss
+is better seen as a gap than as a number that overflows the server's bucket sums)."""
+
+
+MAX_METRIC_NAMES = 64
+"""Most distinct metric names one job may report: each is a series in every chart read."""
+
+
+LOSS_METRIC = "loss"
+"""The name the runtime reports the job's global mean loss under (from the plan's leader
+rank); reserved, user code logs its own metrics under other names."""
+
+
 MAX_PLAN_WAIT_S = 30.0
 """Longest a plan long-poll (``GET /jobs/{id}/plan?wait_s=``) is held; clients' read timeouts
 must exceed it."""
@@ -43,9 +57,10 @@ Text = Annotated[str, AfterValidator(_refuse_nul)]
 """Every string a client sends: PostgreSQL cannot store NUL characters, so they are refused."""
 
 
-Name = Annotated[
-    Text, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
-]
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]*$"
+
+
+Name = Annotated[Text, Field(min_length=1, max_length=128, pattern=NAME_PATTERN)]
 
 
 Id = Annotated[int, Field(ge=1, le=MAX_ID)]

@@ -64,3 +64,32 @@ class ThroughputOut(Response):
     samples_per_s: float | None
     iteration: int | None
     """The newest iteration reported by rank 0."""
+
+
+class MetricSeries(Response):
+    """One metric of one rank, downsampled: each entry is the mean of the values reported in a
+    bucket of ``MetricsOut.bucket`` consecutive iterations, placed at the first iteration that
+    had one."""
+
+    name: str
+    rank: int
+    iteration: list[int]
+    value: list[float]
+    last_iteration: int
+    last_value: float
+    """The newest point reported, exactly (not a bucket's mean)."""
+
+
+class MetricsOut(Response):
+    """A job's training metrics (the global ``loss`` and what user code logged) shaped for
+    charts: at most ``points`` entries per (name, rank)."""
+
+    job_id: int
+    bucket: int
+    """Iterations per point."""
+    first_iteration: int | None
+    last_iteration: int | None
+    names: list[str]
+    """Every metric name the job has reported, whatever ``names`` asked for."""
+    series: list[MetricSeries]
+    """Ordered by name, then rank."""

@@ -46,12 +46,15 @@ class JobStatus(StrEnum):
     ::
 
         PENDING --placed--> STARTING --all workers running--> RUNNING --> SUCCEEDED
-           |                   |                                 |
-           |                   +--------> FAILED <---------------+
-           +-------------------+---------> CANCELLED <-----------+
+           ^ |                 |                                 |
+           | |                 +--------> FAILED <---------------+
+           | +-----------------+---------> CANCELLED <-----------+
+           +-----restarted-----+---------------------------------+
 
     PENDING waits for free devices. STARTING has devices and waits for its agents to launch the
-    workers. SUCCEEDED, FAILED and CANCELLED are terminal and free the devices.
+    workers. A rank's failure or a lost host sends a STARTING or RUNNING job back to PENDING as
+    its next attempt while its ``max_restarts`` allows, else to FAILED. SUCCEEDED, FAILED and
+    CANCELLED are terminal and free the devices.
     """
 
     PENDING = "pending"
@@ -68,8 +71,12 @@ class JobStatus(StrEnum):
 
 JOB_TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {
     JobStatus.PENDING: frozenset({JobStatus.STARTING, JobStatus.CANCELLED, JobStatus.FAILED}),
-    JobStatus.STARTING: frozenset({JobStatus.RUNNING, JobStatus.FAILED, JobStatus.CANCELLED}),
-    JobStatus.RUNNING: frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED}),
+    JobStatus.STARTING: frozenset(
+        {JobStatus.RUNNING, JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.PENDING}
+    ),
+    JobStatus.RUNNING: frozenset(
+        {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.PENDING}
+    ),
     JobStatus.SUCCEEDED: frozenset(),
     JobStatus.FAILED: frozenset(),
     JobStatus.CANCELLED: frozenset(),

@@ -100,6 +100,20 @@ class PolicySpec(Request):
     cap (the most samples one pass may hold) from its fitted memory model."""
 
 
+class CheckpointSpec(Request):
+    """Periodic checkpoints a failed job resumes from (``agent.runtime.checkpoint``)."""
+
+    every_iterations: int = Field(default=100, ge=1, le=100_000_000)
+    """Write one after every this many iterations (counted from 0 across epochs); a restart
+    re-runs at most this many."""
+    path: Text | None = Field(default=None, min_length=1, max_length=1024)
+    """A directory or fsspec URL (``/shared/ckpt``, ``file:///...``, ``s3://bucket/x``); the job's
+    checkpoints go under ``<path>/job-<id>/``. Default: the agent's job directory on rank 0's
+    host, which a multi-host job resumes from only when rank 0 comes back to that host."""
+    keep: int = Field(default=3, ge=1, le=1000)
+    """How many of the newest checkpoints are kept (older ones are deleted)."""
+
+
 class JobSpec(Request):
     name: Name
     workload: WorkloadSpec
@@ -117,6 +131,13 @@ class JobSpec(Request):
     """One entry per rank; labels the job as emulated everywhere it shows."""
     max_batch_per_worker: int | None = Field(default=None, ge=1, le=10_000_000)
     priority: int = Field(default=0, ge=-100, le=100)
+    rendezvous_timeout_s: float = Field(default=120.0, gt=0, le=3600, allow_inf_nan=False)
+    """How long the ranks may take to meet (reach rank 0's address and port, all join); past
+    it the job fails with a reason naming the address and port that could not be reached."""
+    checkpoint: CheckpointSpec | None = None
+    max_restarts: int = Field(default=3, ge=0, le=1000)
+    """How many times the control plane restarts the job after a rank, its agent or its host
+    fails (from the last checkpoint, or from iteration 0 without one) before it fails it."""
 
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:
@@ -147,4 +168,10 @@ class JobSpec(Request):
 
     @property
     def world_size(self) -> int:
+        """The fewest ranks the job runs with (``workers``, or the explicit devices)."""
         return self.workers if self.workers is not None else len(self.devices or [])
+
+    @property
+    def max_world_size(self) -> int:
+        """The most ranks placement may give the job (``max_workers`` when set)."""
+        return self.max_workers or self.world_size

@@ -13,23 +13,44 @@ import json
 import math
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import yaml
 from pydantic import BaseModel, ValidationError
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
 from agent.client import ApiClient, ApiError, make_http
-from contract.api import TokenCreate
-from contract.enums import Role
+from contract.api import OverrideCreate, TokenCreate
+from contract.base import LOSS_METRIC
+from contract.dashboard import MetricsOut
+from contract.enums import OverrideKind, Role
+from contract.problems import explain
 from contract.spec import JobSpec
+from evenflow import job_views
 
 DEFAULT_SERVER = "http://127.0.0.1:8000"
 console = Console()
+
+
+def server_url(value: str) -> str:
+    """``--server``: an http(s) URL; ``host:port`` alone means ``http://host:port``. Anything
+    else is refused at once, before a request is retried against it."""
+    url = value if "://" in value else f"http://{value}"
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL as exc:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a URL: {exc}") from exc
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not an http(s) address of the control plane (e.g. http://server:8000)"
+        )
+    return url.rstrip("/")
 
 
 def _client(args: argparse.Namespace) -> ApiClient:
@@ -46,10 +67,25 @@ def _emit(
     if args.json:
         print(json.dumps(_jsonable(data), indent=2, default=str))
         return
-    table = Table(*columns, title=title)
+    table = _table(columns, title)
     for row in rows(data):
         table.add_row(*("" if v is None else str(v) for v in row))
     console.print(table)
+
+
+FOLDED = frozenset({"name", "owner", "model", "use", "action", "model t(b)", "fit", "detail"})
+"""Columns of free text: they wrap onto more lines at 80 columns; the others (ids, statuses,
+numbers, times) keep their width, so nothing is cut short and short values stay whole."""
+
+
+def _table(columns: Sequence[str], title: str | None = None) -> Table:
+    table = Table(title=title, box=box.SIMPLE_HEAD)
+    for column in columns:
+        folded = column in FOLDED
+        table.add_column(
+            column, overflow="fold", no_wrap=not folded, min_width=12 if folded else None
+        )
+    return table
 
 
 def _jsonable(data: Any) -> Any:
@@ -64,14 +100,12 @@ def _job_rows(jobs: list[Any]) -> list[list[Any]]:
     return [
         [
             j.id,
-            j.name,
+            f"{j.name} (emulated)" if j.emulated else j.name,
             j.status.value,
-            j.owner,
             j.spec.get("global_batch"),
             len(j.workers),
             j.plan_version,
-            "yes" if j.emulated else "",
-            j.created_at.strftime("%Y-%m-%d %H:%M:%S"),
+            j.created_at.strftime("%m-%d %H:%M"),
         ]
         for j in jobs
     ]
@@ -81,11 +115,9 @@ JOB_COLUMNS = [
     "id",
     "name",
     "status",
-    "owner",
-    "global batch",
+    "batch",
     "workers",
     "plan",
-    "emulated",
     "created",
 ]
 
@@ -98,19 +130,38 @@ def cmd_jobs_submit(args: argparse.Namespace) -> None:
         raw = yaml.safe_load(Path(args.file).read_text())
     except (OSError, yaml.YAMLError) as exc:
         raise SystemExit(f"error: cannot read {args.file}: {exc}") from exc
-    try:
-        spec = JobSpec.model_validate(raw)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        loc = ".".join(str(p) for p in first["loc"])
-        raise SystemExit(f"error: {args.file}: {loc}: {first['msg']}") from exc
-    job = _client(args).submit(spec)
+    job = _client(args).submit(_validated(JobSpec, raw, args.file))
     _emit(args, job, JOB_COLUMNS, lambda j: _job_rows([j]), title="submitted")
+    if not args.json:
+        _print_pending([job])
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def _validated(model: type[M], raw: Any, source: str) -> M:
+    """``raw`` as a ``model``, or exit naming every problem of ``source`` in words."""
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        problems = explain(exc.errors(), model)
+        lines = "\n".join(f"  {p}" for p in problems)
+        noun = "problem" if len(problems) == 1 else "problems"
+        raise SystemExit(f"error: {source} has {len(problems)} {noun}:\n{lines}") from exc
 
 
 def cmd_jobs_list(args: argparse.Namespace) -> None:
     jobs = _client(args).jobs(status=args.status, limit=args.limit)
     _emit(args, jobs, JOB_COLUMNS, lambda d: _job_rows(d.items), title=f"{jobs.total} jobs")
+    if not args.json:
+        _print_pending(jobs.items)
+
+
+def _print_pending(jobs: list[Any]) -> None:
+    """Why each pending job waits, one line each (under the table: no column to truncate)."""
+    for j in jobs:
+        if j.status.value == "pending" and j.pending_reason:
+            console.print(f"job {j.id} waits: {j.pending_reason}", highlight=False, markup=False)
 
 
 def cmd_jobs_show(args: argparse.Namespace) -> None:
@@ -120,8 +171,10 @@ def cmd_jobs_show(args: argparse.Namespace) -> None:
         _emit(args, job, [], lambda _: [])
         return
     _emit(args, job, JOB_COLUMNS, lambda j: _job_rows([j]))
+    console.print(f"owner {job.owner}")
     if job.error:
         console.print(f"[red]error:[/red] {job.error}")
+    _print_pending([job])
     workers = Table("rank", "device", "host", "state", "exit", title="workers")
     for w in job.workers:
         workers.add_row(
@@ -132,6 +185,8 @@ def cmd_jobs_show(args: argparse.Namespace) -> None:
             "" if w.exit_code is None else str(w.exit_code),
         )
     console.print(workers)
+    if job.restart_history:
+        _print_restarts(job)
     if job.plan_version is not None:
         plan = client.plan(job.id)
         if plan is not None:
@@ -140,31 +195,201 @@ def cmd_jobs_show(args: argparse.Namespace) -> None:
             )
 
 
+def _print_restarts(job: Any) -> None:
+    restarts = Table("attempt", "at", "resumed from", "iterations lost", title="restarts")
+    for r in job.restart_history:
+        restarts.add_row(
+            str(r.attempt),
+            r.at.strftime("%Y-%m-%d %H:%M:%S"),
+            "iteration 0" if r.resumed_from is None else f"iteration {r.resumed_from}",
+            "" if r.iterations_lost is None else str(r.iterations_lost),
+        )
+    console.print(restarts)
+    for r in job.restart_history:  # reasons whole, not wrapped in a narrow column
+        console.print(f"attempt {r.attempt} after: {r.reason}", soft_wrap=True)
+    console.print(f"restarts: {job.restarts} of at most {job.spec.get('max_restarts', 3)}")
+
+
+def cmd_jobs_checkpoints(args: argparse.Namespace) -> None:
+    items = _client(args).checkpoints(args.id, limit=args.limit)
+
+    def rows(cs: list[Any]) -> list[list[Any]]:
+        return [
+            [
+                c.iteration,
+                c.created_at.strftime("%Y-%m-%d %H:%M:%S"),
+                f"{c.size_bytes / 1024:.1f} KiB",
+                f"{c.write_ms:.1f}",
+                c.rank,
+                c.attempt,
+                c.url,
+            ]
+            for c in cs
+        ]
+
+    columns = ["iteration", "written", "size", "write ms", "rank", "attempt", "url"]
+    _emit(args, items, columns, rows, title=f"checkpoints of job {args.id}")
+
+
+def cmd_jobs_logs(args: argparse.Namespace) -> None:
+    """Each rank's root cause and log tail; with ``--follow``, wait for ranks that are still
+    running and print theirs as they end, until the job does."""
+    client = _client(args)
+    shown: set[int] = set()
+    while True:
+        job = client.job(args.id)
+        ranks = client.logs(args.id, args.rank)
+        ended = [r for r in ranks if r.rank not in shown and r.state.value not in _LIVE_STATES]
+        if args.json:
+            print(json.dumps(_jsonable(ended), indent=2))
+        else:
+            for r in ended:
+                _print_rank_log(r)
+        shown.update(r.rank for r in ended)
+        if not args.follow or job.status.terminal or len(shown) == len(ranks):
+            if not args.json and not shown:
+                console.print(f"job {args.id} ({job.status.value}): no rank has ended yet")
+            return
+        time.sleep(args.interval)
+
+
+_LIVE_STATES = {"assigned", "launching", "running"}
+
+
+def _print_rank_log(r: Any) -> None:
+    exit_text = "" if r.exit_code is None else f", exit {r.exit_code}"
+    console.print(f"[bold]rank {r.rank}[/bold] ({r.state.value}{exit_text})")
+    body = r.log_tail or r.error
+    if not body:
+        console.print("  (no log uploaded)")
+        return
+    console.print(body.rstrip("\n"), markup=False, highlight=False)
+
+
 def cmd_jobs_cancel(args: argparse.Namespace) -> None:
     job = _client(args).cancel(args.id)
     _emit(args, job, JOB_COLUMNS, lambda j: _job_rows([j]), title="cancelled")
 
 
+def cmd_jobs_plan(args: argparse.Namespace) -> None:
+    client = _client(args)
+    plan = client.plan(args.id)
+    if plan is None:  # only with known_version, which this never sends
+        raise SystemExit(f"error: job {args.id} has no plan")
+    models = client.models(args.id)
+    if args.json:
+        print(json.dumps({"plan": _jsonable(plan), "models": _jsonable(models)}, indent=2))
+        return
+    _emit(
+        args,
+        plan,
+        job_views.PLAN_COLUMNS,
+        lambda p: job_views.plan_rows(p, models),
+        title=job_views.plan_title(plan),
+    )
+
+
+def cmd_jobs_events(args: argparse.Namespace) -> None:
+    events = _client(args).events(args.id)
+    _emit(
+        args,
+        events,
+        job_views.EVENT_COLUMNS,
+        job_views.event_rows,
+        title=f"{len(events)} straggler events of job {args.id}",
+    )
+
+
+def cmd_jobs_metrics(args: argparse.Namespace) -> None:
+    metrics = _client(args).metrics(args.id, names=args.names, rank=args.rank)
+    if args.names and not metrics.series:
+        known = ", ".join(metrics.names) or "none yet"
+        raise SystemExit(
+            f"error: job {args.id} has no metric {', '.join(args.names)} (it has: {known})"
+        )
+    _emit(
+        args,
+        metrics,
+        job_views.METRIC_COLUMNS,
+        job_views.metric_rows,
+        title=f"training metrics of job {args.id}"
+        if metrics.series
+        else f"job {args.id} has reported no metrics yet",
+    )
+
+
+def cmd_jobs_override(args: argparse.Namespace) -> None:
+    batches = None
+    if args.batches is not None:
+        try:
+            batches = [int(b) for b in args.batches.split(",")]
+        except ValueError as exc:
+            raise SystemExit(
+                f"error: --batches must be integers separated by commas: {exc}"
+            ) from exc
+    req = _validated(
+        OverrideCreate,
+        {
+            "kind": args.kind,
+            "reason": args.reason,
+            "batch_sizes": batches,
+            "rank": args.rank,
+            "batch_size": args.batch_size,
+            "preview": args.preview,
+        },
+        "the override",
+    )
+    out = _client(args).override(args.id, req)
+    if args.json:
+        _emit(args, out, [], lambda _: [])
+        return
+    verb = "would make" if args.preview else "applied; made"
+    if out.plan is not None:
+        now = f" (now {out.current_predicted_ms:.1f} ms)" if out.current_predicted_ms else ""
+        console.print(f"{args.kind} {verb} {job_views.plan_title(out.plan)}{now}")
+        console.print(f"batches {out.plan.batch_sizes}")
+    else:
+        console.print(f"{args.kind} {'previewed' if args.preview else 'applied'}")
+
+
+def _loss_series(client: ApiClient, job_id: int) -> MetricsOut | None:
+    """The job's loss for the watch line; None from a server without the metrics API."""
+    try:
+        return client.metrics(job_id, points=10, names=[LOSS_METRIC])
+    except ApiError as exc:
+        if exc.status_code in (404, 405):
+            return None
+        raise
+
+
+def cmd_jobs_watch(args: argparse.Namespace) -> None:
+    """A live line until the job ends (or ``--count`` updates): on a terminal it rewrites
+    itself; piped, it prints one line per update."""
+    client = _client(args)
+    shown = 0
+    while True:
+        job = client.job(args.id)
+        line = job_views.watch_line(
+            job,
+            client.throughput(args.id),
+            client.series(args.id, points=10, window=args.window),
+            client.plan(args.id) if job.plan_version is not None else None,
+            _loss_series(client, args.id),
+        )
+        shown += 1
+        done = job.status.terminal or (args.count is not None and shown >= args.count)
+        if sys.stdout.isatty():
+            print(f"\r\x1b[2K{line}", end="\n" if done else "", flush=True)
+        else:
+            print(line, flush=True)
+        if done:
+            return
+        time.sleep(args.interval)
+
+
 def cmd_hosts_list(args: argparse.Namespace) -> None:
     hosts = _client(args).hosts()
-
-    def rows(hs: list[Any]) -> list[list[Any]]:
-        return [
-            [
-                h.id,
-                h.name,
-                h.address,
-                h.status.value,
-                len(h.devices),
-                ", ".join(
-                    f"{d.kind.value}:{d.index} {d.model} ({d.status.value})" for d in h.devices
-                ),
-                h.last_heartbeat.strftime("%H:%M:%S"),
-            ]
-            for h in hs
-        ]
-
-    _emit(args, hosts, ["id", "name", "address", "status", "devices", "detail", "heartbeat"], rows)
+    _emit(args, hosts, job_views.DEVICE_COLUMNS, job_views.device_rows, title=f"{len(hosts)} hosts")
 
 
 def cmd_tokens_create(args: argparse.Namespace) -> None:
@@ -212,6 +437,7 @@ def cmd_agent(args: argparse.Namespace) -> None:
     import socket
 
     from agent.daemon import discover_devices, run_agent
+    from agent.network import AddressError
 
     if args.token_file:
         try:
@@ -239,6 +465,8 @@ def cmd_agent(args: argparse.Namespace) -> None:
         )
     except ApiError as exc:
         raise SystemExit(f"error: {exc.detail}") from exc
+    except AddressError as exc:
+        raise SystemExit(f"error: {exc}") from exc
     if replaced:
         raise SystemExit(f"error: another agent took host {name} over (--replace); stopped")
 
@@ -280,14 +508,10 @@ def cmd_compare(args: argparse.Namespace) -> None:
     from evenflow.local_cluster import LocalCluster
 
     try:
-        profile = Profile.model_validate(yaml.safe_load(Path(args.profile).read_text()))
+        raw = yaml.safe_load(Path(args.profile).read_text())
     except (OSError, yaml.YAMLError) as exc:
         raise SystemExit(f"error: cannot read {args.profile}: {exc}") from exc
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        raise SystemExit(
-            f"error: {args.profile}: {'.'.join(map(str, first['loc']))}: {first['msg']}"
-        ) from exc
+    profile = _validated(Profile, raw, args.profile)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="evenflow-compare-"))
     agents = min(2, len(profile.workers))
     with LocalCluster(workdir, workers=len(profile.workers), agents=agents) as cluster:
@@ -304,13 +528,15 @@ def cmd_compare(args: argparse.Namespace) -> None:
 
 
 def _print_results(out: dict[str, Any]) -> None:
-    table = Table(
-        "policy",
-        "samples/s",
-        "mean iteration",
-        "idle (waiting)",
-        "plan changes",
-        "speedup vs equal",
+    table = _table(
+        [
+            "policy",
+            "samples/s",
+            "mean iteration",
+            "idle (waiting)",
+            "plan changes",
+            "speedup vs equal",
+        ],
         title=f"measured (emulated speeds); ideal {out['ideal_samples_per_s']:.0f} samples/s",
     )
     for name, r in out["policies"].items():
@@ -383,6 +609,8 @@ def cmd_demo(args: argparse.Namespace) -> None:
         )
         results = _run_policies(cluster, profile, iterations)
         _print_results(report(profile, results))
+        ids = ",".join(str(r.job_id) for r in results.values() if r.job_id is not None)
+        console.print(f"side by side: {cluster.url}/compare?jobs={ids}")
         if args.exit:
             return
         console.print(f"still serving the dashboard at {cluster.url}/ — Ctrl-C to stop")
@@ -416,6 +644,7 @@ def build_parser() -> argparse.ArgumentParser:
     client = argparse.ArgumentParser(add_help=False)
     client.add_argument(
         "--server",
+        type=server_url,
         default=os.environ.get("EVENFLOW_SERVER", DEFAULT_SERVER),
         help="control plane URL (EVENFLOW_SERVER)",
     )
@@ -446,7 +675,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_migrate)
 
     p = sub.add_parser("agent", help="run this host's agent: register devices, launch workers")
-    p.add_argument("--server", default=os.environ.get("EVENFLOW_SERVER", DEFAULT_SERVER))
+    p.add_argument(
+        "--server",
+        type=server_url,
+        default=os.environ.get("EVENFLOW_SERVER", DEFAULT_SERVER),
+        help="control plane URL (EVENFLOW_SERVER)",
+    )
     p.add_argument(
         "--token", default=os.environ.get("EVENFLOW_TOKEN"), help="agent token (EVENFLOW_TOKEN)"
     )
@@ -482,7 +716,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--workdir",
         default=os.environ.get("EVENFLOW_WORKDIR", "evenflow-agent"),
-        help="worker logs and error files",
+        help="worker logs, error files and the state of running workers",
     )
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=cmd_agent)
@@ -517,9 +751,55 @@ def build_parser() -> argparse.ArgumentParser:
     p = jobs.add_parser("show", parents=[client])
     p.add_argument("id", type=int)
     p.set_defaults(func=cmd_jobs_show)
+    p = jobs.add_parser("checkpoints", parents=[client], help="a job's checkpoints, newest first")
+    p.add_argument("id", type=int)
+    p.add_argument("--limit", type=int, default=100)
+    p.set_defaults(func=cmd_jobs_checkpoints)
+    p = jobs.add_parser(
+        "logs", parents=[client], help="each rank's root cause and last log lines once it ended"
+    )
+    p.add_argument("id", type=int)
+    p.add_argument("--rank", type=int, default=None)
+    p.add_argument("--follow", action="store_true", help="wait for running ranks to end")
+    p.add_argument("--interval", type=float, default=2.0, help=argparse.SUPPRESS)
+    p.set_defaults(func=cmd_jobs_logs)
     p = jobs.add_parser("cancel", parents=[client])
     p.add_argument("id", type=int)
     p.set_defaults(func=cmd_jobs_cancel)
+    p = jobs.add_parser("plan", parents=[client], help="the plan in force and each worker's model")
+    p.add_argument("id", type=int)
+    p.set_defaults(func=cmd_jobs_plan)
+    p = jobs.add_parser("events", parents=[client], help="a job's straggler events")
+    p.add_argument("id", type=int)
+    p.set_defaults(func=cmd_jobs_events)
+    p = jobs.add_parser(
+        "metrics", parents=[client], help="a job's training metrics: the loss, ctx.log values"
+    )
+    p.add_argument("id", type=int)
+    p.add_argument(
+        "--name", dest="names", action="append", help="only this metric (repeatable), e.g. loss"
+    )
+    p.add_argument("--rank", type=int, help="only this rank's")
+    p.set_defaults(func=cmd_jobs_metrics)
+    p = jobs.add_parser(
+        "override", parents=[client], help="change a job's plan by hand (--preview first)"
+    )
+    p.add_argument("id", type=int)
+    p.add_argument("kind", choices=[k.value for k in OverrideKind])
+    p.add_argument("--reason", required=True, help="why; kept in the audit log")
+    p.add_argument("--batches", help="set_batches: every rank's batch, comma-separated")
+    p.add_argument("--rank", type=int, help="pin, exclude, readmit: the rank")
+    p.add_argument("--batch-size", type=int, help="pin: the rank's batch")
+    p.add_argument("--preview", action="store_true", help="show the plan it would make only")
+    p.set_defaults(func=cmd_jobs_override)
+    p = jobs.add_parser(
+        "watch", parents=[client], help="a live line: iteration, samples/s, idle, the plan"
+    )
+    p.add_argument("id", type=int)
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between updates")
+    p.add_argument("--window", type=int, default=20, help="iterations the idle share averages")
+    p.add_argument("--count", type=int, default=None, help="stop after this many updates")
+    p.set_defaults(func=cmd_jobs_watch)
 
     hosts = sub.add_parser("hosts", help="list hosts").add_subparsers(dest="action", required=True)
     p = hosts.add_parser("list", parents=[client])

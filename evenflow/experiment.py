@@ -42,7 +42,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -165,6 +165,8 @@ class PolicyResult:
     ooms: int = 0
     peak_memory_fraction: float | None = None
     error: str | None = None
+    job_id: int | None = None
+    """The job that ran it (for the dashboard's compare page)."""
 
 
 def failed(error: str) -> PolicyResult:
@@ -236,7 +238,7 @@ def run_policy(
     if done.status.value != "succeeded":
         return failed(f"job {job.id} ({policy.value}) {done.status.value}: {done.error}")
     rows = cluster.client.telemetry(job.id, limit=100_000)
-    return measure(rows, [w.memory_mb for w in profile.workers])
+    return replace(measure(rows, [w.memory_mb for w in profile.workers]), job_id=job.id)
 
 
 def report(profile: Profile, results: dict[PolicyName, PolicyResult]) -> dict[str, Any]:
@@ -249,7 +251,7 @@ def report(profile: Profile, results: dict[PolicyName, PolicyResult]) -> dict[st
         "ideal_samples_per_s": profile.global_batch / continuous * 1000,
         "policies": {
             p.value: (
-                {k: v for k, v in asdict(r).items() if k not in ("iterations", "error")}
+                {k: v for k, v in asdict(r).items() if k not in ("iterations", "error", "job_id")}
                 if r.error is None
                 else {"error": r.error}
             )

@@ -172,6 +172,27 @@ class LocalCluster:
                 time.sleep(0.1)
         raise RuntimeError(f"the control plane at {self.url} did not start")
 
+    def worker_pids(self, job_id: int) -> dict[int, int]:
+        """rank -> pid of this cluster's live worker processes of a job (Linux: read from
+        ``/proc``), for fault-injection tests and benchmarks."""
+        found: dict[int, int] = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                raw = (entry / "environ").read_bytes()
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"agent.runtime.worker" not in cmdline:
+                continue
+            env = dict(
+                v.split("=", 1) for v in raw.decode(errors="replace").split("\0") if "=" in v
+            )
+            if env.get("EVENFLOW_SERVER") == self.url and env.get("EVENFLOW_JOB_ID") == str(job_id):
+                found[int(env["RANK"])] = int(entry.name)
+        return found
+
     def submit(self, spec: JobSpec) -> JobOut:
         return self.client.submit(spec)
 

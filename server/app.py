@@ -15,31 +15,49 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
+from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from contract.agent import TelemetryBatch
 from contract.base import ErrorOut
+from contract.problems import explain
 from server.api.bodies import component_schemas
-from server.api.routes import audit, events, health, hosts, jobs, planner, plans, telemetry, tokens
-from server.api.routes.ui import mount_dashboard
+from server.api.gate import Gate, error_response
+from server.api.routes import (
+    audit,
+    checkpoints,
+    events,
+    health,
+    hosts,
+    job_metrics,
+    jobs,
+    planner,
+    plans,
+    telemetry,
+    tokens,
+)
+from server.api.routes.ui import MAX_LOGIN_BODY, mount_dashboard
 from server.cache import Caches
 from server.config import Settings
 from server.context import AppContext
 from server.controller import Controller
 from server.db import make_engine, migrate, session_factory, transaction
 from server.errors import EvenflowError
+from server.live import StreamSlots
 from server.locks import WriterLock, bootstrap_lock, writer_lock_for
 from server.metrics import Metrics, MetricsMiddleware
 from server.notify import Bus, PgNotifyBus, PlanWaiters, open_bus
 from server.services import tokens as token_service
+from server.throttle import FailureLimit
 
 log = logging.getLogger("evenflow.server")
 
 API_PREFIX = "/api/v1"
+PUBLIC_PATHS = frozenset({f"{API_PREFIX}/health", f"{API_PREFIX}/health/live"})
+"""The only API routes callable without a token."""
 MAX_BODY_BYTES = 8 * 1024 * 1024
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorOut, "description": desc}
@@ -50,15 +68,9 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
         409: "Conflicts with the stored state",
         413: "Request body too large",
         422: "Invalid input; `field` names the culprit",
+        429: "Too many bad credentials from this address, or too many live streams",
     }.items()
 }
-
-
-def _error(
-    status: int, detail: str, field: str | None = None, errors: list[dict[str, Any]] | None = None
-) -> JSONResponse:
-    body = ErrorOut(detail=detail, field=field, errors=errors).model_dump(exclude_none=True)
-    return JSONResponse(body, status_code=status)
 
 
 def _field_path(loc: Sequence[Any]) -> str:
@@ -70,65 +82,50 @@ def _field_path(loc: Sequence[Any]) -> str:
 
 async def _on_domain_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, EvenflowError)
-    return _error(exc.status_code, exc.message, exc.field)
+    return error_response(exc.status_code, exc.message, exc.field)
 
 
 async def _on_validation_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
+    raw = exc.errors()
     errors = [
         {
             "loc": [str(p) for p in e.get("loc", ())],
-            "msg": str(e.get("msg", "")),
+            "msg": problem.message,
             "type": str(e.get("type", "")),
         }
-        for e in exc.errors()
+        for e, problem in zip(raw, explain(raw), strict=True)
     ]
+    if errors and errors[0]["type"] == "json_invalid":  # the body as a whole is not JSON
+        reason = (exc.errors()[0].get("ctx") or {}).get("error") or errors[0]["msg"]
+        reason = str(reason).removeprefix("Invalid JSON: ")
+        if "escape" in reason:  # the parser's words for a lone surrogate such as \\ud800
+            reason += " (a \\u escape must be valid Unicode: no lone surrogate)"
+        return error_response(422, f"body: not valid UTF-8 JSON: {reason}", "body", errors)
     summary = "; ".join(f"{_field_path(e['loc'])}: {e['msg']}" for e in errors[:5])
     first = _field_path(errors[0]["loc"]) if errors else None
-    return _error(422, summary or "invalid request", first, errors)
+    return error_response(422, summary or "invalid request", first, errors)
 
 
 async def _on_http_error(_: Request, exc: Exception) -> Response:
     assert isinstance(exc, StarletteHTTPException)
     if exc.status_code == 304:
         return Response(status_code=304)
-    return _error(exc.status_code, str(exc.detail))
-
-
-class BodyLimit:
-    """Refuse request bodies over ``limit`` bytes with 413 before anything parses them."""
-
-    def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        for name, value in scope.get("headers", ()):
-            if name == b"content-length" and value.isdigit() and int(value) > self.limit:
-                await _error(413, f"request body over {self.limit} bytes")(scope, receive, send)
-                return
-        seen = 0
-
-        async def counted() -> Message:
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.limit:
-                raise EvenflowError(f"request body over {self.limit} bytes")
-            return message
-
-        await self.app(scope, counted, send)
+    return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     context = _build_context(settings or Settings())
-    app = FastAPI(
+    # The API docs (/docs, /redoc) load Swagger UI and ReDoc from the ``fastapi-offline``
+    # package, served here: nothing a page of this server loads comes from another host.
+    app = FastAPIOffline(
         title="Evenflow",
         version="1",
         summary="Per-worker batch sizes for synchronous training on heterogeneous GPUs.",
         lifespan=_lifespan(context),
+        static_url="/vendor/docs",
+        # Swagger UI would fetch a validity badge from validator.swagger.io: no other host.
+        swagger_ui_parameters={"validatorUrl": None},
     )
     app.state.context = context
 
@@ -137,7 +134,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
 
     app.include_router(health.router, prefix=API_PREFIX)
-    for module in (hosts, jobs, plans, telemetry, events, audit, tokens, planner):
+    for module in (
+        hosts,
+        jobs,
+        plans,
+        telemetry,
+        job_metrics,
+        checkpoints,
+        events,
+        audit,
+        tokens,
+        planner,
+    ):
         app.include_router(module.router, prefix=API_PREFIX, responses=ERROR_RESPONSES)
 
     # The dashboard: chart data, the live stream, and the web UI (pages, login, static files).
@@ -150,8 +158,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app.openapi = _openapi(app)  # type: ignore[method-assign]
     metrics.set_templates([*app.openapi()["paths"], "/metrics"])
+    app.add_middleware(
+        Gate,
+        context=context,
+        api_prefix=API_PREFIX,
+        public=PUBLIC_PATHS,
+        max_body=MAX_BODY_BYTES,
+        body_limits={"/login": MAX_LOGIN_BODY},
+    )
     app.add_middleware(MetricsMiddleware, metrics=metrics)
-    app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
     return app
 
 
@@ -177,6 +192,8 @@ def _build_context(settings: Settings) -> AppContext:
         # Urgent telemetry (a worker's iteration time jumped) runs the controller's next round
         # now: over the wake bus to a controller process, or directly when it is a thread here.
         wake_controller=lambda job_id: wake_bus.publish([job_id]),
+        stream_slots=StreamSlots(settings.max_streams_per_token),
+        auth_failures=FailureLimit(settings.auth_failures_max, settings.auth_failures_window_s),
     )
 
 
@@ -197,7 +214,7 @@ def _lifespan(context: AppContext) -> Callable[[FastAPI], AbstractAsyncContextMa
             loop = Controller(
                 settings, engine=engine, sessions=sessions, write_lock=context.write_lock
             )
-            context.wake_controller = lambda job_id: loop.poke()
+            context.wake_controller = lambda job_id: loop.poke((job_id,))
             controller = threading.Thread(
                 target=loop.run, args=(stop,), name="evenflow-controller", daemon=True
             )

@@ -6,10 +6,11 @@ Settings are a value passed to ``create_app``; nothing reads the environment at 
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
 class Settings(BaseSettings):
@@ -59,6 +60,37 @@ class Settings(BaseSettings):
     """Apply Alembic migrations on start."""
 
     db_pool_size: int = Field(default=16, ge=1, le=512)
+
+    allowed_origins: Annotated[tuple[str, ...], NoDecode] = ()
+    """Origins besides the server's own (scheme, host and port as a request sees them) from
+    which a browser session may write, comma-separated (``https://evenflow.example.com``):
+    the public origin of a reverse proxy that rewrites the scheme or host
+    (``server.api.gate``)."""
+
+    auth_failures_max: int = Field(default=20, ge=1)
+    """Bad credentials one client address may send per ``auth_failures_window_s`` before
+    further bad ones get 429 (valid ones from that address still work)."""
+
+    auth_failures_window_s: float = Field(default=60.0, ge=1)
+
+    max_streams_per_token: int = Field(default=8, ge=1, le=10_000)
+    """Live streams (``GET /jobs/{id}/stream``) one token may hold open at once, per server
+    process; one more gets 429."""
+
+    @field_validator("allowed_origins", mode="before")
+    @classmethod
+    def _origins(cls, v: object) -> object:
+        items = [o.strip() for o in v.split(",") if o.strip()] if isinstance(v, str) else v
+        if not isinstance(items, list | tuple):
+            return v
+        for origin in items:
+            parts = urlsplit(origin)
+            if parts.scheme not in ("http", "https") or not parts.netloc or parts.path.strip("/"):
+                raise ValueError(
+                    f"EVENFLOW_ALLOWED_ORIGINS: {origin!r} is not an origin like "
+                    "'https://host[:port]'"
+                )
+        return tuple(items)
 
     @field_validator("agent_tokens")
     @classmethod

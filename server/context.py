@@ -17,9 +17,10 @@ from starlette.applications import Starlette
 
 from server.cache import Caches
 from server.config import Settings
-from server.live import TelemetryNotifier
+from server.live import StreamSlots, TelemetryNotifier
 from server.metrics import Metrics
 from server.notify import Bus, PlanWaiters
+from server.throttle import FailureLimit
 
 
 @dataclass
@@ -41,7 +42,11 @@ class AppContext:
     """Jobs whose telemetry is urgent, announced to a controller process."""
     wake_controller: Callable[[int], None]
     """Runs the controller's next round for a job now (urgent telemetry)."""
+    auth_failures: FailureLimit
+    """Bad credentials per client address (the API's gate and ``/login``)."""
     telemetry_notifier: TelemetryNotifier = field(default_factory=TelemetryNotifier)
+    stream_slots: StreamSlots = field(default_factory=lambda: StreamSlots(8))
+    """Live streams open per token in this process (``create_app`` sets the cap)."""
     generated_admin_token: str | None = None
     """The admin token generated at start-up when none was configured (shown once)."""
 

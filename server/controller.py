@@ -1,5 +1,5 @@
-"""The controller: the control loop (``server.services.control_loop``), the lost-host reaper
-and SQLite's WAL checkpoints (``server.db.checkpoint``), exactly one per database.
+"""The controller: the control loop (``server.services.control_loop``), placement of pending
+jobs (``server.services.scheduler``), the lost-host reaper and SQLite's WAL checkpoints (``server.db.checkpoint``), exactly one per database.
 
 ``evenflow server`` runs it in a process of its own (``python -m server.controller``), so its
 database reads and model fits never compete with request handling for the API process's GIL;
@@ -20,6 +20,7 @@ import select
 import signal
 import threading
 import time
+from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
 from datetime import UTC, datetime
 from typing import Any
@@ -31,8 +32,8 @@ from server.cache import Caches
 from server.config import Settings
 from server.db import checkpoint, make_engine, session_factory, transaction
 from server.locks import ControllerLock, writer_lock_for
-from server.notify import Bus, PgNotifyBus, open_bus
-from server.services import control_loop, retention
+from server.notify import PLACEMENT, Bus, PgNotifyBus, open_bus
+from server.services import control_loop, retention, scheduler
 from server.services import hosts as host_service
 
 log = logging.getLogger("evenflow.controller")
@@ -68,23 +69,35 @@ class Controller:
         self.state = control_loop.LoopState(min_decision_interval_s=1.0)
         self.rounds = 0
         self._wake = threading.Event()
+        self._sweep_now = False
+        """The next round sweeps live jobs (its interval passed, or a poke asked for one)."""
         self.round_stats = RoundStats(settings.controller_report_s)
         self.retention = retention.Retention(
             retention.Window(settings.telemetry_keep_iterations, settings.telemetry_keep_running_s)
         )
 
-    def poke(self) -> None:
+    def poke(self, job_ids: Iterable[int] = ()) -> None:
         """Run the next round now instead of at the end of the interval: a worker sent urgent
         telemetry (its iteration time jumped), so a straggler may have to be answered. Any
-        thread may call it; the API processes reach a controller process over the wake bus."""
+        thread may call it; the API processes reach a controller process over the wake bus.
+
+        The id ``PLACEMENT`` alone asks for placement only (a job was submitted, devices were
+        added or freed): pending jobs are placed now, and the sweep keeps its cadence."""
+        ids = set(job_ids)
+        if ids != {PLACEMENT}:
+            self._sweep_now = True
         self._wake.set()
 
     def _pause(self, stop: threading.Event, seconds: float) -> bool:
-        """Wait ``seconds`` or until poked; True when stopping."""
+        """Wait ``seconds`` or until poked; True when stopping. Clears ``_sweep_now`` when the
+        wait ended on a poke for placement only (``poke``)."""
         deadline = time.monotonic() + seconds
         while not stop.is_set():
             left = deadline - time.monotonic()
-            if left <= 0 or self._wake.wait(min(left, WAKE_SLICE_S)):
+            if left <= 0:
+                self._sweep_now = True
+                break
+            if self._wake.wait(min(left, WAKE_SLICE_S)):
                 self._wake.clear()
                 break
         return stop.is_set()
@@ -114,10 +127,16 @@ class Controller:
         next_roll_up = time.monotonic() + s.retention_interval_s
         while not self._pause(stop, s.rebalance_interval_s):
             lock.check()
+            sweep, self._sweep_now = self._sweep_now, False
             try:
-                self.sweep()
+                if sweep:
+                    self.sweep()
             except Exception:  # a failed round must not stop the loop
                 log.exception("rebalance sweep failed")
+            try:
+                self.place()
+            except Exception:
+                log.exception("placement failed")
             try:
                 checkpoint(self.engine)
             except Exception:
@@ -155,6 +174,17 @@ class Controller:
         self.rounds += 1
         self.round_stats.add(1000 * (time.perf_counter() - started), len(live), len(due))
 
+    def place(self) -> list[int]:
+        """Place pending jobs on free devices (``scheduler.place_pending``) and bring the
+        reasons of those still waiting up to date; after the sweep, so a job placed now is
+        first swept next round. Submissions never wait for this (it may take seconds: the
+        placement solver). Returns the jobs placed."""
+        with self.write_lock, transaction(self.sessions) as s:
+            placed = [job.id for job in scheduler.place_pending(s, datetime.now(UTC))]
+        for job_id in placed:
+            log.info("job %d placed", job_id)
+        return placed
+
     def roll_up_telemetry(self, budget_s: float = ROLL_UP_BUDGET_S) -> int:
         """Roll up telemetry older than each job's retention window, a chunk per short
         transaction, for at most ``budget_s`` (the next pass goes on where this one stopped).
@@ -179,8 +209,11 @@ class Controller:
     def reap(self) -> None:
         s = self.settings
         with self.write_lock, transaction(self.sessions) as session:
-            for host in host_service.mark_lost(session, datetime.now(UTC), s.host_lost_after_s):
+            now = datetime.now(UTC)
+            for host in host_service.mark_lost(session, now, s.host_lost_after_s):
                 log.warning("host %s marked lost", host.name)
+            for dev in host_service.release_silent(session, now, s.host_lost_after_s):
+                log.info("device %d of silent host %d released", dev.id, dev.host_id)
 
 
 class RoundStats:
@@ -252,15 +285,16 @@ def run_process(settings: Settings, stop: threading.Event | None = None) -> None
 def _listen_for_pokes(wake: Bus, controller: Controller, stop: threading.Event) -> None:
     """Poke the controller whenever an API process says a job sent urgent telemetry."""
     if isinstance(wake, PgNotifyBus):
-        wake.subscribe(lambda _ids: controller.poke())
+        wake.subscribe(controller.poke)
         return
     sock = wake.listen()
     if sock is None:
         return
     while not stop.is_set():
         ready, _, _ = select.select([sock], [], [], WAKE_SLICE_S * 5)
-        if ready and wake.read(sock):
-            controller.poke()
+        ids = wake.read(sock) if ready else set()
+        if ids:
+            controller.poke(ids)
 
 
 def main(argv: list[str] | None = None) -> None:

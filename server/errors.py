@@ -9,6 +9,7 @@
      +-- Conflict                 409  the request contradicts stored state
      |    +-- ProtocolMismatch    409  an agent speaks another protocol version
      +-- Invalid                  422  well-formed but impossible (names the field)
+     +-- TooMany                  429  over a per-token cap (live streams)
 
 Every error carries a message for people and, where one field is at fault, the field's name.
 """
@@ -47,3 +48,7 @@ class ProtocolMismatch(Conflict):
 
 class Invalid(EvenflowError):
     status_code = 422
+
+
+class TooMany(EvenflowError):
+    status_code = 429

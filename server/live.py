@@ -77,3 +77,36 @@ def telemetry_stored(notifier: TelemetryNotifier, job_id: int, accepted: int) ->
     """The ingest route's hook: wake this job's streams if any new row was stored."""
     if accepted:
         notifier.notify(job_id)
+
+
+class StreamSlots:
+    """How many live streams each token holds open in this process, capped per token
+    (``Settings.max_streams_per_token``): a client that opens streams without closing them
+    (or a leaked token) cannot hold the server's connections and database polls."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self._open: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def take(self, token_id: int) -> bool:
+        """Take one of the token's slots; False when all ``cap`` are in use."""
+        with self._lock:
+            held = self._open.get(token_id, 0)
+            if held >= self.cap:
+                return False
+            self._open[token_id] = held + 1
+            return True
+
+    def give_back(self, token_id: int) -> None:
+        with self._lock:
+            held = self._open.get(token_id, 0) - 1
+            if held > 0:
+                self._open[token_id] = held
+            else:
+                self._open.pop(token_id, None)
+
+    def held(self, token_id: int | None = None) -> int:
+        """Slots in use: the token's, or all of them."""
+        with self._lock:
+            return sum(self._open.values()) if token_id is None else self._open.get(token_id, 0)

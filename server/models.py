@@ -164,10 +164,17 @@ class Job(Base):
     """Operators' standing constraints: ``{"pins": {rank: batch}, "excluded": [rank, ...]}``."""
     plan_version: Mapped[int | None] = mapped_column(Integer, default=None)
     error: Mapped[str | None] = mapped_column(Text, default=None)
+    pending_reason: Mapped[str | None] = mapped_column(String(500), default=None)
+    """Why a pending job waits ("needs 4 devices, 2 free, 2 busy with job 7"); None otherwise."""
     master_port: Mapped[int | None] = mapped_column(Integer, default=None)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime, default=None)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime, default=None)
+    attempt: Mapped[int] = mapped_column(Integer, default=0)
+    """Which start of the job runs now: 0, then one more per restart after a failure. The
+    workers (and their credentials) are those of this attempt only."""
+    restart_history: Mapped[list[dict[str, Any]]] = mapped_column(Json, default=list)
+    """One ``contract.api.RestartOut`` (as JSON) per restart, oldest first."""
 
     workers: Mapped[list[Worker]] = relationship(
         back_populates="job", order_by="Worker.rank", cascade="all, delete-orphan"
@@ -177,6 +184,10 @@ class Job(Base):
     def job_spec(self) -> JobSpec:
         """The stored spec, validated: typed fields instead of reading the JSON by key."""
         return JobSpec.model_validate(self.spec)
+
+    @property
+    def restarts(self) -> int:
+        return len(self.restart_history or [])
 
 
 class Worker(Base):
@@ -199,6 +210,8 @@ class Worker(Base):
     )
     exit_code: Mapped[int | None] = mapped_column(Integer, default=None)
     error: Mapped[str | None] = mapped_column(Text, default=None)
+    log_tail: Mapped[str | None] = mapped_column(Text, default=None)
+    """The last lines of the rank's log, uploaded by its agent when it failed or was stopped."""
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     token_hash: Mapped[str | None] = mapped_column(String(64), unique=True, default=None)
     """SHA-256 of this rank's worker credential (``server.services.tokens``): minted when the
@@ -295,8 +308,40 @@ class TelemetryRollup(Base):
     last_ts: Mapped[float] = mapped_column(Float)
 
 
+class JobMetric(Base):
+    """One value of a named training metric (the global ``loss``, or one user code logged)
+    reported by one rank at one iteration. (job, name, rank, iteration) is unique: retries
+    dedupe, the first value stored wins. Reads go through that key's index by job and name."""
+
+    __tablename__ = "job_metrics"
+    __table_args__ = (UniqueConstraint("job_id", "name", "rank", "iteration"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(128))
+    rank: Mapped[int] = mapped_column(Integer)
+    iteration: Mapped[int] = mapped_column(BigInteger)
+    value: Mapped[float] = mapped_column(Float)
+
+
 JOB_RANK = -1
 """``TelemetryRollup.rank`` of a bucket's job-level row."""
+
+
+class Checkpoint(Base):
+    """A checkpoint a job's rank wrote and reported (the file itself lives at ``url``)."""
+
+    __tablename__ = "checkpoints"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    attempt: Mapped[int] = mapped_column(Integer)
+    rank: Mapped[int] = mapped_column(Integer)
+    iteration: Mapped[int] = mapped_column(BigInteger)
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    url: Mapped[str] = mapped_column(Text)
+    write_ms: Mapped[float] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
 class StragglerEvent(Base):

@@ -46,6 +46,10 @@ RECHECK_S = 1.0
 
 _names = itertools.count()
 
+PLACEMENT = 0
+"""The id a poke on the wake bus carries when it asks the controller for placement only (a job
+was submitted, devices were added or freed): no job has id 0."""
+
 
 class PlanWaiters:
     """Long-polls waiting for a job's next plan, on one event loop; :meth:`notify` from any

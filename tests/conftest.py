@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
@@ -27,10 +28,14 @@ from contract.base import PROTOCOL_VERSION
 from contract.enums import Role
 from server.app import create_app
 from server.config import Settings
-from server.db import make_engine, migrate
+from server.context import context_of
+from server.db import make_engine, migrate, transaction
+from server.services import scheduler
 
 ROOT = Path(__file__).resolve().parents[1]
 ADMIN_TOKEN = "ef_test-admin-token-0123456789"
+SAME_ORIGIN = {"Origin": "http://testserver"}
+"""What a browser on the dashboard sends with a write: the TestClient's own origin."""
 PG_ADMIN_URL = os.environ.get(
     "EVENFLOW_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 )
@@ -124,11 +129,19 @@ class Api:
         assert r.status_code == 201, r.text
         data: dict[str, object] = r.json()
         data["_token"] = tok
+        self.place()  # its devices are free: pending jobs may start
         return data
 
     def submit(
-        self, workers: int | None = 2, global_batch: int = 64, **extra: object
+        self,
+        workers: int | None = 2,
+        global_batch: int = 64,
+        *,
+        place: bool = True,
+        **extra: object,
     ) -> dict[str, object]:
+        """Submit a job; with ``place``, then run a placement round (as the controller would
+        next) and return the job as it is after it."""
         spec = {
             "name": "job",
             "workload": {"builtin": "mlp"},
@@ -141,19 +154,39 @@ class Api:
         r = self.client.post("/api/v1/jobs", json=spec, headers=self.headers())
         assert r.status_code == 201, r.text
         data: dict[str, object] = r.json()
-        return data
+        if not place:
+            return data
+        self.place()
+        job = self.client.get(f"/api/v1/jobs/{data['id']}", headers=self.headers())
+        assert job.status_code == 200, job.text
+        placed: dict[str, object] = job.json()
+        return placed
+
+    def place(self) -> list[int]:
+        """One placement round, as the controller runs it (``Controller.place``): the tests'
+        apps never place on their own (their controller runs only when a test drives it)."""
+        context = context_of(self.client.app)  # type: ignore[arg-type]
+        with context.write_lock, transaction(context.sessions) as s:
+            return [j.id for j in scheduler.place_pending(s, datetime.now(UTC))]
+
+
+def _driven(client: TestClient) -> Api:
+    """An ``Api`` whose app's controller runs only when a test drives it: requests do not poke
+    it (placement: ``Api.place``; rounds: ``control_loop.sweep``), so tests are deterministic."""
+    context_of(client.app).wake_controller = lambda _job_id: None  # type: ignore[arg-type]
+    return Api(client)
 
 
 @pytest.fixture
 def api(db_url: str) -> Iterator[Api]:
     with TestClient(create_app(make_settings(db_url))) as client:
-        yield Api(client)
+        yield _driven(client)
 
 
 @pytest.fixture
 def sqlite_api(tmp_path: Path) -> Iterator[Api]:
     with TestClient(create_app(make_settings(f"sqlite:///{tmp_path / 'e.db'}"))) as client:
-        yield Api(client)
+        yield _driven(client)
 
 
 def free_port() -> int:
@@ -194,6 +227,22 @@ def serving(app: FastAPI) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def register_host(url: str, token: str, name: str = "h", devices: int = 1) -> None:
+    """Register a host of CPU devices with a live server (as an admin may), so jobs fit."""
+    body = {
+        "protocol_version": PROTOCOL_VERSION,
+        "name": name,
+        "address": "127.0.0.1",
+        "devices": [
+            {"index": i, "kind": "cpu", "model": "CPU", "memory_mb": 1024} for i in range(devices)
+        ],
+    }
+    r = httpx.post(
+        f"{url}/api/v1/hosts/register", json=body, headers={"Authorization": f"Bearer {token}"}
+    )
+    assert r.status_code == 201, r.text
 
 
 @pytest.fixture

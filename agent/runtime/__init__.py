@@ -15,8 +15,11 @@ Modules, by what they are:
   :mod:`~agent.runtime.telemetry`: per-iteration timings, emulated speeds, best-effort delivery.
 - :mod:`~agent.runtime.workloads`, :mod:`~agent.runtime.context`: what to train, and the per-rank
   loop engine (the user entrypoint API is documented in ``workloads``).
+- :mod:`~agent.runtime.rendezvous`: the rank's device and backend from its assignment, and the
+  bounded rendezvous (rank 0 binds a free port and publishes it).
 - :mod:`~agent.runtime.trainer`: ``run_training``; :mod:`~agent.runtime.worker`: the process
-  entry (``python -m agent.runtime.worker``); :mod:`~agent.runtime.remote`: the REST adapter.
+  entry (``python -m agent.runtime.worker``); :mod:`~agent.runtime.remote`: the REST adapter;
+  :mod:`~agent.runtime.parent`: a worker dies with its agent.
 
 The runtime never imports the server; it shares only :mod:`contract` with it.
 """

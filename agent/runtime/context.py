@@ -10,8 +10,8 @@ One iteration, on every active rank, in this order::
        a slice larger than this rank's memory cap in the plan is yielded as several micro-batches
        (passes of at most the cap), each stepped, their gradients accumulated in place
     -> sync: one coalesced all-reduce of gradients and loss, scaled by 1 / global count
-    -> optimizer step, zero the gradient buffer
-    -> timing record -> telemetry queue (a background thread sends it)
+    -> optimizer step, zero the gradient buffer (the leader: the global loss -> metrics queue)
+    -> timing record -> telemetry queue (background threads send both)
 
 A rank the agreed plan excludes leaves this loop at that boundary: it probes its speed on each
 tick from the leader and waits for a join notice (:mod:`agent.runtime.membership`); ``batches()``
@@ -28,16 +28,18 @@ import logging
 import time
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, SupportsFloat
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from agent.runtime.checkpoint import Checkpointer, LoadState, Saved, SaveState, save_model
 from agent.runtime.datasets import DatasetLike, dataset_size, take
 from agent.runtime.emulation import EMULATED_LABEL, Emulator
 from agent.runtime.gradients import GradientSync, broadcast_module
 from agent.runtime.membership import ExclusionOptions, GroupRole, Membership, Notice, Transition
+from agent.runtime.metrics import MetricReporter
 from agent.runtime.oom import MemoryGuard
 from agent.runtime.plan_sync import PlanAgreement, RuntimePlan, decode_plan
 from agent.runtime.probes import ProbeLoss, forward_sum, probe, probe_size
@@ -45,7 +47,7 @@ from agent.runtime.resync import resync
 from agent.runtime.sampler import GlobalBatchSampler
 from agent.runtime.telemetry import JumpWatch, TelemetryClosed, clamp_ms
 from agent.runtime.timing import IterationTimer, IterationTiming
-from contract.agent import TelemetryRecord
+from contract.agent import MetricPoint, TelemetryRecord
 from contract.spec import JobSpec
 
 __all__ = ["ContextStats", "DatasetLike", "EvenflowContext", "dataset_size"]
@@ -82,6 +84,10 @@ class ContextStats:
     """Host time of each re-synchronisation this rank took part in."""
     ooms: list[tuple[int, int]] = field(default_factory=list)
     """(iteration, pass size) of each pass that ran out of memory and was redone smaller."""
+    resumed_from: int | None = None
+    """The iteration this run resumed at from a checkpoint (None: it started from 0)."""
+    checkpoints: list[tuple[int, int, float]] = field(default_factory=list)
+    """(iteration, bytes, write ms) of each checkpoint this rank wrote."""
     _loss_stride: int = field(default=1, repr=False)
     _loss_calls: int = field(default=0, repr=False)
 
@@ -117,10 +123,13 @@ class EvenflowContext:
         emulator: Emulator | None = None,
         submit: Callable[[TelemetryRecord], None] | None = None,
         flush: Callable[[], None] | None = None,
+        submit_metric: Callable[[MetricPoint], None] | None = None,
         group: dist.ProcessGroup | None = None,
         loss_every: int = 1,
         piggyback: bool = True,
         exclusion: ExclusionOptions = ExclusionOptions(),
+        checkpointer: Checkpointer | None = None,
+        on_checkpoint_saved: Callable[[Saved], None] | None = None,
     ) -> None:
         self.spec = spec
         self.rank = rank
@@ -133,6 +142,8 @@ class EvenflowContext:
         self.piggyback = piggyback
         """Carry the plan agreement inside the gradient all-reduce when the buffers allow."""
         self._submit = submit
+        self._metrics = MetricReporter(rank, submit_metric)
+        """The global loss from the plan's leader, and what user code logs (``log``)."""
         self._flush = flush
         """Asks the telemetry sender to post now: for the first ``EARLY_FLUSH_ITERATIONS``, and
         when a :class:`JumpWatch` flags a record (the control plane should hear of a slowdown's
@@ -145,6 +156,8 @@ class EvenflowContext:
         self.stats = ContextStats()
         self.iteration = 0
         """The iteration in progress (or next), counted from 0 across epochs."""
+        self._batch_iteration = 0
+        """The iteration of the batch ``batches()`` yielded last (what ``log`` reports at)."""
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self._sync: GradientSync | None = None
@@ -167,6 +180,10 @@ class EvenflowContext:
         probes`)."""
         self._dataset: DatasetLike | None = None
         self._probe_failed = False
+        self.checkpointer = checkpointer
+        """The job's checkpoints (None when its spec asks for none)."""
+        self._on_saved = on_checkpoint_saved
+        self._first_iteration = 0
         if emulator is not None:
             log.info("rank %d: %s speed %s", rank, EMULATED_LABEL, emulator.worker)
 
@@ -221,6 +238,32 @@ class EvenflowContext:
             raise ValueError("a plan with excluded ranks needs an initialised process group")
         return model, optimizer
 
+    def on_checkpoint(self, name: str, save: SaveState, load: LoadState) -> None:
+        """Keep state of the user's own in every checkpoint: ``save()`` returns it (any picklable
+        object; called on the rank that writes), ``load(obj)`` puts it back on every rank when
+        the job resumes, before the first batch. Register before ``ctx.batches()``. Without
+        checkpoints in the spec this does nothing."""
+        if self.checkpointer is not None:
+            self.checkpointer.add(name, save, load)
+
+    def register_state(self, name: str, obj: Any) -> None:
+        """``on_checkpoint`` for an object with ``state_dict()`` and ``load_state_dict()`` (an LR
+        scheduler, an EMA, a GradScaler)."""
+        self.on_checkpoint(name, obj.state_dict, obj.load_state_dict)
+
+    def save_final(self, path: str | None = None) -> str | None:
+        """Save the trained model's ``state_dict`` (call it after the loop; every rank holds the
+        trained model then): to ``path`` (a file or fsspec URL), or ``final.pt`` in the job's
+        checkpoint directory. Rank 0 writes, atomically; it returns the URL there, None
+        elsewhere."""
+        if self.model is None:
+            raise RuntimeError("call ctx.prepare(model, optimizer) before ctx.save_final()")
+        if path is None and self.checkpointer is None:
+            raise ValueError("save_final needs a path when the job has no checkpoint directory")
+        if self.rank != 0:
+            return None
+        return save_model(self.model, path, self.checkpointer)
+
     def total_iterations(self, dataset_size: int) -> int:
         """Iterations this job runs: ``iterations``, or ``epochs`` whole passes over the data."""
         if self.spec.iterations is not None:
@@ -236,6 +279,7 @@ class EvenflowContext:
         self._sampler = sampler = GlobalBatchSampler(n, self.spec.global_batch, seed=self.seed)
         self._total = total = self.total_iterations(n)
         self._dataset = dataset
+        self._resume()
         try:
             while self.iteration < total:
                 it = self.iteration
@@ -303,6 +347,19 @@ class EvenflowContext:
         self._loss_acc = None
         return self._finish(total)
 
+    def log(self, name: str, value: SupportsFloat, *, iteration: int | None = None) -> None:
+        """Report a training metric of this rank (an accuracy, a learning rate, a user loss):
+        charted on the job's page and served by ``GET /api/v1/jobs/{id}/metrics``.
+
+        ``iteration`` defaults to the iteration of the batch ``batches()`` yielded last (0
+        before the first). ``value`` is anything ``float()`` takes, a one-element tensor too
+        (reading a CUDA tensor waits for the GPU: log those every few iterations). Raises
+        ``ValueError`` at once for a bad name (``loss`` is the runtime's own: the exact global
+        loss, reported every ``loss_every`` iterations), a non-finite value, or a second value
+        of a name in one iteration. Never blocks; delivery is best effort, except that once the
+        control plane has said the job ended this raises ``TelemetryClosed``."""
+        self._metrics.log(name, value, self._batch_iteration if iteration is None else iteration)
+
     # ----------------------------------------------------------------------------- internals
 
     def _iteration(
@@ -313,6 +370,7 @@ class EvenflowContext:
         self.timer.begin()
         idx = sampler.local_indices(it, self._plan.batch_sizes, self.rank)
         self._local = len(idx)
+        self._batch_iteration = it
         self._passes, self._pass, self._loss_acc = (), 0, None
         if self._local == 0:
             self.timer.data_done()
@@ -385,6 +443,8 @@ class EvenflowContext:
         if it % self.loss_every == 0 or it + 1 >= self._total:
             value = float(mean_loss.item())
             self.stats.record_loss(it, value, last=it + 1 >= self._total)
+            if self.rank == self._plan.leader:  # every active rank holds the same value
+                self._metrics.loss(it, value)
         self.optimizer.step()
         self._sync.zero_grad()
         self._emit(self.timer.finish(it, self._plan.version, b))
@@ -394,7 +454,58 @@ class EvenflowContext:
         self.stats.samples_seen += b
         self.stats.global_samples += count
         self.iteration += 1
+        self._maybe_checkpoint()
         return value
+
+    # ------------------------------------------------------------------------ checkpoints
+
+    def _resume(self) -> None:
+        """Pick up from the newest checkpoint, if the job has one (every rank, together)."""
+        if self.checkpointer is None or self.iteration > 0:
+            return
+        assert self.model is not None and self.optimizer is not None and self._sampler
+        assert self._sync is not None
+        resumed = self.checkpointer.resume(
+            self.model,
+            self.optimizer,
+            self._sampler,
+            rank=self.rank,
+            group=self._sync.group,
+            control=self.agreement.group,
+        )
+        if resumed is None:
+            log.info("rank %d: no checkpoint yet; starting at iteration 0", self.rank)
+            return
+        self.iteration = self._first_iteration = resumed.iteration
+        self.stats.resumed_from = resumed.iteration
+        self.stats.global_samples = resumed.global_samples
+        if len(self.agreement.history) == 1:
+            self.agreement.history = [(resumed.iteration, self.agreement.current.version)]
+        log.info(
+            "rank %d: resumed at iteration %d from %s", self.rank, resumed.iteration, resumed.url
+        )
+
+    def _maybe_checkpoint(self) -> None:
+        """After an iteration: the plan's leader (rank 0 unless excluded; parameters are the same
+        on every active rank) writes a checkpoint when one is due."""
+        cp = self.checkpointer
+        if cp is None or not cp.due(self.iteration) or self.rank != self._plan.leader:
+            return
+        assert self.model is not None and self.optimizer is not None and self._sampler
+        saved = cp.save(
+            iteration=self.iteration,
+            model=self.model,
+            optimizer=self.optimizer,
+            sampler=self._sampler,
+            plan=self._plan,
+            global_samples=self.stats.global_samples,
+        )
+        self.stats.checkpoints.append((saved.iteration, saved.size_bytes, saved.write_ms))
+        if self._on_saved is not None:
+            try:
+                self._on_saved(saved)
+            except Exception as exc:  # reporting a checkpoint is best effort
+                log.warning("checkpoint %d not reported: %r", saved.iteration, exc)
 
     # ------------------------------------------------------------------------ membership
 
@@ -529,5 +640,5 @@ class EvenflowContext:
                     self._flush()
                     if self._sync is not None:
                         self._sync.raise_flag()  # and every other rank posts after the next
-                elif t.iteration < EARLY_FLUSH_ITERATIONS:
+                elif t.iteration < self._first_iteration + EARLY_FLUSH_ITERATIONS:
                     self._flush()

@@ -5,6 +5,10 @@ lives in ``agent/client.py``. Endpoints (Bearer token)::
 
     GET  {server}/api/v1/jobs/{job_id}/plan?known_version=V&wait_s=W -> PlanOut (304: unchanged)
     POST {server}/api/v1/jobs/{job_id}/telemetry   TelemetryBatch -> TelemetryAck
+    POST {server}/api/v1/jobs/{job_id}/metrics     MetricBatch -> MetricAck
+    PUT  {server}/api/v1/jobs/{job_id}/rendezvous  RendezvousIn -> RendezvousOut (rank 0)
+    GET  {server}/api/v1/jobs/{job_id}/rendezvous  -> RendezvousOut (port null until published)
+    POST {server}/api/v1/jobs/{job_id}/checkpoints CheckpointReport -> CheckpointOut
 
 ``fetch_plan`` sends the version it last received as ``known_version`` (and ``If-None-Match``
 with the last ETag, if the server gives one) and answers ``None`` on 304. With ``plan_wait_s``
@@ -13,7 +17,13 @@ at once) or ``plan_wait_s`` passes (then 304), so a new plan arrives within mill
 instead of a poll interval later; the request's read timeout is the client's plus
 ``plan_wait_s``. It raises on anything else that is not a 2xx. ``post_telemetry`` raises on
 failure, which makes the telemetry sender retry, except that it raises ``TelemetryClosed`` when
-the job has ended (409, or 401: the rank's credential died with its job), which stops the rank. Both run on the runtime's background threads, never in the loop.
+the job has ended (409, or 401: the rank's credential died with its job), which stops the
+rank; ``post_metrics`` likewise. All run on the runtime's background threads, never in the
+loop.
+
+``publish_port`` and ``lookup_port`` carry rank 0's rendezvous port (chosen when it binds) to
+the other ranks before the process group exists; they raise ``TelemetryClosed`` too once the
+job has ended.
 """
 
 from __future__ import annotations
@@ -23,13 +33,24 @@ from typing import Any
 import httpx
 
 from agent.client import long_poll_timeout
+from agent.runtime.checkpoint import Saved
 from agent.runtime.telemetry import TelemetryClosed
-from contract.agent import PlanOut, TelemetryAck, TelemetryBatch
+from contract.agent import (
+    CheckpointReport,
+    MetricAck,
+    MetricBatch,
+    PlanOut,
+    RendezvousIn,
+    RendezvousOut,
+    TelemetryAck,
+    TelemetryBatch,
+)
 from contract.base import MAX_PLAN_WAIT_S
 
 
 class RemoteControlPlane:
-    """``fetch_plan`` and ``post_telemetry`` for one job, bound to a client, server and token."""
+    """``fetch_plan``, ``post_telemetry`` and ``post_metrics`` for one job, bound to a client,
+    a server and a token."""
 
     def __init__(
         self,
@@ -47,6 +68,9 @@ class RemoteControlPlane:
         base = f"{server.rstrip('/')}/api/v1/jobs/{job_id}"
         self.plan_url = f"{base}/plan"
         self.telemetry_url = f"{base}/telemetry"
+        self.metrics_url = f"{base}/metrics"
+        self.rendezvous_url = f"{base}/rendezvous"
+        self.checkpoints_url = f"{base}/checkpoints"
         self._auth = {"Authorization": f"Bearer {token}"}
         self._etag: str | None = None
         self._version: int | None = None
@@ -80,10 +104,55 @@ class RemoteControlPlane:
             content=batch.wire_json(),  # the columnar form: half the bytes to send and parse
             headers={**self._auth, "Content-Type": "application/json"},
         )
-        if response.status_code in (httpx.codes.CONFLICT, httpx.codes.UNAUTHORIZED):
-            raise TelemetryClosed(_detail(response))
-        response.raise_for_status()
+        _raise_for(response)
         return TelemetryAck.model_validate_json(response.content)
+
+    def post_metrics(self, batch: MetricBatch) -> MetricAck:
+        """Send metric points; raises ``httpx.HTTPError`` on failure (the sender retries)."""
+        response = self._client.post(
+            self.metrics_url,
+            content=batch.model_dump_json(),
+            headers={**self._auth, "Content-Type": "application/json"},
+        )
+        _raise_for(response)
+        return MetricAck.model_validate_json(response.content)
+
+    def publish_port(self, port: int) -> None:
+        """Rank 0: the port its rendezvous store listens on."""
+        response = self._client.put(
+            self.rendezvous_url,
+            content=RendezvousIn(port=port).model_dump_json(),
+            headers={**self._auth, "Content-Type": "application/json"},
+        )
+        _raise_for(response)
+
+    def lookup_port(self) -> int | None:
+        """Rank 0's rendezvous port, or None while it has not published one."""
+        response = self._client.get(self.rendezvous_url, headers=self._auth)
+        _raise_for(response)
+        return RendezvousOut.model_validate_json(response.content).port
+
+    def report_checkpoint(self, rank: int, saved: Saved) -> None:
+        """Tell the control plane of a checkpoint this rank wrote; raises on failure."""
+        body = CheckpointReport(
+            rank=rank,
+            iteration=saved.iteration,
+            size_bytes=saved.size_bytes,
+            url=saved.url,
+            write_ms=round(saved.write_ms, 3),
+        )
+        response = self._client.post(
+            self.checkpoints_url,
+            content=body.model_dump_json(),
+            headers={**self._auth, "Content-Type": "application/json"},
+        )
+        _raise_for(response)
+
+
+def _raise_for(response: httpx.Response) -> None:
+    if response.status_code in (httpx.codes.CONFLICT, httpx.codes.UNAUTHORIZED):
+        raise TelemetryClosed(_detail(response))
+    response.raise_for_status()
 
 
 def _detail(response: httpx.Response) -> str:

@@ -7,7 +7,10 @@ or user entrypoint) and driven through :class:`~agent.runtime.context.EvenflowCo
 end the threads are closed (telemetry flushed within a deadline) and a :class:`RunResult` returned.
 
 The control plane is reached only through two injected callables, so nothing here does HTTP:
-``fetch_plan() -> PlanOut | None`` and ``post_telemetry(TelemetryBatch)`` (raises on failure).
+``fetch_plan() -> PlanOut | None``, ``post_telemetry(TelemetryBatch)`` and
+``post_metrics(MetricBatch)`` (the posts raise on failure); a fourth, ``report_checkpoint(Saved)``,
+tells it of each checkpoint written (from a background thread: a slow control plane never
+holds training up).
 :mod:`agent.runtime.remote` builds them from an ``httpx.Client``.
 """
 
@@ -16,17 +19,22 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from agent.runtime.checkpoint import Checkpointer, CheckpointPathError, CheckpointStore, Saved
 from agent.runtime.context import EvenflowContext
 from agent.runtime.emulation import Emulator
 from agent.runtime.fetcher import FetchPlan, PlanFetcher
 from agent.runtime.membership import ExclusionOptions
+from agent.runtime.metrics import MetricSender, PostMetrics
 from agent.runtime.plan_sync import PlanAgreement, RuntimePlan, agree_initial
+from agent.runtime.rendezvous import DeviceAssignment, Rendezvous, init_process_group
 from agent.runtime.telemetry import PostTelemetry, TelemetrySender, TelemetryStats
 from agent.runtime.workloads import Workload, builtin, load_entrypoint
 from contract.agent import PlanOut
@@ -60,8 +68,15 @@ class RuntimeOptions:
     """Apply the spec's ``emulation`` entry for this rank (when the spec has one)."""
     timeout: timedelta = timedelta(minutes=10)
     """Collective timeout when this function initialises the process group."""
+    assignment: DeviceAssignment | None = None
+    """The device and backend the control plane placed this rank on (never what torch can
+    see). None: gloo on the CPU, or the current CUDA device when the caller initialised an NCCL
+    group itself."""
     exclusion: ExclusionOptions = field(default_factory=ExclusionOptions)
     """How an excluded rank probes its speed and waits to be readmitted."""
+    checkpoint_dir: str | None = None
+    """Where this job's checkpoints go (a directory or fsspec URL) when its spec asks for
+    checkpoints; default the spec's ``checkpoint.path`` as it is."""
 
 
 @dataclass
@@ -88,6 +103,8 @@ class RunResult:
     wall_s: float = 0.0
     plan_fetch_errors: int = 0
     telemetry: TelemetryStats | None = None
+    metrics: TelemetryStats | None = None
+    """Delivery of the metric points (the leader's global loss, ``ctx.log`` values)."""
     exclusions: list[tuple[int, int]] = field(default_factory=list)
     """(first iteration sat out, iteration rejoined at) for each time this rank was excluded;
     the job's end counts as a rejoin (this rank then received the final parameters)."""
@@ -97,27 +114,28 @@ class RunResult:
     """Host time of each change of all-reduce group this rank took part in."""
     resync_ms: list[float] = field(default_factory=list)
     """Host time of each re-synchronisation (parameters, buffers, optimizer state)."""
+    resumed_from: int | None = None
+    """The iteration this run resumed at from a checkpoint (None: it started from 0)."""
+    checkpoints: list[tuple[int, int, float]] = field(default_factory=list)
+    """(iteration, bytes, write ms) of each checkpoint this rank wrote."""
 
     @property
     def plan_versions(self) -> list[int]:
         return [v for _, v in self.plan_history]
 
 
-def init_process_group_from_env(timeout: timedelta = timedelta(minutes=10)) -> None:
-    """``init_process_group`` from RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (``env://``).
-
-    NCCL when CUDA is available, gloo otherwise.
-    """
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, init_method="env://", timeout=timeout)
-
-
-def device_for_backend(backend: str) -> torch.device:
-    """``cuda:LOCAL_RANK`` under NCCL (and make it current), else the CPU."""
+def device_for(backend: str, assignment: DeviceAssignment | None) -> torch.device:
+    """The device this rank trains on: its assignment's (which must match the group's
+    backend), else the CPU under gloo and the current CUDA device under NCCL."""
+    if assignment is not None:
+        if assignment.backend != backend:
+            raise ValueError(
+                f"this rank is assigned {assignment.backend} on {assignment.device}, but the "
+                f"process group runs {backend}"
+            )
+        return assignment.activate()
     if backend == "nccl":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-        return device
+        return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
@@ -126,27 +144,39 @@ def run_training(
     *,
     fetch_plan: FetchPlan | None = None,
     post_telemetry: PostTelemetry | None = None,
+    post_metrics: PostMetrics | None = None,
     initial_plan: PlanOut | RuntimePlan | None = None,
     options: RuntimeOptions = RuntimeOptions(),
+    rendezvous: Rendezvous | None = None,
+    report_checkpoint: Callable[[Saved], None] | None = None,
 ) -> RunResult:
     """Train this rank's share of ``spec``; every rank of the job calls this together.
 
-    Uses the initialised default process group, or initialises one from the environment (and
-    destroys it at the end). Rank 0's ``initial_plan`` is used on all ranks; without one, rank 0
-    fetches it. Other ranks may pass ``None``. Raises if the plan or the workload is unusable.
+    Uses the initialised default process group, or initialises one on the assigned backend
+    through ``rendezvous`` (default: from MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE with the
+    spec's ``rendezvous_timeout_s``) and destroys it at the end. Rank 0's ``initial_plan`` is
+    used on all ranks; without one, rank 0 fetches it. Other ranks may pass ``None``. Raises if
+    the plan or the workload is unusable, and
+    :class:`~agent.runtime.checkpoint.CheckpointPathError` before anything else when the
+    spec's checkpoint directory cannot be written. With checkpoints, the run resumes from the
+    newest one in the directory.
     """
+    checkpointer = make_checkpointer(spec, options.checkpoint_dir)
     created = not dist.is_initialized()
     if created:
-        init_process_group_from_env(options.timeout)
+        rdzv = rendezvous or Rendezvous.from_env(os.environ, spec.rendezvous_timeout_s)
+        init_process_group(rdzv, options.assignment or DeviceAssignment(), options.timeout)
     start = time.monotonic()
     fetcher: PlanFetcher | None = None
     sender: TelemetrySender | None = None
+    metric_sender: MetricSender | None = None
+    reporter = ThreadPoolExecutor(1, "checkpoint-report") if report_checkpoint else None
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
-        if world != spec.world_size:
-            raise ValueError(f"job is for {spec.world_size} workers, process group has {world}")
+        if not spec.world_size <= world <= spec.max_world_size:
+            raise ValueError(f"job is for {_workers(spec)} workers, process group has {world}")
         backend = str(dist.get_backend())
-        device = device_for_backend(backend)
+        device = device_for(backend, options.assignment)
         # The plan agreement's int64 tensor stays on the CPU: under NCCL it gets a gloo group.
         control = dist.new_group(backend="gloo") if backend != "gloo" else None
         if rank == 0 and initial_plan is None and fetch_plan is not None:
@@ -165,13 +195,7 @@ def run_training(
             )
             if rank == initial.leader:
                 fetcher.start()
-        if post_telemetry is not None:
-            sender = TelemetrySender(
-                post_telemetry,
-                flush_records=options.telemetry_flush_records,
-                flush_interval_s=options.telemetry_flush_s,
-                max_buffer=options.telemetry_max_buffer,
-            )
+        sender, metric_sender = _senders(post_telemetry, post_metrics, options)
         agreement = PlanAgreement(
             initial,
             rank=rank,
@@ -196,9 +220,12 @@ def run_training(
             emulator=emulator,
             submit=sender.submit if sender else None,
             flush=sender.flush_soon if sender else None,
+            submit_metric=metric_sender.submit if metric_sender else None,
             loss_every=loss_every,
             piggyback=options.piggyback_agreement,
             exclusion=options.exclusion,
+            checkpointer=checkpointer,
+            on_checkpoint_saved=_reporting(reporter, report_checkpoint),
         )
         run_workload(ctx)
         stats = ctx.stats
@@ -220,17 +247,82 @@ def run_training(
             probes=stats.probes,
             regroup_ms=ctx.membership.regroup_ms,
             resync_ms=stats.resync_ms,
+            resumed_from=stats.resumed_from,
+            checkpoints=stats.checkpoints,
         )
     finally:
+        if reporter is not None:
+            reporter.shutdown(wait=True, cancel_futures=False)
         if fetcher is not None:
             fetcher.close()
+        if metric_sender is not None:  # both flush within the one deadline
+            metric_sender.start_closing(options.close_deadline_s)
         telemetry = sender.close(options.close_deadline_s) if sender is not None else None
+        metrics = metric_sender.close(options.close_deadline_s) if metric_sender else None
         if created:
             dist.destroy_process_group()
     result.telemetry = telemetry
+    result.metrics = metrics
     result.plan_fetch_errors = fetcher.errors if fetcher else 0
     result.wall_s = time.monotonic() - start
     return result
+
+
+def _senders(
+    post_telemetry: PostTelemetry | None, post_metrics: PostMetrics | None, options: RuntimeOptions
+) -> tuple[TelemetrySender | None, MetricSender | None]:
+    """The background senders of timings and of metrics, for the posts that are given."""
+    sender = metric_sender = None
+    if post_telemetry is not None:
+        sender = TelemetrySender(
+            post_telemetry,
+            flush_records=options.telemetry_flush_records,
+            flush_interval_s=options.telemetry_flush_s,
+            max_buffer=options.telemetry_max_buffer,
+        )
+    if post_metrics is not None:
+        metric_sender = MetricSender(
+            post_metrics,
+            flush_interval_s=options.telemetry_flush_s,
+            max_buffer=options.telemetry_max_buffer,
+        )
+    return sender, metric_sender
+
+
+def make_checkpointer(spec: JobSpec, directory: str | None) -> Checkpointer | None:
+    """The job's checkpoints, their directory checked writable; None when it asks for none."""
+    if spec.checkpoint is None:
+        return None
+    url = directory or spec.checkpoint.path
+    if url is None:
+        raise CheckpointPathError("checkpoint.path is not set and no job directory was given")
+    store = CheckpointStore(url, spec.checkpoint.keep)
+    store.check_writable()
+    return Checkpointer(store, spec.checkpoint.every_iterations)
+
+
+def _workers(spec: JobSpec) -> str:
+    low, high = spec.world_size, spec.max_world_size
+    return str(low) if low == high else f"{low} to {high}"
+
+
+def _reporting(
+    reporter: ThreadPoolExecutor | None, report: Callable[[Saved], None] | None
+) -> Callable[[Saved], None] | None:
+    """Hand each saved checkpoint to ``report`` on the reporter thread; log its failures."""
+    if reporter is None or report is None:
+        return None
+
+    def submit(saved: Saved) -> None:
+        def run() -> None:
+            try:
+                report(saved)
+            except Exception as exc:
+                log.warning("checkpoint %d not reported: %r", saved.iteration, exc)
+
+        reporter.submit(run)
+
+    return submit
 
 
 def run_workload(ctx: EvenflowContext) -> None:
@@ -260,6 +352,8 @@ def train_workload(ctx: EvenflowContext, workload: Workload) -> None:
     for inputs, targets in ctx.batches(workload.dataset):
         with ctx.recoverable():  # out of memory: the share is redone in smaller passes
             ctx.step(workload.loss_fn(model(inputs), targets))
+    if ctx.checkpointer is not None:
+        ctx.save_final()
 
 
 def _fetch_initial(fetch_plan: FetchPlan, timeout_s: float) -> PlanOut | None:

@@ -8,9 +8,12 @@ The agent daemon launches one process per rank with this environment:
 ``EVENFLOW_JOB_ID``         the job's integer id
 ``EVENFLOW_SPEC``           the job's :class:`~contract.spec.JobSpec` as JSON
 ``RANK``, ``WORLD_SIZE``    this process's rank and the job's world size
-``MASTER_ADDR``,            rendezvous of ``torch.distributed`` (``env://``)
-``MASTER_PORT``
-``LOCAL_RANK``              optional; the CUDA device index on this host (default 0)
+``MASTER_ADDR``,            rank 0's address and rendezvous port; port ``0``: rank 0 binds a
+``MASTER_PORT``             free port and publishes it through the control plane, the other
+                            ranks look it up there (:mod:`agent.runtime.rendezvous`)
+``EVENFLOW_BACKEND``        optional; ``gloo`` (default) or ``nccl``: the assigned backend
+``EVENFLOW_DEVICE``         optional; ``cpu`` (default under gloo) or ``cuda:0`` (the one GPU
+                            ``CUDA_VISIBLE_DEVICES`` leaves this rank): the assigned device
 ``EVENFLOW_RESULT``         optional; path where the :class:`RunResult` is written as JSON
 ``EVENFLOW_PLAN_POLL_S``    optional; seconds between plan polls on rank 0 (default 1)
 ``EVENFLOW_PLAN_WAIT_S``    optional; longest seconds a plan long-poll is held, within 0..30
@@ -19,14 +22,20 @@ The agent daemon launches one process per rank with this environment:
 ``EVENFLOW_LOG_LEVEL``      optional; default ``INFO``
 ``EVENFLOW_ERROR_FILE``     optional; where the traceback of a failure is written, so the
                             agent reports the root cause rather than a log tail
+``EVENFLOW_AGENT_PID``      optional; the launching agent's pid: the worker exits (status 4)
+                            within 10 s of that agent's death (``agent.runtime.parent``)
+``EVENFLOW_JOB_DIR``        optional; the agent's directory for this job: checkpoints go to
+                            its ``checkpoints/`` when the spec's ``checkpoint`` has no path
 ==========================  =================================================================
 
 Exit status 0 after a completed run, 1 on any failure (the traceback is logged to stderr), 2
 when the environment is incomplete or malformed, 3 (``WORKER_EXIT_JOB_ENDED``) when the control
-plane said the job had ended (its telemetry answered 409): one log line, no traceback.
+plane said the job had ended (its telemetry answered 409): one log line, no traceback; 4
+(``WORKER_EXIT_FATAL``) when the job cannot run as specified (its checkpoint directory cannot
+be written), which the control plane does not retry; 5 when its agent died.
 
 ``EVENFLOW_TOKEN`` is the rank's own credential, minted for this job and rank: it reads the
-job's plan and posts this rank's telemetry, nothing else, and dies with the job.
+job's plan and posts this rank's telemetry and metrics, nothing else, and dies with the job.
 """
 
 from __future__ import annotations
@@ -41,10 +50,13 @@ import traceback
 import httpx
 from pydantic import ValidationError
 
+from agent.runtime.checkpoint import CheckpointPathError
+from agent.runtime.parent import die_with_agent
 from agent.runtime.remote import RemoteControlPlane
+from agent.runtime.rendezvous import DeviceAssignment, Rendezvous
 from agent.runtime.telemetry import TelemetryClosed
 from agent.runtime.trainer import RunResult, RuntimeOptions, run_training
-from contract.agent import WORKER_EXIT_JOB_ENDED
+from contract.agent import WORKER_EXIT_FATAL, WORKER_EXIT_JOB_ENDED
 from contract.base import MAX_PLAN_WAIT_S
 from contract.spec import JobSpec
 
@@ -75,6 +87,8 @@ def worker_main(environ: dict[str, str] | None = None) -> int:
         format=f"%(asctime)s rank{env.get('RANK', '?')} %(name)s %(levelname)s %(message)s",
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per poll
+    if env.get("EVENFLOW_AGENT_PID", "").isdigit():  # launched by an agent: die with it
+        die_with_agent(int(env["EVENFLOW_AGENT_PID"]))
     missing = [k for k in REQUIRED if not env.get(k)]
     if missing:
         log.error("missing environment variables: %s", ", ".join(missing))
@@ -85,7 +99,10 @@ def worker_main(environ: dict[str, str] | None = None) -> int:
         options = RuntimeOptions(
             plan_poll_s=float(env.get("EVENFLOW_PLAN_POLL_S", "1.0")),
             telemetry_flush_s=float(env.get("EVENFLOW_TELEMETRY_S", "2.0")),
+            assignment=DeviceAssignment.from_env(env),
+            checkpoint_dir=checkpoint_dir(spec, job_id, env.get("EVENFLOW_JOB_DIR")),
         )
+        rdzv = Rendezvous.from_env(env, spec.rendezvous_timeout_s)
         # The plan fetch is a long-poll held up to this long (new plans arrive at once).
         plan_wait_s = float(env.get("EVENFLOW_PLAN_WAIT_S", "10.0"))
         if not 0 <= plan_wait_s <= MAX_PLAN_WAIT_S:
@@ -104,20 +121,29 @@ def worker_main(environ: dict[str, str] | None = None) -> int:
                 job_id,
                 plan_wait_s=plan_wait_s,
             )
+            rdzv = dataclasses.replace(
+                rdzv, publish_port=remote.publish_port, lookup_port=remote.lookup_port
+            )
+            rank = int(env["RANK"])
             result = run_training(
                 spec,
                 fetch_plan=remote.fetch_plan,
                 post_telemetry=remote.post_telemetry,
+                post_metrics=remote.post_metrics,
                 options=options,
+                rendezvous=rdzv,
+                report_checkpoint=lambda saved: remote.report_checkpoint(rank, saved),
             )
+    except CheckpointPathError as exc:
+        log.error("%s", exc)
+        _write_error(env, str(exc))
+        return WORKER_EXIT_FATAL
     except TelemetryClosed as exc:
         log.warning("job %d has ended on the control plane (%s); stopping", job_id, exc)
         return WORKER_EXIT_JOB_ENDED
     except Exception:
         log.exception("training failed")
-        if env.get("EVENFLOW_ERROR_FILE"):
-            with open(env["EVENFLOW_ERROR_FILE"], "w") as f:
-                f.write(traceback.format_exc())
+        _write_error(env, traceback.format_exc())
         return 1
     text = result_json(result)
     log.info("finished: %s", text)
@@ -125,6 +151,22 @@ def worker_main(environ: dict[str, str] | None = None) -> int:
         with open(env["EVENFLOW_RESULT"], "w") as f:
             f.write(text)
     return 0
+
+
+def checkpoint_dir(spec: JobSpec, job_id: int, job_dir: str | None) -> str | None:
+    """Where this job's checkpoints go: ``<checkpoint.path>/job-<id>`` (so jobs sharing a path
+    never resume from each other's), else the agent's job directory's ``checkpoints``."""
+    if spec.checkpoint is None:
+        return None
+    if spec.checkpoint.path is not None:
+        return f"{spec.checkpoint.path.rstrip('/')}/job-{job_id}"
+    return f"{job_dir.rstrip('/')}/checkpoints" if job_dir else None
+
+
+def _write_error(env: dict[str, str], text: str) -> None:
+    if env.get("EVENFLOW_ERROR_FILE"):
+        with open(env["EVENFLOW_ERROR_FILE"], "w") as f:
+            f.write(text)
 
 
 if __name__ == "__main__":

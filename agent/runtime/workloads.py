@@ -52,6 +52,17 @@ A job's ``workload.entrypoint`` is ``"package.module:function"``. The function r
    is not re-synchronised. When the loop ends every rank holds the trained model, including
    one still excluded at the end, so saving a checkpoint on rank 0 stays right.
 
+Checkpoints
+-----------
+With ``checkpoint`` in the spec the context writes checkpoints itself (model, optimizer, position
+in the data, RNG states) and, when the job is restarted after a failure, ``ctx.batches()``
+resumes from the newest one: ``ctx.iteration`` starts there and the model and optimizer are
+already restored. State of the loop's own goes in with ``ctx.on_checkpoint(name, save, load)``
+(``save()`` returns any picklable object; ``load(obj)`` puts it back on every rank) or
+``ctx.register_state(name, obj)`` for anything with ``state_dict``/``load_state_dict`` (an LR
+scheduler); register before the loop. After the loop, ``ctx.save_final()`` writes the trained
+model to the checkpoint directory (or ``ctx.save_final(path)`` anywhere fsspec can write).
+
 ``ctx.args`` is the job's ``workload.args``, ``ctx.seed`` its seed, ``ctx.device`` the device.
 """
 

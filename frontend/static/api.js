@@ -5,9 +5,9 @@ const BASE = "/api/v1";
 
 export class ApiError extends Error {
   constructor(status, body) {
-    super(body?.detail || `HTTP ${status}`);
+    super(body.detail);
     this.status = status;
-    this.detail = body?.detail || `HTTP ${status}`;
+    this.detail = body.detail;
     this.field = body?.field || null;
     this.errors = body?.errors || null;
   }
@@ -23,12 +23,24 @@ async function request(method, path, body) {
   if (response.status === 401) {
     // The session ended (token revoked, cookie expired): sign in again and come back here.
     window.location.assign(`/login?next=${encodeURIComponent(location.pathname + location.search)}`);
-    throw new ApiError(401, { detail: "signed out" });
+    throw new ApiError(401, errorBody(response, await response.text()));
   }
   const text = await response.text();
-  const data = text ? JSON.parse(text) : null;
-  if (!response.ok) throw new ApiError(response.status, data);
-  return data;
+  if (!response.ok) throw new ApiError(response.status, errorBody(response, text));
+  return text ? JSON.parse(text) : null;
+}
+
+/** The server's ErrorOut, or, from something in between (a proxy's HTML page, a plain-text
+ * 502), what it said in one line: never a message made up here. */
+function errorBody(response, text) {
+  try {
+    const body = JSON.parse(text);
+    if (body && typeof body.detail === "string") return body;
+  } catch {
+    // not JSON: fall through to the text itself
+  }
+  const said = text.replace(/<[^>]*>/g, " ").replace(/\s+/g, " ").trim().slice(0, 200);
+  return { detail: `HTTP ${response.status} ${response.statusText}${said ? `: ${said}` : ""}`.trim() };
 }
 
 const get = (path) => request("GET", path);
@@ -44,22 +56,16 @@ export const api = {
   plan: (id) => get(`/jobs/${id}/plan`),
   plans: (id, limit = 1000) => get(`/jobs/${id}/plans?limit=${limit}`),
   events: (id, limit = 1000) => get(`/jobs/${id}/events?limit=${limit}`),
+  logs: (id) => get(`/jobs/${id}/logs`),
   overrides: (id) => get(`/jobs/${id}/overrides`),
   override: (id, body) => post(`/jobs/${id}/overrides`, body),
   series: (id, points) => get(`/jobs/${id}/series?points=${points}`),
+  metrics: (id, points) => get(`/jobs/${id}/metrics?points=${points}`),
   throughput: (ids) => (ids.length ? get(`/dashboard/throughput?ids=${ids.join(",")}`) : []),
   audit: ({ target, limit = 100, offset = 0 } = {}) =>
     get(`/audit?limit=${limit}&offset=${offset}${target ? `&target=${encodeURIComponent(target)}` : ""}`),
 
-  /** Fitted per-worker models, or null where this server has no such endpoint (404). */
-  async models(id) {
-    try {
-      return await get(`/jobs/${id}/models`);
-    } catch (err) {
-      if (err.status === 404 || err.status === 405) return null;
-      throw err;
-    }
-  },
+  models: (id) => get(`/jobs/${id}/models`),
 
   /**
    * Open the job's live stream (server-sent events). `handlers` maps message kinds

@@ -26,7 +26,7 @@ export const iterationTraces = (world) => ({
   events: world + 2,
 });
 
-function baseLayout(yTitle, world) {
+export function baseLayout(yTitle, world) {
   return {
     margin: { l: 64, r: 16, t: 28, b: 44 },
     font: { family: FONT, size: 12, color: "#1f2937" },
@@ -55,20 +55,46 @@ function baseLayout(yTitle, world) {
   };
 }
 
+const LABEL_ROWS = [0.99, 0.92, 0.85]; // paper y of each row of plan labels
+const LABEL_CHAR_PX = 6.6; // about one character of the 11 px label font
+const PLOT_MARGIN_PX = 80; // the layout's left and right margins
+
+/**
+ * Rows for labels that start at `xs` (iterations) and are `widths` iterations wide: each
+ * label, newest first, takes the first row where it overlaps no label placed before; a label
+ * with no free row gets null (hidden: its line stays, and the plan history lists it).
+ */
+export function labelRows(xs, widths, rows = LABEL_ROWS.length) {
+  const placed = Array.from({ length: rows }, () => []);
+  const out = Array(xs.length).fill(null);
+  for (let i = xs.length - 1; i >= 0; i -= 1) {
+    const lo = xs[i];
+    const hi = xs[i] + widths[i];
+    const row = placed.findIndex((spans) => spans.every(([a, b]) => hi <= a || lo >= b));
+    if (row < 0) continue;
+    placed[row].push([lo, hi]);
+    out[i] = row;
+  }
+  return out;
+}
+
 /**
  * Vertical markers where each plan version took effect (its first iteration in telemetry),
  * labelled with the version and where it came from. `highlight` is a version to emphasise
- * (an override applied from this page).
+ * (an override applied from this page). Labels that would overlap at this zoom (`span`
+ * iterations across `widthPx` pixels) are staggered over three rows, and hidden past that.
  */
-export function planMarkers(effects, plansByVersion, { highlight = null, labels = 8 } = {}) {
+export function planMarkers(effects, plansByVersion, { highlight = null, labels = 8, span = 0, widthPx = 800 } = {}) {
   const shapes = [];
-  const annotations = [];
+  const candidates = [];
   const sorted = [...effects].sort((a, b) => a.version - b.version);
+  const perPx = span > 0 ? span / Math.max(100, widthPx - PLOT_MARGIN_PX) : 0;
   sorted.forEach((effect, i) => {
     if (i === 0 && effect.version === 1) return; // the initial plan: nothing changed
     const plan = plansByVersion.get(effect.version);
     const source = plan?.source || "automatic";
     const strong = effect.version === highlight;
+    const colour = SOURCE_COLOURS[source] || "#64748b";
     shapes.push({
       type: "line",
       name: `plan-v${effect.version}`,
@@ -78,24 +104,35 @@ export function planMarkers(effects, plansByVersion, { highlight = null, labels 
       x1: effect.iteration,
       y0: 0,
       y1: 1,
-      line: { color: SOURCE_COLOURS[source] || "#64748b", width: strong ? 2.5 : 1.2, dash: strong ? "solid" : "dash" },
+      line: { color: colour, width: strong ? 2.5 : 1.2, dash: strong ? "solid" : "dash" },
     });
     if (i >= sorted.length - labels) {
-      annotations.push({
-        name: `plan-v${effect.version}`,
-        x: effect.iteration,
-        xref: "x",
-        y: 0.99,
-        yref: "paper",
-        yanchor: "top",
-        xanchor: "left",
-        xshift: 3,
-        showarrow: false,
-        text: strong ? `v${effect.version} override took effect` : `v${effect.version} ${source}`,
-        font: { size: 11, color: SOURCE_COLOURS[source] || "#475569" },
-        bgcolor: "rgba(255,255,255,0.85)",
-      });
+      const text = strong ? `v${effect.version} override took effect` : `v${effect.version} ${source}`;
+      candidates.push({ effect, text, colour });
     }
+  });
+  candidates.sort((a, b) => a.effect.iteration - b.effect.iteration || a.effect.version - b.effect.version);
+  const rows = labelRows(
+    candidates.map((c) => c.effect.iteration),
+    candidates.map((c) => (c.text.length * LABEL_CHAR_PX + 10) * perPx),
+  );
+  const annotations = [];
+  candidates.forEach((c, i) => {
+    if (rows[i] === null) return;
+    annotations.push({
+      name: `plan-v${c.effect.version}`,
+      x: c.effect.iteration,
+      xref: "x",
+      y: LABEL_ROWS[rows[i]],
+      yref: "paper",
+      yanchor: "top",
+      xanchor: "left",
+      xshift: 3,
+      showarrow: false,
+      text: c.text,
+      font: { size: 11, color: c.colour },
+      bgcolor: "rgba(255,255,255,0.85)",
+    });
   });
   return { shapes, annotations };
 }
@@ -210,6 +247,74 @@ export function idleFigure(data) {
     ? { ...layout.xaxis, title: { text: "worker (rank)", standoff: 8 }, type: "linear", gridcolor: "rgba(0,0,0,0)" }
     : { ...layout.xaxis, title: { text: "worker", standoff: 8 }, type: "category" };
   layout.meta = { lastIteration: data.lastIteration, windowIterations: data.windowIterations };
+  return { data: traces, layout };
+}
+
+// From 0 ms (pale but not white: white is "no report") to the grid's largest value.
+const HEAT_SCALES = {
+  busy: [[0, "#fef9c3"], [0.4, "#fcd34d"], [0.7, "#f97316"], [1, "#991b1b"]],
+  idle: [[0, "#eff6ff"], [0.5, "#60a5fa"], [1, "#1e3a8a"]],
+};
+
+/**
+ * Per-rank heatmap over iterations: rank r is row r (rank 0 on top), each column a bucket of
+ * iterations, the colour its mean `metric` ("busy": data + compute, "idle": waiting at the
+ * all-reduce) in ms. A straggler is one hot row in "busy" and a pale row among dark ones in
+ * "idle" (everyone else waits for it). data: {x, y, z, bucket, metric, world}
+ */
+export function heatmapFigure(data) {
+  const busy = data.metric === "busy";
+  const what = busy ? "compute" : "idle";
+  const span = data.bucket > 1 ? ` (mean of ${data.bucket})` : "";
+  const trace = {
+    type: "heatmap",
+    name: what,
+    x: data.x,
+    y: data.y,
+    z: data.z,
+    zmin: 0,
+    zmax: data.z.reduce((m, row) => row.reduce((a, v) => (v === null ? a : Math.max(a, v)), m), 1e-9),
+    colorscale: HEAT_SCALES[busy ? "busy" : "idle"],
+    hoverongaps: false,
+    xgap: 0,
+    ygap: data.world <= 32 ? 1 : 0,
+    colorbar: { title: { text: "ms", side: "right" }, thickness: 12, len: 0.9 },
+    hovertemplate: `rank %{y}, iteration %{x}${span}: ${what} %{z:.1f} ms<extra></extra>`,
+  };
+  const layout = baseLayout(busy ? "compute per iteration" : "idle per iteration", 0);
+  layout.hovermode = "closest";
+  layout.showlegend = false;
+  layout.margin = { ...layout.margin, r: 8 };
+  layout.yaxis = {
+    ...layout.yaxis,
+    title: { text: "worker (rank)", standoff: 6 },
+    autorange: "reversed",
+    rangemode: undefined,
+    showgrid: false,
+    dtick: data.world <= 16 ? 1 : undefined,
+  };
+  layout.xaxis = { ...layout.xaxis, showgrid: false };
+  layout.meta = { metric: data.metric, bucket: data.bucket };
+  return { data: [trace], layout };
+}
+
+/**
+ * One line per job over iterations, for the compare page. data: {jobs: [{label, series: {x, y}}],
+ * yTitle, hover (a d3 format with its unit, e.g. "%{y:.0f} samples/s")}
+ */
+export function comparisonFigure(data) {
+  const n = data.jobs.length;
+  const traces = data.jobs.map((j, i) => ({
+    type: "scatter",
+    mode: "lines",
+    name: j.label,
+    x: j.series.x,
+    y: j.series.y,
+    line: { color: rankColour(i, n), width: 2 },
+    hovertemplate: `${j.label}: ${data.hover}<extra></extra>`,
+  }));
+  const layout = baseLayout(data.yTitle, n);
+  layout.hovermode = "x unified";
   return { data: traces, layout };
 }
 

@@ -28,6 +28,16 @@ export function statusBadge(status) {
   return el("span", { class: `badge status-${status}` }, status);
 }
 
+/**
+ * A form's count (a batch size, a number of workers) as the API should see it: a number when it
+ * is one, else the text as typed, so that the API's 422 names the field and says why (a
+ * decimal stays a number: the API answers that it must be an integer).
+ */
+export function parseCount(raw) {
+  const text = String(raw ?? "").trim();
+  return /^-?(\d+|\d*\.\d+)$/.test(text) ? Number(text) : text;
+}
+
 export function fmtMs(ms, digits = 1) {
   if (ms === null || ms === undefined || Number.isNaN(ms)) return "—";
   return ms >= 1000 ? `${(ms / 1000).toFixed(2)} s` : `${ms.toFixed(digits)} ms`;

@@ -1,12 +1,14 @@
 // The jobs page: the job list with each running job's speed, and the submit form.
 
 import { api } from "./api.js";
-import { $, $$, banner, canOperate, clear, el, fmtAgo, fmtNum, statusBadge } from "./dom.js";
+import { $, $$, banner, canOperate, clear, el, fmtAgo, fmtNum, parseCount, statusBadge } from "./dom.js";
 
 const REFRESH_MS = 5000;
 const table = $("#jobs-table");
 const form = $("#submit-form");
 const filter = $("#status-filter");
+const compareButton = $("#compare-selected");
+const selected = new Set(); // job ids ticked for the compare page, kept across refreshes
 
 async function refresh() {
   try {
@@ -22,7 +24,7 @@ async function refresh() {
 }
 
 function render(items, total, speeds) {
-  const head = ["id", "name", "status", "workers", "global batch", "plan", "speed", "iteration", "owner", "submitted"];
+  const head = ["", "id", "name", "status", "workers", "global batch", "plan", "speed", "iteration", "owner", "submitted"];
   if (!items.length) {
     clear(table, el("tbody", {}, el("tr", {}, el("td", { class: "muted" }, "No jobs yet."))));
     return;
@@ -33,6 +35,8 @@ function render(items, total, speeds) {
     el("tbody", {}, items.map((j) => {
       const t = speeds.get(j.id);
       return el("tr", { "data-job-id": j.id },
+        el("td", {}, el("input", { type: "checkbox", class: "compare-pick", "aria-label": `compare job ${j.id}`,
+          checked: selected.has(j.id), onchange: (e) => pick(j.id, e.target.checked) })),
         el("td", { class: "num" }, el("a", { href: `/jobs/${j.id}` }, `#${j.id}`)),
         el("td", {}, el("a", { href: `/jobs/${j.id}` }, j.name),
           j.emulated ? el("span", { class: "badge emulated", title: "emulated heterogeneity" }, "emulated") : null,
@@ -50,13 +54,18 @@ function render(items, total, speeds) {
   );
 }
 
-// ---------------------------------------------------------------- submit form
-
-function parseCount(text) {
-  if (/^-?\d+$/.test(text)) return Number(text);
-  if (/^-?\d*\.\d+$/.test(text)) return Number(text); // the API says integers only
-  return text; // not a number: the API names the field
+function pick(id, on) {
+  if (on) selected.add(id);
+  else selected.delete(id);
+  compareButton.disabled = selected.size < 2;
+  compareButton.textContent = selected.size >= 2 ? `Compare ${selected.size} jobs` : "Compare selected";
 }
+
+compareButton.addEventListener("click", () => {
+  location.assign(`/compare?jobs=${[...selected].sort((a, b) => a - b).join(",")}`);
+});
+
+// ---------------------------------------------------------------- submit form
 
 function value(name) {
   return form.elements[name].value.trim();

@@ -3,7 +3,7 @@
 // the API's: its 422 names a field, and the message is shown beside that input.
 
 import { api } from "./api.js";
-import { $, $$, canOperate, clear, el, fmtMs, fmtNum } from "./dom.js";
+import { $, $$, canOperate, clear, el, fmtMs, fmtNum, parseCount } from "./dom.js";
 import { rankName } from "./charts.js";
 
 const KINDS = {
@@ -31,11 +31,6 @@ const KINDS = {
   },
 };
 const NEEDS_RANK = new Set(["pin", "exclude", "readmit"]);
-
-function parseCount(raw) {
-  const text = String(raw).trim();
-  return /^-?\d+$/.test(text) ? Number(text) : text; // anything else: let the API say why
-}
 
 export class OverridePanel {
   constructor(root, ctx) {
@@ -148,7 +143,10 @@ export class OverridePanel {
     const job = this.ctx.job();
     if (!job) return;
     const inputs = $$("#batch-grid input", this.form);
-    const sum = inputs.reduce((s, i) => s + (Number.parseInt(i.value, 10) || 0), 0);
+    const sum = inputs.reduce((s, i) => {
+      const n = parseCount(i.value);
+      return s + (Number.isInteger(n) ? n : 0);
+    }, 0);
     const node = $("#batch-sum", this.form);
     node.textContent = `sum ${fmtNum(sum)} of ${fmtNum(job.spec.global_batch)}`;
     node.classList.toggle("bad", sum !== job.spec.global_batch);

@@ -13,8 +13,10 @@ from sqlalchemy.orm import Session
 
 from contract.base import MAX_ID
 from contract.enums import Role
+from server.api.gate import PRINCIPAL_STATE, SESSION_COOKIE, authenticate
 from server.config import Settings
 from server.context import AppContext, context_of
+from server.notify import PLACEMENT
 from server.services import tokens
 from server.services.tokens import Principal
 
@@ -41,6 +43,8 @@ def _session(request: Request, context: Context) -> Iterator[Session]:
     lock = context.write_lock if request.method not in SAFE_METHODS else nullcontext()
     with lock, context.sessions() as session, session.begin():
         yield session
+    if session.info.get("placement"):  # committed: jobs to place, or devices to place them on
+        context.wake_controller(PLACEMENT)
 
 
 SessionDep = Annotated[Session, Depends(_session, scope="function")]
@@ -51,19 +55,15 @@ async def _principal(
     context: Context,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> Principal:
-    """The caller. Known tokens come from a 2-second cache (cleared in this process when a
-    token is revoked). A miss reads the database in a worker thread in its own short session,
-    one read for all the requests that miss together; the request's session has not connected
-    yet, so no request ever holds two connections."""
-    cookie = request.cookies.get("evenflow_session")
+    """The caller, as ``server.api.gate`` found it before the body was read (every API route
+    passes the gate). Outside the gate, the same check here: a Bearer token, else the session
+    cookie, from the 2-second token cache or one batched read in a worker thread."""
+    found = request.scope.get("state", {}).get(PRINCIPAL_STATE)
+    if isinstance(found, Principal):
+        return found
+    cookie = request.cookies.get(SESSION_COOKIE)
     secret = credentials.credentials if credentials is not None else cookie
-    secret = tokens.require_secret(secret)
-    key = tokens.cache_key(secret)
-    sessions = context.sessions
-    principal: Principal = await context.caches.tokens.get_or_load_batched(
-        key, lambda keys: tokens.authenticate_keys(sessions, keys)
-    )
-    return principal
+    return await authenticate(context, tokens.require_secret(secret))
 
 
 def _role(role: Role) -> object:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -35,21 +36,35 @@ class LoopState:
     """Newest telemetry row id the loop has looked past (:func:`jobs_with_new_telemetry`)."""
     swept_at: dict[int, float] = field(default_factory=dict)
     """Monotonic time each job was last swept."""
+    attempts: dict[int, int] = field(default_factory=dict)
+    """The attempt of each job the state above is about: a restarted job (a new attempt, on
+    other devices or another number of them) starts afresh."""
     min_decision_interval_s: float = 0.0
     """At most one rebalancer decision per job per this many seconds. Cadences are counted in
     iterations; this bounds what a job racing through iterations costs the server (each
     decision refits every rank's model). The server sets 1 s; tests drive rounds by hand."""
 
     def forget(self, live: set[int]) -> None:
-        for table in (
+        for table in self._tables():
+            for job_id in set(table) - live:
+                del table[job_id]
+
+    def follow(self, job: Job) -> None:
+        """Forget what was learnt about an earlier attempt of ``job``."""
+        if self.attempts.get(job.id, job.attempt) != job.attempt:
+            for table in self._tables():
+                table.pop(job.id, None)
+        self.attempts[job.id] = job.attempt
+
+    def _tables(self) -> tuple[dict[int, Any], ...]:
+        return (
             self.decisions,
             self.watches,
             self.trackers,
             self.decided_at,
             self.swept_at,
-        ):
-            for job_id in set(table) - live:
-                del table[job_id]
+            self.attempts,
+        )
 
 
 def live_jobs(session: Session) -> list[int]:
@@ -110,6 +125,7 @@ def prefetch(session: Session, state: LoopState, job_id: int) -> None:
     job = session.get(Job, job_id)
     if job is None or JobStatus(job.status).terminal:
         return
+    state.follow(job)
     progress = state.trackers.setdefault(job.id, Tracker()).update(session, job)
     stragglers.prefetch(session, job, state.watches.setdefault(job.id, Watch()), progress)
 
@@ -120,6 +136,7 @@ def sweep_job(
     job = session.get(Job, job_id)
     if job is None or JobStatus(job.status).terminal:
         return []
+    state.follow(job)
     tracker = state.trackers.setdefault(job.id, Tracker())
     progress = tracker.update(session, job)
     if tracker.ooms:

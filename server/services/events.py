@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from server.models import StragglerEvent
+from server.models import IterationTelemetry, StragglerEvent
 
 
 def list_events(session: Session, job_id: int, *, limit: int) -> list[StragglerEvent]:
@@ -18,3 +18,25 @@ def list_events(session: Session, job_id: int, *, limit: int) -> list[StragglerE
             .limit(limit)
         )
     )
+
+
+def close_open(session: Session, job_id: int) -> int:
+    """Close the job's events still open when it ends (the watch stops with the job): each ends
+    after the job's last reported iteration. Returns how many were closed."""
+    rows = list(
+        session.scalars(
+            select(StragglerEvent).where(
+                StragglerEvent.job_id == job_id, StragglerEvent.end_iteration.is_(None)
+            )
+        )
+    )
+    if not rows:
+        return 0
+    last = session.scalar(
+        select(func.max(IterationTelemetry.iteration)).where(IterationTelemetry.job_id == job_id)
+    )
+    for row in rows:
+        end = row.start_iteration + 1 if last is None else int(last) + 1
+        row.end_iteration = max(end, row.start_iteration + 1)
+        row.detail = {**(row.detail or {}), "closed_by": "job ended"}
+    return len(rows)

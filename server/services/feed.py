@@ -107,7 +107,12 @@ def poll(session: Session, job_id: int, cursor: Cursor) -> tuple[list[FeedMessag
         out.append(FeedMessage("event", payload, cursor.token()))
     if (job.status, job.frozen) != (cursor.status, cursor.frozen):
         cursor.status, cursor.frozen = job.status, job.frozen
-        state = {"status": job.status, "frozen": job.frozen, "plan_version": job.plan_version}
+        state = {
+            "status": job.status,
+            "frozen": job.frozen,
+            "plan_version": job.plan_version,
+            "pending_reason": job.pending_reason,
+        }
         out.append(FeedMessage("job", state, cursor.token()))
     done = JobStatus(job.status).terminal and len(rows) < MAX_ROWS and not cursor.recent
     return out, done

@@ -1,13 +1,22 @@
-"""Hosts and their devices: registration, heartbeats, and marking silent hosts lost."""
+"""Hosts and their devices: registration, heartbeats, and marking silent hosts lost.
+
+A device is never shown free while a worker may still run on it. When a job ends, the device of
+each rank its agent has not yet reported ended stays busy (``jobs.may_still_run``), until that
+agent reports the rank ended (it stops the process first), or the host has been silent for
+``after_s + WORKER_ORPHAN_EXIT_S`` (``release_silent``): lost, and long enough that a dead
+agent's workers have certainly exited by their own check (``agent.runtime.parent``). A lost
+host's devices are offline meanwhile; if it comes back (an agent that was only cut off keeps
+its workers), they are busy again until its agent reports those ranks ended.
+"""
 
 from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from sqlalchemy import select
+from sqlalchemy import exists, or_, select
 from sqlalchemy.orm import Session, selectinload
 
-from contract.agent import Assignment, Heartbeat, HeartbeatAck, HostRegister
+from contract.agent import WORKER_ORPHAN_EXIT_S, Assignment, Heartbeat, HeartbeatAck, HostRegister
 from contract.base import PROTOCOL_VERSION
 from contract.enums import DeviceKind, DeviceStatus, HostStatus, JobStatus, Role, WorkerState
 from server.errors import Conflict, Forbidden, NotFound, ProtocolMismatch
@@ -88,12 +97,12 @@ def register(
         else:
             dev.model, dev.memory_mb = info.model, info.memory_mb
             if dev.status == DeviceStatus.OFFLINE.value:
-                dev.status = DeviceStatus.BUSY if dev.job_id else DeviceStatus.FREE
+                _back_online(session, dev)
     for key, dev in existing.items():
         if key not in reported and dev.job_id is None:
             dev.status = DeviceStatus.OFFLINE
     session.flush()
-    scheduler.place_pending(session, now)
+    scheduler.request_placement(session)
     return host
 
 
@@ -126,6 +135,15 @@ def _check_instance(
         )
 
 
+def _back_online(session: Session, dev: Device) -> None:
+    """An offline device comes back: busy while a rank may still run on it (its job's, or that
+    of an ended job whose rank the host's agent has not reported ended: ``release_silent`` may
+    have let go of it while the host was lost, as its agent was taken for dead), else free."""
+    if dev.job_id is None:
+        dev.job_id = jobs.job_still_running_on(session, dev.id)
+    dev.status = DeviceStatus.BUSY if dev.job_id else DeviceStatus.FREE
+
+
 def get(session: Session, host_id: int) -> Host:
     host = session.get(Host, host_id, options=[selectinload(Host.devices)])
     if host is None:
@@ -154,14 +172,36 @@ def heartbeat(
         host.status = HostStatus.ACTIVE
         for dev in host.devices:
             if dev.status == DeviceStatus.OFFLINE.value:
-                dev.status = DeviceStatus.BUSY if dev.job_id else DeviceStatus.FREE
+                _back_online(session, dev)
         record(session, principal.name, "host.recovered", f"host:{host.id}")
-        scheduler.place_pending(session, now)
+        scheduler.request_placement(session)
+    placed = _placed_here(session, host)
+    changed = False
     for report in hb.workers:
+        known = placed.get((report.job_id, report.rank))
+        if known is not None and (known[1] != report.attempt or known[0].state == report.state):
+            continue  # an earlier attempt's, or nothing new: the common case, with no query
         jobs.apply_worker_report(session, host, report, principal, now)
+        changed = True
+    if changed:  # a report may have ended or restarted a job: its ranks may be gone
+        session.flush()
+        placed = _placed_here(session, host)
+    on_devices = {(w.device_id, w.job_id) for w, _ in placed.values()}
+    jobs.release_replaced(session, host, hb.workers, now, placed=on_devices)
     return HeartbeatAck(
         host_id=host.id, status=HostStatus(host.status), assignments=assignments(session, host)
     )
+
+
+def _placed_here(session: Session, host: Host) -> dict[tuple[int, int], tuple[Worker, int]]:
+    """The ranks placed on ``host`` with their job's current attempt, by (job, rank): one
+    query, so a heartbeat's unchanged reports cost nothing more."""
+    rows = session.execute(
+        select(Worker, Job.attempt)
+        .join(Job, Worker.job_id == Job.id)
+        .where(Worker.host_id == host.id)
+    ).all()
+    return {(w.job_id, w.rank): (w, attempt) for w, attempt in rows}
 
 
 def assignments(session: Session, host: Host) -> list[Assignment]:
@@ -188,11 +228,12 @@ def assignments(session: Session, host: Host) -> list[Assignment]:
                 device_index=device.index,
                 device_kind=DeviceKind(device.kind),
                 master_addr=rank0_host,
-                master_port=job.master_port or 29500,
+                master_port=job.master_port or 0,  # 0: rank 0 binds one and publishes it
                 backend="nccl" if device.kind == DeviceKind.CUDA.value else "gloo",
                 desired="stop" if status.terminal else "run",
                 spec=job.spec,
                 worker_token=tokens.mint_worker_token(worker) if launch else None,
+                attempt=job.attempt,
             )
         )
     return out
@@ -200,7 +241,8 @@ def assignments(session: Session, host: Host) -> list[Assignment]:
 
 def mark_lost(session: Session, now: datetime, after_s: float) -> list[Host]:
     """Hosts silent for longer than ``after_s`` become lost; their devices go offline and the
-    jobs running there fail (a synchronous job cannot go on without a rank)."""
+    jobs running there restart elsewhere while their ``max_restarts`` allows, else fail (a
+    synchronous job cannot go on without a rank)."""
     cutoff = now - timedelta(seconds=after_s)
     lost = list(
         session.scalars(
@@ -223,8 +265,43 @@ def mark_lost(session: Session, now: datetime, after_s: float) -> list[Host]:
             dev.status = DeviceStatus.OFFLINE
         for job_id in sorted(job_ids):
             job = session.get(Job, job_id)
-            if job is not None and not JobStatus(job.status).terminal:
-                jobs.finish(
-                    session, job, JobStatus.FAILED, now, error=f"host '{host.name}' was lost"
-                )
+            # only a live attempt with a rank here loses it (a restarting job's old attempt
+            # may still hold devices here: they just go offline)
+            if (
+                job is not None
+                and any(w.host_id == host.id for w in job.workers)
+                and JobStatus(job.status) in (JobStatus.STARTING, JobStatus.RUNNING)
+            ):
+                jobs.fail_or_restart(session, job, f"host '{host.name}' was lost", now)
     return lost
+
+
+def release_silent(session: Session, now: datetime, after_s: float) -> list[Device]:
+    """Let go of the devices that ended jobs (or a restarted job's earlier attempt) still hold
+    on lost hosts silent for longer than
+    ``after_s`` (the lost-host limit) plus ``WORKER_ORPHAN_EXIT_S``: their agent is taken for
+    dead, and workers exit within that bound of their agent's death. The devices stay offline
+    while their host is lost; should it come back, they are busy again until its agent reports
+    those ranks ended (``_back_online``). Returns the devices released."""
+    cutoff = now - timedelta(seconds=after_s + WORKER_ORPHAN_EXIT_S)
+    held = list(
+        session.scalars(
+            select(Device)
+            .join(Job, Device.job_id == Job.id)
+            .join(Host, Device.host_id == Host.id)
+            .where(
+                or_(
+                    Job.status.in_([s.value for s in JobStatus if s.terminal]),
+                    ~exists().where(Worker.device_id == Device.id, Worker.job_id == Job.id),
+                ),
+                Host.status == HostStatus.LOST.value,
+                Host.last_heartbeat < cutoff,
+            )
+        )
+    )
+    for dev in held:
+        jobs.release(dev)
+    if held:
+        session.flush()
+        scheduler.request_placement(session)
+    return held

@@ -1,14 +1,26 @@
-"""Jobs: submission, cancellation, worker reports and the job state machine
-(``contract.enums.JobStatus`` draws it)."""
+"""Jobs: submission, cancellation, worker reports, restarts after a failure and the job state
+machine (``contract.enums.JobStatus`` draws it).
+
+A failure (a rank reports FAILED, or the host of one of its ranks is lost) restarts the job
+while its spec's ``max_restarts`` allows: the job becomes a new *attempt* (``Job.attempt``), its
+devices are given back and its workers (with their credentials) deleted, and it is placed
+again as a pending job: the same devices when they are free, others otherwise, between
+``workers`` and ``max_workers`` of them, with a new initial plan and rendezvous port. Agents
+launch the new attempt's ranks and stop the old ones; the runtime resumes from the job's
+newest checkpoint (or from iteration 0 without checkpoints). After ``max_restarts`` restarts,
+the next failure fails the job with every reason listed. A rank that exits with
+``WORKER_EXIT_FATAL`` (the job cannot run as specified) fails it at once."""
 
 from __future__ import annotations
 
+import signal
 from datetime import datetime
 
 from sqlalchemy import Connection, bindparam, func, select
 from sqlalchemy.orm import Session, selectinload
 
-from contract.agent import WorkerReport
+from contract.agent import WORKER_EXIT_FATAL, WorkerReport
+from contract.api import RestartOut
 from contract.enums import (
     JOB_TRANSITIONS,
     WORKER_TRANSITIONS,
@@ -20,8 +32,8 @@ from contract.enums import (
 from contract.spec import JobSpec
 from server.cache import mark_tokens_changed
 from server.errors import Conflict, Forbidden, Invalid, NotFound
-from server.models import Device, Host, Job, Worker
-from server.services import scheduler
+from server.models import Checkpoint, Device, Host, IterationTelemetry, Job, Worker
+from server.services import events, scheduler
 from server.services.audit import record
 from server.services.tokens import Principal
 
@@ -47,12 +59,28 @@ def list_jobs(
     return list(rows), int(session.scalar(count) or 0)
 
 
+def _check_devices(session: Session, ids: list[int]) -> None:
+    """Explicit devices must exist and be of one kind (one process group, one backend)."""
+    kinds = dict(session.execute(select(Device.id, Device.kind).where(Device.id.in_(ids))).all())
+    missing = [d for d in ids if d not in kinds]
+    if missing:
+        raise Invalid(f"unknown device ids {missing}", field="devices")
+    by_kind: dict[str, list[int]] = {}
+    for d in ids:
+        by_kind.setdefault(kinds[d], []).append(d)
+    if len(by_kind) > 1:
+        listed = "; ".join(f"{k} {v}" for k, v in sorted(by_kind.items()))
+        raise Invalid(
+            f"devices mixes device kinds ({listed}): a job's ranks share one backend, so they "
+            "must be all CUDA devices (NCCL) or all CPU slots (gloo)",
+            field="devices",
+        )
+
+
 def create(session: Session, spec: JobSpec, principal: Principal, now: datetime) -> Job:
     if spec.devices is not None:
-        known = set(session.scalars(select(Device.id).where(Device.id.in_(spec.devices))))
-        missing = [d for d in spec.devices if d not in known]
-        if missing:
-            raise Invalid(f"unknown device ids {missing}", field="devices")
+        _check_devices(session, spec.devices)
+    scheduler.check_placeable(session, spec)
     job = Job(
         name=spec.name,
         owner=principal.name,
@@ -65,8 +93,23 @@ def create(session: Session, spec: JobSpec, principal: Principal, now: datetime)
     session.add(job)
     session.flush()
     record(session, principal.name, "job.create", f"job:{job.id}", {"name": spec.name})
-    scheduler.place_pending(session, now)
+    # Placement is the controller's (it may take seconds): the submission answers at once.
+    job.pending_reason = scheduler.explain(
+        session, spec, scheduler.free_devices(session), tried=False
+    )
+    scheduler.request_placement(session)
     return job
+
+
+def logs(session: Session, job_id: int, rank: int | None) -> list[Worker]:
+    """The job's ranks (one, with ``rank``) with their root cause and log tail."""
+    job = get(session, job_id)
+    if rank is None:
+        return list(job.workers)
+    found = [w for w in job.workers if w.rank == rank]
+    if not found:
+        raise NotFound(f"job {job_id} has no rank {rank}", field="rank")
+    return found
 
 
 def transition(job: Job, to: JobStatus) -> None:
@@ -79,17 +122,107 @@ def transition(job: Job, to: JobStatus) -> None:
 def finish(
     session: Session, job: Job, status: JobStatus, now: datetime, *, error: str | None = None
 ) -> None:
-    """Move a job to a terminal state and give its devices back."""
+    """Move a job to a terminal state and give back the devices no rank of it may still run on
+    (``may_still_run``); the others follow as their agents report the ranks ended."""
     transition(job, status)
     job.finished_at = now
     job.error = error
+    events.close_open(session, job.id)  # the straggler watch stops with the job
     mark_tokens_changed(session)  # its workers' credentials die with it (cached ones too)
+    on_device = {w.device_id: w for w in job.workers}
     for dev in session.scalars(select(Device).where(Device.job_id == job.id)):
-        dev.job_id = None
-        if dev.status == DeviceStatus.BUSY.value:
-            dev.status = DeviceStatus.FREE
+        if not may_still_run(on_device.get(dev.id)):
+            release(dev)
     session.flush()
-    scheduler.place_pending(session, now)
+    scheduler.request_placement(session)  # its devices are free for pending jobs
+
+
+def may_still_run(worker: Worker | None) -> bool:
+    """Whether a process of this rank may still be running, so its device is not free even
+    though its job has ended: the rank was handed to its agent (its credential was minted) and
+    the agent has not reported it ended (succeeded, failed or stopped; an agent reports a rank
+    stopped only once its process is gone). ``hosts.release_silent`` frees the device of a rank
+    whose host has fallen silent for good."""
+    return (
+        worker is not None
+        and worker.token_hash is not None
+        and not WorkerState(worker.state).terminal
+    )
+
+
+def job_still_running_on(session: Session, device_id: int) -> int | None:
+    """The job of a rank on this device that ``may_still_run``, if any."""
+    return session.scalar(
+        select(Worker.job_id).where(
+            Worker.device_id == device_id,
+            Worker.token_hash.is_not(None),
+            Worker.state.not_in([s.value for s in WorkerState if s.terminal]),
+        )
+    )
+
+
+def release(device: Device) -> None:
+    """Give a device of an ended job back: free, or offline while its host is lost."""
+    device.job_id = None
+    if device.status == DeviceStatus.BUSY.value:
+        device.status = DeviceStatus.FREE
+
+
+def fail_or_restart(
+    session: Session, job: Job, reason: str, now: datetime, *, retry: bool = True
+) -> None:
+    """A rank of a live job failed or was lost: restart the job while its ``max_restarts``
+    allows (and ``retry``: a restart can mend the failure), else fail it with every reason."""
+    if retry and job.restarts < job.job_spec.max_restarts:
+        restart(session, job, reason, now)
+        return
+    reasons = [*(r["reason"] for r in job.restart_history), reason]
+    error = reason
+    if len(reasons) > 1:
+        listed = "; ".join(f"attempt {i}: {r}" for i, r in enumerate(reasons))
+        error = f"failed after {len(reasons) - 1} restart(s): {listed}"
+    finish(session, job, JobStatus.FAILED, now, error=error)
+    record(session, "system", "job.failed", f"job:{job.id}", {"reason": reason})
+
+
+def restart(session: Session, job: Job, reason: str, now: datetime) -> None:
+    """Begin the job's next attempt: devices back, workers gone, pending again, placed anew."""
+    resumed_from, lost = _progress_lost(session, job)
+    entry = RestartOut(
+        attempt=job.attempt + 1,
+        at=now,
+        reason=reason if job.job_spec.checkpoint else f"{reason} (no checkpoint: from iteration 0)",
+        resumed_from=resumed_from,
+        iterations_lost=lost,
+    )
+    job.restart_history = [*(job.restart_history or []), entry.model_dump(mode="json")]
+    job.attempt += 1
+    transition(job, JobStatus.PENDING)
+    mark_tokens_changed(session)  # the old attempt's credentials die with its workers
+    on_device = {w.device_id: w for w in job.workers}
+    for dev in session.scalars(select(Device).where(Device.job_id == job.id)):
+        if not may_still_run(on_device.get(dev.id)):
+            release(dev)  # the others stay the job's until ``release_replaced``
+    job.workers.clear()
+    session.flush()  # the old ranks' rows go before the new attempt's are added
+    session.expire(job, ["workers"])
+    record(session, "system", "job.restart", f"job:{job.id}", entry.model_dump(mode="json"))
+    scheduler.request_placement(session)
+
+
+def _progress_lost(session: Session, job: Job) -> tuple[int | None, int | None]:
+    """(the newest checkpoint's iteration, iterations done since it), as far as the control
+    plane has heard: checkpoints and telemetry reported so far."""
+    newest = session.scalar(
+        select(func.max(Checkpoint.iteration)).where(Checkpoint.job_id == job.id)
+    )
+    T = IterationTelemetry
+    last = session.scalar(
+        select(func.max(T.iteration)).where(T.job_id == job.id, T.probe.is_(False))
+    )
+    start = int(newest) if newest is not None else 0
+    lost = max(0, int(last) + 1 - start) if last is not None else None
+    return (int(newest) if newest is not None else None), lost
 
 
 def cancel(session: Session, job_id: int, principal: Principal, now: datetime) -> Job:
@@ -110,12 +243,21 @@ def rank0_address(session: Session, job: Job) -> str:
 def apply_worker_report(
     session: Session, host: Host, report: WorkerReport, principal: Principal, now: datetime
 ) -> None:
-    """A worker changed state on ``host``; advance the worker and, through it, the job."""
+    """A worker changed state on ``host``; advance the worker and, through it, the job.
+
+    A report about a rank the control plane does not know (its database was reset, or the job
+    removed) is skipped rather than refusing the whole heartbeat: the answer does not list that
+    rank, so the agent stops the process. Reports about an earlier attempt's processes are
+    ignored too (that attempt has been replaced; ``release_replaced`` frees their devices once
+    the host reports none of them running)."""
+    attempt = session.scalar(select(Job.attempt).where(Job.id == report.job_id))
+    if attempt is not None and report.attempt != attempt:
+        return
     worker = session.scalars(
         select(Worker).where(Worker.job_id == report.job_id, Worker.rank == report.rank)
     ).first()
     if worker is None:
-        raise NotFound(f"job {report.job_id} has no rank {report.rank}", field="workers")
+        return
     if worker.host_id != host.id:
         raise Forbidden(
             f"rank {report.rank} of job {report.job_id} does not run on host '{host.name}'"
@@ -129,21 +271,24 @@ def apply_worker_report(
     worker.state, worker.exit_code, worker.updated_at = to, report.exit_code, now
     if report.error:
         worker.error = report.error
+    if report.log_tail:
+        worker.log_tail = report.log_tail
     job = get(session, report.job_id)
-    status = JobStatus(job.status)
-    if status.terminal:
+    if JobStatus(job.status).terminal:
+        _release_ended_rank(session, worker, now)
         return
+    _advance_job(session, job, report, now)
+
+
+def _advance_job(session: Session, job: Job, report: WorkerReport, now: datetime) -> None:
+    """A live job after one of its ranks changed state: restart or fail it on a failure,
+    succeed when every rank did, run once every rank runs."""
+    status, to = JobStatus(job.status), report.state
     states = [WorkerState(w.state) for w in job.workers]
     if to is WorkerState.FAILED:
-        tail = (report.error or f"exit code {report.exit_code}").strip().splitlines()[-1:]
-        finish(
-            session,
-            job,
-            JobStatus.FAILED,
-            now,
-            error=f"rank {report.rank} failed: {' '.join(tail)}",
-        )
-        record(session, principal.name, "job.failed", f"job:{job.id}", {"rank": report.rank})
+        reason = failure_reason(report)
+        retry = report.exit_code != WORKER_EXIT_FATAL
+        fail_or_restart(session, job, reason, now, retry=retry)
     elif all(s is WorkerState.SUCCEEDED for s in states):
         if status is JobStatus.STARTING:
             transition(job, JobStatus.RUNNING)
@@ -155,6 +300,60 @@ def apply_worker_report(
         job.started_at = now
 
 
+def release_replaced(
+    session: Session,
+    host: Host,
+    reports: list[WorkerReport],
+    now: datetime,
+    *,
+    placed: set[tuple[int | None, int]],
+) -> None:
+    """Free the devices of ``host`` that a restarted job's earlier attempt still holds (no rank
+    of the job is ``placed`` there: (device, job) of the host's ranks) once its agent reports
+    none of that attempt's processes running: the heartbeat answer no longer lists them, so the
+    agent stops them, and a process is reported running for as long as it runs."""
+    released = False
+    for dev in host.devices:
+        if dev.job_id is None or (dev.id, dev.job_id) in placed:
+            continue
+        attempt = session.scalar(select(Job.attempt).where(Job.id == dev.job_id))
+        if attempt is None or any(
+            r.job_id == dev.job_id and r.attempt < attempt and r.state is WorkerState.RUNNING
+            for r in reports
+        ):
+            continue
+        release(dev)
+        released = True
+    if released:
+        session.flush()
+        scheduler.request_placement(session)
+
+
+def _release_ended_rank(session: Session, worker: Worker, now: datetime) -> None:
+    """The rank of an ended job is now reported ended too: its device is free at last."""
+    device = session.get(Device, worker.device_id) if worker.device_id is not None else None
+    if device is not None and device.job_id == worker.job_id and not may_still_run(worker):
+        release(device)
+        session.flush()
+        scheduler.request_placement(session)
+
+
+def failure_reason(report: WorkerReport) -> str:
+    """One line on why a rank failed: the signal that killed it (its log's last line would
+    be whatever it was doing), else its error's last line (a traceback's exception)."""
+    if report.signal is not None:
+        return f"rank {report.rank} killed by {report.signal}"
+    code = report.exit_code
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"rank {report.rank} killed by {name}"
+    tail = (report.error or f"exit code {code}").strip().splitlines()[-1:]
+    return f"rank {report.rank} failed: {' '.join(tail)}"
+
+
 _RANKS_ON_HOST = (
     select(Worker.rank)
     .join(Host, Worker.host_id == Host.id)
@@ -163,29 +362,33 @@ _RANKS_ON_HOST = (
 
 
 def check_may_write_ranks(
-    db: Session | Connection, principal: Principal, job_id: int, ranks: list[int]
+    db: Session | Connection,
+    principal: Principal,
+    job_id: int,
+    ranks: list[int],
+    action: str = "post telemetry",
 ) -> None:
-    """Who may post timings of these ranks of a job (``db``: a session, or the Core connection
-    of the telemetry ingest's hot path): an admin any; an agent only ranks placed on its own
-    host; a worker credential only its own job and rank; nobody else."""
+    """Who may post timings, metrics or checkpoints (``action``, for the messages) of these ranks of a job
+    (``db``: a session, or the Core connection of the telemetry ingest's hot path): an admin
+    any; an agent only ranks placed on its own host; a worker credential only its own job and
+    rank; nobody else."""
     if principal.role is Role.ADMIN:
         return
     if principal.role is Role.WORKER:
         if principal.job_id != job_id:
             raise Forbidden(
                 f"'{principal.name}' is a worker credential of job {principal.job_id}; "
-                f"it may not post telemetry for job {job_id}"
+                f"it may not {action} for job {job_id}"
             )
         other = next((r for r in ranks if r != principal.rank), None)
         if other is not None:
             raise Forbidden(
-                f"'{principal.name}' may post telemetry for rank {principal.rank} only, "
-                f"not rank {other}"
+                f"'{principal.name}' may {action} for rank {principal.rank} only, not rank {other}"
             )
         return
     if principal.role is not Role.AGENT:
         raise Forbidden(
-            f"posting telemetry needs an agent, worker or admin token; '{principal.name}' is "
+            f"only an agent, worker or admin token may {action}; '{principal.name}' is "
             f"{principal.role.value}"
         )
     placed = set(db.scalars(_RANKS_ON_HOST, {"job_id": job_id, "host": principal.host}))
@@ -193,5 +396,5 @@ def check_may_write_ranks(
     if other is not None:
         raise Forbidden(
             f"rank {other} of job {job_id} is not placed on host '{principal.host}'; agent "
-            f"token '{principal.name}' may post telemetry only for that host's ranks"
+            f"token '{principal.name}' may {action} only for that host's ranks"
         )

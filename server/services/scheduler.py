@@ -1,9 +1,18 @@
 """Placement of pending jobs onto free devices, highest priority first.
 
+Placement runs in the controller, every round (``server.controller``), never in a request: a
+submission answers at once, and a job that cannot be placed yet carries ``pending_reason``
+(``explain``). A job that could never be placed (more workers than devices exist on the
+registered hosts) is refused at submission (``check_placeable``).
+
 A job naming explicit ``devices`` gets exactly those once they are all free. Any other job is
 placed by the planner's integer program (``server.planner.place``: maximise the predicted
 throughput of the chosen devices, fewer hosts preferred, between ``workers`` and
 ``max_workers`` devices), warm-started from a greedy placement, with a time limit.
+
+A job's ranks are all CUDA devices (NCCL) or all CPU slots (gloo), never a mix: one process
+group has one backend. The program is solved per device kind and the better placement taken;
+a job naming devices of both kinds is refused when submitted.
 
 Device speeds for the job's workload come from telemetry of earlier (non-emulated) jobs of the
 same workload on that device: samples over compute time. A device never measured on it gets the
@@ -12,7 +21,6 @@ published-figures prior (``server/planner/gpu_profiles.csv``), and a CPU a nomin
 
 from __future__ import annotations
 
-import random
 from collections import defaultdict
 from datetime import datetime
 from functools import cache
@@ -23,11 +31,13 @@ from sqlalchemy.orm import Session
 
 from contract.enums import DeviceKind, DeviceStatus, HostStatus, JobStatus, PlanSource, WorkerState
 from contract.spec import JobSpec
+from server.errors import Invalid
 from server.models import Device, Host, IterationTelemetry, Job, TelemetryRollup, Worker
 from server.planner import (
     FreeDevice,
     GpuProfile,
     JobRequest,
+    Placement,
     SolveStatus,
     load_gpu_profiles,
     place,
@@ -130,8 +140,8 @@ def choose_devices(
         max_workers=spec.max_workers or spec.workers,
         priority=spec.priority,
     )
-    placement = place(request, candidates(session, spec, free), time_limit_s=PLACEMENT_TIME_LIMIT_S)
-    if placement.status is SolveStatus.INFEASIBLE or not placement.device_ids:
+    placement = _best_of_kinds(request, candidates(session, spec, free), by_id)
+    if placement is None:
         return None
     job.error = None
     chosen = [by_id[int(d)] for d in placement.device_ids]
@@ -143,6 +153,90 @@ def choose_devices(
         "hosts": len(placement.hosts_used),
     }
     return chosen
+
+
+def _best_of_kinds(
+    request: JobRequest, cands: list[FreeDevice], by_id: dict[int, Device]
+) -> Placement | None:
+    """The best placement on devices of one kind (never CPU and CUDA ranks in one job)."""
+    groups: dict[str, list[FreeDevice]] = defaultdict(list)
+    for c in cands:
+        groups[by_id[int(c.id)].kind].append(c)
+    best: Placement | None = None
+    for group in groups.values():
+        if len(group) < request.min_workers:
+            continue
+        placement = place(request, group, time_limit_s=PLACEMENT_TIME_LIMIT_S)
+        if placement.status is SolveStatus.INFEASIBLE or not placement.device_ids:
+            continue
+        if best is None or placement.objective > best.objective:
+            best = placement
+    return best
+
+
+def check_placeable(session: Session, spec: JobSpec) -> None:
+    """Refuse (422) a job that could never be placed: it needs more devices of one kind (its
+    ranks share one backend) than the registered hosts have, busy or not."""
+    if spec.workers is None:
+        return  # explicit devices: their existence is checked by the caller
+    rows = session.execute(
+        select(Device.kind, Host.name, func.count(Device.id))
+        .join(Host)
+        .group_by(Device.kind, Host.name)
+        .order_by(Device.kind, Host.name)
+    ).all()
+    by_kind: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    for kind, host, n in rows:
+        by_kind[str(kind)].append((host, int(n)))
+    totals = {kind: sum(n for _, n in hosts) for kind, hosts in by_kind.items()}
+    best = max(totals.values(), default=0)
+    if spec.workers <= best:
+        return
+    listed = "; ".join(
+        f"{kind}: {', '.join(f'{n} on {h}' for h, n in by_kind[kind])}" for kind in sorted(by_kind)
+    )
+    plural = "s" if spec.workers != 1 else ""
+    raise Invalid(
+        f"the job needs {spec.workers} device{plural} of one kind but the registered hosts "
+        f"have at most {best} ({listed or 'no host is registered'}): {spec.workers - best} "
+        "short, so it could never be placed",
+        field="workers",
+    )
+
+
+def request_placement(session: Session) -> None:
+    """Ask for a placement round once this session commits (devices were added or freed, or a
+    job was submitted): the request's session pokes the controller (``server.api.deps``)."""
+    session.info["placement"] = True
+
+
+def explain(session: Session, spec: JobSpec, free: list[Device], *, tried: bool) -> str:
+    """Why a job is not placed with these devices free: "needs 4 devices, 2 free, 2 busy with
+    job 7". ``tried``: placement was attempted with them (else it has yet to be)."""
+    free_ids = {d.id for d in free}
+    devices = list(session.scalars(select(Device).join(Host).order_by(Device.id)))
+    if spec.devices is not None:
+        wanted = set(spec.devices)
+        devices = [d for d in devices if d.id in wanted]
+        need = f"needs devices {sorted(wanted)}"
+        have = f"{sum(1 for d in devices if d.id in free_ids)} of them free"
+    else:
+        need = f"needs {spec.workers} device{'s' if spec.workers != 1 else ''}"
+        have = f"{len(free)} free"
+    busy: dict[int, int] = defaultdict(int)
+    for d in devices:
+        if d.job_id is not None and d.id not in free_ids:
+            busy[d.job_id] += 1
+    parts = [need, have]
+    for job_id, n in sorted(busy.items()):
+        parts.append(f"{n} busy with job {job_id}")
+    away = sum(1 for d in devices if d.job_id is None and d.id not in free_ids)
+    if away:
+        parts.append(f"{away} offline")
+    enough = spec.workers is not None and len(free) >= spec.workers
+    if spec.devices is None and enough:
+        parts.append("no placement fits them" if tried else "waiting for the controller")
+    return ", ".join(parts)
 
 
 def place_pending(session: Session, now: datetime) -> list[Job]:
@@ -162,7 +256,11 @@ def place_pending(session: Session, now: datetime) -> list[Job]:
         spec = job.job_spec
         chosen = choose_devices(session, job, spec, free)
         if chosen is None:
+            reason = explain(session, spec, free, tried=True)
+            if job.pending_reason != reason:
+                job.pending_reason = reason
             continue
+        job.pending_reason = None
         taken = {d.id for d in chosen}
         free = [d for d in free if d.id not in taken]
         for rank, dev in enumerate(chosen):
@@ -178,7 +276,7 @@ def place_pending(session: Session, now: datetime) -> list[Job]:
                 )
             )
         job.status = JobStatus.STARTING
-        job.master_port = random.randint(29500, 39999)
+        job.master_port = None  # rank 0 binds a free port and publishes it (rendezvous)
         session.flush()
         plans.create(
             session,

@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session
 
 from contract.enums import PlanSource, PolicyName
 from contract.spec import JobSpec
-from server.models import Device, IterationTelemetry, Job
+from server.models import Device, IterationTelemetry, Job, Plan
 from server.models import StragglerEvent as EventRow
 from server.planner import PerfModel
 from server.services import plans, rebalancer
@@ -101,7 +101,8 @@ def prefetch(session: Session, job: Job, watch: Watch, progress: Progress) -> No
 def _timings(session: Session, job: Job, after: int, through: int) -> list[ComputeTiming]:
     """Timings of iterations (after, through], at most ``MAX_TIMINGS_PER_ROUND`` of them and
     only whole iterations: under a flood the watch catches up over rounds instead of holding
-    the interpreter (and the API's event loop) for one long round."""
+    the interpreter (and the API's event loop) for one long round. Each carries the rank's batch
+    in its plan, so the detector judges an epoch's final partial batch at its size."""
     T = IterationTelemetry
     window = (
         select(T.rank, T.iteration, T.batch_size, T.compute_ms, T.plan_version)
@@ -114,7 +115,27 @@ def _timings(session: Session, job: Job, after: int, through: int) -> list[Compu
         last = rows[-1][1]
         whole = [r for r in rows if r[1] < last]
         rows = whole or rows  # one iteration wider than the cap still goes through whole
-    return [ComputeTiming(int(r), int(i), int(b), float(c), int(v)) for r, i, b, c, v in rows]
+    planned = _planned(session, job, {int(r[4]) for r in rows})
+    return [
+        ComputeTiming(int(r), int(i), int(b), float(c), int(v), _at(planned.get(int(v)), int(r)))
+        for r, i, b, c, v in rows
+    ]
+
+
+def _planned(session: Session, job: Job, versions: set[int]) -> dict[int, list[int]]:
+    """Batch sizes of these plan versions of the job."""
+    if not versions:
+        return {}
+    found = session.execute(
+        select(Plan.version, Plan.batch_sizes).where(
+            Plan.job_id == job.id, Plan.version.in_(sorted(versions))
+        )
+    )
+    return {int(v): list(sizes) for v, sizes in found}
+
+
+def _at(sizes: list[int] | None, rank: int) -> int | None:
+    return sizes[rank] if sizes is not None and 0 <= rank < len(sizes) else None
 
 
 def _refresh_normal(session: Session, job: Job, watch: Watch, through: int) -> None:
@@ -163,14 +184,13 @@ def _store(session: Session, job: Job, watch: Watch, updates: list[EventUpdate])
             session.add(row)
             session.flush()
             watch.rows[key] = row.id
-            if e.kind is not StragglerKind.STATIC:
-                log.info(
-                    "job %d: rank %d straggling x%.2f from iteration %d",
-                    job.id,
-                    e.rank,
-                    e.severity,
-                    e.start_iteration,
-                )
+            log.info(
+                "job %d: rank %d straggling x%.2f from iteration %d",
+                job.id,
+                e.rank,
+                e.severity,
+                e.start_iteration,
+            )
         else:
             row.kind, row.severity, row.end_iteration, row.detail = (
                 e.kind.value,

@@ -23,6 +23,8 @@ from server.models import ApiToken, Job, Worker, utcnow
 from server.services.audit import record
 
 TOKEN_PREFIX = "ef_"
+BOOTSTRAP_ADMIN = "bootstrap-admin"
+"""The name of the admin token the server makes at start-up (``ensure_admin``)."""
 WORKER_PREFIX = "efw_"
 """Worker credentials start with this, so they are looked up among workers, not tokens."""
 
@@ -224,29 +226,37 @@ def list_tokens(session: Session) -> list[ApiToken]:
 
 
 def ensure_admin(session: Session, secret: str | None) -> str | None:
-    """Make sure an admin can log in. With ``secret`` (EVENFLOW_ADMIN_TOKEN) that token exists;
-    without it, a token is generated only if no admin exists yet. Returns a newly generated
-    secret, to be printed once, or None."""
+    """Make sure an admin can log in. With ``secret`` (EVENFLOW_ADMIN_TOKEN) that token exists,
+    and any other bootstrap admin token (one set before, or generated) is revoked: changing
+    the variable rotates the token. Without it, a token is generated only if no admin exists
+    yet. Returns a newly generated secret, to be printed once, or None."""
     if secret is not None:
-        if session.scalars(
+        current = session.scalars(
             select(ApiToken).where(ApiToken.token_hash == hash_token(secret))
-        ).first():
-            return None
-        create(
-            session,
-            TokenCreate(name="bootstrap-admin", role=Role.ADMIN),
-            by="system",
-            secret=secret,
-        )
+        ).first()
+        if current is None:
+            current, _ = create(
+                session,
+                TokenCreate(name=BOOTSTRAP_ADMIN, role=Role.ADMIN),
+                by="system",
+                secret=secret,
+            )
+        for old in session.scalars(
+            select(ApiToken).where(
+                ApiToken.name == BOOTSTRAP_ADMIN,
+                ApiToken.created_by == "system",
+                ApiToken.revoked_at.is_(None),
+                ApiToken.id != current.id,
+            )
+        ):
+            revoke(session, old.id, by="system")
         return None
     live_admin = session.scalars(
         select(ApiToken).where(ApiToken.role == Role.ADMIN.value, ApiToken.revoked_at.is_(None))
     ).first()
     if live_admin is not None:
         return None
-    _, generated = create(
-        session, TokenCreate(name="bootstrap-admin", role=Role.ADMIN), by="system"
-    )
+    _, generated = create(session, TokenCreate(name=BOOTSTRAP_ADMIN, role=Role.ADMIN), by="system")
     return generated
 
 

@@ -4,7 +4,7 @@ Iteration numbers are the only time axis; plain values in, plain values out.
 
 Detection (``changepoint``, ``detector``)::
 
-    ComputeTiming(rank, iteration, batch_size, compute_ms, plan_version=0)
+    ComputeTiming(rank, iteration, batch_size, compute_ms, plan_version=0, planned_batch=None)
     Detector(config=DetectorConfig(), state=None)
         .observe(timings, models=None) -> list[EventUpdate]      incremental, any order
         .health() -> dict[rank, RankHealth]                        the ladder's input
@@ -13,7 +13,7 @@ Detection (``changepoint``, ``detector``)::
     detect(window, models=None, config=None) -> list[StragglerEvent]     batch replay
     StragglerEvent(rank, kind, start_iteration, end_iteration, severity, detected_iteration,
                    confirmed_iteration, peak, action)
-    StragglerKind: static | dynamic | transient (its docstring draws an event's state machine)
+    StragglerKind: dynamic | transient (its docstring draws an event's state machine)
     EventUpdate(change: opened | updated | closed, event, iteration)
     iteration_stats(window, models) -> list[IterationStats]     imbalance and ratios per iteration
 

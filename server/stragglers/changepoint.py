@@ -56,6 +56,28 @@ Recovery (a second CUSUM, towards normal). With ``level`` the median of the last
 end of the event is the first iteration of that run. A 1.5x event recovers in about four samples,
 a 3x one in two, a 10x one in one.
 
+Batch sizes the reference cannot predict. A worker's time is non-decreasing in its batch size,
+so a batch smaller than one whose time is known takes at most that time; how much less, the
+reference may not know. Two cases are judged by that bound alone:
+
+- an epoch's final partial batch (``batch < planned``: the plan gave the rank more samples than
+  were left). Its model was fitted on the plan's sizes, and a few samples take the fixed cost of
+  a kernel launch or a collective's set-up, which a line extrapolated down to them leaves out;
+- with the ``"self"`` reference (ms per sample: no intercept), a batch below every batch size
+  the reference was learned from.
+
+Such a sample is judged against the time of the batch it is bounded by (the plan's, or the
+smallest learned) ::
+
+    x = log(measured / ref(bound))
+
+It counts only as evidence that the rank is slow (``x`` above its normal level by more than the
+drift k: slower than the larger batch would be), never as evidence of normal speed: while no
+event is open it may add to the onset CUSUM, it never enters the baseline, and while an event is
+open it is left out (its time can show neither the level nor a recovery). A rank whose times
+match its model therefore never opens an event at an epoch's tail, however far the model is off
+below the sizes it was fitted on.
+
 State is plain data (``RankState``: ints, floats, lists, strings), so the detector can be
 serialised, stored and rebuilt.
 """
@@ -110,15 +132,13 @@ class DetectorConfig:
     """Samples of an event kept for its severity (the median over at most these)."""
     severity_step: float = 0.1
     """An UPDATED is emitted when severity moves by more than this fraction since the last."""
-    static_factor: float = 2.0
-    """A rank whose model predicts this many times the peers' median time is STATIC."""
 
     def __post_init__(self) -> None:
         positive = ("h", "h_sigmas", "sigma_prior", "sigma_floor", "severity_step")
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"DetectorConfig.{name} must be > 0")
-        for name in ("min_factor", "max_bias", "static_factor", "fast_factor", "act_factor"):
+        for name in ("min_factor", "max_bias", "fast_factor", "act_factor"):
             if not getattr(self, name) > 1:
                 raise ValueError(f"DetectorConfig.{name} must be > 1")
         if self.k_sigmas < 0:
@@ -153,6 +173,8 @@ class RankState:
     ref_source: str = ""
     """``"model"`` (the fitted model) or ``"self"`` (own median ms per sample: no model known)."""
     self_rates: list[float] = field(default_factory=list)
+    self_batches: list[int] = field(default_factory=list)
+    """Batch sizes of the samples ``self_rates`` came from (a smaller one is only bounded)."""
     base_its: list[int] = field(default_factory=list)
     base: list[float] = field(default_factory=list)
     """Log-ratios of the latest normal samples (and their iterations)."""
@@ -175,10 +197,6 @@ class RankState:
     down_its: list[int] = field(default_factory=list)
     down_logs: list[float] = field(default_factory=list)
     reported: float = 1.0
-    # The open static event; ``static_start`` is None when there is none.
-    static_start: int | None = None
-    static_detected: int = 0
-    static_severity: float = 1.0
 
 
 def _ref_predict(ref: list[float], batch: int) -> float:
@@ -217,8 +235,12 @@ def _update_ref(
         return
     if state.ref_source == "model":
         return  # keep the last model rather than switch the reference under a running baseline
+    if _bound(state, batch, None) is not None:
+        return  # below what it was learned from: ms per sample would overstate its time
     state.self_rates.append(ms / batch)
+    state.self_batches.append(batch)
     _trim(state.self_rates, config.baseline_window)
+    _trim(state.self_batches, config.baseline_window)
     if len(state.self_rates) >= config.min_samples:
         state.ref = [median(state.self_rates), 0.0, 0.0]
         state.ref_source = "self"
@@ -247,33 +269,54 @@ def observe_sample(
     ms: float,
     model: PerfModel | None,
     config: DetectorConfig,
+    planned: int | None = None,
 ) -> list[EventUpdate]:
-    """Feed one timing of the rank (iterations ascending); return what changed."""
+    """Feed one timing of the rank (iterations ascending); return what changed.
+
+    ``planned`` is the rank's batch in the plan in force, when known: a smaller ``batch`` is an
+    epoch's final partial batch (module docstring).
+    """
     if iteration <= state.last_iteration:
         return []  # late or duplicate
     state.last_iteration = iteration
     if batch <= 0 or not ms > 0 or not math.isfinite(ms):
         return []  # computed nothing: says nothing about its speed
-    if state.start is None:
+    partial = planned is not None and batch < planned
+    if state.start is None and not partial:
         _update_ref(state, batch, ms, model, config)
     if state.ref is None:
         return []
-    predicted = _ref_predict(state.ref, batch)
+    bound = _bound(state, batch, planned if partial else None)
+    predicted = _ref_predict(state.ref, bound or batch)
     if predicted <= 0:
         return []
     x = math.log(ms / predicted)
     if state.start is None:
-        return _normal(state, iteration, x, config)
+        return _normal(state, iteration, x, config, exact=bound is None)
+    if bound is not None:
+        return []  # a bound cannot show the event's level, nor a recovery
     return _in_event(state, iteration, x, config)
 
 
+def _bound(state: RankState, batch: int, planned: int | None) -> int | None:
+    """The batch size whose reference time bounds this sample's from above, when its own cannot
+    be predicted (module docstring); None when it can."""
+    if planned is not None:
+        return planned
+    if state.ref_source == "self" and state.self_batches and batch < min(state.self_batches):
+        return min(state.self_batches)
+    return None
+
+
 def _normal(
-    state: RankState, iteration: int, x: float, config: DetectorConfig
+    state: RankState, iteration: int, x: float, config: DetectorConfig, *, exact: bool = True
 ) -> list[EventUpdate]:
     mu, sigma = baseline(state, config)
     k = max(config.delta / 2, config.k_sigmas * sigma)
     h = max(config.h, config.h_sigmas * sigma)
     z = x - mu - k
+    if not exact and z <= 0:
+        return []  # within its bound: no evidence either way
     if state.up <= 0 and z > 0:
         state.up_from, state.run = iteration, []
     state.up = max(0.0, state.up + z)
@@ -283,6 +326,8 @@ def _normal(
     else:
         state.up_from, state.run = None, []
     if state.up <= h or state.up_from is None:
+        if not exact:
+            return []  # one-sided evidence never enters the baseline
         state.base_its.append(iteration)
         state.base.append(x)
         _trim(state.base_its, config.baseline_window)

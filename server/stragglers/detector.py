@@ -7,10 +7,10 @@ window and returns every event it saw, closed or still open. Replaying the last 
 also how a server without stored state rebuilds one (N >= ``baseline_window`` gives it a warm
 baseline); ``to_dict`` / ``from_dict`` store and restore the exact state instead.
 
-Static stragglers. After each iteration, every rank with a known model is compared with its
-peers at a common batch size (the median batch of that iteration): if its model predicts at least
-``static_factor`` times the peers' median time, a STATIC event is open for it. No change-point
-test is involved; the rank is slow because of what it is, and its model already says so.
+Events mean a rank is slower than its own reference predicts for the batch it ran. A rank that
+is slow by design (an older device) is not an event: its model says so, and that is the
+planner's input, which gives it fewer samples. An epoch's final partial batch is judged at its
+size, bounded by the plan's (``ComputeTiming.planned_batch``; see ``changepoint``).
 
 Models are read only while a rank is normal: the reference of an open event stays the model it
 was opened against, so a server refitting models during the slowdown (which would absorb it)
@@ -23,7 +23,6 @@ import dataclasses
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from statistics import median
 from typing import Any
 
 from server.planner import PerfModel
@@ -36,7 +35,7 @@ from server.stragglers.changepoint import (
     event_of,
     observe_sample,
 )
-from server.stragglers.event import Change, EventUpdate, StragglerEvent, StragglerKind
+from server.stragglers.event import EventUpdate, StragglerEvent, StragglerKind
 from server.stragglers.timing import ComputeTiming, by_iteration
 
 
@@ -110,52 +109,20 @@ class Detector:
                 state = self._rank(row.rank)
                 model = models.get(row.rank)
                 updates += observe_sample(
-                    state, iteration, row.batch_size, row.compute_ms, model, self.config
+                    state,
+                    iteration,
+                    row.batch_size,
+                    row.compute_ms,
+                    model,
+                    self.config,
+                    row.planned_batch,
                 )
-            updates += self._static(iteration, rows, models)
             self.state.last_iteration = max(self.state.last_iteration, iteration)
         return updates
 
-    def _static(
-        self, iteration: int, rows: list[ComputeTiming], models: Mapping[int, PerfModel]
-    ) -> list[EventUpdate]:
-        batches = [r.batch_size for r in rows if r.batch_size > 0]
-        known = {r.rank: models[r.rank] for r in rows if r.rank in models}
-        if not batches or len(known) < 2:
-            return []
-        reference = round(median(batches))
-        times = {rank: m.predict(reference) for rank, m in known.items()}
-        updates = []
-        for rank, t in times.items():
-            peers = [v for r, v in times.items() if r != rank]
-            typical = median(peers)
-            severity = t / typical if typical > 0 else 1.0
-            state = self._rank(rank)
-            slow = severity >= self.config.static_factor
-            if slow and state.static_start is None:
-                state.static_start, state.static_detected = iteration, iteration
-                state.static_severity = severity
-                updates.append(EventUpdate(Change.OPENED, _static_event(state, None), iteration))
-            elif not slow and state.static_start is not None:
-                updates.append(
-                    EventUpdate(Change.CLOSED, _static_event(state, iteration), iteration)
-                )
-                state.static_start = None
-            elif slow and abs(severity / state.static_severity - 1) > self.config.severity_step:
-                state.static_severity = severity
-                updates.append(EventUpdate(Change.UPDATED, _static_event(state, None), iteration))
-        return updates
-
     def open_events(self) -> list[StragglerEvent]:
-        """Every open event (static ones included), by rank."""
-        out = []
-        for state in self.state.ranks:
-            event = event_of(state)
-            if event is not None:
-                out.append(event)
-            if state.static_start is not None:
-                out.append(_static_event(state, None))
-        return out
+        """Every open event, by rank."""
+        return [e for e in (event_of(state) for state in self.state.ranks) if e is not None]
 
     def health(self) -> dict[int, RankHealth]:
         """``RankHealth`` of every rank seen so far."""
@@ -179,22 +146,13 @@ class Detector:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], config: DetectorConfig | None = None) -> Detector:
-        """Rebuild a detector from ``to_dict`` output."""
-        ranks = [RankState(**dict(r)) for r in data.get("ranks", [])]
+        """Rebuild a detector from ``to_dict`` output (keys it no longer knows are dropped)."""
+        known = {f.name for f in dataclasses.fields(RankState)}
+        ranks = [
+            RankState(**{k: v for k, v in dict(r).items() if k in known})
+            for r in data.get("ranks", [])
+        ]
         return cls(config, DetectorState(ranks=ranks, last_iteration=int(data["last_iteration"])))
-
-
-def _static_event(state: RankState, end: int | None) -> StragglerEvent:
-    assert state.static_start is not None
-    return StragglerEvent(
-        rank=state.rank,
-        kind=StragglerKind.STATIC,
-        start_iteration=state.static_start,
-        end_iteration=end,
-        severity=state.static_severity,
-        detected_iteration=state.static_detected,
-        peak=state.static_severity,
-    )
 
 
 def detect(

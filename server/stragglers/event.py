@@ -27,22 +27,16 @@ class StragglerKind(StrEnum):
                  since the recovery point look normal:  <--------------------------+
                  closed as DYNAMIC (end = recovery point)
 
-        (no event) --- model predicts >= static_factor x the peers' time ---> STATIC (opened)
-        STATIC --- the model no longer does (a refit, a new peer) ---> closed as STATIC
-
     - ``TRANSIENT``: a sudden slowdown not (yet) sustained. An open TRANSIENT event is a suspect;
       a closed one was a short spike that reverted on its own. The ladder never acts on it.
     - ``DYNAMIC``: a sudden, sustained change of the rank's speed relative to its own model: the
       events the mitigation ladder acts on. ``end_iteration`` stays None while it lasts.
-    - ``STATIC``: the rank is slow, but its model says so (it is an older or smaller device).
-      This is not a straggler event in the dynamic sense (the plan already gives it fewer
-      samples); it is reported so that operators see the fleet's spread, and nothing acts on it.
 
-    A rank has at most one open dynamic/transient event and at most one open static event at a
-    time. Iterations are the only time axis.
+    A rank slow by design (an older or smaller device) is no event: its model says so, and the
+    planner already gives it fewer samples. A rank has at most one open event at a time; the
+    server closes what is still open when the job ends. Iterations are the only time axis.
     """
 
-    STATIC = "static"
     DYNAMIC = "dynamic"
     TRANSIENT = "transient"
 
@@ -68,13 +62,12 @@ class StragglerEvent:
     end_iteration: int | None
     """First iteration back to normal (exclusive end); None while the event is open."""
     severity: float
-    """Slowdown factor: for dynamic and transient events the median of measured/predicted time
-    since the onset, relative to the rank's normal level; for static events the model's
-    predicted time over the peers' median at the same batch size."""
+    """Slowdown factor: the median of measured/predicted time since the onset, relative to the
+    rank's normal level."""
     detected_iteration: int
     """Iteration whose timing made the detector open the event."""
     confirmed_iteration: int | None = None
-    """Iteration at which it became DYNAMIC; None for transient and static events."""
+    """Iteration at which it became DYNAMIC; None for transient events."""
     peak: float = 0.0
     """Largest single measured/predicted ratio (relative to normal) seen in the event."""
     action: str = ""
@@ -82,16 +75,16 @@ class StragglerEvent:
 
     @property
     def key(self) -> tuple[int, int, StragglerKind]:
-        """Identity of the event: a rank has one event per kind starting at a given iteration.
+        """Identity of the event: a rank has one event starting at a given iteration.
 
-        Static and dynamic events are different families; a transient event keeps its key
-        component ``DYNAMIC`` (see ``family``) so that it is the same event when confirmed.
+        A transient event keeps its key component ``DYNAMIC`` (see ``family``) so that it is
+        the same event when confirmed.
         """
         return (self.rank, self.start_iteration, self.family)
 
     @property
     def family(self) -> StragglerKind:
-        return StragglerKind.STATIC if self.kind is StragglerKind.STATIC else StragglerKind.DYNAMIC
+        return StragglerKind.DYNAMIC
 
     @property
     def open(self) -> bool:

@@ -159,11 +159,10 @@ class _Run:
 
     def _adaptive(self, k: int, records: list[ComputeTiming], iteration_ms: float) -> None:
         for u in self.detector.observe(records, self.models):
-            if u.event.kind is not StragglerKind.STATIC:
-                known = self.events.get(u.event.key)  # the detector does not carry actions
-                self.events[u.event.key] = replace(u.event, action=known.action if known else "")
-                if u.event.end_iteration is not None:
-                    self.closed_at[u.event.key] = k
+            known = self.events.get(u.event.key)  # the detector does not carry actions
+            self.events[u.event.key] = replace(u.event, action=known.action if known else "")
+            if u.event.end_iteration is not None:
+                self.closed_at[u.event.key] = k
         caps = {r: self.sc.cap(r) for r in range(self.sc.ranks)}
         health = self.detector.health()
         views = rank_views(

@@ -28,6 +28,10 @@ class ComputeTiming:
     batch_size: int
     compute_ms: float
     plan_version: int = 0
+    planned_batch: int | None = None
+    """The rank's batch in the plan in force, when known: ``batch_size`` is smaller on an
+    epoch's final partial global batch, which the detector judges at its size, bounded by
+    this one's time (``changepoint``)."""
 
 
 @dataclass(frozen=True)

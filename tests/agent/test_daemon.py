@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -13,9 +15,11 @@ import httpx
 import pytest
 
 from agent.client import ApiClient, make_http
-from agent.daemon import Agent, discover_devices
+from agent.daemon import Agent, _log_tail, discover_devices
+from contract.agent import LOG_TAIL_CHARS, DeviceInfo, HostRegister
 from contract.api import TokenCreate
-from contract.enums import DeviceKind, JobStatus, Role
+from contract.base import PROTOCOL_VERSION
+from contract.enums import DeviceKind, JobStatus, Role, WorkerState
 from tests.conftest import ROOT, LiveServer
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
@@ -104,15 +108,53 @@ def test_job_runs_to_success_with_rebalanced_plans(agent: tuple[Agent, ApiClient
 
 
 def test_failed_rank_fails_the_job_with_its_traceback(agent: tuple[Agent, ApiClient]) -> None:
+    """The rank fails again on its restart (the agent launches the new attempt's ranks although
+    the same (job, rank) ran here before); out of restarts, the job fails with both reasons."""
     _, admin = agent
     job = admin.submit(
-        _spec(workload={"entrypoint": "tests.agent.failing_workload:main"}, emulation=None)
+        _spec(
+            workload={"entrypoint": "tests.agent.failing_workload:main"},
+            emulation=None,
+            max_restarts=1,
+        )
     )
     done = _wait(lambda: (j := admin.job(job.id)).status.terminal and j)
     assert done.status is JobStatus.FAILED
-    assert done.error is not None and "rank 1 failed" in done.error and "corrupt" in done.error
+    assert (done.attempt, done.restarts) == (1, 1)
+    assert done.error is not None and done.error.startswith("failed after 1 restart(s)")
+    assert done.error.count("rank 1 failed") == 2 and "corrupt" in done.error
     w1 = next(w for w in done.workers if w.rank == 1)
     assert w1.error is not None and "Traceback" in w1.error and "RuntimeError: boom" in w1.error
+    # Its agent uploaded the last lines of its log with the failure.
+    (log,) = admin.logs(job.id, rank=1)
+    assert log.state is WorkerState.FAILED and log.log_tail is not None
+    assert "RuntimeError: boom" in log.log_tail
+
+
+def test_a_log_tail_is_the_end_of_the_log_in_whole_lines(tmp_path: Path) -> None:
+    log = tmp_path / "rank-0.log"
+    log.write_text("".join(f"line {i}\n" for i in range(20_000)))
+    tail = _log_tail(log)
+    assert tail is not None and len(tail) <= LOG_TAIL_CHARS
+    assert tail.startswith("line ") and tail.endswith("line 19999\n")
+    short = tmp_path / "short.log"
+    short.write_text("only\n")
+    assert _log_tail(short) == "only\n"
+    assert _log_tail(tmp_path / "missing.log") is None
+
+
+def test_a_rank_killed_by_sigkill_fails_the_job_naming_the_signal(
+    agent: tuple[Agent, ApiClient],
+) -> None:
+    a, admin = agent
+    job = admin.submit(_spec(iterations=100_000, max_restarts=0))  # fails, not restarts
+    _wait(lambda: len(admin.telemetry(job.id, limit=10)) > 0)
+    os.kill(a.procs[(job.id, 1, 0)].pid, signal.SIGKILL)  # as the kernel's OOM killer would
+    done = _wait(lambda: (j := admin.job(job.id)).status.terminal and j, timeout=60)
+    assert done.status is JobStatus.FAILED
+    assert done.error == "rank 1 killed by SIGKILL"
+    w1 = next(w for w in done.workers if w.rank == 1)
+    assert w1.exit_code == -9 and w1.error is not None and w1.error.startswith("killed by SIGKILL")
 
 
 def test_cancel_stops_the_workers(agent: tuple[Agent, ApiClient]) -> None:
@@ -121,7 +163,8 @@ def test_cancel_stops_the_workers(agent: tuple[Agent, ApiClient]) -> None:
     _wait(lambda: len(admin.telemetry(job.id, limit=10)) > 0)
     admin.cancel(job.id)
     _wait(lambda: all(w.state.value == "stopped" for w in admin.job(job.id).workers), timeout=60)
-    assert all(p.popen.poll() is not None for p in a.procs.values())
+    assert all(p.state is WorkerState.STOPPED for p in a.procs.values())
+    assert not list((a.workdir / "state" / a.name).iterdir())  # no process left to stop
     # The devices are free again for the next job.
     assert all(d.status.value == "free" for h in admin.hosts() for d in h.devices)
 
@@ -156,7 +199,18 @@ def test_job_code_holds_only_its_own_rank_credential(
     stop = threading.Event()
     thread = threading.Thread(target=a.run, args=(stop, 0.3), daemon=True)
     thread.start()
-    victim = admin.submit(_spec(workers=5, emulation=None, name="victim"))  # stays pending
+    # Another job, on a host no agent runs: placed there, it never starts.
+    parking = admin.register_host(
+        HostRegister(
+            protocol_version=PROTOCOL_VERSION,
+            name="parking",
+            address="127.0.0.1",
+            devices=[DeviceInfo(index=0, kind=DeviceKind.CPU, model="CPU", memory_mb=1)],
+        )
+    )
+    victim = admin.submit(
+        _spec(workers=None, devices=[parking.devices[0].id], emulation=None, name="victim")
+    )
     try:
         job = admin.submit(
             _spec(
@@ -189,4 +243,4 @@ def test_job_code_holds_only_its_own_rank_credential(
         assert env["EVENFLOW_TOKEN"].startswith("efw_")
         assert env["NCCL_DEBUG"] == "WARN" and env["RANK"] == str(rank)
         assert seen["cancel"] == 403
-    assert victim_status is JobStatus.PENDING
+    assert victim_status in (JobStatus.PENDING, JobStatus.STARTING)  # not cancelled by it

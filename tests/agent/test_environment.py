@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent.environment import AGENT_SECRETS, worker_environment
+from agent.environment import AGENT_SECRETS, device_variables, worker_environment
 
 NAMES = st.one_of(
     st.sampled_from(
@@ -91,3 +91,28 @@ def test_what_training_needs_passes_and_nothing_else() -> None:
         "EVENFLOW_LOG_LEVEL": "DEBUG",
         **JOB_VARS,
     }
+
+
+@given(
+    parent=st.lists(st.integers(0, 15).map(str), unique=True, max_size=8) | st.none(),
+    index=st.integers(0, 7),
+)
+def test_a_cuda_rank_sees_only_its_own_gpu_and_a_cpu_rank_none(
+    parent: list[str] | None, index: int
+) -> None:
+    """The device comes from the assignment: one GPU for a CUDA rank (the index-th the agent
+    sees, through the agent's own CUDA_VISIBLE_DEVICES when set), none for a CPU rank."""
+    agent_env = {} if parent is None else {"CUDA_VISIBLE_DEVICES": ",".join(parent)}
+    cuda = device_variables("cuda", index, "nccl", agent_env)
+    own = parent[index] if parent and index < len(parent) else str(index)
+    assert cuda == {
+        "EVENFLOW_BACKEND": "nccl",
+        "EVENFLOW_DEVICE": "cuda:0",
+        "CUDA_VISIBLE_DEVICES": own,
+        "LOCAL_RANK": "0",
+    }
+    cpu = device_variables("cpu", index, "gloo", agent_env)
+    assert cpu["CUDA_VISIBLE_DEVICES"] == "" and cpu["EVENFLOW_BACKEND"] == "gloo"
+    assert cpu["EVENFLOW_DEVICE"] == "cpu"
+    env = worker_environment(agent_env, {**JOB_VARS, **cpu})
+    assert env["CUDA_VISIBLE_DEVICES"] == "", "the agent's own GPUs never leak to a CPU rank"

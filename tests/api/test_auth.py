@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import uuid
+from pathlib import Path
+
+from fastapi.testclient import TestClient
+from pydantic import SecretStr
+
 from contract.enums import Role
-from tests.conftest import Api
+from server.app import create_app
+from server.context import context_of
+from tests.conftest import Api, make_settings
 
 
 def test_health_needs_no_token(api: Api) -> None:
@@ -22,6 +30,7 @@ def test_missing_and_unknown_tokens_are_401_with_reason(api: Api) -> None:
 
 
 def test_roles_gate_writes(api: Api) -> None:
+    api.register("h", devices=1)
     viewer, operator = api.token(Role.VIEWER), api.token(Role.OPERATOR)
     spec = {
         "name": "j",
@@ -132,3 +141,40 @@ def test_agent_token_must_name_a_host(api: Api) -> None:
     )
     assert r.status_code == 409
     assert r.json()["field"] == "host"
+
+
+def test_a_new_admin_token_revokes_the_old_bootstrap_one(db_url: str) -> None:
+    new = "ef_rotated-admin-token-" + uuid.uuid4().hex
+    with TestClient(create_app(make_settings(db_url))) as client:
+        api = Api(client)
+        operator = api.token(Role.OPERATOR)
+    with TestClient(
+        create_app(make_settings(db_url).model_copy(update={"admin_token": SecretStr(new)}))
+    ) as client:
+        api = Api(client)
+        old = client.get("/api/v1/tokens", headers=api.headers())
+        assert old.status_code == 401 and "revoked" in old.json()["detail"]
+        listed = client.get("/api/v1/tokens", headers=api.headers(new)).json()
+        admins = [t for t in listed if t["name"] == "bootstrap-admin"]
+        assert [t["revoked_at"] is None for t in admins] == [False, True]
+        # Tokens people made are untouched.
+        assert client.get("/api/v1/jobs", headers=api.headers(operator)).status_code == 200
+        audit = client.get("/api/v1/audit?limit=100", headers=api.headers(new)).json()
+        assert any(a["action"] == "token.revoke" and a["actor"] == "system" for a in audit)
+    # Starting again with the same token changes nothing.
+    with TestClient(
+        create_app(make_settings(db_url).model_copy(update={"admin_token": SecretStr(new)}))
+    ) as client:
+        assert client.get("/api/v1/tokens", headers=Api(client).headers(new)).status_code == 200
+
+
+def test_setting_an_admin_token_revokes_a_generated_one(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'e.db'}"
+    app = create_app(make_settings(url).model_copy(update={"admin_token": None}))
+    with TestClient(app):
+        generated = context_of(app).generated_admin_token
+    assert generated is not None
+    with TestClient(create_app(make_settings(url))) as client:
+        r = client.get("/api/v1/tokens", headers={"Authorization": f"Bearer {generated}"})
+        assert r.status_code == 401 and "revoked" in r.json()["detail"]
+        assert client.get("/api/v1/tokens", headers=Api(client).headers()).status_code == 200

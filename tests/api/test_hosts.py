@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from contract.enums import Role
 from server.db import transaction
@@ -51,7 +52,7 @@ def test_duplicate_device_is_422_naming_field(api: Api) -> None:
 
 def test_silent_host_is_lost_and_its_job_fails_then_recovers(api: Api) -> None:
     host = api.register("h", devices=2)
-    job = api.submit(workers=2)
+    job = api.submit(workers=2, max_restarts=0)
     sessions = api.client.app.state.context.sessions  # type: ignore[attr-defined]
     later = datetime.now(UTC) + timedelta(seconds=120)
     with transaction(sessions) as s:
@@ -70,6 +71,33 @@ def test_silent_host_is_lost_and_its_job_fails_then_recovers(api: Api) -> None:
     assert r.json()["status"] == "active"
     got = api.client.get(f"/api/v1/hosts/{host['id']}", headers=api.headers()).json()
     assert all(d["status"] == "free" for d in got["devices"])
+
+
+def test_a_job_restarted_after_its_host_was_lost_waits_and_gets_its_devices_back(
+    api: Api,
+) -> None:
+    host = api.register("h", devices=2)
+    job = api.submit(workers=2)
+    before = api.client.get(f"/api/v1/jobs/{job['id']}", headers=api.headers()).json()
+    sessions = api.client.app.state.context.sessions  # type: ignore[attr-defined]
+    later = datetime.now(UTC) + timedelta(seconds=120)
+    with transaction(sessions) as s:
+        hosts.mark_lost(s, later, after_s=30)
+    j = api.client.get(f"/api/v1/jobs/{job['id']}", headers=api.headers()).json()
+    assert (j["status"], j["attempt"], j["workers"]) == ("pending", 1, [])  # nowhere to go
+    r = api.client.post(
+        f"/api/v1/hosts/{host['id']}/heartbeat", json={}, headers=api.headers(str(host["_token"]))
+    )
+    assert r.status_code == 200
+    api.place()  # the controller's next placement round
+    r = api.client.post(
+        f"/api/v1/hosts/{host['id']}/heartbeat", json={}, headers=api.headers(str(host["_token"]))
+    )
+    assert [(a["rank"], a["attempt"]) for a in r.json()["assignments"]] == [(0, 1), (1, 1)]
+    j = api.client.get(f"/api/v1/jobs/{job['id']}", headers=api.headers()).json()
+    assert j["status"] == "starting"
+    same = [w["device_id"] for w in before["workers"]]
+    assert [w["device_id"] for w in j["workers"]] == same  # the same devices, back
 
 
 def test_recent_heartbeat_is_not_lost(api: Api) -> None:
@@ -95,3 +123,85 @@ def test_heartbeat_returns_assignments_and_unknown_host_is_404(api: Api) -> None
         api.client.post("/api/v1/hosts/999/heartbeat", json={}, headers=api.headers()).status_code
         == 404
     )
+
+
+def _heartbeat(api: Api, host: dict[str, object], *reports: tuple[object, int, str]) -> Any:
+    body = {"workers": [{"job_id": j, "rank": r, "state": s} for j, r, s in reports]}
+    r = api.client.post(
+        f"/api/v1/hosts/{host['id']}/heartbeat", json=body, headers=api.headers(str(host["_token"]))
+    )
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _devices(api: Api) -> list[tuple[str, int | None]]:
+    listed = api.client.get("/api/v1/hosts", headers=api.headers()).json()
+    return [(d["status"], d["job_id"]) for h in listed for d in h["devices"]]
+
+
+def test_devices_of_an_ended_job_stay_busy_until_their_ranks_are_reported_ended(
+    api: Api,
+) -> None:
+    host = api.register("h", devices=2)
+    job = api.submit(workers=2)
+    _heartbeat(api, host)  # the ranks are handed to the agent (credentials minted)
+    _heartbeat(api, host, (job["id"], 0, "running"), (job["id"], 1, "running"))
+    waiting = api.submit(workers=2)
+    assert api.client.post(f"/api/v1/jobs/{job['id']}/cancel", headers=api.headers()).is_success
+    assert _devices(api) == [("busy", job["id"]), ("busy", job["id"])]
+    ack = _heartbeat(api, host, (job["id"], 0, "stopped"))
+    assert _devices(api) == [("free", None), ("busy", job["id"])]
+    assert {a["job_id"] for a in ack["assignments"]} == {job["id"]}  # nothing new placed yet
+    _heartbeat(api, host, (job["id"], 1, "stopped"))
+    api.place()  # the controller's next placement round
+    ack = _heartbeat(api, host)
+    assert _devices(api) == [("busy", waiting["id"]), ("busy", waiting["id"])]
+    assert [(a["job_id"], a["desired"]) for a in ack["assignments"]] == [
+        (waiting["id"], "run"),
+        (waiting["id"], "run"),
+    ]
+
+
+def test_a_silent_hosts_devices_are_released_only_once_its_workers_have_surely_exited(
+    api: Api,
+) -> None:
+    host = api.register("h", devices=2)
+    job = api.submit(workers=2, max_restarts=0)  # the job ends with its host
+    _heartbeat(api, host)
+    _heartbeat(api, host, (job["id"], 0, "running"), (job["id"], 1, "running"))
+    sessions = api.client.app.state.context.sessions  # type: ignore[attr-defined]
+    with transaction(sessions) as s:
+        last = hosts.get(s, int(host["id"])).last_heartbeat  # type: ignore[call-overload]
+        assert [h.name for h in hosts.mark_lost(s, last + timedelta(seconds=31), after_s=30)]
+    assert _devices(api) == [("offline", job["id"]), ("offline", job["id"])]
+    # The agent is taken for dead after 30 s; its workers exit within 10 s of its death.
+    with transaction(sessions) as s:
+        assert hosts.release_silent(s, last + timedelta(seconds=39), after_s=30) == []
+    assert _devices(api) == [("offline", job["id"]), ("offline", job["id"])]
+    with transaction(sessions) as s:
+        assert len(hosts.release_silent(s, last + timedelta(seconds=41), after_s=30)) == 2
+    assert _devices(api) == [("offline", None), ("offline", None)]
+    # Should its agent have been only cut off, it comes back still running those workers:
+    # busy again until it reports them stopped.
+    ack = _heartbeat(api, host)
+    assert _devices(api) == [("busy", job["id"]), ("busy", job["id"])]
+    assert {a["desired"] for a in ack["assignments"]} == {"stop"}
+    _heartbeat(api, host, (job["id"], 0, "stopped"), (job["id"], 1, "stopped"))
+    assert _devices(api) == [("free", None), ("free", None)]
+
+
+def test_a_lost_host_that_returns_keeps_its_devices_busy_until_its_agent_reports(
+    api: Api,
+) -> None:
+    host = api.register("h", devices=2)
+    job = api.submit(workers=2, max_restarts=0)  # the job ends with its host
+    _heartbeat(api, host)
+    _heartbeat(api, host, (job["id"], 0, "running"), (job["id"], 1, "running"))
+    sessions = api.client.app.state.context.sessions  # type: ignore[attr-defined]
+    with transaction(sessions) as s:
+        hosts.mark_lost(s, datetime.now(UTC) + timedelta(seconds=31), after_s=30)
+    ack = _heartbeat(api, host)  # back before its workers could be taken for gone
+    assert _devices(api) == [("busy", job["id"]), ("busy", job["id"])]
+    assert {a["desired"] for a in ack["assignments"]} == {"stop"}
+    _heartbeat(api, host, (job["id"], 0, "stopped"), (job["id"], 1, "stopped"))
+    assert _devices(api) == [("free", None), ("free", None)]

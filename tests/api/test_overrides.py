@@ -20,7 +20,7 @@ def test_set_batches_makes_a_manual_plan_and_an_audit_entry(api: Api) -> None:
         "reason": "rank 0 is on a busy node",
     }
     r = api.client.post(f"/api/v1/jobs/{job}/overrides", json=body, headers=api.headers(op))
-    assert r.status_code == 200, r.text
+    assert r.status_code == 201, r.text  # created
     assert r.json()["applied"] and r.json()["plan"]["version"] == 2
     plan = api.client.get(f"/api/v1/jobs/{job}/plan", headers=api.headers()).json()
     assert plan["batch_sizes"] == [10, 20, 30]
@@ -42,7 +42,7 @@ def test_preview_changes_nothing(api: Api) -> None:
         "preview": True,
     }
     r = api.client.post(f"/api/v1/jobs/{job}/overrides", json=body, headers=api.headers())
-    assert r.status_code == 200
+    assert r.status_code == 200  # nothing created
     assert r.json()["applied"] is False and r.json()["plan"]["batch_sizes"] == [30, 20, 10]
     assert api.client.get(f"/api/v1/jobs/{job}/plan", headers=api.headers()).json()["version"] == 1
     assert api.client.get(f"/api/v1/jobs/{job}/overrides", headers=api.headers()).json() == []
@@ -81,7 +81,7 @@ def test_freeze_needs_operator_and_toggles(api: Api) -> None:
         api.client.post(
             f"/api/v1/jobs/{job}/overrides", json=body, headers=api.headers()
         ).status_code
-        == 200
+        == 201
     )
     assert api.client.get(f"/api/v1/jobs/{job}", headers=api.headers()).json()["frozen"] is True
     body = {"kind": "unfreeze", "reason": "done"}
@@ -89,6 +89,6 @@ def test_freeze_needs_operator_and_toggles(api: Api) -> None:
         api.client.post(
             f"/api/v1/jobs/{job}/overrides", json=body, headers=api.headers()
         ).status_code
-        == 200
+        == 201
     )
     assert api.client.get(f"/api/v1/jobs/{job}", headers=api.headers()).json()["frozen"] is False

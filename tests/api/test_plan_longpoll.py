@@ -84,7 +84,7 @@ def test_an_override_wakes_the_waiter(api: Api) -> None:
     _until_waiting(api, job)
     body = {"kind": "set_batches", "batch_sizes": [30, 20, 10], "reason": "busy node"}
     r = api.client.post(f"/api/v1/jobs/{job}/overrides", json=body, headers=api.headers())
-    assert r.status_code == 200, r.text
+    assert r.status_code == 201, r.text
     answer = waiting.result(timeout=10)  # far less than the 30 s it may wait
     assert answer.status_code == 200
     assert answer.json()["version"] == 2 and answer.json()["batch_sizes"] == [30, 20, 10]
@@ -116,7 +116,7 @@ def test_waiters_of_other_jobs_keep_waiting(api: Api) -> None:
     body = {"kind": "set_batches", "batch_sizes": [30, 20, 10], "reason": "x"}
     assert (
         api.client.post(f"/api/v1/jobs/{job}/overrides", json=body, headers=api.headers())
-    ).status_code == 200
+    ).status_code == 201
     assert waiting.result(timeout=10).status_code == 304
 
 

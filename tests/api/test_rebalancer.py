@@ -101,7 +101,7 @@ def test_equal_policy_and_frozen_jobs_are_never_replanned(api: Api) -> None:
         json={"kind": "freeze", "reason": "hands off"},
         headers=api.headers(),
     )
-    assert r.status_code == 200
+    assert r.status_code == 201
     other.run(20)
     assert other.plan()["version"] == 1
 
@@ -167,6 +167,6 @@ def test_impossible_overrides_are_422(api: Api) -> None:
         assert r.status_code == 422, body
         assert r.json()["field"] == field, r.json()
     for rank in range(3):
-        assert _override(api, sim.job, kind="exclude", rank=rank).status_code == 200
+        assert _override(api, sim.job, kind="exclude", rank=rank).status_code == 201
     r = _override(api, sim.job, kind="exclude", rank=3)
     assert r.status_code == 422 and "every worker" in r.json()["detail"]

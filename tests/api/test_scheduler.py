@@ -118,7 +118,11 @@ def test_explicit_devices_wait_until_all_are_free(api: Api) -> None:
     blocker = api.submit(workers=None, devices=[d1])
     wants = api.submit(workers=None, devices=[d0, d1])
     assert wants["status"] == "pending"
+    assert wants["pending_reason"] == (
+        f"needs devices {[d0, d1]}, 1 of them free, 1 busy with job {blocker['id']}"
+    )
     api.client.post(f"/api/v1/jobs/{blocker['id']}/cancel", headers=api.headers())
+    api.place()
     assert (
         api.client.get(f"/api/v1/jobs/{wants['id']}", headers=api.headers()).json()["status"]
         == "starting"

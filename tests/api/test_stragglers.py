@@ -22,6 +22,7 @@ PER_SAMPLE = [1.0, 1.0, 2.0, 4.0]
 INTERCEPT = 5.0
 B = 256
 PROBE_EVERY = 5
+TAIL = 5
 
 
 class Cluster:
@@ -34,8 +35,13 @@ class Cluster:
         *,
         slow_all_reduce: bool = True,
         prefetch: bool = False,
+        epoch: int | None = None,
     ) -> None:
         self.api, self.slow, self.sync_ms = api, slow, sync_ms
+        self.epoch = epoch
+        """Every ``epoch``-th iteration is an epoch's final partial batch of ``TAIL`` samples,
+        split over the first ranks; each takes at least half its full batch's time (a step's
+        fixed cost, which the fitted line leaves out)."""
         self.prefetch = prefetch
         """Read each round's telemetry ahead, in a transaction of its own, and hold the writer
         lock meanwhile from another thread, as the controller process does (``Controller``)."""
@@ -68,14 +74,16 @@ class Cluster:
                 max(self.factor(r) for r in group) if self.slow_all_reduce else 1.0
             )
             records = []
+            sizes = self.sizes(plan["batch_sizes"])
             for r, b in enumerate(plan["batch_sizes"]):
                 probe = r in plan["excluded"]
                 if probe and self.iteration % PROBE_EVERY:
                     continue
-                size = B // 4 if probe else b
+                size = B // 4 if probe else sizes[r]
+                floor = 0.5 * (INTERCEPT + PER_SAMPLE[r] * b) if size < b else 0.0
                 ms = (
                     self.factor(r)
-                    * (INTERCEPT + PER_SAMPLE[r] * size)
+                    * max(floor, INTERCEPT + PER_SAMPLE[r] * size)
                     * self.rng.uniform(0.95, 1.05)
                     if size
                     else 0.0
@@ -106,6 +114,16 @@ class Cluster:
             with transaction(sessions) as s:
                 control_loop.sweep(s, self.state)
 
+    def sizes(self, planned: list[int]) -> list[int]:
+        """Each rank's batch this iteration: its plan's, or its share of an epoch's tail."""
+        if self.epoch is None or self.iteration % self.epoch != self.epoch - 1:
+            return planned
+        left, out = TAIL, []
+        for b in planned:
+            out.append(min(b, left))
+            left -= out[-1]
+        return out
+
     def _prefetch_while_a_writer_holds_the_lock(self, sessions: Any) -> None:
         lock = self.api.client.app.state.context.write_lock  # type: ignore[attr-defined]
         held, done, released = threading.Event(), threading.Event(), threading.Event()
@@ -131,7 +149,7 @@ class Cluster:
         data: list[dict[str, Any]] = self.api.client.get(
             f"/api/v1/jobs/{self.job}/events", headers=self.api.headers()
         ).json()
-        return [e for e in data if e["kind"] != "static"]
+        return data
 
     def plans(self) -> list[dict[str, Any]]:
         data: list[dict[str, Any]] = self.api.client.get(
@@ -222,3 +240,24 @@ def test_switching_costs_follow_the_backend_and_the_measured_all_reduce(api: Api
     assert measured.regroup_ms == stragglers.GLOO_REGROUP_MS  # every device is a CPU: gloo
     assert measured.resync_ms == stragglers.RESYNC_PER_ALL_REDUCE * 20.0
     assert unmeasured.resync_ms == LadderConfig().resync_ms
+
+
+@pytest.mark.parametrize("policy", ["minmax", "adaptive"])
+def test_epoch_tails_and_a_slow_by_design_rank_open_no_event(api: Api, policy: str) -> None:
+    """Rank 3 is four times slower by design, and every eighth iteration is an epoch's partial
+    batch of 5 samples taking up to half a full batch's time: neither is an event."""
+    c = Cluster(api, policy, slow={}, epoch=8)
+    c.run(200)
+    assert c.events() == []
+
+
+def test_events_still_open_close_when_the_job_ends(api: Api) -> None:
+    c = Cluster(api, "adaptive", slow={2: (60, 10**9, 3.0)})
+    c.run(100)
+    (event,) = c.events()
+    assert event["end_iteration"] is None
+    r = api.client.post(f"/api/v1/jobs/{c.job}/cancel", headers=api.headers())
+    assert r.status_code == 200, r.text
+    (event,) = c.events()
+    assert event["end_iteration"] == 100  # after the last iteration reported (99)
+    assert event["detail"]["closed_by"] == "job ended"

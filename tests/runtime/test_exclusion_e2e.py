@@ -15,7 +15,7 @@ import pytest
 from agent.runtime.membership import ExclusionOptions
 from agent.runtime.remote import RemoteControlPlane
 from agent.runtime.trainer import RunResult, RuntimeOptions, run_training
-from contract.agent import PlanOut, TelemetryBatch
+from contract.agent import MetricBatch, PlanOut, TelemetryBatch
 from contract.enums import PlanSource
 from contract.spec import JobSpec
 
@@ -32,6 +32,8 @@ class ControlPlane(ThreadingHTTPServer):
         self.lock = threading.Lock()
         self.rows: dict[tuple[int, int], tuple[int, int, bool]] = {}
         self.duplicates = 0
+        self.losses: list[tuple[int, int]] = []
+        """(rank, iteration) of every loss metric posted."""
         self.fetches: Counter[str] = Counter()
         self.version = 1
 
@@ -83,7 +85,11 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         body = self.rfile.read(int(self.headers["Content-Length"]))
         with self.server.lock:
-            self.server.ingest(TelemetryBatch.model_validate_json(body))
+            if self.path.endswith("/metrics"):
+                points = MetricBatch.model_validate_json(body).points
+                self.server.losses += [(p.rank, p.iteration) for p in points if p.name == "loss"]
+            else:
+                self.server.ingest(TelemetryBatch.model_validate_json(body))
         self._reply(b'{"accepted": 0, "duplicates": 0}')
 
 
@@ -110,6 +116,7 @@ def _worker(rank: int, world: int, url: str) -> RunResult:
             spec,
             fetch_plan=remote.fetch_plan,
             post_telemetry=remote.post_telemetry,
+            post_metrics=remote.post_metrics,
             options=options,
         )
 
@@ -139,6 +146,11 @@ def test_control_plane_excludes_the_leader_and_readmits_it_from_its_probes() -> 
     assert zero.iterations == ITERATIONS - (back - out)
     assert all(r.resync_ms and r.regroup_ms for r in results)
     assert one.final_loss == two.final_loss == zero.final_loss
+
+    # the global loss of every iteration once, from whichever rank led: rank 1 while 0 was out
+    leaders = dict(sorted((i, k) for k, i in server.losses))
+    assert len(server.losses) == len(leaders) == ITERATIONS
+    assert all(k == (1 if out <= i < back else 0) for i, k in leaders.items())
 
     # rank 1 led while rank 0 was out, so it fetched; rank 2 never led
     assert server.fetches["Bearer tok-0"] > 0 and server.fetches["Bearer tok-1"] > 0

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -34,8 +35,16 @@ def _record(rank: int, iteration: int) -> TelemetryRecord:
     )
 
 
-def _placed(client: httpx.Client, admin: str, workers: int, spec: dict[str, Any]) -> Any:
-    """Register a host as its agent, submit a job there; (job id, agent token, worker tokens)."""
+def _placed(
+    client: httpx.Client,
+    admin: str,
+    workers: int,
+    spec: dict[str, Any],
+    place: Callable[[], object] | None = None,
+) -> Any:
+    """Register a host as its agent, submit a job there and wait until it is placed (``place``
+    runs a placement round where no controller runs on its own); (job id, agent token, worker
+    tokens)."""
     auth = {"Authorization": f"Bearer {admin}"}
     r = client.post(
         "/api/v1/tokens", json={"name": "a", "role": Role.AGENT.value, "host": "h"}, headers=auth
@@ -51,6 +60,12 @@ def _placed(client: httpx.Client, admin: str, workers: int, spec: dict[str, Any]
     }
     host = client.post("/api/v1/hosts/register", json=body, headers=agent).json()
     job = client.post("/api/v1/jobs", json=spec, headers=auth).json()
+    if place is not None:
+        place()
+    deadline = time.monotonic() + 30
+    while client.get(f"/api/v1/jobs/{job['id']}", headers=auth).json()["status"] == "pending":
+        assert time.monotonic() < deadline, "the job was never placed"
+        time.sleep(0.05)
     ack = client.post(f"/api/v1/hosts/{host['id']}/heartbeat", json={}, headers=agent).json()
     tokens = {a["rank"]: a["worker_token"] for a in ack["assignments"]}
     return job["id"], agent["Authorization"].split()[1], tokens
@@ -61,7 +76,9 @@ SPEC = {"name": "j", "workload": {"builtin": "mlp"}, "global_batch": 16, "worker
 
 def test_telemetry_after_the_job_ended_closes_the_sender(api: Api) -> None:
     admin = api.headers()["Authorization"].split()[1]
-    job_id, agent_token, tokens = _placed(api.client, admin, 1, {**SPEC, "iterations": 10})
+    job_id, agent_token, tokens = _placed(
+        api.client, admin, 1, {**SPEC, "iterations": 10}, api.place
+    )
     batch = TelemetryBatch(records=[_record(0, 0)])
     mine = RemoteControlPlane(api.client, "http://testserver", tokens[0], job_id)
     agent = RemoteControlPlane(api.client, "http://testserver", agent_token, job_id)

@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from agent.runtime.worker import worker_main
-from contract.agent import PlanOut, TelemetryBatch
+from contract.agent import MetricBatch, PlanOut, TelemetryBatch
 from contract.enums import PlanSource
 
 HERE = Path(__file__).parent
@@ -32,6 +32,8 @@ class ControlPlane(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), Handler)
         self.lock = threading.Lock()
         self.rows: dict[tuple[int, int], tuple[int, int]] = {}
+        self.losses: dict[tuple[int, int], float] = {}
+        """(rank, iteration) -> the loss metric posted."""
         self.unauthorised = 0
         self.version = 1
 
@@ -72,6 +74,15 @@ class Handler(BaseHTTPRequestHandler):
                 self._send(200, self.server.plan().model_dump_json().encode())
 
     def do_POST(self) -> None:
+        if self._authorised() and self.path == f"/api/v1/jobs/{JOB}/metrics":
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            points = MetricBatch.model_validate_json(body).points
+            with self.server.lock:
+                self.server.losses.update(
+                    {(p.rank, p.iteration): p.value for p in points if p.name == "loss"}
+                )
+            self._send(200, json.dumps({"accepted": len(points), "duplicates": 0}).encode())
+            return
         if not self._authorised() or self.path != f"/api/v1/jobs/{JOB}/telemetry":
             return
         body = self.rfile.read(int(self.headers["Content-Length"]))
@@ -160,6 +171,10 @@ def test_two_worker_processes_against_an_http_control_plane(tmp_path: Path) -> N
     assert results[1]["samples_seen"] == 8 * switch  # nothing after v2 gave it 0 samples
     assert results[0]["final_loss"] < 0.2 * results[0]["losses"][0][1]
     assert results[0]["emulated"] and results[0]["telemetry"]["pending"] == 0
+    # rank 0 leads throughout and posted the global loss of every iteration (CPU: each is read)
+    assert server.losses == {(0, i): loss for i, loss in results[0]["losses"]}
+    assert sorted(i for _, i in server.losses) == list(range(ITERATIONS))
+    assert all(r["metrics"]["pending"] == 0 and r["metrics"]["dropped"] == 0 for r in results)
 
 
 def test_worker_refuses_an_incomplete_or_bad_environment(caplog: pytest.LogCaptureFixture) -> None:

@@ -48,3 +48,16 @@ def not_a_workload(ctx: EvenflowContext) -> int:
 
 def does_nothing(ctx: EvenflowContext) -> None:
     return None
+
+
+def train_logged(ctx: EvenflowContext) -> None:
+    """``train`` reporting metrics: the learning rate once before the loop (iteration 0), and
+    each iteration the samples this rank trained on."""
+    torch.manual_seed(ctx.seed)
+    model = nn.Linear(4, 1)
+    x_all, y_all = _data(ctx.seed, n=int(ctx.args.get("samples", 600)))
+    model, _ = ctx.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05))
+    ctx.log("lr", 0.05)
+    for x, y in ctx.batches((x_all, y_all)):
+        ctx.step(nn.functional.mse_loss(model(x), y, reduction="sum"))
+        ctx.log("local_batch", torch.tensor(float(x.shape[0])))

@@ -33,16 +33,31 @@ def series(
     noise: float = 0.05,
     kind: str = "uniform",
     seed: int = 0,
+    epoch: int | None = None,
+    tail_floor: float = 0.0,
 ) -> list[ComputeTiming]:
+    """Timings of ``iterations`` iterations, each rank at its planned batch, slowed by
+    ``slowdowns`` and multiplied by noise.
+
+    With ``epoch``, every ``epoch``-th iteration is an epoch's final partial batch: each rank
+    gets between 0 and an eighth of its planned batch, and takes at least ``tail_floor`` times
+    its full batch's time (the fixed cost of a step that a line fitted on full batches leaves
+    out; 0: exactly its model's time at that size). Every timing carries its planned batch.
+    """
     rng = np.random.default_rng(seed)
     out = []
     for it in range(iterations):
         factors = noise_factors(rng, len(models), noise, kind)
-        for rank, (model, b) in enumerate(zip(models, batches, strict=True)):
+        tail = epoch is not None and it % epoch == epoch - 1
+        for rank, (model, planned) in enumerate(zip(models, batches, strict=True)):
             slow = 1.0
             for s in slowdowns:
                 if s.rank == rank and s.from_iteration <= it < s.to_iteration:
                     slow *= s.factor
-            ms = slow * model.predict(b) * float(factors[rank])
-            out.append(ComputeTiming(rank, it, b, ms))
+            b = int(rng.integers(0, max(1, planned // 8) + 1)) if tail else planned
+            if b == 0:
+                continue  # nothing left for this rank: it computes nothing
+            ideal = max(model.predict(b), tail_floor * model.predict(planned))
+            ms = slow * ideal * float(factors[rank])
+            out.append(ComputeTiming(rank, it, b, ms, planned_batch=planned))
     return out

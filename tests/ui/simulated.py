@@ -75,7 +75,19 @@ class Cluster:
         }
         r = self.client.post("/api/v1/jobs", json=spec)
         assert r.status_code == 201, r.text
-        return dict(r.json())
+        return self.placed(int(r.json()["id"]))
+
+    def placed(self, job_id: int, timeout_s: float = 30.0) -> dict[str, Any]:
+        """The job once the server's controller has tried to place it (a submission pokes it;
+        it answers before placement)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            job = dict(self.client.get(f"/api/v1/jobs/{job_id}").json())
+            tried = "waiting for the controller" not in (job["pending_reason"] or "")
+            if job["status"] != "pending" or tried:
+                return job
+            assert time.monotonic() < deadline, f"job {job_id} was never placed: {job}"
+            time.sleep(0.05)
 
     def mark_running(self, host: dict[str, Any], job: dict[str, Any]) -> None:
         """The host's agent reports every rank of ``job`` it runs as running."""

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from contract.enums import Role
-from tests.conftest import Api
+from tests.conftest import SAME_ORIGIN, Api
 from tests.ui.simulated import emulated_iteration
 
 
@@ -99,7 +99,7 @@ def test_stream_sends_new_telemetry_plans_and_job_state(sqlite_api: Api) -> None
         api.client.post(
             f"/api/v1/jobs/{job}/overrides", json=body, headers=api.headers()
         ).status_code
-        == 200
+        == 201
     )
     messages = _read_stream(
         api, f"/api/v1/jobs/{job}/stream?after={last_id}&plan_version=1&event_after=0&max_s=0.5"
@@ -111,7 +111,12 @@ def test_stream_sends_new_telemetry_plans_and_job_state(sqlite_api: Api) -> None
     assert its == [5, 5, 6, 6, 7, 7]
     assert messages[1][1]["version"] == 2 and messages[1][1]["batch_sizes"] == [40, 24]
     # set_batches freezes automatic rebalancing so the planner does not undo it
-    assert messages[2][1] == {"status": "starting", "frozen": True, "plan_version": 2}
+    assert messages[2][1] == {
+        "status": "starting",
+        "frozen": True,
+        "plan_version": 2,
+        "pending_reason": None,
+    }
 
 
 def test_stream_resumes_from_last_event_id_and_ends_with_the_job(sqlite_api: Api) -> None:
@@ -151,7 +156,7 @@ def test_login_sets_an_httponly_strict_cookie_and_logout_clears_it(sqlite_api: A
     r = client.post(
         "/login",
         content=f"token={viewer}&next=/jobs/3",
-        headers={"Content-Type": "application/x-www-form-urlencoded"},
+        headers={"Content-Type": "application/x-www-form-urlencoded", **SAME_ORIGIN},
         follow_redirects=False,
     )
     assert r.status_code == 303 and r.headers["location"] == "/jobs/3"
@@ -162,7 +167,7 @@ def test_login_sets_an_httponly_strict_cookie_and_logout_clears_it(sqlite_api: A
     assert page.status_code == 200 and 'data-user="vera"' in page.text
     assert "default-src 'self'" in page.headers["content-security-policy"]
     assert client.get("/api/v1/jobs").status_code == 200  # the cookie is the token
-    out = client.post("/logout", follow_redirects=False)
+    out = client.post("/logout", headers=SAME_ORIGIN, follow_redirects=False)
     assert out.status_code == 303 and 'evenflow_session=""' in out.headers["set-cookie"]
     client.cookies.clear()
     assert client.get("/jobs", follow_redirects=False).headers["location"] == "/login?next=/jobs"
@@ -170,7 +175,7 @@ def test_login_sets_an_httponly_strict_cookie_and_logout_clears_it(sqlite_api: A
 
 def test_bad_logins_and_redirects(sqlite_api: Api) -> None:
     client = sqlite_api.client
-    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    form = {"Content-Type": "application/x-www-form-urlencoded", **SAME_ORIGIN}
     r = client.post("/login", content="token=ef_nope", headers=form, follow_redirects=False)
     assert r.status_code == 401 and "unknown token" in r.text and "set-cookie" not in r.headers
     r = client.post("/login", content="", headers=form, follow_redirects=False)

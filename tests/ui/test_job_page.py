@@ -121,8 +121,11 @@ def test_charts_load_history_and_gain_live_points(
     assert "plan-v2" in _chart(pg, "batch-size", "d.layout.shapes.map(s => s.name)")
     assert "plan-v2" in _chart(pg, "iteration-time", "d.layout.shapes.map(s => s.name)")
     assert "iteration" in pg.locator('#plan-history tr[data-version="2"]').inner_text()
-    idle = _chart(pg, "idle", "d.data[1].y")
-    assert max(idle) < 6, "balanced: nobody waits much beyond the 3 ms all-reduce"
+    idle, last = _chart(pg, "idle", "[d.data[1].y, d.layout.meta.lastIteration]")
+    if last < 100 or last >= 130 + 20:
+        assert max(idle) < 6, "balanced: nobody waits much beyond the 3 ms all-reduce"
+    else:  # the window holds rank 2's slow iterations (a loaded machine got there first)
+        assert idle[2] == min(idle), "the others wait for the straggler"
     assert pg.locator("#job-speed").inner_text().endswith("samples/s")
     # A straggler event shows as a marker on the timeline and in the events table.
     record_straggler(live_app, running.id, rank=2, iteration=running.workers.iteration)
@@ -298,7 +301,7 @@ def test_fitted_models_are_shown_with_the_plan_when_the_api_has_them(
         }
         for r, p in enumerate(PER_SAMPLE_MS)
     ]
-    # The lead's GET /models is not on this branch yet: answer it in the browser.
+    # Known figures for GET /models, answered in the browser.
     pg.route(
         f"**/api/v1/jobs/{running.id}/models",
         lambda route: route.fulfill(json=models),
@@ -310,6 +313,54 @@ def test_fitted_models_are_shown_with_the_plan_when_the_api_has_them(
     assert "0.120" in row0 and "0.98" in row0
     assert "0.98 *" in pg.locator("#plan-table tbody tr").nth(3).inner_text()
     assert pg.locator("#models-note").is_hidden()
+
+
+def test_a_missing_job_shows_the_servers_own_words(page: Page, live_app: LiveApp) -> None:
+    pg = page.page
+    sign_in(pg, live_app.url, live_app.admin_token, path="/jobs/999")
+    pg.locator("#banner").wait_for()
+    assert pg.locator("#banner").inner_text() == "Could not load the job: job 999 not found"
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "content_type", "shown"),
+    [
+        (
+            403,
+            '{"detail": "viewers may not read models here"}',
+            "application/json",
+            "viewers may not read models here",
+        ),
+        # A proxy in between answers with a page, not an ErrorOut: its words, not a guess.
+        (
+            502,
+            "<html><body><h1>upstream went away</h1></body></html>",
+            "text/html",
+            "HTTP 502 Bad Gateway: upstream went away",
+        ),
+    ],
+)
+def test_models_that_cannot_be_loaded_say_why(
+    page: Page,
+    live_app: LiveApp,
+    running: RunningJob,
+    status: int,
+    body: str,
+    content_type: str,
+    shown: str,
+) -> None:
+    """The page once swallowed any failure here and said the server "answered 404"."""
+    pg = page.page
+    pg.route(
+        f"**/api/v1/jobs/{running.id}/models",
+        lambda route: route.fulfill(status=status, body=body, content_type=content_type),
+    )
+    sign_in(pg, live_app.url, live_app.admin_token, path=f"/jobs/{running.id}")
+    pg.locator("#models-note").wait_for()
+    assert pg.locator("#models-note").inner_text() == (
+        f"Fitted performance models could not be loaded: {shown}"
+    )
+    assert pg.locator("#plan-table tbody tr").count() == 4, "the plan is shown all the same"
 
 
 # ------------------------------------------------ overrides that need the rebalancer (main)

@@ -5,10 +5,11 @@ from __future__ import annotations
 from fastapi import APIRouter, Query
 
 from contract.api import AuditOut
+from server.api.bodies import JSONRoute
 from server.api.deps import SessionDep, Viewer
 from server.services import audit
 
-router = APIRouter(prefix="/audit", tags=["audit"])
+router = APIRouter(prefix="/audit", tags=["audit"], route_class=JSONRoute)
 
 
 @router.get("")

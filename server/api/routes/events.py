@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Response
 
 from contract.api import EventOut, OverrideCreate, OverrideOut
 from contract.enums import OverrideKind
+from server.api.bodies import JSONRoute
 from server.api.deps import Operator, PathId, SessionDep, Viewer
 from server.services import events, jobs, overrides
 
-router = APIRouter(prefix="/jobs", tags=["events"])
+router = APIRouter(prefix="/jobs", tags=["events"], route_class=JSONRoute)
 
 
 @router.get("/{job_id}/events")
@@ -31,12 +32,24 @@ def list_overrides(session: SessionDep, _: Viewer, job_id: PathId) -> list[Overr
     ]
 
 
-@router.post("/{job_id}/overrides")
+@router.post(
+    "/{job_id}/overrides",
+    status_code=201,
+    responses={200: {"model": OverrideOut, "description": "A preview: nothing was created"}},
+)
 def create_override(
-    req: OverrideCreate, session: SessionDep, principal: Operator, job_id: PathId
+    req: OverrideCreate,
+    session: SessionDep,
+    principal: Operator,
+    job_id: PathId,
+    response: Response,
 ) -> OverrideOut:
-    """Preview (`preview: true`) or apply an override; workers take it at the next iteration."""
-    return overrides.submit(session, jobs.get(session, job_id), req, principal)
+    """Preview (`preview: true`, 200) or apply (201) an override; workers take an applied one at
+    the next iteration."""
+    out = overrides.submit(session, jobs.get(session, job_id), req, principal)
+    if req.preview:
+        response.status_code = 200
+    return out
 
 
 def _row(o: object) -> dict[str, object]:

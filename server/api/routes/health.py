@@ -7,9 +7,10 @@ from pydantic import BaseModel
 from sqlalchemy import text
 
 from contract.base import PROTOCOL_VERSION
+from server.api.bodies import JSONRoute
 from server.api.deps import SessionDep
 
-router = APIRouter(tags=["health"])
+router = APIRouter(tags=["health"], route_class=JSONRoute)
 
 
 class Health(BaseModel):

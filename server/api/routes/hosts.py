@@ -6,10 +6,11 @@ from fastapi import APIRouter
 
 from contract.agent import Heartbeat, HeartbeatAck, HostRegister
 from contract.api import HostOut
+from server.api.bodies import JSONRoute
 from server.api.deps import Authenticated, Now, PathId, SessionDep, SettingsDep, Viewer
 from server.services import hosts
 
-router = APIRouter(prefix="/hosts", tags=["hosts"])
+router = APIRouter(prefix="/hosts", tags=["hosts"], route_class=JSONRoute)
 
 
 @router.post("/register", status_code=201)

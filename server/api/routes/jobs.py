@@ -1,16 +1,26 @@
-"""Jobs: submit, list, inspect, cancel."""
+"""Jobs: submit, list, inspect, cancel; the rendezvous port its ranks meet on."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Query
 
-from contract.api import JobList, JobOut
+from contract.agent import RendezvousIn, RendezvousOut
+from contract.api import JobList, JobOut, RankLogOut
 from contract.enums import JobStatus
 from contract.spec import JobSpec
-from server.api.deps import JobReader, Now, Operator, PathId, SessionDep, Viewer
-from server.services import jobs
+from server.api.bodies import JSONRoute
+from server.api.deps import (
+    Authenticated,
+    JobReader,
+    Now,
+    Operator,
+    PathId,
+    SessionDep,
+    Viewer,
+)
+from server.services import jobs, rendezvous
 
-router = APIRouter(prefix="/jobs", tags=["jobs"])
+router = APIRouter(prefix="/jobs", tags=["jobs"], route_class=JSONRoute)
 
 
 @router.post("", status_code=201)
@@ -38,7 +48,33 @@ def get_job(session: SessionDep, _: JobReader, job_id: PathId) -> JobOut:
     return JobOut.model_validate(jobs.get(session, job_id))
 
 
+@router.get("/{job_id}/logs")
+def get_logs(
+    session: SessionDep,
+    _: JobReader,
+    job_id: PathId,
+    rank: int | None = Query(None, ge=0, le=10_000),
+) -> list[RankLogOut]:
+    """Each rank's (or one rank's) root cause and the last lines of its log, uploaded by its
+    agent when it failed or was stopped."""
+    return [RankLogOut.model_validate(w) for w in jobs.logs(session, job_id, rank)]
+
+
 @router.post("/{job_id}/cancel")
 def cancel_job(session: SessionDep, principal: Operator, now: Now, job_id: PathId) -> JobOut:
     """Cancel a job that has not ended; its agents stop the workers."""
     return JobOut.model_validate(jobs.cancel(session, job_id, principal, now))
+
+
+@router.get("/{job_id}/rendezvous")
+def get_rendezvous(session: SessionDep, _: JobReader, job_id: PathId) -> RendezvousOut:
+    """Rank 0's address and rendezvous port (null until rank 0 has bound one)."""
+    return rendezvous.lookup(session, job_id)
+
+
+@router.put("/{job_id}/rendezvous")
+def put_rendezvous(
+    body: RendezvousIn, session: SessionDep, principal: Authenticated, job_id: PathId
+) -> RendezvousOut:
+    """Rank 0's worker publishes the port it bound (its own credential only)."""
+    return rendezvous.publish(session, job_id, body, principal)

@@ -7,11 +7,12 @@ import time
 from fastapi import APIRouter
 
 from contract.api import SolveRequest, SolveResponse
+from server.api.bodies import JSONRoute
 from server.api.deps import Viewer
 from server.errors import Invalid
 from server.planner import Infeasible, InvalidInput, PerfModel, PlanProblem, WorkerSpec, solve
 
-router = APIRouter(prefix="/plan", tags=["planner"])
+router = APIRouter(prefix="/plan", tags=["planner"], route_class=JSONRoute)
 
 # Which request field an infeasibility is about, by the planner's constraint code.
 CONSTRAINT_FIELDS = {

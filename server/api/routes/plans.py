@@ -11,12 +11,13 @@ from sqlalchemy.orm import Session, sessionmaker
 from contract.agent import PlanOut
 from contract.api import ModelOut
 from contract.base import MAX_PLAN_WAIT_S
+from server.api.bodies import JSONRoute
 from server.api.deps import Context, JobReader, PathId, SessionDep, Viewer
 from server.context import AppContext
 from server.notify import RECHECK_S
 from server.services import jobs, memory, plans, rebalancer
 
-router = APIRouter(prefix="/jobs", tags=["plans"])
+router = APIRouter(prefix="/jobs", tags=["plans"], route_class=JSONRoute)
 
 
 @router.get(

@@ -5,11 +5,12 @@ from __future__ import annotations
 from fastapi import APIRouter, Query
 
 from contract.dashboard import SeriesOut, ThroughputOut
+from server.api.bodies import JSONRoute
 from server.api.deps import PathId, SessionDep, Viewer
 from server.errors import Invalid
 from server.services import jobs, series
 
-router = APIRouter(tags=["dashboard"])
+router = APIRouter(tags=["dashboard"], route_class=JSONRoute)
 
 
 @router.get("/jobs/{job_id}/series")

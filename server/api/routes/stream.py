@@ -14,7 +14,8 @@ automatic reconnection (``Last-Event-ID``) resumes where it stopped. The stream 
 when this process stores the job's telemetry (``server.live``), polls the database every
 ``POLL_S`` otherwise (for rows written by other processes), sends at most one telemetry
 message per ``MIN_GAP_S`` (bursts are batched), and ends after ``max_s`` seconds or when the
-client goes away; browsers reconnect by themselves.
+client goes away; browsers reconnect by themselves. One token holds at most
+``Settings.max_streams_per_token`` streams open at once per server process (429 past it).
 
 It is left out of the OpenAPI schema: a schema-driven client (or fuzzer) would wait on it for
 its whole duration.
@@ -25,20 +26,23 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 from sqlalchemy.orm import Session, sessionmaker
+from starlette.types import Receive, Scope, Send
 
+from server.api.bodies import JSONRoute
 from server.api.deps import Context, PathId, Viewer
 from server.context import AppContext
+from server.errors import TooMany
 from server.services import feed
 from server.services.feed import Cursor
 
-router = APIRouter(prefix="/jobs", tags=["dashboard"])
+router = APIRouter(prefix="/jobs", tags=["dashboard"], route_class=JSONRoute)
 
 POLL_S = 0.25
 MIN_GAP_S = 0.05
@@ -57,7 +61,7 @@ def _parse_cursor(raw: str | None) -> tuple[int, int, int] | None:
 async def stream(
     request: Request,
     context: Context,
-    _: Viewer,
+    principal: Viewer,
     job_id: PathId,
     after: int | None = Query(None, ge=0, le=2**63 - 1),
     plan_version: int | None = Query(None, ge=0, le=2**31 - 1),
@@ -65,17 +69,45 @@ async def stream(
     max_s: float = Query(60.0, gt=0, le=3600),
     last_event_id: str | None = Header(None, max_length=100),
 ) -> StreamingResponse:
-    """Live telemetry, plans, events and job state of one job (server-sent events)."""
-    sessions = context.sessions
-    resumed = _parse_cursor(last_event_id)
-    if resumed is not None:
-        after, plan_version, event_after = resumed
-    cursor = await run_in_threadpool(_open, sessions, job_id, after, plan_version, event_after)
-    return StreamingResponse(
+    """Live telemetry, plans, events and job state of one job (server-sent events); 429 past
+    the token's cap of open streams."""
+    slots, token = context.stream_slots, principal.token_id
+    if not slots.take(token):
+        raise TooMany(
+            f"token '{principal.name}' already holds {slots.cap} live streams, the most one "
+            "token may (EVENFLOW_MAX_STREAMS_PER_TOKEN); close one first"
+        )
+    try:
+        resumed = _parse_cursor(last_event_id)
+        if resumed is not None:
+            after, plan_version, event_after = resumed
+        cursor = await run_in_threadpool(
+            _open, context.sessions, job_id, after, plan_version, event_after
+        )
+    except BaseException:
+        slots.give_back(token)
+        raise
+    return _SlotStream(
         _events(request, context, job_id, cursor, max_s),
+        release=lambda: slots.give_back(token),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
+
+
+class _SlotStream(StreamingResponse):
+    """A stream that gives its slot back when it ends, however it ends (the client left, the
+    server stopped, or the body never started)."""
+
+    def __init__(self, content: AsyncIterator[str], *, release: Callable[[], None], **kw: Any):
+        super().__init__(content, **kw)
+        self._release = release
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
 
 
 def _open(

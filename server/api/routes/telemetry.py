@@ -15,7 +15,7 @@ from server.live import telemetry_stored
 from server.services import jobs, telemetry
 from server.services.tokens import Principal
 
-router = APIRouter(prefix="/jobs", tags=["telemetry"])
+router = APIRouter(prefix="/jobs", tags=["telemetry"], route_class=bodies.JSONRoute)
 
 
 @router.post("/{job_id}/telemetry", openapi_extra=bodies.documented_body(TelemetryBatch))

@@ -5,10 +5,11 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from contract.api import TokenCreate, TokenCreated, TokenOut
+from server.api.bodies import JSONRoute
 from server.api.deps import Admin, PathId, SessionDep
 from server.services import tokens
 
-router = APIRouter(prefix="/tokens", tags=["tokens"])
+router = APIRouter(prefix="/tokens", tags=["tokens"], route_class=JSONRoute)
 
 
 @router.post("", status_code=201)

@@ -2,8 +2,9 @@
 
 Pages are HTML shells from ``frontend/`` filled with the signed-in user; their ES modules
 (``frontend/static/``) fetch everything else from the REST API with the session cookie.
-The cookie holds the API token itself (HttpOnly, SameSite=Strict): ``server.api.deps`` reads
-it when a request has no Authorization header, so the API's role checks apply unchanged.
+The cookie holds the API token itself (HttpOnly, SameSite=Strict): ``server.api.gate`` reads
+it when a request has no Authorization header, so the API's role checks apply unchanged, and
+refuses a cookie's write (and any ``/login`` or ``/logout``) whose Origin is not this server.
 Anonymous visitors are sent to ``/login``; the API answers them 401 as always.
 
 Plotly.js comes from the ``plotly`` Python package, so the dashboard works offline.
@@ -27,15 +28,16 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 
 import frontend
+from server.api.bodies import JSONRoute
 from server.api.deps import PathId
+from server.api.gate import SESSION_COOKIE, authenticate
 from server.api.routes import series as series_routes
 from server.api.routes import stream as stream_routes
 from server.context import context_of
 from server.errors import Unauthorized
-from server.services import tokens
 from server.services.tokens import Principal
 
-COOKIE = "evenflow_session"
+COOKIE = SESSION_COOKIE
 COOKIE_MAX_AGE_S = 12 * 3600
 FRONTEND_DIR = FsPath(frontend.__file__).parent
 PLOTLY_JS = FsPath(plotly.__file__).parent / "package_data" / "plotly.min.js"
@@ -57,7 +59,9 @@ PAGES = {
     "audit": "Audit log",
 }
 
-router = APIRouter(include_in_schema=False)
+CHARTED = {"job", "compare"}
+
+router = APIRouter(include_in_schema=False, route_class=JSONRoute)
 
 
 def mount_dashboard(app: FastAPI, *, api_prefix: str, responses: dict[int | str, Any]) -> None:
@@ -77,17 +81,10 @@ async def signed_in(request: Request) -> Principal | None:
     secret = request.cookies.get(COOKIE)
     if not secret:
         return None
-    key = tokens.hash_token(secret)
-    context = context_of(request.app)
-    cache_ = context.caches.tokens
-    principal: Principal | None = cache_.get(key)
-    if principal is None:
-        try:
-            principal = await run_in_threadpool(tokens.authenticate_with, context.sessions, secret)
-        except Unauthorized:
-            return None
-        cache_.put(key, principal)
-    return principal
+    try:
+        return await authenticate(context_of(request.app), secret)
+    except Unauthorized:
+        return None
 
 
 def _safe_next(target: str | None) -> str:
@@ -127,8 +124,8 @@ def _page(
         main_attrs=main_attrs,
         body=body,
         script=f"/static/{page}.js",
-        # Only the job page draws charts; Plotly runs before its module (deferred, in order).
-        vendor='<script src="/vendor/plotly.min.js" defer></script>\n' if page == "job" else "",
+        # Only these pages draw charts; Plotly runs before their module (deferred, in order).
+        vendor='<script src="/vendor/plotly.min.js" defer></script>\n' if page in CHARTED else "",
     )
     return HTMLResponse(text, status_code=status, headers=SECURITY_HEADERS)
 
@@ -158,20 +155,27 @@ async def login_form(request: Request) -> Response:
 
 @router.post("/login")
 async def login(request: Request) -> Response:
-    """Check the token and keep it in an HttpOnly, SameSite=Strict cookie."""
+    """Check the token and keep it in an HttpOnly, SameSite=Strict cookie. The body is read
+    up to ``MAX_LOGIN_BODY`` bytes (413 past it), and only from this server's own pages: both
+    checked by ``server.api.gate``."""
     raw = await request.body()
-    form = parse_qs(raw[:MAX_LOGIN_BODY].decode("utf-8", "replace"), max_num_fields=4)
+    form = parse_qs(raw.decode("utf-8", "replace"), max_num_fields=4)
     secret = (form.get("token") or [""])[0].strip()
     next_path = _safe_next((form.get("next") or [""])[0])
     if not secret:
         return _login_page(next_path, "Enter an API token.", status=401)
+    context = context_of(request.app)
     try:
-        principal = await run_in_threadpool(
-            tokens.authenticate_with, context_of(request.app).sessions, secret
-        )
+        await authenticate(context, secret)
     except Unauthorized as exc:
+        address = request.client.host if request.client else "unknown"
+        retry_after = context.auth_failures.fail(address)
+        if retry_after is not None:
+            message = context.auth_failures.message(address, retry_after)
+            page = _login_page(next_path, f"Not signed in: {message}.", status=429)
+            page.headers["Retry-After"] = str(retry_after)
+            return page
         return _login_page(next_path, f"Not signed in: {exc.message}.", status=401)
-    context_of(request.app).caches.tokens.put(tokens.hash_token(secret), principal)
     response = RedirectResponse(next_path, status_code=303)
     response.set_cookie(
         COOKIE,
@@ -212,6 +216,15 @@ async def job_page(request: Request, job_id: PathId) -> Response:
     if principal is None:
         return _to_login(request)
     return _page("job", f"Job {job_id}", principal, main_attrs=f'data-job-id="{job_id}"')
+
+
+@router.get("/compare")
+async def compare_page(request: Request) -> Response:
+    """Jobs side by side; the page reads ``?jobs=3,4`` itself and asks the API for each."""
+    principal = await signed_in(request)
+    if principal is None:
+        return _to_login(request)
+    return _page("compare", "Compare jobs", principal)
 
 
 async def _simple_page(request: Request, page: str) -> Response:

@@ -1,7 +1,7 @@
 """memory-aware plans: iteration_telemetry.peak_memory_mb, .oom_batch, .pass_size; plans.memory_caps
 
-Revision ID: memory_plans
-Revises: 0020_worker_credentials
+Revision ID: 0025_memory_plans
+Revises: 0024_log_tail
 Create Date: 2026-11-24 03:00:00
 """
 
@@ -11,8 +11,8 @@ import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects import postgresql
 
-revision: str = "memory_plans"
-down_revision: str | None = "0020_worker_credentials"
+revision: str = "0025_memory_plans"
+down_revision: str | None = "0024_log_tail"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
