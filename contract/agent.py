@@ -161,6 +161,10 @@ class PlanOut(Response):
     predicted_ms: float | None = None
     created_at: datetime
     created_by: str | None = None
+    memory_caps: list[int | None] | None = None
+    """Per rank, the most samples one forward/backward pass may hold (from its fitted memory
+    model and its device's memory, less the headroom); None: no cap known. A rank whose batch is
+    larger runs it as several passes and accumulates the gradients."""
 
 
 class TelemetryRecord(Request):
@@ -178,6 +182,15 @@ class TelemetryRecord(Request):
     probe: bool = False
     """A timing an excluded rank took off the critical path (its gradients are discarded);
     ``batch_size`` is the probe's size, not part of the global batch."""
+    peak_memory_mb: float | None = Field(default=None, ge=0, le=1e9, allow_inf_nan=False)
+    """Peak device memory of the iteration's compute (CUDA: ``max_memory_allocated`` after a
+    reset; emulated: the worker's memory formula); None where it is not measured (CPU)."""
+    oom_batch: int | None = Field(default=None, ge=1, le=10_000_000)
+    """The size of a pass that ran out of device memory in this iteration (the rank then redid
+    the iteration in smaller passes); None when none did."""
+    pass_size: int | None = Field(default=None, ge=1, le=10_000_000)
+    """The largest pass the iteration ran (its batch, unless it accumulated over passes): what
+    ``peak_memory_mb`` belongs to. None: not reported (one pass of ``batch_size``)."""
 
 
 TELEMETRY_FIELDS = tuple(TelemetryRecord.model_fields)
@@ -201,6 +214,14 @@ class TelemetryColumns(Request):
     ts: list[Annotated[float, Field(ge=0, le=1e11, allow_inf_nan=False)]]
     probe: list[bool] | None = None
     """Absent: no record is a probe."""
+    peak_memory_mb: (
+        list[Annotated[float, Field(ge=0, le=1e9, allow_inf_nan=False)] | None] | None
+    ) = None
+    """Absent: no record measured its peak memory."""
+    oom_batch: list[Annotated[int, Field(ge=1, le=10_000_000)] | None] | None = None
+    """Absent: no record ran out of memory."""
+    pass_size: list[Annotated[int, Field(ge=1, le=10_000_000)] | None] | None = None
+    """Absent: no record reported its largest pass."""
 
     @model_validator(mode="after")
     def _same_length(self) -> TelemetryColumns:
@@ -212,9 +233,17 @@ class TelemetryColumns(Request):
         return self
 
     def arrays(self) -> tuple[list[Any], ...]:
-        """Every field's array in ``TELEMETRY_FIELDS`` order (``probe`` filled in)."""
-        probe = self.probe if self.probe is not None else [False] * len(self.rank)
-        return tuple(probe if n == "probe" else getattr(self, n) for n in TELEMETRY_FIELDS)
+        """Every field's array in ``TELEMETRY_FIELDS`` order (the optional ones filled in)."""
+        n = len(self.rank)
+        filled: dict[str, list[Any]] = {
+            "probe": self.probe if self.probe is not None else [False] * n,
+            "peak_memory_mb": self.peak_memory_mb
+            if self.peak_memory_mb is not None
+            else [None] * n,
+            "oom_batch": self.oom_batch if self.oom_batch is not None else [None] * n,
+            "pass_size": self.pass_size if self.pass_size is not None else [None] * n,
+        }
+        return tuple(filled[f] if f in filled else getattr(self, f) for f in TELEMETRY_FIELDS)
 
 
 class TelemetryBatch(Request):
@@ -258,6 +287,9 @@ class TelemetryBatch(Request):
         arrays: dict[str, Any] = dict(zip(TELEMETRY_FIELDS, self.arrays(), strict=True))
         if not any(arrays["probe"]):
             arrays["probe"] = None
+        for optional in ("peak_memory_mb", "oom_batch", "pass_size"):
+            if all(m is None for m in arrays[optional]):
+                arrays[optional] = None
         columns = TelemetryColumns.model_construct(None, **arrays)
         return TelemetryBatch.model_construct(records=None, columns=columns, urgent=self.urgent)
 

@@ -169,6 +169,21 @@ class ModelOut(Response):
     observations: int = 0
     distinct_batch_sizes: int = 0
     reason: str = ""
+    memory_cap: int | None = None
+    """Most samples one pass may hold (None: no cap); a larger share runs as accumulated passes."""
+    device_memory_mb: int | None = None
+    memory_base_mb: float | None = None
+    """Fitted memory model ``mem(b) = base + per_sample * b`` (a labelled guess when
+    ``memory_identifiable`` is false)."""
+    memory_per_sample_mb: float | None = None
+    memory_identifiable: bool = False
+    memory_max_relative_error: float | None = None
+    """Largest relative gap between the fitted and measured peak memory."""
+    predicted_memory_mb: float | None = None
+    """Predicted peak memory of the rank's largest pass under the plan in force."""
+    oom_batch: int | None = None
+    """Smallest pass size that ran out of memory on this rank."""
+    memory_reason: str = ""
 
 
 class TelemetryOut(Response):
@@ -181,6 +196,12 @@ class TelemetryOut(Response):
     compute_ms: float
     sync_ms: float
     ts: float
+    peak_memory_mb: float | None = None
+    """Peak device memory of the iteration's compute (None: not measured)."""
+    oom_batch: int | None = None
+    """A pass of this size ran out of memory in the iteration (it was redone in smaller ones)."""
+    pass_size: int | None = None
+    """The iteration's largest pass (None: one pass of ``batch_size``)."""
 
 
 class EventOut(Response):

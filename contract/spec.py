@@ -29,12 +29,40 @@ class Slowdown(Request):
 
 
 class EmulatedWorker(Request):
-    """Emulated speed: pad real compute to factor * (intercept + per_sample * b)."""
+    """Emulated speed: pad real compute to factor * (intercept + per_sample * b).
+
+    Emulated memory: with ``memory_mb``, one forward/backward pass of ``b`` samples needs
+    ``memory_base_mb + memory_per_sample_mb * b``; more than ``memory_mb`` raises a real
+    ``torch.OutOfMemoryError`` (the exception CUDA raises)."""
 
     per_sample_ms: float = Field(ge=0, le=1e5, allow_inf_nan=False)
     intercept_ms: float = Field(default=0.0, ge=0, le=1e5, allow_inf_nan=False)
     slowdowns: list[Slowdown] = Field(default_factory=list, max_length=64)
     name: Name | None = None
+    memory_mb: int | None = Field(default=None, ge=1, le=10_000_000)
+    """The emulated device's memory; None: no memory limit is emulated."""
+    memory_base_mb: float = Field(default=0.0, ge=0, le=10_000_000, allow_inf_nan=False)
+    """Memory of a pass that does not depend on the batch (weights, optimizer state, ...)."""
+    memory_per_sample_mb: float = Field(default=0.0, ge=0, le=10_000_000, allow_inf_nan=False)
+    """Activation memory per sample of a pass."""
+
+    def peak_memory_mb(self, batch_size: int) -> float:
+        """Emulated peak memory of one pass of ``batch_size`` samples (0 samples: none)."""
+        if batch_size <= 0:
+            return 0.0
+        return self.memory_base_mb + self.memory_per_sample_mb * batch_size
+
+    @property
+    def memory_cap(self) -> int | None:
+        """The largest batch one pass fits in ``memory_mb`` (None when memory is not emulated)."""
+        if self.memory_mb is None:
+            return None
+        room = self.memory_mb - self.memory_base_mb
+        if room < 0:
+            return 0
+        if self.memory_per_sample_mb == 0:
+            return 10_000_000
+        return min(10_000_000, int(room // self.memory_per_sample_mb))
 
 
 ENTRYPOINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
@@ -67,6 +95,9 @@ class PolicySpec(Request):
     explore_iterations: int = Field(default=10, ge=0, le=10_000)
     """Iterations at the start that perturb batch sizes so each worker's model is identifiable."""
     granularity: int = Field(default=1, ge=1, le=4096)
+    memory_headroom: float = Field(default=0.1, ge=0, le=0.9, allow_inf_nan=False)
+    """Fraction of each device's memory plans leave unused when they derive a worker's memory
+    cap (the most samples one pass may hold) from its fitted memory model."""
 
 
 class CheckpointSpec(Request):

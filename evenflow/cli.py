@@ -523,8 +523,10 @@ def cmd_compare(args: argparse.Namespace) -> None:
     out = report(profile, results)
     if args.json:
         print(json.dumps(out, indent=2))
-        return
-    _print_results(out)
+    else:
+        _print_results(out)
+    if out["failed"]:
+        raise SystemExit(f"error: policies failed: {', '.join(out['failed'])}")
 
 
 def _print_results(out: dict[str, Any]) -> None:
@@ -540,6 +542,9 @@ def _print_results(out: dict[str, Any]) -> None:
         title=f"measured (emulated speeds); ideal {out['ideal_samples_per_s']:.0f} samples/s",
     )
     for name, r in out["policies"].items():
+        if "error" in r:
+            table.add_row(name, "failed", r["error"][:60], "", "", "")
+            continue
         speedup = out["speedup_vs_equal"].get(name)
         table.add_row(
             name,

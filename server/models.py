@@ -238,6 +238,8 @@ class Plan(Base):
     predicted_ms: Mapped[float | None] = mapped_column(Float, default=None)
     created_by: Mapped[str | None] = mapped_column(String(128), default=None)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    memory_caps: Mapped[list[int | None] | None] = mapped_column(Json, default=None)
+    """Per rank, the most samples one pass may hold under this plan; None: no rank has a cap."""
 
 
 class IterationTelemetry(Base):
@@ -264,6 +266,12 @@ class IterationTelemetry(Base):
     ts: Mapped[float] = mapped_column(Float)
     """Worker-side unix time at the end of the iteration."""
     probe: Mapped[bool] = mapped_column(Boolean, default=False)
+    peak_memory_mb: Mapped[float | None] = mapped_column(Float, default=None)
+    """Peak device memory of the iteration's compute; None where it is not measured."""
+    oom_batch: Mapped[int | None] = mapped_column(Integer, default=None)
+    """Size of a pass that ran out of memory in the iteration; None when none did."""
+    pass_size: Mapped[int | None] = mapped_column(Integer, default=None)
+    """The iteration's largest pass (what its peak memory belongs to); None: not reported."""
 
 
 class TelemetryRollup(Base):

@@ -6,7 +6,9 @@ One iteration, on every active rank, in this order::
     plan agreement at the boundary (inside the gradient all-reduce, or one tiny broadcast)
       [-> when the plan changes who is active: regroup, and re-synchronise readmitted ranks]
     -> data: this rank's slice of the global batch under the agreed plan
-    -> compute: forward + backward of the SUMMED loss (skipped with 0 samples), emulation padding
+    -> compute: forward + backward of the SUMMED loss (skipped with 0 samples), emulation padding;
+       a slice larger than this rank's memory cap in the plan is yielded as several micro-batches
+       (passes of at most the cap), each stepped, their gradients accumulated in place
     -> sync: one coalesced all-reduce of gradients and loss, scaled by 1 / global count
     -> optimizer step, zero the gradient buffer (the leader: the global loss -> metrics queue)
     -> timing record -> telemetry queue (background threads send both)
@@ -21,9 +23,10 @@ uses this.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any, SupportsFloat
 
@@ -37,6 +40,7 @@ from agent.runtime.emulation import EMULATED_LABEL, Emulator
 from agent.runtime.gradients import GradientSync, broadcast_module
 from agent.runtime.membership import ExclusionOptions, GroupRole, Membership, Notice, Transition
 from agent.runtime.metrics import MetricReporter
+from agent.runtime.oom import MemoryGuard
 from agent.runtime.plan_sync import PlanAgreement, RuntimePlan, decode_plan
 from agent.runtime.probes import ProbeLoss, forward_sum, probe, probe_size
 from agent.runtime.resync import resync
@@ -78,6 +82,8 @@ class ContextStats:
     """Speed probes this rank ran while excluded."""
     resync_ms: list[float] = field(default_factory=list)
     """Host time of each re-synchronisation this rank took part in."""
+    ooms: list[tuple[int, int]] = field(default_factory=list)
+    """(iteration, pass size) of each pass that ran out of memory and was redone smaller."""
     resumed_from: int | None = None
     """The iteration this run resumed at from a checkpoint (None: it started from 0)."""
     checkpoints: list[tuple[int, int, float]] = field(default_factory=list)
@@ -159,6 +165,11 @@ class EvenflowContext:
         self._awaiting_step = False
         self._plan: RuntimePlan = agreement.current
         self._local = 0
+        self._passes: tuple[int, ...] = ()
+        """Sizes of this iteration's passes (one unless the memory cap splits the slice)."""
+        self._pass = 0
+        self._loss_acc: torch.Tensor | None = None
+        self._guard = MemoryGuard(rank)
         self._total = 0
         self.membership = Membership(
             rank, world_size, group=group, control_group=agreement.group, options=exclusion
@@ -285,19 +296,7 @@ class EvenflowContext:
                         continue
                 self._plan = self.agreement.current
                 self.membership.tick(it, self._plan)
-                self.timer.begin()
-                idx = sampler.local_indices(it, self._plan.batch_sizes, self.rank)
-                self._local = len(idx)
-                batch = take(dataset, idx, self.device) if self._local else None
-                self.timer.data_done()
-                if self._local == 0:
-                    self._finish(None)
-                    continue
-                self._awaiting_step = True
-                self._batch_iteration = it
-                yield batch
-                if self._awaiting_step:
-                    raise RuntimeError("call ctx.step(loss_sum) exactly once per batch")
+                yield from self._iteration(it, dataset, sampler)
             if self.membership.role is GroupRole.ACTIVE and self.agreement.current.excluded:
                 self.agreement.close()
                 self._resync(self.membership.end(self.iteration, self.agreement.current), False)
@@ -309,14 +308,44 @@ class EvenflowContext:
             self.agreement.close()
             self._emit(self.timer.drain())
 
+    @contextlib.contextmanager
+    def recoverable(self) -> Iterator[None]:
+        """Wrap the loop body (forward and ``step``) so that running out of device memory
+        redoes this rank's share in smaller passes instead of failing the job
+        (:mod:`agent.runtime.oom`)::
+
+            for x, y in ctx.batches(data):
+                with ctx.recoverable():
+                    ctx.step(loss_fn(model(x), y))
+        """
+        try:
+            yield
+        except torch.OutOfMemoryError as exc:
+            if not self._awaiting_step:
+                raise  # not inside a pass of this context's
+            self._guard.pending = exc
+
     def step(self, loss_sum: torch.Tensor) -> float | None:
-        """Backward the summed loss, all-reduce, step the optimizer; the global mean loss when
-        it was recorded this iteration (every ``loss_every`` iterations), else ``None``."""
+        """Backward the summed loss; after the iteration's last pass, all-reduce and step the
+        optimizer. The global mean loss when it was recorded this iteration (every
+        ``loss_every`` iterations), else ``None`` (always ``None`` before the last pass)."""
         if not self._awaiting_step:
             raise RuntimeError("ctx.step() outside a batch of ctx.batches()")
+        size = self._passes[self._pass]
+        if self.emulator is not None:  # an emulated device runs out of memory here, as CUDA's would
+            peak = self.emulator.allocate(size)
+            if peak is not None:
+                self.timer.note_peak_memory(peak)
+        loss_sum.backward()  # accumulates into the gradient buffers over the passes
         self._awaiting_step = False
-        loss_sum.backward()
-        return self._finish(loss_sum)
+        self._pass += 1
+        loss = loss_sum.detach()
+        total = loss if self._loss_acc is None else self._loss_acc + loss
+        if self._pass < len(self._passes):
+            self._loss_acc = total
+            return None
+        self._loss_acc = None
+        return self._finish(total)
 
     def log(self, name: str, value: SupportsFloat, *, iteration: int | None = None) -> None:
         """Report a training metric of this rank (an accuracy, a learning rate, a user loss):
@@ -333,11 +362,79 @@ class EvenflowContext:
 
     # ----------------------------------------------------------------------------- internals
 
+    def _iteration(
+        self, it: int, dataset: DatasetLike, sampler: GlobalBatchSampler
+    ) -> Iterator[Any]:
+        """One iteration's passes: this rank's slice, or its micro-batches of at most the
+        plan's memory cap for this rank (gradients accumulate; the update is unchanged)."""
+        self.timer.begin()
+        idx = sampler.local_indices(it, self._plan.batch_sizes, self.rank)
+        self._local = len(idx)
+        self._batch_iteration = it
+        self._passes, self._pass, self._loss_acc = (), 0, None
+        if self._local == 0:
+            self.timer.data_done()
+            self._finish(None)
+            return
+        cap = self._guard.cap(self._plan)
+        first = True
+        while True:
+            chunks = [idx] if cap is None or self._local <= cap else list(idx.split(cap))
+            parts = [take(dataset, c, self.device) for c in chunks]
+            if first:
+                self.timer.data_done()
+                first = False
+            self._passes, self._pass, self._loss_acc = tuple(len(c) for c in chunks), 0, None
+            if len(chunks) > 1:
+                self.timer.note_pass_size(max(self._passes))
+            failed = yield from self._run_passes(parts)
+            if failed is None:
+                return
+            del parts
+            cap = self._recover(*failed)
+
+    def _run_passes(
+        self, parts: list[Any]
+    ) -> Generator[Any, None, tuple[int, BaseException] | None]:
+        """Yield each pass; the failing pass's size and error when one ran out of memory."""
+        for part in parts:
+            self._awaiting_step = True
+            yield part
+            exc = self._guard.take_pending()
+            if exc is not None:
+                return self._passes[self._pass], exc
+            if self._awaiting_step:
+                raise RuntimeError("call ctx.step(loss_sum) exactly once per batch")
+        return None
+
+    def _recover(self, size: int, exc: BaseException) -> int:
+        """Free what the failed attempt holds; the smaller cap to redo the share with."""
+        assert self._sync is not None
+        self._awaiting_step = False
+        self._sync.zero_grad()  # the partial gradients of the passes so far
+        self._loss_acc = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.timer.restart_peak()
+        cap = self._guard.failed(self._plan.version, size, exc)  # raises when nothing fits
+        self.timer.note_oom(size)
+        self.stats.ooms.append((self.iteration, size))
+        log.warning(
+            "rank %d: out of memory in a pass of %d at iteration %d; redoing the share in "
+            "passes of at most %d",
+            self.rank,
+            size,
+            self.iteration,
+            cap,
+        )
+        return cap
+
     def _finish(self, loss_sum: torch.Tensor | None) -> float | None:
         assert self._sync is not None and self.optimizer is not None and self._sampler
         it, b = self.iteration, self._local
         if self.emulator is not None and b > 0:
-            self.timer.add_padding(self.emulator.pad(it, b, self.timer.compute_elapsed_ms()))
+            elapsed = self.timer.compute_elapsed_ms()
+            self.timer.add_padding(self.emulator.pad(it, b, elapsed, self._passes))
         self.timer.compute_done()
         count = self._sampler.global_count(it)
         mean_loss = self._sync.all_reduce(count, loss_sum)
@@ -526,6 +623,9 @@ class EvenflowContext:
                         sync_ms=clamp_ms(t.sync_ms),
                         ts=t.ts,
                         probe=probe,
+                        peak_memory_mb=t.peak_memory_mb,
+                        oom_batch=t.oom_batch,
+                        pass_size=t.pass_size,
                     )
                 )
             except TelemetryClosed:  # the job has ended on the control plane: stop training

@@ -10,6 +10,11 @@ worker's *real* compute phase up to a target from its :class:`~contract.spec.Emu
 ``[from_iteration, to_iteration)`` covers the iteration (1 when none does). When the real compute
 already took longer than the target nothing is padded; the measured time is what is reported.
 
+Memory. With ``memory_mb`` set, a pass of ``b`` samples needs ``memory_base_mb +
+memory_per_sample_mb * b``; :meth:`Emulator.allocate` raises a real ``torch.OutOfMemoryError``
+(the exception CUDA's caching allocator raises) when that exceeds ``memory_mb``, so the whole
+out-of-memory path runs on CPU, and returns the figure as the pass's peak memory otherwise.
+
 Emulation is a labelled mode, never silent: :attr:`Emulator.emulated` is ``True`` and
 :data:`EMULATED_LABEL` is what callers put in logs and results. The wire telemetry records carry no
 flag of their own; the job spec's ``emulation`` field labels the job on the server.
@@ -19,6 +24,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+
+import torch
 
 from contract.spec import EmulatedWorker
 
@@ -54,9 +61,28 @@ class Emulator:
         w = self.worker
         return self.factor(iteration) * (w.intercept_ms + w.per_sample_ms * batch_size)
 
-    def pad(self, iteration: int, batch_size: int, elapsed_ms: float) -> float:
-        """Sleep until the compute phase has lasted ``target_ms``; return the ms slept."""
-        remaining = self.target_ms(iteration, batch_size) - elapsed_ms
+    def allocate(self, batch_size: int) -> float | None:
+        """The emulated peak memory (MB) of one pass of ``batch_size`` samples, or None when
+        memory is not emulated; raises ``torch.OutOfMemoryError`` when it does not fit."""
+        w = self.worker
+        if w.memory_mb is None:
+            return None
+        need = w.peak_memory_mb(batch_size)
+        if need > w.memory_mb:
+            raise torch.OutOfMemoryError(
+                f"{EMULATED_LABEL} out of memory: a pass of {batch_size} samples needs "
+                f"{need:.0f} MiB, the device has {w.memory_mb} MiB"
+            )
+        return need
+
+    def pad(
+        self, iteration: int, batch_size: int, elapsed_ms: float, passes: tuple[int, ...] = ()
+    ) -> float:
+        """Sleep until the compute phase has lasted ``target_ms`` (summed over ``passes``, the
+        sizes of the accumulated passes, when there are several); return the ms slept."""
+        sizes = passes or (batch_size,)
+        target = sum(self.target_ms(iteration, b) for b in sizes)
+        remaining = target - elapsed_ms
         if remaining <= 0:
             return 0.0
         self._sleep(remaining / 1000.0)

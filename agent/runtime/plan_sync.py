@@ -4,9 +4,12 @@
 The *leader* (the lowest rank in the group; rank 0 unless a plan excluded it) puts its newest
 candidate (or the current plan) into a tiny integer message (:func:`encode_plan`)::
 
-    [version, global_batch, length, n_excluded, size_0 .. size_{W-1}, excl_0 .. excl_{W-1}]
+    [version, global_batch, length, n_excluded, size_0 .. size_{W-1}, excl_0 .. excl_{W-1},
+     cap_0 .. cap_{W-1}]
 
-where ``excl_r`` counts how often rank ``r`` is listed as excluded. Every rank decodes the *same*
+where ``excl_r`` counts how often rank ``r`` is listed as excluded and ``cap_r`` is rank ``r``'s
+memory cap, the most samples one forward/backward pass may hold (0: none); a rank whose share is
+larger runs it as several passes and accumulates the gradients (the update is unchanged). Every rank decodes the *same*
 message and runs the *same* validation, so all accept or all refuse, and a new version takes effect
 at the same iteration everywhere. Refused (logged, counted, old plan kept): sizes negative, not
 summing to B, above the job's ``max_batch_per_worker``, a length that is not the world size; an
@@ -28,7 +31,7 @@ new plan takes effect one iteration after the leader saw it. Where the gradients
 (on a GPU, where reading it back would synchronise the host, or with 16-bit gradients), it is a
 tiny int64 broadcast, pipelined: started at boundary ``i``, waited for at ``i + every``, so its
 latency hides behind compute. On NCCL jobs that broadcast goes over a gloo group so the control
-tensor stays on the CPU. Nothing is allocated per iteration beyond a tensor of ``4 + 2 * world``
+tensor stays on the CPU. Nothing is allocated per iteration beyond a tensor of ``4 + 3 * world``
 integers.
 """
 
@@ -71,12 +74,26 @@ class RuntimePlan:
     """The plan's own statement of B (``PlanOut.global_batch``); -1 means 'use sum(sizes)'."""
     excluded: tuple[int, ...] = ()
     """Ranks out of the all-reduce group under this plan (their batch is 0)."""
+    memory_caps: tuple[int, ...] = ()
+    """Per rank, the most samples one pass may hold (0: no cap); empty when no rank has one."""
 
     @classmethod
     def of(cls, plan: PlanOut | RuntimePlan) -> RuntimePlan:
         if isinstance(plan, RuntimePlan):
             return plan
-        return cls(plan.version, tuple(plan.batch_sizes), plan.global_batch, tuple(plan.excluded))
+        caps = tuple(c or 0 for c in plan.memory_caps or ())
+        return cls(
+            plan.version,
+            tuple(plan.batch_sizes),
+            plan.global_batch,
+            tuple(plan.excluded),
+            caps if any(caps) else (),
+        )
+
+    def cap_of(self, rank: int) -> int | None:
+        """Rank ``rank``'s memory cap (most samples per pass), or None."""
+        cap = self.memory_caps[rank] if rank < len(self.memory_caps) else 0
+        return cap or None
 
     @property
     def active(self) -> tuple[int, ...]:
@@ -120,12 +137,15 @@ def plan_problem(
         return f"plan is for global batch {plan.global_batch}, job has {global_batch}"
     if max_batch is not None and max(sizes) > max_batch:
         return f"batch size {max(sizes)} above max_batch_per_worker {max_batch}"
+    caps = plan.memory_caps
+    if caps and (len(caps) != world_size or min(caps) < 0):
+        return f"memory caps {list(caps)} are not one count >= 0 per rank"
     return None
 
 
 def message_length(world_size: int) -> int:
     """Integers in one agreement message (see the module docstring)."""
-    return 4 + 2 * world_size
+    return 4 + 3 * world_size
 
 
 def encode_plan(plan: RuntimePlan, world_size: int) -> list[int]:
@@ -136,8 +156,10 @@ def encode_plan(plan: RuntimePlan, world_size: int) -> list[int]:
     for r in plan.excluded:
         if 0 <= r < world_size:
             flags[r] += 1
+    caps = list(plan.memory_caps)[:world_size]
+    caps += [0] * (world_size - len(caps))
     head = [plan.version, plan.global_batch, len(plan.batch_sizes), len(plan.excluded)]
-    return head + sizes + flags
+    return head + sizes + flags + caps
 
 
 def decode_plan(message: Sequence[int], world_size: int) -> tuple[RuntimePlan, str | None]:
@@ -146,7 +168,8 @@ def decode_plan(message: Sequence[int], world_size: int) -> tuple[RuntimePlan, s
     sizes = tuple(message[4 : 4 + world_size])
     flags = message[4 + world_size : 4 + 2 * world_size]
     excluded = tuple(r for r, n in enumerate(flags) for _ in range(n))
-    plan = RuntimePlan(version, sizes, gb, excluded)
+    caps = tuple(message[4 + 2 * world_size : 4 + 3 * world_size])
+    plan = RuntimePlan(version, sizes, gb, excluded, caps if any(caps) else ())
     if length != world_size:
         return plan, f"{length} batch sizes for {world_size} ranks"
     if n_excluded != len(excluded):

@@ -350,7 +350,8 @@ def train_workload(ctx: EvenflowContext, workload: Workload) -> None:
     model, _ = ctx.prepare(model, optimizer)
     ctx.probe_loss = lambda batch: workload.loss_fn(model(batch[0]), batch[1])
     for inputs, targets in ctx.batches(workload.dataset):
-        ctx.step(workload.loss_fn(model(inputs), targets))
+        with ctx.recoverable():  # out of memory: the share is redone in smaller passes
+            ctx.step(workload.loss_fn(model(inputs), targets))
     if ctx.checkpointer is not None:
         ctx.save_final()
 

@@ -32,7 +32,10 @@ A job's ``workload.entrypoint`` is ``"package.module:function"``. The function r
                ctx.step(loss)                               # backward, all-reduce, opt.step
 
    Rules: call ``ctx.step`` exactly once per batch and do not call ``backward``, ``zero_grad``
-   or ``opt.step`` yourself. Do not ``break`` out of the loop on one rank only. On an iteration
+   or ``opt.step`` yourself. A share above this rank's memory cap comes as several batches
+   (passes) of one iteration; ``step`` accumulates them and steps the optimizer after the last.
+   Wrap the body in ``with ctx.recoverable():`` and a pass that runs out of device memory is
+   redone in smaller passes instead of failing the job (a returned ``Workload`` does this). Do not ``break`` out of the loop on one rank only. On an iteration
    where this rank's share is 0 samples, the loop body is *skipped* (the context joins the
    all-reduce and steps the optimizer itself), so per-iteration side effects such as an LR
    scheduler belong outside the body or should read ``ctx.iteration``.

@@ -36,6 +36,7 @@ export function emptyQueue(world) {
 
 export function eventText(e) {
   const who = e.rank === null ? "job" : `rank ${e.rank}`;
+  if (e.kind === "oom") return `OOM: ${who}, a pass of ${e.detail?.batch ?? "?"} ran out of memory; ${e.action}`;
   return `${e.kind}: ${who}, severity ${e.severity.toFixed(2)}, action ${e.action}`;
 }
 

@@ -104,6 +104,28 @@ function modelCells(m, b) {
   ];
 }
 
+function memoryCells(state, rank, b) {
+  // The rank's memory cap (most samples per pass; a larger share accumulates over passes), the
+  // predicted peak of its largest pass against its device's memory, and the fitted line.
+  const m = state.models?.find((x) => x.rank === rank) ?? null;
+  const unknown = (v) => v === null || v === undefined; // undefined: a server without memory fields
+  if (!m || (unknown(m.memory_cap) && unknown(m.memory_base_mb))) {
+    return [el("td", { class: "muted" }, "—"), el("td", { class: "muted" }, "—"), el("td", { class: "muted small", title: m?.memory_reason ?? "" }, "not measured")];
+  }
+  const passes = m.memory_cap ? Math.ceil(b / m.memory_cap) : 1;
+  const capText = unknown(m.memory_cap) ? "—" : `${fmtNum(m.memory_cap)}${passes > 1 ? ` (${passes} passes)` : ""}`;
+  const memText = unknown(m.predicted_memory_mb) ? "—"
+    : `${fmtNum(Math.round(m.predicted_memory_mb))}${m.device_memory_mb ? ` / ${fmtNum(m.device_memory_mb)}` : ""} MB`;
+  const fitText = unknown(m.memory_base_mb) || unknown(m.memory_per_sample_mb) ? "—"
+    : `${fmtNum(Math.round(m.memory_base_mb))} + ${m.memory_per_sample_mb.toPrecision(3)}·b${m.memory_identifiable ? "" : " *"}`;
+  const title = `${m.memory_reason ?? ""}${m.oom_batch ? `; a pass of ${m.oom_batch} ran out of memory` : ""}`;
+  return [
+    el("td", { class: "num", "data-memory-cap": rank }, capText),
+    el("td", { class: "num" }, memText),
+    el("td", { class: "num small", title }, fitText),
+  ];
+}
+
 function deviceText(state, rank) {
   const w = state.job.workers.find((x) => x.rank === rank);
   const dev = w?.device_id ? state.hosts.get(w.device_id) : null;
@@ -122,13 +144,14 @@ export function renderPlan(state) {
   const hasModels = Array.isArray(state.models) && state.models.length > 0;
   const maxB = Math.max(1, ...plan.batch_sizes);
   const head = ["worker", "device", "batch", ""];
-  if (hasModels) head.push("ms / sample", "intercept", "floor", "r²", "predicted");
+  if (hasModels) head.push("ms / sample", "intercept", "floor", "r²", "predicted", "memory cap", "memory", "memory fit");
   const rows = plan.batch_sizes.map((b, rank) => el("tr", {},
     el("td", {}, el("span", { class: "swatch", style: `background:${rankColour(rank, state.world)}` }), rankName(rank)),
     el("td", { class: "muted small" }, deviceText(state, rank)),
     el("td", { class: "num", "data-rank": rank }, fmtNum(b)),
     el("td", { class: "bar-cell" }, el("span", { class: "bar", style: `width:${(100 * b) / maxB}%` })),
     hasModels ? modelCells(modelFor(state, rank), b) : null,
+    hasModels ? memoryCells(state, rank, b) : null,
   ));
   const total = plan.batch_sizes.reduce((a, b) => a + b, 0);
   clear(

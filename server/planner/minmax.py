@@ -26,6 +26,12 @@ most 63 steps, with no tolerance. Optimality is relative to the floating-point e
 ``t_i``, which is monotone because IEEE rounding is; a brute force computing the same
 ``max(f, c + s*b)`` agrees to the last bit.
 
+Accumulation. A worker with a memory cap ``m_i`` runs a larger share as ``k`` full passes of
+``m_i`` and one of the rest, in time ``k P_i + t_i(r)`` (``model.predict_passes``, non-decreasing
+in floating point too), so the same bisection is exact. Its capacity at T starts from
+``k = floor(T / P_i)`` full passes plus what one more pass reaches in ``T - k P_i``, and the same
+correction fixes the rounding.
+
 Filling. At ``T*`` the capacities sum to ``B + E`` with ``E >= 0``. Removing samples never raises a
 time (t is non-decreasing), so any removal of E that keeps ``b_i >= lo_i`` (in granules) keeps
 the makespan at ``T*``; it cannot fall below, since ``T*`` is least. The excess is taken round-robin
@@ -42,7 +48,7 @@ from __future__ import annotations
 import numpy as np
 
 from server.planner.bisection import least_true
-from server.planner.model import FloatArray, predict_many
+from server.planner.model import NO_CAP, FloatArray, predict_many, predict_passes
 from server.planner.problem import Allocation, IntArray, PlanProblem, make_plan
 
 
@@ -52,20 +58,43 @@ class Fleet:
     def __init__(self, problem: PlanProblem) -> None:
         lo, hi = problem.bounds()
         self.s, self.c, self.f = problem.model_arrays()
+        self.m = problem.micro_array()
+        self.accumulates = bool(np.any(self.m < NO_CAP))
         self.lo = lo.astype(np.float64)
         self.hi = hi.astype(np.float64)
         self.g = float(problem.granularity)
         self.total = float(problem.global_batch)
 
     def times(self, batch: FloatArray) -> FloatArray:
+        if self.accumulates:
+            return predict_passes(self.s, self.c, self.f, self.m, batch)
         return predict_many(self.s, self.c, self.f, batch)
+
+    def _reach(self, budget: FloatArray) -> FloatArray:
+        """Most samples one pass (unbounded) runs within ``budget`` ms; -inf where none."""
+        s, c, f = self.s, self.c, self.f
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            reach = np.where(s > 0, (budget - c) / s, np.where(c <= budget, np.inf, -np.inf))
+        return np.where(f <= budget, reach, -np.inf)
+
+    def _accumulated_reach(self, makespan: float) -> FloatArray:
+        """Most samples within ``makespan`` counting passes of at most ``m`` (a first guess)."""
+        one = predict_many(self.s, self.c, self.f, self.m)
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            full = np.where(one > 0, np.floor(makespan / one), np.inf)
+        full = np.minimum(full, np.floor(self.hi / self.m) + 1.0)
+        extra = np.clip(self._reach(makespan - full * one), 0.0, self.m - 1.0)
+        reach = np.where(np.isfinite(full), full * self.m + extra, np.inf)
+        single = self._reach(np.full_like(self.s, makespan))
+        return np.where(self.m < NO_CAP, np.where(single >= 1, reach, single), single)
 
     def capacity(self, makespan: float) -> FloatArray:
         """``C_i(T)`` per worker, as floats holding integers; -1 where no batch fits under T."""
-        s, c, f, g = self.s, self.c, self.f, self.g
-        with np.errstate(divide="ignore", invalid="ignore"):
-            reach = np.where(s > 0, (makespan - c) / s, np.where(c <= makespan, np.inf, -np.inf))
-        reach = np.where(f <= makespan, reach, -np.inf)
+        g = self.g
+        if self.accumulates:
+            reach = self._accumulated_reach(makespan)
+        else:
+            reach = self._reach(np.full_like(self.s, makespan))
         b = np.maximum(np.floor(np.minimum(reach, self.hi) / g) * g, 0.0)
         # Correct rounding of the division against the defining expression. Each worker moves only
         # in one direction (up while the next granule fits, down while its own batch does not),

@@ -15,6 +15,15 @@ With all three parameters >= 0, t is non-decreasing in b, and so is its floating
 ``max(f, c + s*b)`` (IEEE rounding is monotone). The exact min-max solver relies on exactly this,
 and every function here evaluates t with the same operations, so a scalar ``predict`` and the
 vectorised ``predict_many`` agree bit for bit.
+
+Gradient accumulation. A worker whose batch exceeds its memory cap ``m`` (the most samples one
+forward/backward pass holds) runs it as ``k = b // m`` full passes of ``m`` and one pass of the
+remainder ``r = b - k m`` (none when ``r = 0``), summing the gradients; its time is
+``k * t(m) + t(r)`` (``predict_passes``). Evaluated as ``fl(k P) + min(t(r), fl((k+1) P) - fl(k P))``
+with ``P = t(m)``: the difference is exact (Sterbenz: the two multiples are within a factor 2 for
+``k >= 1``), so the sum at ``r = m - 1`` never exceeds ``fl((k+1) P)``, the time at ``b = (k+1) m``,
+and the floating-point evaluation stays non-decreasing in b, which the exact solver needs. With no
+cap (``m`` = :data:`NO_CAP`) it is bit for bit ``predict_many``.
 """
 
 from __future__ import annotations
@@ -82,3 +91,49 @@ def predict_many(
     """Vectorised ``PerfModel.predict``: the same floating-point operations, element by element."""
     busy = np.maximum(floor, intercept + per_sample * batch)
     return np.where(batch > 0, busy, 0.0)
+
+
+NO_CAP = 2.0**62
+"""The memory cap of a worker without one: far above any batch, so ``b // NO_CAP == 0``."""
+
+
+def predict_passes(
+    per_sample: FloatArray,
+    intercept: FloatArray,
+    floor: FloatArray,
+    micro: FloatArray,
+    batch: FloatArray,
+) -> FloatArray:
+    """Compute time of ``batch`` run in passes of at most ``micro`` samples (see the module
+    docstring); ``micro >= 1`` everywhere (``NO_CAP`` for none)."""
+    full = np.floor(batch / micro)
+    rest = batch - full * micro
+    one = predict_many(per_sample, intercept, floor, micro)
+    done = full * one
+    step = (full + 1.0) * one - done
+    return done + np.minimum(predict_many(per_sample, intercept, floor, rest), step)
+
+
+def predict_accumulated(model: PerfModel, batch_size: int, micro_batch: int | None) -> float:
+    """``predict_passes`` for one worker (``model.predict`` when it has no cap)."""
+    if micro_batch is None or batch_size <= micro_batch:
+        return model.predict(batch_size)
+    one = np.array([1.0])
+    return float(
+        predict_passes(
+            one * model.per_sample_ms,
+            one * model.intercept_ms,
+            one * model.floor_ms,
+            one * max(1, micro_batch),
+            one * batch_size,
+        )[0]
+    )
+
+
+def passes(batch_size: int, micro_batch: int | None) -> int:
+    """Forward/backward passes a worker runs for ``batch_size`` samples under its cap."""
+    if batch_size <= 0:
+        return 0
+    if micro_batch is None or micro_batch <= 0:
+        return 1
+    return -(-batch_size // micro_batch)

@@ -11,6 +11,9 @@ Both heuristics are water-fillings. With weights ``w_i`` (1 for ``equal``, ``1 /
 (a pin, a memory cap, a minimum), the others share what is left in the same proportions. The
 level is found by exact bisection (``sum x_i`` is continuous and non-decreasing in ``lam``), then
 ``x`` is rounded to multiples of g by largest remainder, which keeps every bound and hits B exactly.
+Memory caps (``micro_batch``) bound the shares like ``max_batch`` while the global batch fits in
+one pass of every worker; when it does not, the shares ignore them and the workers over their cap
+accumulate gradients over several passes.
 
 Heuristic plans carry the same lower bound as minmax plans, so their gap is visible, and
 ``optimal=False``: they are not proven optimal even when they happen to be.
@@ -87,10 +90,19 @@ def round_to_granules(
     return base * g
 
 
+def _one_pass_bounds(fleet: Fleet) -> FloatArray:
+    """The upper bounds with every worker's memory cap as well, where the global batch fits in
+    one pass of every worker; else the plain bounds (the workers accumulate)."""
+    g = fleet.g
+    capped = np.maximum(fleet.lo, np.minimum(fleet.hi, np.floor(fleet.m / g) * g))
+    return capped if float(capped.sum()) >= fleet.total else fleet.hi
+
+
 def _heuristic(problem: PlanProblem, weights: FloatArray, name: str) -> Allocation:
     fleet = Fleet(problem)
-    shares = water_fill(weights, fleet.lo, fleet.hi, fleet.total)
-    batch = round_to_granules(shares, fleet.lo, fleet.hi, problem.global_batch, problem.granularity)
+    hi = _one_pass_bounds(fleet)
+    shares = water_fill(weights, fleet.lo, hi, fleet.total)
+    batch = round_to_granules(shares, fleet.lo, hi, problem.global_batch, problem.granularity)
     makespan = float(fleet.times(batch.astype(np.float64)).max())
     return make_plan(
         problem,

@@ -5,7 +5,13 @@ A ``PlanProblem`` asks for local batch sizes ``b_i`` with
 - ``sum(b_i) == global_batch``;
 - ``min_batch_i <= b_i <= max_batch_i`` (no upper bound when ``max_batch`` is None);
 - ``b_i`` a multiple of ``granularity`` (0 is a multiple of everything);
-- ``b_i == pinned_batch_i`` for pinned workers.
+- ``b_i == pinned_batch_i`` for pinned workers;
+- ``b_i == 0`` for a worker whose memory cap (``micro_batch``) is 0: not even one sample fits.
+
+A worker's ``micro_batch`` is the most samples one forward/backward pass may hold (its memory
+cap). It does not bound ``b_i``: a larger share runs as several passes whose gradients are
+accumulated, and its predicted time counts every pass (``model.predict_passes``), so the min-max
+plan gives a worker more than its cap only where the extra pass pays.
 
 Constructing a problem checks that every value is well formed (``InvalidInput``); whether the
 constraints can all hold together is decided when it is solved (``Infeasible``), by ``bounds``.
@@ -20,7 +26,7 @@ import numpy as np
 import numpy.typing as npt
 
 from server.planner.errors import Infeasible, InvalidInput
-from server.planner.model import FloatArray, PerfModel, predict_many
+from server.planner.model import NO_CAP, FloatArray, PerfModel, predict_many, predict_passes
 
 IntArray = npt.NDArray[np.int64]
 
@@ -51,6 +57,9 @@ class WorkerSpec:
     """Most samples it may get (its memory cap); None for no cap."""
     pinned_batch: int | None = None
     """Exactly this many samples (an operator's pin); None when free."""
+    micro_batch: int | None = None
+    """Most samples one pass holds (its memory cap); more run as accumulated passes. None: no
+    cap; 0: not even one sample fits (the worker gets none)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not self.id:
@@ -58,7 +67,7 @@ class WorkerSpec:
         if not isinstance(self.model, PerfModel):
             raise InvalidInput(f"worker {self.id}: model must be a PerfModel", field="model")
         # Store plain ints (numpy integers pass the check) so the value serialises anywhere.
-        for name in ("min_batch", "max_batch", "pinned_batch"):
+        for name in ("min_batch", "max_batch", "pinned_batch", "micro_batch"):
             value = getattr(self, name)
             if value is not None:
                 number = _check_count(f"worker {self.id}: {name}", value, minimum=0)
@@ -104,6 +113,20 @@ class PlanProblem:
         f = np.array([w.model.floor_ms for w in self.workers], dtype=np.float64)
         return s, c, f
 
+    def micro_array(self) -> FloatArray:
+        """Each worker's memory cap as float64 (``NO_CAP`` for none; at least 1)."""
+        return np.array(
+            [NO_CAP if w.micro_batch is None else max(1, w.micro_batch) for w in self.workers],
+            dtype=np.float64,
+        )
+
+    def times(self, batch: FloatArray) -> FloatArray:
+        """Predicted compute time of every worker with ``batch``, counting accumulated passes."""
+        s, c, f = self.model_arrays()
+        if all(w.micro_batch is None for w in self.workers):
+            return predict_many(s, c, f, batch)
+        return predict_passes(s, c, f, self.micro_array(), batch)
+
     def bounds(self) -> tuple[IntArray, IntArray]:
         """Smallest and largest admissible batch of every worker, or ``Infeasible`` saying why.
 
@@ -141,6 +164,16 @@ class PlanProblem:
 def _worker_bounds(w: WorkerSpec, g: int, total: int) -> tuple[int, int]:
     lo_raw = w.min_batch
     hi_raw = total if w.max_batch is None else min(w.max_batch, total)
+    if w.micro_batch == 0:  # not even one sample fits in the device's memory
+        hi_raw = 0
+        asked = w.pinned_batch or w.min_batch
+        if asked:
+            raise Infeasible(
+                f"worker {w.id}: not one sample fits its memory (memory cap 0), yet it must "
+                f"take {asked}",
+                constraint="worker_bounds",
+                worker=w.id,
+            )
     if w.max_batch is not None and w.min_batch > w.max_batch:
         raise Infeasible(
             f"worker {w.id}: min_batch {w.min_batch} > max_batch {w.max_batch}",
@@ -230,8 +263,7 @@ def make_plan(
         raise AssertionError(f"plan sums to {int(batches.sum())}, not {problem.global_batch}")
     if np.any(batches < lo) or np.any(batches > hi) or np.any(batches % g):
         raise AssertionError("plan violates a worker's bounds, pin or the granularity")
-    s, c, f = problem.model_arrays()
-    times = predict_many(s, c, f, batches.astype(np.float64))
+    times = problem.times(batches.astype(np.float64))
     ids = problem.ids
     makespan = float(times.max())
     return Allocation(

@@ -14,6 +14,10 @@ force and the operator's controls, and asks ``decide`` for a new plan or a reaso
   iteration time than the plan in force *under the same models*, or when forced ("rebalance
   now", an operator's pin or exclusion), or when the plan in force was made on guesses. Operators' pins and exclusions are constraints of the
   problem, so no plan ever breaks them.
+- Memory. Each rank's memory cap (most samples per pass, or None) bounds its passes: a share
+  above it runs as accumulated passes, which the time model counts (``predict_accumulated``).
+  When the caps change so that a share in force no longer fits one pass under its new cap, a new
+  plan is issued whatever the gain: the workers learn their caps only from a plan.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from server.planner.fit import ModelFit
-from server.planner.model import PerfModel
+from server.planner.model import PerfModel, predict_accumulated
 from server.planner.policies import solve
 from server.planner.problem import PlanProblem, WorkerSpec
 
@@ -49,6 +53,10 @@ class RebalanceInput:
     current_from_guesses: bool = False
     """The plan in force was made while exploring: replace it once the models are identified,
     whatever the gain (it was never meant to stay)."""
+    memory_caps: tuple[int | None, ...] = ()
+    """Per rank, the most samples one pass may hold (None: no cap); empty: no caps at all."""
+    current_caps: tuple[int | None, ...] = ()
+    """The caps the plan in force carries."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +70,8 @@ class RebalanceDecision:
     exploring: bool
     models: tuple[PerfModel, ...]
     """The model used for each rank (fitted, or a labelled guess while exploring)."""
+    memory_caps: tuple[int | None, ...] = ()
+    """The caps the plan was made under (to store with it)."""
 
 
 def _models(fits: Sequence[ModelFit | None]) -> tuple[tuple[PerfModel, ...], list[int]]:
@@ -83,8 +93,24 @@ def _models(fits: Sequence[ModelFit | None]) -> tuple[tuple[PerfModel, ...], lis
     return tuple(models), unidentified
 
 
-def makespan(models: Sequence[PerfModel], sizes: Sequence[int]) -> float:
-    return max((m.predict(b) for m, b in zip(models, sizes, strict=True)), default=0.0)
+def makespan(
+    models: Sequence[PerfModel], sizes: Sequence[int], caps: Sequence[int | None] = ()
+) -> float:
+    """Predicted iteration compute time: the slowest rank, extra passes above a cap counted."""
+    capped = list(caps) or [None] * len(sizes)
+    return max(
+        (predict_accumulated(m, b, c) for m, b, c in zip(models, sizes, capped, strict=True)),
+        default=0.0,
+    )
+
+
+def caps_outgrown(inp: RebalanceInput) -> bool:
+    """A share in force exceeds its rank's new cap where the plan in force set no such cap."""
+    old = list(inp.current_caps) or [None] * len(inp.current)
+    return any(
+        new is not None and b > new and (was is None or was > new)
+        for b, new, was in zip(inp.current, inp.memory_caps, old, strict=True)
+    )
 
 
 def _bounds(inp: RebalanceInput, rank: int) -> tuple[int, int]:
@@ -96,12 +122,21 @@ def _bounds(inp: RebalanceInput, rank: int) -> tuple[int, int]:
     return 0, cap // inp.granularity * inp.granularity
 
 
+def _nudge_bounds(inp: RebalanceInput, rank: int) -> tuple[int, int]:
+    """A nudge's bounds: the rank's own, and its memory cap (exploring never adds a pass)."""
+    lo, hi = _bounds(inp, rank)
+    cap = inp.memory_caps[rank] if rank < len(inp.memory_caps) else None
+    if cap is not None and lo < cap < hi:
+        hi = cap // inp.granularity * inp.granularity
+    return lo, max(lo, hi)
+
+
 def _nudge(inp: RebalanceInput, sizes: list[int], stuck: list[int]) -> list[int]:
     """Move each stuck rank ~20% off its only observed size, keeping the sum and all bounds."""
     g = inp.granularity
     out = list(sizes)
     for rank in stuck:
-        lo, hi = _bounds(inp, rank)
+        lo, hi = _nudge_bounds(inp, rank)
         if lo == hi:
             continue
         step = max(g, round(EXPLORE_STEP * max(out[rank], g) / g) * g)
@@ -114,7 +149,7 @@ def _nudge(inp: RebalanceInput, sizes: list[int], stuck: list[int]) -> list[int]
         )
         remaining = delta
         for other in others:
-            olo, ohi = _bounds(inp, other)
+            olo, ohi = _nudge_bounds(inp, other)
             room = out[other] - olo if remaining > 0 else ohi - out[other]
             take = min(abs(remaining), room // g * g)
             if take <= 0:
@@ -130,7 +165,9 @@ def _nudge(inp: RebalanceInput, sizes: list[int], stuck: list[int]) -> list[int]
 def decide(inp: RebalanceInput) -> RebalanceDecision:
     """The plan to switch to, or why the plan in force stays (see the module docstring)."""
     models, unidentified = _models(inp.fits)
-    current_ms = makespan(models, inp.current)
+    caps = inp.memory_caps or (None,) * len(models)
+    current_ms = makespan(models, inp.current, caps)
+    outgrown = bool(inp.memory_caps) and caps_outgrown(inp)
     problem = PlanProblem(
         global_batch=inp.global_batch,
         granularity=inp.granularity,
@@ -143,6 +180,7 @@ def decide(inp: RebalanceInput) -> RebalanceDecision:
                 pinned_batch=_bounds(inp, rank)[0]
                 if rank in inp.pins or rank in inp.excluded
                 else None,
+                micro_batch=caps[rank],
             )
             for rank, model in enumerate(models)
         ),
@@ -153,8 +191,9 @@ def decide(inp: RebalanceInput) -> RebalanceDecision:
     if exploring:
         stuck = [r for r in unidentified if sizes[r] == inp.current[r]]
         sizes = _nudge(inp, sizes, stuck)
-    new_ms = makespan(models, sizes)
-    if tuple(sizes) == tuple(inp.current):
+    new_ms = makespan(models, sizes, caps)
+    stored = inp.memory_caps
+    if tuple(sizes) == tuple(inp.current) and not outgrown:
         return RebalanceDecision(
             None,
             "the plan in force is already the best for the measured models",
@@ -162,13 +201,14 @@ def decide(inp: RebalanceInput) -> RebalanceDecision:
             current_ms,
             exploring,
             models,
+            stored,
         )
     if exploring:
         ranks = ", ".join(str(r) for r in unidentified)
         reason = f"exploring: rank(s) {ranks} seen at one batch size; planned on guesses, nudged to identify"
-        return RebalanceDecision(tuple(sizes), reason, new_ms, current_ms, True, models)
+        return RebalanceDecision(tuple(sizes), reason, new_ms, current_ms, True, models, stored)
     gain = (current_ms - new_ms) / current_ms if current_ms > 0 else 0.0
-    if not (inp.force or inp.current_from_guesses) and gain < inp.min_gain:
+    if not (inp.force or inp.current_from_guesses or outgrown) and gain < inp.min_gain:
         return RebalanceDecision(
             None,
             f"predicted gain {gain:.1%} is below the {inp.min_gain:.1%} threshold",
@@ -176,9 +216,14 @@ def decide(inp: RebalanceInput) -> RebalanceDecision:
             current_ms,
             False,
             models,
+            stored,
         )
     reason = (
         f"{inp.policy}: predicted {new_ms:.1f} ms per iteration, "
         f"{gain:.1%} less than {current_ms:.1f} ms under the measured models"
     )
-    return RebalanceDecision(tuple(sizes), reason, new_ms, current_ms, False, models)
+    if outgrown:
+        reason += "; memory caps changed: " + ", ".join(
+            f"rank {r} at most {c} per pass" for r, c in enumerate(caps) if c is not None
+        )
+    return RebalanceDecision(tuple(sizes), reason, new_ms, current_ms, False, models, stored)

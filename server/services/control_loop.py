@@ -14,9 +14,10 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from contract.enums import JobStatus, PlanSource
-from server.models import IterationTelemetry, Job
-from server.services import rebalancer, stragglers
+from server.models import IterationTelemetry, Job, StragglerEvent
+from server.services import memory, rebalancer, stragglers
 from server.services.audit import record
+from server.services.memory import OOM_EVENT
 from server.services.rebalancer import LastDecision, Progress, Tracker
 from server.services.stragglers import Watch, watch_job
 
@@ -136,7 +137,12 @@ def sweep_job(
     if job is None or JobStatus(job.status).terminal:
         return []
     state.follow(job)
-    progress = state.trackers.setdefault(job.id, Tracker()).update(session, job)
+    tracker = state.trackers.setdefault(job.id, Tracker())
+    progress = tracker.update(session, job)
+    if tracker.ooms:
+        planned = _out_of_memory(session, job, tracker)
+        if planned is not None:
+            return [(job.id, planned)]
     now = time.monotonic()
     if now - state.decided_at.get(job.id, -math.inf) >= state.min_decision_interval_s:
         before = state.decisions.get(job.id)
@@ -152,6 +158,58 @@ def sweep_job(
     w = state.watches.setdefault(job.id, Watch())
     version = watch_job(session, job, w, progress, mitigate=settled)
     return [(job.id, version)] if version is not None else []
+
+
+def _out_of_memory(session: Session, job: Job, tracker: Tracker) -> int | None:
+    """Record an ``oom`` event per report and re-plan at once under the lowered caps (every
+    policy, ``equal`` included: the plan carries the caps the ranks accumulate under). A fresh
+    tracker re-reads the whole history, so a report already recorded is not recorded again."""
+    reports, tracker.ooms = tracker.ooms, []
+    caps = memory.caps(session, job)
+    known = {
+        (e.rank, e.start_iteration)
+        for e in session.scalars(
+            select(StragglerEvent).where(
+                StragglerEvent.job_id == job.id, StragglerEvent.kind == OOM_EVENT
+            )
+        )
+    }
+    fresh = [r for r in reports if (r[0], r[1]) not in known]
+    for rank, iteration, size in fresh:
+        cap = caps[rank] if rank < len(caps) else None
+        session.add(
+            StragglerEvent(
+                job_id=job.id,
+                rank=rank,
+                kind=OOM_EVENT,
+                severity=1.0,
+                start_iteration=iteration,
+                end_iteration=iteration,
+                action=f"redone in smaller passes; cap {cap} per pass",
+                detail={"batch": size, "cap": cap},
+            )
+        )
+    if not fresh or job.frozen:
+        return None
+    decision = rebalancer.propose(session, job)
+    reason = "out of memory on rank(s) " + ", ".join(sorted({str(r[0]) for r in fresh}))
+    version = rebalancer.apply(
+        session,
+        job,
+        decision,
+        PlanSource.AUTOMATIC,
+        by="rebalancer",
+        reason=f"{reason}; {decision.reason}",
+    )
+    if version is not None:
+        record(
+            session,
+            "rebalancer",
+            "plan.automatic",
+            f"job:{job.id}",
+            {"version": version, "reason": reason},
+        )
+    return version
 
 
 def _rebalance(

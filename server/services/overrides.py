@@ -32,7 +32,7 @@ from server.errors import Conflict, Invalid
 from server.models import Job, Override, Plan, utcnow
 from server.planner import Infeasible
 from server.planner.rebalance import RebalanceDecision, makespan
-from server.services import plans, rebalancer
+from server.services import memory, plans, rebalancer
 from server.services.audit import record
 from server.services.tokens import Principal
 
@@ -85,10 +85,45 @@ def _new_controls(job: Job, req: OverrideCreate) -> tuple[dict[int, int], frozen
     return pins, frozenset(excl)
 
 
+def _check_memory(session: Session, job: Job, req: OverrideCreate) -> None:
+    """Refuse a pin or a hand-made plan that gives a rank more than its memory cap."""
+    if req.kind is OverrideKind.PIN and req.rank is not None and req.batch_size is not None:
+        asked = {req.rank: (req.batch_size, "batch_size")}
+    elif req.kind is OverrideKind.SET_BATCHES and req.batch_sizes is not None:
+        asked = {r: (b, f"batch_sizes.{r}") for r, b in enumerate(req.batch_sizes)}
+    else:
+        return
+    for m in memory.ranks(session, job):
+        if m.rank not in asked or m.cap is None:
+            continue
+        b, field = asked[m.rank]
+        if b > m.cap:
+            raise Invalid(
+                f"{field}: {b} samples exceed rank {m.rank}'s memory cap of {m.cap} per pass "
+                f"({_cap_reason(m)})",
+                field=field,
+            )
+
+
+def _cap_reason(m: memory.RankMemory) -> str:
+    parts = []
+    model = m.fit.usable if m.fit else None
+    if model is not None and m.device_mb:
+        parts.append(
+            f"predicted {model.predict(m.cap or 0):.0f} MB of {m.device_mb} MB with "
+            f"{m.headroom:.0%} headroom, mem(b) = {model.base_mb:.0f} + "
+            f"{model.per_sample_mb:.3g} * b"
+        )
+    if m.oom_batch is not None:
+        parts.append(f"a pass of {m.oom_batch} ran out of memory")
+    return "; ".join(parts)
+
+
 def _decide(
     session: Session, job: Job, req: OverrideCreate
 ) -> tuple[RebalanceDecision, dict[int, int], frozenset[int]]:
     pins, excluded = _new_controls(job, req)
+    _check_memory(session, job, req)
     try:
         if req.kind is OverrideKind.SET_BATCHES:
             if req.batch_sizes is None:
@@ -99,10 +134,11 @@ def _decide(
             manual = RebalanceDecision(
                 sizes,
                 f"manual: {req.reason}",
-                makespan(base.models, sizes),
+                makespan(base.models, sizes, base.memory_caps),
                 base.current_predicted_ms,
                 base.exploring,
                 base.models,
+                base.memory_caps,
             )
             return manual, pins, excluded
         decision = rebalancer.propose(session, job, force=True, pins=pins, excluded=excluded)
@@ -179,6 +215,7 @@ def _preview_plan(
         predicted_ms=decision.predicted_ms,
         created_at=utcnow(),
         created_by=principal.name,
+        memory_caps=list(decision.memory_caps) or current.memory_caps,
     )
 
 
@@ -217,6 +254,7 @@ def _apply(
             reason,
             by=principal.name,
             predicted_ms=decision.predicted_ms,
+            memory_caps=list(decision.memory_caps) or None,
         )
         row.plan_version = new_plan.version
     session.add(row)

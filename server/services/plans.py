@@ -42,6 +42,7 @@ def create(
     by: str | None,
     predicted_ms: float | None = None,
     excluded: list[int] | None = None,
+    memory_caps: list[int | None] | None = None,
 ) -> Plan:
     validate(job, batch_sizes)
     excluded = sorted(set(excluded or []))
@@ -49,6 +50,8 @@ def create(
         r >= len(batch_sizes) for r in excluded
     ):
         raise Invalid("excluded ranks must exist and get 0 samples", field="excluded")
+    if memory_caps is None and job.plan_version is not None:
+        memory_caps = current(session, job.id).memory_caps  # caps stay unless a plan sets them
     version = (job.plan_version or 0) + 1
     plan = Plan(
         job_id=job.id,
@@ -60,6 +63,7 @@ def create(
         predicted_ms=predicted_ms,
         created_by=by,
         excluded=excluded,
+        memory_caps=memory_caps,
     )
     session.add(plan)
     job.plan_version = version

@@ -25,7 +25,7 @@ from contract.enums import PlanSource, PolicyName
 from server.models import IterationTelemetry, Job
 from server.planner import ModelFit, Observation, fit_model
 from server.planner.rebalance import RebalanceDecision, RebalanceInput, decide
-from server.services import plans, retention
+from server.services import memory, plans, retention
 
 SOLVER = {
     PolicyName.EQUAL: "equal",
@@ -75,19 +75,25 @@ class Tracker:
     """rank -> newest iteration reported outside probes."""
     first_of_version: dict[int, int] = field(default_factory=dict)
     """plan version -> first iteration any rank reported with it."""
+    ooms: list[tuple[int, int, int]] = field(default_factory=list)
+    """(rank, iteration, pass size) of out-of-memory reports not handled yet."""
+    oom_seen: set[tuple[int, int]] = field(default_factory=set)
 
     def update(self, session: Session, job: Job) -> Progress:
         T = IterationTelemetry
         if session.get_bind().dialect.name == "postgresql":
             self.reread = 5000
-        new = select(T.id, T.rank, T.iteration, T.plan_version, T.probe).where(
+        new = select(T.id, T.rank, T.iteration, T.plan_version, T.probe, T.oom_batch).where(
             T.job_id == job.id, T.id > self.last_id - self.reread
         )
         if self.last_id == 0:  # a fresh tracker: history older than the window is rolled up
             self.first_of_version.update(retention.first_iteration_of_versions(session, job.id))
         rows = session.connection().execute(new).all()  # Core rows: no ORM loading per row
-        for row_id, rank, iteration, version, probe in rows:
+        for row_id, rank, iteration, version, probe, oom in rows:
             self.last_id = max(self.last_id, int(row_id))
+            if oom is not None and (rank, iteration) not in self.oom_seen:
+                self.oom_seen.add((rank, iteration))  # re-read rows are not reported twice
+                self.ooms.append((int(rank), int(iteration), int(oom)))
             if not probe:
                 self.max_iteration[rank] = max(self.max_iteration.get(rank, -1), int(iteration))
             first = self.first_of_version.get(version)
@@ -114,12 +120,14 @@ def fits(session: Session, job: Job, *, window: int = FIT_WINDOW) -> list[ModelF
     last = session.scalar(select(func.max(T.iteration)).where(T.job_id == job.id))
     by_rank: dict[int, list[Observation]] = defaultdict(list)
     if last is not None:
-        recent = select(T.rank, T.iteration, T.batch_size, T.compute_ms).where(
-            T.job_id == job.id, T.iteration > last - window, T.batch_size > 0
-        )
+        recent = select(
+            T.rank, T.iteration, T.batch_size, T.compute_ms, T.plan_version, T.probe, T.pass_size
+        ).where(T.job_id == job.id, T.iteration > last - window, T.batch_size > 0)
         rows = session.connection().execute(recent).all()  # Core rows: no ORM loading per row
-        for rank, iteration, batch, compute in rows:
-            by_rank[int(rank)].append(Observation(int(batch), float(compute), int(iteration)))
+        caps = memory.caps_by_version(session, job.id)
+        for rank, iteration, batch, compute, version, probe, pass_size in rows:
+            cap = pass_size or (None if probe else _cap_in(caps.get(int(version)), int(rank)))
+            by_rank[int(rank)].append(_one_pass(int(batch), float(compute), int(iteration), cap))
     spec = job.job_spec
     return [
         fit_model(
@@ -132,6 +140,20 @@ def fits(session: Session, job: Job, *, window: int = FIT_WINDOW) -> list[ModelF
         else None
         for r in range(len(job.workers))
     ]
+
+
+def _cap_in(caps: list[int | None] | None, rank: int) -> int | None:
+    return caps[rank] if caps and rank < len(caps) else None
+
+
+def _one_pass(batch: int, compute_ms: float, iteration: int, cap: int | None) -> Observation:
+    """An iteration that ran ``k`` accumulated passes took ``k c + s b``: as an observation of
+    the single-pass model it is one pass of ``b / k`` samples in ``compute / k`` (exact on the
+    linear part), so intercepts are not counted twice when the planner adds the passes."""
+    if not cap or batch <= cap:
+        return Observation(batch, compute_ms, iteration)
+    k = -(-batch // cap)
+    return Observation(max(1, round(batch / k)), compute_ms / k, iteration)
 
 
 def controls(job: Job) -> tuple[dict[int, int], frozenset[int]]:
@@ -168,8 +190,20 @@ def propose(
             min_gain=spec.policy.min_gain,
             force=force,
             current_from_guesses=current_from_guesses,
+            memory_caps=_caps_or_empty(
+                memory.caps(session, job), standing_pins if pins is None else pins
+            ),
+            current_caps=tuple(current.memory_caps or ()),
         )
     )
+
+
+def _caps_or_empty(caps: tuple[int | None, ...], pins: dict[int, int]) -> tuple[int | None, ...]:
+    """The caps to plan with: none at all when no rank has one. A pinned rank whose memory
+    fits not one sample keeps its pin (an operator's decision wins; the rank runs passes of
+    one and fails the job only if even those do not fit)."""
+    caps = tuple(1 if c == 0 and r in pins and pins[r] else c for r, c in enumerate(caps))
+    return caps if any(c is not None for c in caps) else ()
 
 
 def apply(
@@ -192,6 +226,7 @@ def apply(
         reason or decision.reason,
         by=by,
         predicted_ms=decision.predicted_ms,
+        memory_caps=list(decision.memory_caps) or None,
     )
     return plan.version
 

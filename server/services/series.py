@@ -16,7 +16,9 @@ from server.services import retention, telemetry
 
 T = IterationTelemetry
 R = TelemetryRollup
-STREAM_COLUMNS = tuple(c for c in telemetry.COLUMNS if c != "probe")
+STREAM_COLUMNS = tuple(
+    c for c in telemetry.COLUMNS if c not in ("probe", "peak_memory_mb", "oom_batch", "pass_size")
+)
 """Column order of the rows a ``telemetry`` stream message carries."""
 
 

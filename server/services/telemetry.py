@@ -15,7 +15,9 @@ from server.models import IterationTelemetry, Job, Worker
 from server.services.jobs import check_may_write_ranks
 from server.services.tokens import Principal
 
-Row = tuple[int, int, int, int, int, float, float, float, float, bool]
+Row = tuple[
+    int, int, int, int, int, float, float, float, float, bool, float | None, int | None, int | None
+]
 """A telemetry row as inserted: the job id, then ``COLUMNS``."""
 
 
@@ -79,6 +81,9 @@ _PG_TYPES = (  # of COLUMNS, in order
     "float8",
     "float8",
     "boolean",
+    "float8",
+    "integer",
+    "integer",
 )
 _PG_ARRAYS = ", ".join(f"CAST(:{c} AS {t}[])" for c, t in zip(COLUMNS, _PG_TYPES, strict=True))
 _PG_INSERT = text(

@@ -46,7 +46,13 @@ def test_retried_batch_never_duplicates(api: Api) -> None:
     ).json() == {"accepted": 1, "duplicates": 2}
     rows = api.client.get(f"/api/v1/jobs/{job}/telemetry", headers=api.headers()).json()
     assert len(rows) == 101
-    assert rows[0] == {**_rec(0, 0), "probe": False}
+    assert rows[0] == {
+        **_rec(0, 0),
+        "probe": False,
+        "peak_memory_mb": None,
+        "oom_batch": None,
+        "pass_size": None,
+    }
     metrics = api.client.get("/metrics").text
     assert (
         'evenflow_http_requests_total{method="POST",route="/api/v1/jobs/{job_id}/telemetry",status="200"} 3.0'
@@ -81,7 +87,18 @@ def _columns(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 def test_a_columnar_batch_stores_what_the_same_records_would(api: Api) -> None:
     job = _job(api)
-    records = [_rec(r, i, probe=(i == 3 and r == 1)) for i in range(5) for r in range(2)]
+    records = [
+        _rec(
+            r,
+            i,
+            probe=(i == 3 and r == 1),
+            peak_memory_mb=None if r else 100.0 + i,
+            oom_batch=24 if (r, i) == (0, 2) else None,
+            pass_size=12 if (r, i) == (0, 2) else None,
+        )
+        for i in range(5)
+        for r in range(2)
+    ]
     ack = api.client.post(
         f"/api/v1/jobs/{job}/telemetry",
         json={"columns": _columns(records)},
@@ -97,13 +114,37 @@ def test_a_columnar_batch_stores_what_the_same_records_would(api: Api) -> None:
     ).json() == {"accepted": 1, "duplicates": 1}
     without_probe = _columns([_rec(1, 5), _rec(1, 4)])
     assert "probe" not in without_probe  # absent: no probes
+    assert "peak_memory_mb" not in without_probe  # absent: nothing measured its memory
     assert api.client.post(
         f"/api/v1/jobs/{job}/telemetry", json={"columns": without_probe}, headers=api.headers()
     ).json() == {"accepted": 1, "duplicates": 1}
     last = api.client.get(
         f"/api/v1/jobs/{job}/telemetry?since_iteration=5&rank=1", headers=api.headers()
     ).json()
-    assert last == [{**_rec(1, 5), "probe": False}]
+    assert last == [
+        {**_rec(1, 5), "probe": False, "peak_memory_mb": None, "oom_batch": None, "pass_size": None}
+    ]
+
+
+def test_peak_memory_is_stored_from_records_and_columns_and_bounded(api: Api) -> None:
+    job = _job(api)
+    post = lambda body: api.client.post(  # noqa: E731
+        f"/api/v1/jobs/{job}/telemetry", json=body, headers=api.headers()
+    )
+    assert post({"records": [_rec(0, 0, peak_memory_mb=2428.5)]}).json()["accepted"] == 1
+    cols = _columns([_rec(1, 0, peak_memory_mb=3192.0), _rec(0, 1, peak_memory_mb=None)])
+    cols["peak_memory_mb"] = [3192.0, None]
+    assert post({"columns": cols}).json()["accepted"] == 2
+    rows = api.client.get(f"/api/v1/jobs/{job}/telemetry", headers=api.headers()).json()
+    assert [r["peak_memory_mb"] for r in rows] == [2428.5, 3192.0, None]
+    for bad, field in (
+        ({"records": [_rec(0, 2, peak_memory_mb=-1.0)]}, "records.0.peak_memory_mb"),
+        ({"columns": {**cols, "peak_memory_mb": [1.0]}}, "columns"),
+        ({"columns": {**cols, "peak_memory_mb": [1.0, "x"]}}, "columns.peak_memory_mb.1"),
+    ):
+        r = post(bad)
+        assert r.status_code == 422, bad
+        assert field in r.text
 
 
 def test_bad_columns_are_422_naming_the_column_and_store_nothing(api: Api) -> None:

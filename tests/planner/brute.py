@@ -7,13 +7,15 @@ import math
 import numpy as np
 
 from server.planner import PlanProblem
+from server.planner.model import predict_accumulated
 
 
 def time_tables(problem: PlanProblem) -> list[np.ndarray]:
     """Per worker, ``table[b]`` = predicted time of batch b, or inf where b is not admissible.
 
     Admissibility is taken straight from the constraint definitions, and the times from the
-    scalar ``PerfModel.predict``, independently of the solver's closed forms.
+    scalar ``PerfModel.predict`` (``predict_accumulated`` for a worker with a memory cap, which
+    counts its extra passes), independently of the solver's closed forms.
     """
     g, total = problem.granularity, problem.global_batch
     tables = []
@@ -25,8 +27,9 @@ def time_tables(problem: PlanProblem) -> list[np.ndarray]:
                 and b >= w.min_batch
                 and (w.max_batch is None or b <= w.max_batch)
                 and (w.pinned_batch is None or b == w.pinned_batch)
+                and (w.micro_batch != 0 or b == 0)
             ):
-                table[b] = w.model.predict(b)
+                table[b] = predict_accumulated(w.model, b, w.micro_batch)
         tables.append(table)
     return tables
 

@@ -25,8 +25,10 @@ def plan_problems(
     max_workers: int = 4,
     max_total: int = 40,
     constrained: bool = True,
+    memory: bool = False,
 ) -> PlanProblem:
-    """Small problems with random models and, when ``constrained``, caps, minimums and pins.
+    """Small problems with random models and, when ``constrained``, caps, minimums and pins;
+    with ``memory``, memory caps (``micro_batch``) that shares above them accumulate over.
 
     Not every drawn problem is feasible; tests decide what they expect from each.
     """
@@ -42,5 +44,6 @@ def plan_problems(
             max_batch = draw(st.one_of(st.none(), st.integers(0, max_total)))
             if draw(st.integers(0, 5)) == 0:
                 pinned = draw(st.integers(0, max_total // 2))
-        workers.append(WorkerSpec(f"w{i}", model, min_batch, max_batch, pinned))
+        micro = draw(st.one_of(st.none(), st.integers(0, max_total // 2))) if memory else None
+        workers.append(WorkerSpec(f"w{i}", model, min_batch, max_batch, pinned, micro))
     return PlanProblem(total, tuple(workers), g)

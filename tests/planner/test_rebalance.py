@@ -100,3 +100,26 @@ def test_any_decision_sums_to_b_and_respects_bounds(
     assert all(b >= 0 for b in sizes)
     if d.batch_sizes is not None:
         assert all(b % g == 0 for b in d.batch_sizes)
+
+
+def test_exploring_never_nudges_a_rank_past_its_memory_cap_and_caps_force_a_plan() -> None:
+    """Rank 0 fits 64 per pass: the ~20% nudge that identifies it goes down, not up to 77
+    (which would cost a second pass); a cap a share in force outgrows forces a new plan."""
+    models = [PerfModel(1.0, 5.0), PerfModel(1.0, 5.0)]
+    fits = (_fit(models[0], [64]), _fit(models[1], [64, 48]))  # rank 0 seen at one size
+    d = decide(
+        RebalanceInput(
+            global_batch=128, current=(64, 64), fits=fits, policy="equal", memory_caps=(64, None)
+        )  # type: ignore[arg-type]
+    )
+    assert d.exploring and d.batch_sizes is not None and sum(d.batch_sizes) == 128
+    assert d.batch_sizes[0] < 64 and d.memory_caps == (64, None)
+    identified = tuple(_fit(m, [64, 48]) for m in models)
+    outgrown = decide(
+        RebalanceInput(global_batch=128, current=(64, 64), fits=identified, memory_caps=(40, None))  # type: ignore[arg-type]
+    )
+    assert outgrown.batch_sizes is not None and "memory caps changed" in outgrown.reason
+    # Rank 0 takes 62 in two passes (40 + 22: 10 + 62 ms), rank 1 66 in one (71 ms).
+    assert outgrown.batch_sizes == (62, 66)
+    assert outgrown.predicted_ms is not None
+    assert abs(outgrown.predicted_ms - makespan(models, (62, 66), (40, None))) < 1e-6

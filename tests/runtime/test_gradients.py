@@ -79,7 +79,17 @@ def _naive_worker(rank: int, world: int) -> list[list[float]]:
     return [p.detach().flatten().tolist() for p in model.parameters()]
 
 
-def _context_worker(rank: int, world: int) -> tuple[list[list[float]], list[tuple[int, int]]]:
+CAPPED = [
+    RuntimePlan(1, (5, 4, 3), B, (), (2, 0, 1)),  # rank 0: passes of 2, 2, 1; rank 2: 1, 1, 1
+    RuntimePlan(2, (0, 9, 3), B, (), (1, 4, 0)),  # rank 1 runs 9 samples as 4 + 4 + 1
+    RuntimePlan(3, (6, 0, 6), B, (), (5, 5, 6)),  # rank 0: 5 + 1; rank 2 fits in one pass
+]
+"""The same plans with memory caps: shares above a cap run as accumulated micro-batches."""
+
+
+def _context_worker(
+    rank: int, world: int, capped: bool = False
+) -> tuple[list[list[float]], list[tuple[int, int]]]:
     """The same through the runtime's loop: plans arrive from rank 0's proposer mid-run."""
     spec = JobSpec.model_validate(
         {
@@ -90,9 +100,17 @@ def _context_worker(rank: int, world: int) -> tuple[list[list[float]], list[tupl
             "workers": world,
         }
     )
-    proposals = iter([None, RuntimePlan(2, (0, 9, 3)), RuntimePlan(3, (6, 0, 6)), None, None])
+    plans = (
+        CAPPED
+        if capped
+        else [
+            RuntimePlan(1, (5, 4, 3)),
+            *(RuntimePlan(v, p) for v, p in ((2, (0, 9, 3)), (3, (6, 0, 6)))),
+        ]
+    )
+    proposals = iter([None, plans[1], plans[2], None, None])
     agreement = PlanAgreement(
-        RuntimePlan(1, (5, 4, 3)),
+        plans[0],
         rank=rank,
         world_size=world,
         global_batch=B,
@@ -101,6 +119,9 @@ def _context_worker(rank: int, world: int) -> tuple[list[list[float]], list[tupl
     ctx = EvenflowContext(spec, agreement, rank=rank, world_size=world)
     model, _ = ctx.prepare(_model(seed=100 + rank))
     for xb, yb in ctx.batches(_data()):
+        if capped:
+            cap = agreement.current.cap_of(rank)
+            assert cap is None or len(xb) <= cap  # no pass ever holds more than the cap
         ctx.step(_loss_sum(model, xb, yb))
     return [p.detach().flatten().tolist() for p in model.parameters()], agreement.history
 
@@ -112,6 +133,7 @@ def _both_worker(rank: int, world: int) -> tuple[object, ...]:
         _context_worker(rank, world),
         _exact_worker(rank, world, "all_reduce"),
         _exact_worker(rank, world, "auto", direct_max=10),
+        _context_worker(rank, world, capped=True),
     )
 
 
@@ -147,6 +169,9 @@ def test_unequal_batches_match_single_process_sgd_and_naive_mean_does_not() -> N
     assert _max_diff(naive, reference) > 1e-3
     for params, history in (r[2] for r in results):
         assert history == [(0, 1), (2, 2), (3, 3)]  # a change, then a rank with 0 samples
+        assert _max_diff(params, reference) < 1e-6
+    for params, history in (r[5] for r in results):  # gradient accumulation under memory caps
+        assert history == [(0, 1), (2, 2), (3, 3)]
         assert _max_diff(params, reference) < 1e-6
 
 

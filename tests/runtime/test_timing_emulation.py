@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from agent.runtime.emulation import Emulator
 from agent.runtime.timing import IterationTimer
@@ -58,3 +59,34 @@ def test_timer_measures_phases_with_real_padding() -> None:
     assert 5 <= t.sync_ms < 25
     assert abs(t.ts - time.time()) < 1
     assert timer.drain() == []
+
+
+def test_emulated_memory_raises_a_real_out_of_memory_error() -> None:
+    w = EmulatedWorker(
+        per_sample_ms=1.0, memory_mb=12_288, memory_base_mb=4_595, memory_per_sample_mb=90.7
+    )
+    e = Emulator(w)
+    assert w.memory_cap == 84  # (12288 - 4595) / 90.7 = 84.8
+    assert e.allocate(84) == pytest.approx(4_595 + 90.7 * 84)
+    with pytest.raises(torch.OutOfMemoryError, match="85 samples needs 12304 MiB"):
+        e.allocate(85)
+    assert issubclass(torch.OutOfMemoryError, RuntimeError)  # what CUDA's allocator raises
+    assert Emulator(EmulatedWorker(per_sample_ms=1.0)).allocate(10**6) is None  # not emulated
+
+
+def test_timer_carries_the_peak_memory_noted_in_an_iteration() -> None:
+    timer = IterationTimer()
+    timer.begin()
+    timer.data_done()
+    timer.note_peak_memory(100.0)
+    timer.note_peak_memory(250.0)  # one note per pass: the largest is the peak
+    timer.note_peak_memory(200.0)
+    timer.compute_done()
+    timer.sync_done()
+    (t,) = timer.finish(iteration=0, plan_version=1, batch_size=8)
+    assert t.peak_memory_mb == 250.0
+    timer.begin()  # a new iteration starts without a peak
+    timer.data_done()
+    timer.compute_done()
+    timer.sync_done()
+    assert timer.finish(iteration=1, plan_version=1, batch_size=8)[0].peak_memory_mb is None

@@ -426,3 +426,38 @@ def test_rebalance_now(
     assert _override(page.page, "rebalance_now") in ("applied", "effective")
     audit = cluster.client.get(f"/api/v1/audit?target=job:{running.id}").json()
     assert audit[0]["action"] == "override.rebalance_now"
+
+
+def test_plan_table_shows_memory_caps_predicted_memory_and_the_fit(
+    page: Page, live_app: LiveApp, cluster: Cluster
+) -> None:
+    """A 12 GB and an 80 GB card reporting resnet50-like peaks (4595 + 90.7 b MB): the small
+    card's cap is 71 per pass with the 10% headroom, and its share of 100 runs as 2 passes."""
+    host = cluster.register("gpu-m", 2)
+    emulation = [
+        {
+            "per_sample_ms": 1.0,
+            "memory_mb": mb,
+            "memory_base_mb": 4595,
+            "memory_per_sample_mb": 90.7,
+        }
+        for mb in (12_288, 81_920)
+    ]
+    job = cluster.submit(2, 200, emulation=emulation, name="memory")
+    cluster.mark_running(host, job)
+    records = []
+    for it in range(6):
+        batches = [40, 160] if it % 2 else [60, 140]
+        for rec in emulated_iteration(it, 1, batches, [1.0, 3.0], ts=time.time() - 6 + it):
+            rec["peak_memory_mb"] = 4595 + 90.7 * rec["batch_size"]
+            records.append(rec)
+    cluster.post_telemetry(job["id"], records)
+    pg = page.page
+    sign_in(pg, live_app.url, live_app.admin_token, path=f"/jobs/{job['id']}")
+    pg.locator('#plan-table td[data-memory-cap="0"]').wait_for()
+    head = str(pg.locator("#plan-table thead").text_content())
+    assert "memory cap" in head and "memory fit" in head
+    assert pg.locator('#plan-table td[data-memory-cap="0"]').inner_text() == "71 (2 passes)"
+    row = pg.locator("#plan-table tbody tr").first.inner_text()
+    assert "11,035 / 12,288 MB" in row, row  # its largest pass: 4595 + 90.7 * 71
+    assert "4,595 + 90.7·b" in row, row

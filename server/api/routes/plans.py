@@ -15,7 +15,7 @@ from server.api.bodies import JSONRoute
 from server.api.deps import Context, JobReader, PathId, SessionDep, Viewer
 from server.context import AppContext
 from server.notify import RECHECK_S
-from server.services import jobs, plans, rebalancer
+from server.services import jobs, memory, plans, rebalancer
 
 router = APIRouter(prefix="/jobs", tags=["plans"], route_class=JSONRoute)
 
@@ -78,6 +78,8 @@ def worker_models(session: SessionDep, _: Viewer, job_id: PathId) -> list[ModelO
     """Each worker's performance model, fitted from its recent telemetry."""
     job = jobs.get(session, job_id)
     out = []
+    mem = memory.ranks(session, job)
+    sizes = plans.current(session, job.id).batch_sizes if job.plan_version else []
     for rank, fit in enumerate(rebalancer.fits(session, job)):
         model = None if fit is None else (fit.model or fit.guess)
         out.append(
@@ -92,9 +94,25 @@ def worker_models(session: SessionDep, _: Viewer, job_id: PathId) -> list[ModelO
                 observations=fit.observations if fit else 0,
                 distinct_batch_sizes=fit.distinct_batch_sizes if fit else 0,
                 reason=fit.reason if fit else "no iteration with samples reported yet",
+                **_memory_fields(mem[rank], sizes[rank] if rank < len(sizes) else 0),
             )
         )
     return out
+
+
+def _memory_fields(m: memory.RankMemory, batch: int) -> dict[str, object]:
+    model = m.fit.usable if m.fit else None
+    return {
+        "memory_cap": m.cap,
+        "device_memory_mb": m.device_mb,
+        "memory_base_mb": model.base_mb if model else None,
+        "memory_per_sample_mb": model.per_sample_mb if model else None,
+        "memory_identifiable": bool(m.fit and m.fit.identifiable),
+        "memory_max_relative_error": m.fit.max_relative_error if m.fit else None,
+        "predicted_memory_mb": m.predict(batch),
+        "oom_batch": m.oom_batch,
+        "memory_reason": m.fit.reason if m.fit else "no peak memory reported (not measured)",
+    }
 
 
 @router.get("/{job_id}/plans")
