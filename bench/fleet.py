@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.ingest import database
 from bench.stack import TOKEN
+from contract.base import PROTOCOL_VERSION
 from evenflow.local_cluster import free_port
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -213,7 +214,11 @@ class Fleet:
                     {"index": d, "kind": "cuda", "model": model, "memory_mb": 81_920}
                     for d in range(self.args.gpus)
                 ]
-                reg = {"protocol_version": 1, "name": host.name, "address": "127.0.0.1"}
+                reg = {
+                    "protocol_version": PROTOCOL_VERSION,
+                    "name": host.name,
+                    "address": "127.0.0.1",
+                }
                 status, body = await self.request(
                     "setup",
                     "POST",

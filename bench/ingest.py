@@ -48,6 +48,8 @@ import httpx
 from sqlalchemy import create_engine, text
 from stack import TOKEN, server  # bench/ is the script's directory
 
+from contract.base import PROTOCOL_VERSION
+
 ROOT = Path(__file__).resolve().parents[1]
 PG_ADMIN = os.environ.get(
     "EVENFLOW_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -85,7 +87,7 @@ def setup_job(base: str) -> int:
         base + "/api/v1/hosts/register",
         headers=h,
         json={
-            "protocol_version": 1,
+            "protocol_version": PROTOCOL_VERSION,
             "name": "bench-host",
             "address": "127.0.0.1",
             "devices": devices,

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.ingest import PG_ADMIN, database
 from bench.stack import TOKEN
+from contract.base import PROTOCOL_VERSION
 from evenflow.local_cluster import server_process
 from server.locks import CONTROLLER_LOCK_KEY
 
@@ -76,7 +77,7 @@ def wait_for_holder(db_url: str, name: str, timeout: float = 30.0) -> float:
 
 def job_with_plan(base: str, workers: int = 4) -> int:
     host = {
-        "protocol_version": 1,
+        "protocol_version": PROTOCOL_VERSION,
         "name": "bench-host",
         "address": "127.0.0.1",
         "devices": [

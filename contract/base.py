@@ -8,8 +8,10 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-PROTOCOL_VERSION = 1
-"""Bumped on any incompatible change; an agent with another version is refused at registration."""
+PROTOCOL_VERSION = 2
+"""Bumped on any incompatible change; an agent with another version is refused at registration.
+2: rank 0 publishes its rendezvous port (``master_port`` 0 until then), attempts, signals, log
+tails and peak memory in worker reports and telemetry."""
 
 
 MAX_TELEMETRY_RECORDS = 5000

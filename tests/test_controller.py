@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from contract.base import PROTOCOL_VERSION
 from evenflow.local_cluster import server_process
 from server.db import make_engine
 from server.locks import ControllerLock, WriterLock, writer_lock_for
@@ -84,7 +85,12 @@ def test_evenflow_server_runs_the_controller_in_its_own_process(tmp_path: Path) 
         # A job whose first plans explore: the controller (not the API process) makes them,
         # and a long-poll on the API process hears of each.
         devices = [{"index": i, "kind": "cpu", "model": "CPU", "memory_mb": 1024} for i in range(2)]
-        host = {"protocol_version": 1, "name": "h", "address": "127.0.0.1", "devices": devices}
+        host = {
+            "protocol_version": PROTOCOL_VERSION,
+            "name": "h",
+            "address": "127.0.0.1",
+            "devices": devices,
+        }
         httpx.post(base + "/hosts/register", headers=h, json=host).raise_for_status()
         spec = {"name": "j", "workload": {"builtin": "mlp"}, "global_batch": 64, "workers": 2}
         job = httpx.post(base + "/jobs", headers=h, json={**spec, "iterations": 1000}).json()["id"]
@@ -187,7 +193,12 @@ def test_api_and_controller_killed_with_sigkill_lose_no_telemetry(tmp_path: Path
     }
     h = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
     devices = [{"index": i, "kind": "cpu", "model": "CPU", "memory_mb": 1024} for i in range(2)]
-    host = {"protocol_version": 1, "name": "h", "address": "127.0.0.1", "devices": devices}
+    host = {
+        "protocol_version": PROTOCOL_VERSION,
+        "name": "h",
+        "address": "127.0.0.1",
+        "devices": devices,
+    }
     spec = {"name": "j", "workload": {"builtin": "mlp"}, "global_batch": 64, "workers": 2}
     with server_process(env) as (root, proc):
         base = root + "/api/v1"

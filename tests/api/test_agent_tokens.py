@@ -9,6 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
+from contract.base import PROTOCOL_VERSION
 from server.app import create_app
 from server.config import parse_agent_tokens
 from tests.conftest import ADMIN_TOKEN, Api, make_settings
@@ -27,7 +28,7 @@ def test_each_agent_token_acts_for_its_own_host_only(tmp_path: Path) -> None:
         api.register("host-a", devices=1, token=A)
         api.register("host-b", devices=1, token=B)
         body = {
-            "protocol_version": 1,
+            "protocol_version": PROTOCOL_VERSION,
             "name": "host-b",
             "address": "127.0.0.1",
             "devices": [{"index": 0, "kind": "cpu", "model": "CPU", "memory_mb": 1}],

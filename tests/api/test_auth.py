@@ -8,6 +8,7 @@ from pathlib import Path
 from fastapi.testclient import TestClient
 from pydantic import SecretStr
 
+from contract.base import PROTOCOL_VERSION
 from contract.enums import Role
 from server.app import create_app
 from server.context import context_of
@@ -72,7 +73,7 @@ def test_agent_token_acts_only_for_its_host(api: Api) -> None:
     api.register("host-a", devices=1, token=tok_a)
     # Same token may not register another host.
     body = {
-        "protocol_version": 1,
+        "protocol_version": PROTOCOL_VERSION,
         "name": "host-b",
         "address": "10.0.0.2",
         "devices": [{"index": 0, "kind": "cpu", "model": "CPU", "memory_mb": 1}],

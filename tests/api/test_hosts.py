@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from contract.base import PROTOCOL_VERSION
 from contract.enums import Role
 from server.db import transaction
 from server.services import hosts
@@ -40,7 +41,7 @@ def test_protocol_mismatch_is_refused_with_409(api: Api) -> None:
 def test_duplicate_device_is_422_naming_field(api: Api) -> None:
     tok = api.token(Role.AGENT, host="dup")
     body = {
-        "protocol_version": 1,
+        "protocol_version": PROTOCOL_VERSION,
         "name": "dup",
         "address": "127.0.0.1",
         "devices": [{"index": 0, "kind": "cpu", "model": "CPU", "memory_mb": 1}] * 2,

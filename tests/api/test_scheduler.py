@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from contract.base import PROTOCOL_VERSION
 from contract.enums import Role
 from tests.conftest import Api
 
@@ -12,7 +13,7 @@ from tests.conftest import Api
 def _host(api: Api, name: str, models: list[str], kind: str = "cuda") -> dict[str, Any]:
     tok = api.token(Role.AGENT, host=name)
     body = {
-        "protocol_version": 1,
+        "protocol_version": PROTOCOL_VERSION,
         "name": name,
         "address": "10.0.0.1",
         "devices": [

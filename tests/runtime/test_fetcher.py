@@ -12,6 +12,7 @@ import httpx
 from agent.runtime.fetcher import PlanFetcher
 from agent.runtime.remote import RemoteControlPlane
 from contract.agent import PlanOut
+from contract.base import PROTOCOL_VERSION
 from contract.enums import PlanSource
 from tests.conftest import LiveServer
 
@@ -73,7 +74,12 @@ def test_fetcher_on_the_rest_long_poll_hears_of_an_override_at_once(
     h = {"Authorization": f"Bearer {live_server.admin_token}"}
     with httpx.Client(base_url=live_server.url, headers=h, timeout=10.0) as http:
         devices = [{"index": i, "kind": "cpu", "model": "CPU", "memory_mb": 1024} for i in (0, 1)]
-        host = {"protocol_version": 1, "name": "h", "address": "127.0.0.1", "devices": devices}
+        host = {
+            "protocol_version": PROTOCOL_VERSION,
+            "name": "h",
+            "address": "127.0.0.1",
+            "devices": devices,
+        }
         http.post("/api/v1/hosts/register", json=host).raise_for_status()
         spec = {"name": "j", "workload": {"builtin": "mlp"}, "global_batch": 8, "workers": 2}
         job = int(http.post("/api/v1/jobs", json={**spec, "iterations": 10}).json()["id"])
