@@ -6,44 +6,27 @@ Without a reachable PostgreSQL they skip with the reason, except under CI=true, 
 
 from __future__ import annotations
 
-import os
-import socket
-import threading
-import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 
-import httpx
 import pytest
-import uvicorn
-from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, text
 
-from contract.base import PROTOCOL_VERSION
-from contract.enums import Role
 from server.app import create_app
-from server.config import Settings
-from server.context import context_of
-from server.db import make_engine, migrate, transaction
-from server.services import scheduler
-
-ROOT = Path(__file__).resolve().parents[1]
-ADMIN_TOKEN = "ef_test-admin-token-0123456789"
-SAME_ORIGIN = {"Origin": "http://testserver"}
-"""What a browser on the dashboard sends with a write: the TestClient's own origin."""
-PG_ADMIN_URL = os.environ.get(
-    "EVENFLOW_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+from server.db import make_engine, migrate
+from tests.harness import (
+    ADMIN_TOKEN,
+    IN_CI,
+    PG_ADMIN_URL,
+    Api,
+    LiveServer,
+    driven,
+    make_settings,
+    pg_database_url,
+    serving,
 )
-IN_CI = os.environ.get("CI", "").lower() == "true"
-
-
-def _pg_url(dbname: str) -> str:
-    return PG_ADMIN_URL.rsplit("/", 1)[0] + "/" + dbname
 
 
 @pytest.fixture(scope="session")
@@ -62,7 +45,7 @@ def pg_template() -> Iterator[str]:
     name = f"evenflow_tpl_{uuid.uuid4().hex[:8]}"
     with admin.connect() as c:
         c.execute(text(f'CREATE DATABASE "{name}"'))
-    engine = make_engine(_pg_url(name))
+    engine = make_engine(pg_database_url(name))
     migrate(engine)
     engine.dispose()
     yield name
@@ -81,168 +64,22 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
     with admin.connect() as c:
         c.execute(text(f'CREATE DATABASE "{name}" TEMPLATE "{template}"'))
-    yield _pg_url(name)
+    yield pg_database_url(name)
     with admin.connect() as c:
         c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
     admin.dispose()
 
 
-def make_settings(url: str, **kw: object) -> Settings:
-    kw = {"reaper_interval_s": 3600, "rebalance_interval_s": 3600, **kw}
-    return Settings(database_url=url, admin_token=ADMIN_TOKEN, **kw)  # type: ignore[arg-type]
-
-
-@dataclass
-class Api:
-    """A TestClient on a fresh app plus helpers to mint tokens and register hosts."""
-
-    client: TestClient
-
-    def headers(self, token: str = ADMIN_TOKEN) -> dict[str, str]:
-        return {"Authorization": f"Bearer {token}"}
-
-    def token(self, role: Role, host: str | None = None, name: str | None = None) -> str:
-        body: dict[str, object] = {
-            "name": name or f"{role.value}-{uuid.uuid4().hex[:6]}",
-            "role": role.value,
-        }
-        if host is not None:
-            body["host"] = host
-        r = self.client.post("/api/v1/tokens", json=body, headers=self.headers())
-        assert r.status_code == 201, r.text
-        return str(r.json()["token"])
-
-    def register(
-        self, name: str = "host-a", devices: int = 2, token: str | None = None, kind: str = "cpu"
-    ) -> dict[str, object]:
-        tok = token or self.token(Role.AGENT, host=name)
-        body = {
-            "protocol_version": PROTOCOL_VERSION,
-            "name": name,
-            "address": "127.0.0.1",
-            "devices": [
-                {"index": i, "kind": kind, "model": "CPU", "memory_mb": 1024}
-                for i in range(devices)
-            ],
-        }
-        r = self.client.post("/api/v1/hosts/register", json=body, headers=self.headers(tok))
-        assert r.status_code == 201, r.text
-        data: dict[str, object] = r.json()
-        data["_token"] = tok
-        self.place()  # its devices are free: pending jobs may start
-        return data
-
-    def submit(
-        self,
-        workers: int | None = 2,
-        global_batch: int = 64,
-        *,
-        place: bool = True,
-        **extra: object,
-    ) -> dict[str, object]:
-        """Submit a job; with ``place``, then run a placement round (as the controller would
-        next) and return the job as it is after it."""
-        spec = {
-            "name": "job",
-            "workload": {"builtin": "mlp"},
-            "global_batch": global_batch,
-            "iterations": 100,
-            "workers": workers,
-            **extra,
-        }
-        spec = {k: v for k, v in spec.items() if v is not None}
-        r = self.client.post("/api/v1/jobs", json=spec, headers=self.headers())
-        assert r.status_code == 201, r.text
-        data: dict[str, object] = r.json()
-        if not place:
-            return data
-        self.place()
-        job = self.client.get(f"/api/v1/jobs/{data['id']}", headers=self.headers())
-        assert job.status_code == 200, job.text
-        placed: dict[str, object] = job.json()
-        return placed
-
-    def place(self) -> list[int]:
-        """One placement round, as the controller runs it (``Controller.place``): the tests'
-        apps never place on their own (their controller runs only when a test drives it)."""
-        context = context_of(self.client.app)  # type: ignore[arg-type]
-        with context.write_lock, transaction(context.sessions) as s:
-            return [j.id for j in scheduler.place_pending(s, datetime.now(UTC))]
-
-
-def _driven(client: TestClient) -> Api:
-    """An ``Api`` whose app's controller runs only when a test drives it: requests do not poke
-    it (placement: ``Api.place``; rounds: ``control_loop.sweep``), so tests are deterministic."""
-    context_of(client.app).wake_controller = lambda _job_id: None  # type: ignore[arg-type]
-    return Api(client)
-
-
 @pytest.fixture
 def api(db_url: str) -> Iterator[Api]:
     with TestClient(create_app(make_settings(db_url))) as client:
-        yield _driven(client)
+        yield driven(client)
 
 
 @pytest.fixture
 def sqlite_api(tmp_path: Path) -> Iterator[Api]:
     with TestClient(create_app(make_settings(f"sqlite:///{tmp_path / 'e.db'}"))) as client:
-        yield _driven(client)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class LiveServer:
-    url: str
-    admin_token: str
-
-
-@contextmanager
-def serving(app: FastAPI) -> Iterator[str]:
-    """Serve ``app`` with a real uvicorn on a free port, in a thread; yields its URL."""
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=3
-        )
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/api/v1/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            time.sleep(0.05)
-    else:
-        raise RuntimeError("live server did not start")
-    try:
-        yield url
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-
-
-def register_host(url: str, token: str, name: str = "h", devices: int = 1) -> None:
-    """Register a host of CPU devices with a live server (as an admin may), so jobs fit."""
-    body = {
-        "protocol_version": PROTOCOL_VERSION,
-        "name": name,
-        "address": "127.0.0.1",
-        "devices": [
-            {"index": i, "kind": "cpu", "model": "CPU", "memory_mb": 1024} for i in range(devices)
-        ],
-    }
-    r = httpx.post(
-        f"{url}/api/v1/hosts/register", json=body, headers={"Authorization": f"Bearer {token}"}
-    )
-    assert r.status_code == 201, r.text
+        yield driven(client)
 
 
 @pytest.fixture

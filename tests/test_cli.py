@@ -19,7 +19,7 @@ from contract.api import JobOut, TokenCreate
 from contract.base import PROTOCOL_VERSION
 from contract.enums import DeviceKind, Role, WorkerState
 from evenflow.cli import main
-from tests.conftest import LiveServer
+from tests.harness import LiveServer
 
 
 @pytest.fixture

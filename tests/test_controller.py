@@ -18,7 +18,7 @@ from contract.base import PROTOCOL_VERSION
 from evenflow.local_cluster import server_process
 from server.db import make_engine
 from server.locks import ControllerLock, WriterLock, writer_lock_for
-from tests.conftest import ADMIN_TOKEN, ROOT
+from tests.harness import ADMIN_TOKEN, ROOT
 
 
 def test_one_controller_lock_per_database(db_url: str) -> None:

@@ -16,7 +16,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tests.conftest import ROOT
+from tests.harness import ROOT
 
 KUBE = ROOT / "deploy" / "kubernetes"
 KUBERNETES_VERSION = "1.30.0"

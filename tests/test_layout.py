@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.harness import ROOT
 
 PROJECT = ("contract", "server", "agent", "evenflow", "frontend", "migrations")
 
@@ -96,3 +96,14 @@ def _is_pure_sibling(path: Path, root: str) -> bool:
         if alias.name.startswith("server")
     ]
     return all(m.startswith(("server.planner", "server.stragglers")) for m in modules)
+
+
+def test_tests_import_shared_helpers_from_the_harness_never_from_conftest() -> None:
+    """``conftest.py`` holds fixtures (pytest loads it); what tests share lives in
+    ``tests/harness.py`` (and ``tests/ui/simulated.py``), imported like any module."""
+    offenders = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").endswith("conftest"):
+                offenders.append(f"{path.relative_to(ROOT)}: from {node.module} import ...")
+    assert offenders == []

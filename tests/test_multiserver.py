@@ -20,7 +20,7 @@ from contract.base import PROTOCOL_VERSION
 from evenflow.local_cluster import server_process
 from server.locks import CONTROLLER_LOCK_KEY
 from server.notify import PG_PAYLOAD_BYTES, PgNotifyBus, open_bus
-from tests.conftest import ADMIN_TOKEN, ROOT
+from tests.harness import ADMIN_TOKEN, ROOT
 
 POSTGRES_ONLY = pytest.mark.parametrize(
     "db_url", [pytest.param("postgresql", marks=pytest.mark.postgres)], indirect=True
@@ -256,7 +256,7 @@ def test_servers_starting_together_migrate_in_turn(pg_template: str, tmp_path: P
     import sys
     import uuid
 
-    from tests.conftest import PG_ADMIN_URL
+    from tests.harness import PG_ADMIN_URL
 
     name = f"evenflow_t_{uuid.uuid4().hex[:10]}"
     admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")

@@ -18,7 +18,7 @@ from schemathesis.checks import not_a_server_error, response_schema_conformance
 from sqlalchemy import create_engine, text
 
 from server.app import create_app
-from tests.conftest import ADMIN_TOKEN, IN_CI, PG_ADMIN_URL, _pg_url, make_settings
+from tests.harness import ADMIN_TOKEN, IN_CI, PG_ADMIN_URL, make_settings, pg_database_url
 
 CHECKS = [not_a_server_error, response_schema_conformance]
 HEADERS = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -28,7 +28,7 @@ sqlite_app = create_app(
     make_settings(f"sqlite:///{Path(tempfile.mkdtemp(prefix='evenflow-fuzz-')) / 'f.db'}")
 )
 PG_DB = f"evenflow_fuzz_{uuid.uuid4().hex[:8]}"
-pg_app = create_app(make_settings(_pg_url(PG_DB)))
+pg_app = create_app(make_settings(pg_database_url(PG_DB)))
 
 
 def _schema(app: FastAPI) -> schemathesis.schemas.BaseSchema:

@@ -15,7 +15,7 @@ from agent.daemon import Agent, WorkerProcess, discover_devices
 from agent.launcher import LaunchSpec, ProcessExit
 from contract.agent import WORKER_EXIT_JOB_ENDED
 from contract.enums import Role, WorkerState
-from tests.conftest import Api
+from tests.harness import Api
 
 
 class ScriptedLauncher:

@@ -20,7 +20,7 @@ from contract.agent import LOG_TAIL_CHARS, DeviceInfo, HostRegister
 from contract.api import TokenCreate
 from contract.base import PROTOCOL_VERSION
 from contract.enums import DeviceKind, JobStatus, Role, WorkerState
-from tests.conftest import ROOT, LiveServer
+from tests.harness import ROOT, LiveServer
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 

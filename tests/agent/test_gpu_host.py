@@ -21,7 +21,7 @@ from agent.daemon import Agent, discover_devices
 from agent.network import AddressError, check_address
 from contract.enums import JobStatus
 from tests.agent.test_daemon import _spec, _wait
-from tests.conftest import ROOT, LiveServer
+from tests.harness import ROOT, LiveServer
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 

@@ -21,7 +21,7 @@ from agent.launcher import LaunchSpec, ProcessExit, SubprocessLauncher, process_
 from contract.agent import WORKER_ORPHAN_EXIT_S
 from contract.api import TokenCreate
 from contract.enums import Role
-from tests.conftest import ROOT, Api, LiveServer
+from tests.harness import ROOT, Api, LiveServer
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(600)"]
 

@@ -12,7 +12,7 @@ import pytest
 from agent.client import ApiClient, ApiError
 from agent.daemon import Agent, discover_devices
 from contract.enums import Role
-from tests.conftest import Api
+from tests.harness import Api
 
 
 def _agent(api: Api, token: str, tmp_path: Path, *, replace: bool = False) -> Agent:

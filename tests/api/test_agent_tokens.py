@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from contract.base import PROTOCOL_VERSION
 from server.app import create_app
 from server.config import parse_agent_tokens
-from tests.conftest import ADMIN_TOKEN, Api, make_settings
+from tests.harness import ADMIN_TOKEN, Api, make_settings
 
 A, B = "ef_agent-a-token-0123456789", "ef_agent-b-token-0123456789"
 

@@ -12,7 +12,7 @@ from contract.base import PROTOCOL_VERSION
 from contract.enums import Role
 from server.app import create_app
 from server.context import context_of
-from tests.conftest import Api, make_settings
+from tests.harness import Api, make_settings
 
 
 def test_health_needs_no_token(api: Api) -> None:

@@ -15,7 +15,7 @@ from contract.enums import DeviceStatus
 from server.db import transaction
 from server.models import Device
 from server.services import hosts, jobs
-from tests.conftest import Api
+from tests.harness import Api
 
 STATES = ["running", "succeeded", "failed", "stopped"]
 OPS = st.one_of(

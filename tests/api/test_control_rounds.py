@@ -9,7 +9,7 @@ import pytest
 from server.context import context_of
 from server.db import transaction
 from server.services import control_loop
-from tests.conftest import Api
+from tests.harness import Api
 
 
 def _post(api: Api, job: int, iterations: range) -> None:

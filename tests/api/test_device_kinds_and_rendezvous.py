@@ -13,7 +13,7 @@ from server.models import Device
 from server.planner import FreeDevice, JobRequest
 from server.services import scheduler
 from tests.api.test_scheduler import _devices_of, _host, _ids
-from tests.conftest import Api
+from tests.harness import Api
 
 
 def _rank_tokens(api: Api, host: dict[str, Any]) -> dict[tuple[int, int], str]:

@@ -23,7 +23,7 @@ from contract.enums import Role
 from server.api.gate import cross_origin
 from server.app import MAX_BODY_BYTES, create_app
 from server.throttle import FailureLimit
-from tests.conftest import ADMIN_TOKEN, SAME_ORIGIN, Api, make_settings
+from tests.harness import ADMIN_TOKEN, SAME_ORIGIN, Api, make_settings
 
 FOREIGN = {"Origin": "http://testserver:8888"}  # a notebook on another port of the same host
 SPEC = {

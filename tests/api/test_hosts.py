@@ -9,7 +9,7 @@ from contract.base import PROTOCOL_VERSION
 from contract.enums import Role
 from server.db import transaction
 from server.services import hosts
-from tests.conftest import Api
+from tests.harness import Api
 
 
 def test_register_lists_devices_and_refresh_keeps_ids(api: Api) -> None:

@@ -8,7 +8,7 @@ from contract.agent import LOG_TAIL_CHARS
 from contract.enums import Role
 from server.context import context_of
 from server.controller import Controller
-from tests.conftest import Api
+from tests.harness import Api
 
 
 def _job(api: Api, job_id: object) -> dict[str, Any]:

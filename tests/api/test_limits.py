@@ -17,7 +17,7 @@ from contract.enums import Role
 from server.app import create_app
 from server.context import context_of
 from server.live import StreamSlots
-from tests.conftest import ADMIN_TOKEN, Api, make_settings, register_host, serving
+from tests.harness import ADMIN_TOKEN, Api, make_settings, register_host, serving
 
 # --------------------------------------------------------------------------- live streams
 

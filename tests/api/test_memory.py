@@ -9,7 +9,7 @@ from contract.base import PROTOCOL_VERSION
 from contract.enums import Role
 from server.db import transaction
 from server.services import control_loop
-from tests.conftest import Api
+from tests.harness import Api
 
 SMALL_MB, BIG_MB = 12_288, 81_920
 BASE, PER_SAMPLE = 4_595.0, 90.7

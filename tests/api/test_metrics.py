@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from contract.base import MAX_METRIC_NAMES, MAX_TELEMETRY_RECORDS
 from contract.enums import Role
-from tests.conftest import Api
+from tests.harness import Api
 
 
 def _point(rank: int, it: int, name: str = "loss", value: float | None = None) -> dict[str, Any]:

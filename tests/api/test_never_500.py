@@ -22,12 +22,12 @@ from contract.base import PROTOCOL_VERSION
 from contract.enums import Role
 from server.api.bodies import JSONRoute
 from server.app import create_app
-from tests.conftest import (
+from tests.harness import (
     ADMIN_TOKEN,
     PG_ADMIN_URL,
     Api,
-    _pg_url,
     make_settings,
+    pg_database_url,
     register_host,
     serving,
 )
@@ -145,7 +145,7 @@ def pg_url(pg_template: str) -> Iterator[str]:
     admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
     with admin.connect() as c:
         c.execute(text(f'CREATE DATABASE "{name}" TEMPLATE "{pg_template}"'))
-    yield _pg_url(name)
+    yield pg_database_url(name)
     with admin.connect() as c:
         c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
     admin.dispose()

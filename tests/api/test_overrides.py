@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from contract.enums import Role
-from tests.conftest import Api
+from tests.harness import Api
 
 
 def _live_job(api: Api) -> int:

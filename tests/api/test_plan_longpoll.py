@@ -12,7 +12,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.conftest import ROOT, Api
+from tests.harness import ROOT, Api
 
 # A plan made in a process of its own, wired the way the controller process is.
 OTHER_PROCESS = """

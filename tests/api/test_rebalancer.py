@@ -8,7 +8,7 @@ from typing import Any
 from contract.enums import Role
 from server.db import transaction
 from server.services import control_loop
-from tests.conftest import Api
+from tests.harness import Api
 
 PER_SAMPLE = [1.0, 1.0, 2.0, 4.0]
 INTERCEPT = 5.0

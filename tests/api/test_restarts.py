@@ -13,7 +13,7 @@ from server.context import context_of
 from server.models import Job
 from server.services import control_loop, hosts, jobs
 from server.services.rebalancer import Tracker
-from tests.conftest import Api
+from tests.harness import Api
 
 CHECKPOINT = {"every_iterations": 10, "path": "/tmp/evenflow-ckpt-test"}
 

@@ -18,7 +18,7 @@ from server.db import transaction
 from server.models import JOB_RANK, IterationTelemetry, Job, TelemetryRollup
 from server.services import retention, scheduler
 from server.services.rebalancer import Tracker
-from tests.conftest import Api, make_settings
+from tests.harness import Api, make_settings
 from tests.ui.simulated import emulated_iteration
 
 T, R = IterationTelemetry, TelemetryRollup

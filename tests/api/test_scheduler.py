@@ -7,7 +7,7 @@ from typing import Any
 
 from contract.base import PROTOCOL_VERSION
 from contract.enums import Role
-from tests.conftest import Api
+from tests.harness import Api
 
 
 def _host(api: Api, name: str, models: list[str], kind: str = "cuda") -> dict[str, Any]:

@@ -16,7 +16,7 @@ from server.db import transaction
 from server.models import Job
 from server.services import control_loop, stragglers
 from server.stragglers import LadderConfig
-from tests.conftest import Api
+from tests.harness import Api
 
 PER_SAMPLE = [1.0, 1.0, 2.0, 4.0]
 INTERCEPT = 5.0

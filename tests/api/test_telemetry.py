@@ -7,7 +7,7 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import Api
+from tests.harness import Api
 
 
 def _rec(rank: int, it: int, **kw: Any) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from contract.base import PROTOCOL_VERSION
 from contract.enums import Role
 from server.context import context_of
 from server.models import Worker
-from tests.conftest import Api
+from tests.harness import Api
 
 
 def _record(rank: int, iteration: int = 0) -> dict[str, Any]:

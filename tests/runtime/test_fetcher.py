@@ -14,7 +14,7 @@ from agent.runtime.remote import RemoteControlPlane
 from contract.agent import PlanOut
 from contract.base import PROTOCOL_VERSION
 from contract.enums import PlanSource
-from tests.conftest import LiveServer
+from tests.harness import LiveServer
 
 
 def plan_out(version: int) -> PlanOut:

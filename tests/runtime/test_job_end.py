@@ -19,7 +19,7 @@ from agent.runtime.telemetry import TelemetryClosed, TelemetrySender
 from contract.agent import WORKER_EXIT_JOB_ENDED, TelemetryBatch, TelemetryRecord
 from contract.base import PROTOCOL_VERSION
 from contract.enums import Role
-from tests.conftest import ROOT, Api, LiveServer, free_port
+from tests.harness import ROOT, Api, LiveServer, free_port
 
 
 def _record(rank: int, iteration: int) -> TelemetryRecord:

@@ -17,7 +17,7 @@ import torch
 
 from agent.runtime.rendezvous import DeviceAssignment, Rendezvous, RendezvousError, connect
 from agent.runtime.worker import worker_main
-from tests.conftest import ROOT
+from tests.harness import ROOT
 
 pytestmark = pytest.mark.timeout(120)
 

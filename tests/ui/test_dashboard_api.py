@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from contract.enums import Role
-from tests.conftest import SAME_ORIGIN, Api
+from tests.harness import SAME_ORIGIN, Api
 from tests.ui.simulated import emulated_iteration
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.ui.conftest import (
+from tests.ui.harness import (
     ARTIFACTS,
     INTERCEPT_MS,
     PER_SAMPLE_MS,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.ui.conftest import LiveApp, Page, sign_in
+from tests.ui.harness import LiveApp, Page, sign_in
 from tests.ui.simulated import Cluster, emulated_iteration
 
 pytestmark = pytest.mark.browser

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.ui.conftest import ARTIFACTS, LiveApp, Page, sign_in
+from tests.ui.harness import ARTIFACTS, LiveApp, Page, sign_in
 from tests.ui.simulated import Cluster, emulated_iteration
 
 pytestmark = pytest.mark.browser
