@@ -15,7 +15,7 @@ import pytest
 
 from agent.client import ApiClient, make_http
 from contract.agent import DeviceInfo, Heartbeat, HostRegister, WorkerReport
-from contract.api import JobOut, TokenCreate
+from contract.api import HostOut, JobOut, TokenCreate
 from contract.base import PROTOCOL_VERSION
 from contract.enums import DeviceKind, Role, WorkerState
 from evenflow.cli import main
@@ -29,6 +29,18 @@ def env(live_server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> LiveServer:
     return live_server
 
 
+def _cpu_host(client: ApiClient, name: str) -> HostOut:
+    """Register a host of two CPU devices through ``client`` (an admin's or its agent's)."""
+    devices = [
+        DeviceInfo(index=i, kind=DeviceKind.CPU, model="CPU", memory_mb=64) for i in range(2)
+    ]
+    return client.register_host(
+        HostRegister(
+            protocol_version=PROTOCOL_VERSION, name=name, address="127.0.0.1", devices=devices
+        )
+    )
+
+
 def _json(capsys: pytest.CaptureFixture[str], *argv: str) -> object:
     capsys.readouterr()
     assert main([*argv, "--json"]) == 0
@@ -39,16 +51,7 @@ def test_submit_list_show_cancel(
     env: LiveServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     client = ApiClient(make_http(env.url, env.admin_token))
-    client.register_host(
-        HostRegister(
-            protocol_version=PROTOCOL_VERSION,
-            name="cli-host",
-            address="127.0.0.1",
-            devices=[
-                DeviceInfo(index=i, kind=DeviceKind.CPU, model="CPU", memory_mb=1) for i in range(2)
-            ],
-        )
-    )
+    _cpu_host(client, "cli-host")
     spec = tmp_path / "job.yaml"
     spec.write_text(
         "name: cli-job\nworkload: {builtin: mlp}\nglobal_batch: 64\niterations: 10\nworkers: 2\n"
@@ -228,17 +231,7 @@ def test_plan_override_events_watch_and_devices(
 ) -> None:
     monkeypatch.setenv("COLUMNS", "80")
     client = ApiClient(make_http(env.url, env.admin_token))
-    host = client.register_host(
-        HostRegister(
-            protocol_version=PROTOCOL_VERSION,
-            name="watch-host",
-            address="127.0.0.1",
-            devices=[
-                DeviceInfo(index=i, kind=DeviceKind.CPU, model="CPU", memory_mb=64)
-                for i in range(2)
-            ],
-        )
-    )
+    host = _cpu_host(client, "watch-host")
     long_name = "a-rather-long-job-name-that-does-not-fit-in-a-column-" + "z" * 40
     spec = tmp_path / "job.yaml"
     spec.write_text(
@@ -305,17 +298,7 @@ def test_jobs_metrics_prints_the_latest_value_per_series(
 
     monkeypatch.setenv("COLUMNS", "80")
     client = ApiClient(make_http(env.url, env.admin_token))
-    client.register_host(
-        HostRegister(
-            protocol_version=PROTOCOL_VERSION,
-            name="metrics-host",
-            address="127.0.0.1",
-            devices=[
-                DeviceInfo(index=i, kind=DeviceKind.CPU, model="CPU", memory_mb=64)
-                for i in range(2)
-            ],
-        )
-    )
+    _cpu_host(client, "metrics-host")
     job = client.submit(
         {
             "name": "m",
@@ -352,16 +335,7 @@ def test_jobs_show_lists_restarts_and_jobs_checkpoints_lists_checkpoints(
     env: LiveServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     client = ApiClient(make_http(env.url, env.admin_token))
-    host = client.register_host(
-        HostRegister(
-            protocol_version=PROTOCOL_VERSION,
-            name="cli-host",
-            address="127.0.0.1",
-            devices=[
-                DeviceInfo(index=i, kind=DeviceKind.CPU, model="CPU", memory_mb=1) for i in range(2)
-            ],
-        )
-    )
+    host = _cpu_host(client, "cli-host")
     job = client.submit(
         {
             "name": "ft",
@@ -399,16 +373,7 @@ def test_jobs_logs_prints_each_ranks_tail(
         .token
     )
     agent = ApiClient(make_http(env.url, agent_token))
-    host = agent.register_host(
-        HostRegister(
-            protocol_version=PROTOCOL_VERSION,
-            name="logs-host",
-            address="127.0.0.1",
-            devices=[
-                DeviceInfo(index=i, kind=DeviceKind.CPU, model="CPU", memory_mb=1) for i in range(2)
-            ],
-        )
-    )
+    host = _cpu_host(agent, "logs-host")
     admin = ApiClient(make_http(env.url, env.admin_token))
     job = admin.submit(
         {
