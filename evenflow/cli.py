@@ -531,14 +531,7 @@ def cmd_compare(args: argparse.Namespace) -> None:
 
 def _print_results(out: dict[str, Any]) -> None:
     table = _table(
-        [
-            "policy",
-            "samples/s",
-            "mean iteration",
-            "idle (waiting)",
-            "plan changes",
-            "speedup vs equal",
-        ],
+        ["policy", "samples/s", "mean iteration", "idle", "plan changes", "speedup"],
         title=f"measured (emulated speeds); ideal {out['ideal_samples_per_s']:.0f} samples/s",
     )
     for name, r in out["policies"].items():

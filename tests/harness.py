@@ -186,3 +186,16 @@ def register_host(url: str, token: str, name: str = "h", devices: int = 1) -> No
         f"{url}/api/v1/hosts/register", json=body, headers={"Authorization": f"Bearer {token}"}
     )
     assert r.status_code == 201, r.text
+
+
+def wait_placed(http: httpx.Client | None, url: str, job_id: int, timeout: float = 30.0) -> None:
+    """Wait until the controller has placed a submitted job (``POST /jobs`` answers before it
+    is placed; the controller places it in its next round)."""
+    get = http.get if http is not None else httpx.get
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = get(url).json()["status"]
+        if status != "pending":
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"job {job_id} was not placed within {timeout} s")

@@ -18,7 +18,7 @@ from contract.base import PROTOCOL_VERSION
 from evenflow.local_cluster import server_process
 from server.db import make_engine
 from server.locks import ControllerLock, WriterLock, writer_lock_for
-from tests.harness import ADMIN_TOKEN, ROOT
+from tests.harness import ADMIN_TOKEN, ROOT, wait_placed
 
 
 def test_one_controller_lock_per_database(db_url: str) -> None:
@@ -204,6 +204,8 @@ def test_api_and_controller_killed_with_sigkill_lose_no_telemetry(tmp_path: Path
         base = root + "/api/v1"
         httpx.post(base + "/hosts/register", headers=h, json=host).raise_for_status()
         job = httpx.post(base + "/jobs", headers=h, json={**spec, "iterations": 1000}).json()["id"]
+        with httpx.Client(headers=h) as http:
+            wait_placed(http, f"{base}/jobs/{job}", job)
         for start in range(0, 50, 10):
             r = httpx.post(
                 f"{base}/jobs/{job}/telemetry",

@@ -48,7 +48,7 @@ def test_a_job_survives_a_worker_killed_mid_run(tmp_path: Path) -> None:
     assert done.status is JobStatus.SUCCEEDED, done.error
     assert done.restarts == 1 and done.attempt == 1
     (restart,) = done.restart_history
-    assert restart.reason.startswith("rank 1 was killed by SIGKILL")
+    assert restart.reason.startswith("rank 1 killed by SIGKILL")
     assert restart.resumed_from is not None and restart.resumed_from >= 30
     assert restart.iterations_lost is not None and restart.iterations_lost <= 2 * EVERY
     assert {c.attempt for c in checkpoints} == {0, 1}

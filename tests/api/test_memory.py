@@ -75,7 +75,7 @@ def test_caps_come_from_the_memory_fit_and_the_device_and_plans_carry_them(api: 
         json={"kind": "rebalance_now", "reason": "fit memory"},
         headers=api.headers(),
     )
-    assert r.status_code == 200, r.text
+    assert r.status_code == 201, r.text  # applied
     plan = api.client.get(f"/api/v1/jobs/{job}/plan", headers=api.headers()).json()
     assert plan["memory_caps"] == [71, 762]
     # Speed only would give rank 0 150 of 200 (5 + b = 5 + 3 (200 - b)); at most 71 fit a pass.

@@ -14,7 +14,7 @@ from agent.runtime.remote import RemoteControlPlane
 from contract.agent import PlanOut
 from contract.base import PROTOCOL_VERSION
 from contract.enums import PlanSource
-from tests.harness import LiveServer
+from tests.harness import LiveServer, wait_placed
 
 
 def plan_out(version: int) -> PlanOut:
@@ -83,6 +83,7 @@ def test_fetcher_on_the_rest_long_poll_hears_of_an_override_at_once(
         http.post("/api/v1/hosts/register", json=host).raise_for_status()
         spec = {"name": "j", "workload": {"builtin": "mlp"}, "global_batch": 8, "workers": 2}
         job = int(http.post("/api/v1/jobs", json={**spec, "iterations": 10}).json()["id"])
+        wait_placed(http, f"/api/v1/jobs/{job}", job)
         remote = RemoteControlPlane(
             http, live_server.url, live_server.admin_token, job, plan_wait_s=20
         )

@@ -413,7 +413,7 @@ def test_readmit_an_excluded_worker(
         f"/api/v1/jobs/{running.id}/overrides",
         json={"kind": "exclude", "rank": 3, "reason": "set up the readmit test"},
     )
-    assert r.status_code == 200, r.text
+    assert r.status_code == 201, r.text  # applied
     _open(page.page, live_app, running.id)
     assert _override(page.page, "readmit", rank=3) in ("applied", "effective")
     assert cluster.plan(running.id)["batch_sizes"][3] > 0

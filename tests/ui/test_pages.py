@@ -89,7 +89,7 @@ def test_a_failed_job_page_shows_the_reason_traceback_and_each_ranks_log(
 ) -> None:
     pg = page.page
     host = cluster.register("gpu-02", 2)
-    job = cluster.submit(2, 64, name="doomed")
+    job = cluster.submit(2, 64, name="doomed", max_restarts=0)  # fails, not restarts
     cluster.mark_running(host, job)
     tb = 'Traceback (most recent call last):\n  File "train.py", line 7\nRuntimeError: boom'
     reports = [
