@@ -400,11 +400,7 @@ class Agent:
 
 def _last_lines(path: Path) -> str:
     """The log's last ``ERROR_TAIL_LINES`` lines, for a failure's root cause without a traceback."""
-    try:
-        lines = path.read_text(errors="replace").splitlines()
-    except OSError:
-        return ""
-    return "\n".join(lines[-ERROR_TAIL_LINES:])[-60_000:]
+    return "\n".join((_log_tail(path) or "").splitlines()[-ERROR_TAIL_LINES:])
 
 
 def run_agent(
