@@ -60,6 +60,12 @@ class Settings(BaseSettings):
     """Apply Alembic migrations on start."""
 
     db_pool_size: int = Field(default=16, ge=1, le=512)
+    """Connections kept open per process; up to twice as many more open under load."""
+
+    db_concurrency: int = Field(default=16, ge=1, le=32)
+    """Requests doing database work at once per API process (``AppContext.db_slots``); the
+    others wait without holding a worker thread or a connection. At most 32: it must stay
+    below the worker threads (40) and the pool's connections (``3 * db_pool_size``)."""
 
     allowed_origins: Annotated[tuple[str, ...], NoDecode] = ()
     """Origins besides the server's own (scheme, host and port as a request sees them) from

@@ -11,6 +11,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.applications import Starlette
@@ -44,6 +45,14 @@ class AppContext:
     """Runs the controller's next round for a job now (urgent telemetry)."""
     auth_failures: FailureLimit
     """Bad credentials per client address (the API's gate and ``/login``)."""
+    db_slots: anyio.Semaphore = field(default_factory=lambda: anyio.Semaphore(16))
+    """Requests doing database work at once in this process (``create_app`` sets the bound,
+    ``Settings.db_concurrency``). A request holds its slot from before its session opens until
+    after it closes, across the worker-thread hops between, so the bound keeps the requests
+    holding pool connections fewer than the worker threads they need to give them back (and
+    SQLite's writers fewer than the threads they wait in): with more, every thread could sit
+    waiting for a connection held by requests that wait for a thread (bench/fleet.py found it
+    at 1,250 hosts)."""
     telemetry_notifier: TelemetryNotifier = field(default_factory=TelemetryNotifier)
     stream_slots: StreamSlots = field(default_factory=lambda: StreamSlots(8))
     """Live streams open per token in this process (``create_app`` sets the cap)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import nullcontext
 from datetime import UTC, datetime
 from typing import Annotated
@@ -36,10 +36,21 @@ Context = Annotated[AppContext, Depends(_context)]
 """The app's typed state (``server.context``): engine, sessions, caches, metrics, notifiers."""
 
 
-def _session(request: Request, context: Context) -> Iterator[Session]:
-    """One transaction per request, committed before the response is sent. Writes take the
-    app's writer lock first (a real lock on SQLite, which allows one writer at a time: queueing
-    here is fairer and far faster than SQLite's busy-wait backoff; a no-op elsewhere)."""
+async def _db_slot(context: Context) -> AsyncIterator[None]:
+    """A slot of the app's bounded database work (``AppContext.db_slots``), awaited on the event
+    loop, so a request that waits for one holds neither a worker thread nor a connection."""
+    async with context.db_slots:
+        yield
+
+
+DbSlot = Annotated[None, Depends(_db_slot, scope="function")]
+
+
+def _session(request: Request, context: Context, _slot: DbSlot) -> Iterator[Session]:
+    """One transaction per request, committed before the response is sent, inside a database
+    slot (held until the session is closed). Writes take the app's writer lock first (a real
+    lock on SQLite, which allows one writer at a time: queueing here is fairer and far faster
+    than SQLite's busy-wait backoff; a no-op elsewhere)."""
     lock = context.write_lock if request.method not in SAFE_METHODS else nullcontext()
     with lock, context.sessions() as session, session.begin():
         yield session

@@ -29,7 +29,8 @@ async def ingest(
     if principal.role not in (Role.AGENT, Role.WORKER):
         principal.require(Role.ADMIN)
     batch = bodies.parse(TelemetryBatch, await request.body())
-    accepted, duplicates = await run_in_threadpool(_store, context, principal, job_id, batch)
+    async with context.db_slots:
+        accepted, duplicates = await run_in_threadpool(_store, context, principal, job_id, batch)
     # wake the job's live dashboard streams
     telemetry_stored(context.telemetry_notifier, job_id, accepted)
     if batch.urgent:
