@@ -194,7 +194,11 @@ class Worker(Base):
     """One rank of a job, placed on one device."""
 
     __tablename__ = "workers"
-    __table_args__ = (UniqueConstraint("job_id", "rank"),)
+    __table_args__ = (
+        UniqueConstraint("job_id", "rank"),
+        # a heartbeat's live ranks of its host (``hosts._placed_here``); host_id alone too
+        Index("ix_workers_host_state", "host_id", "state"),
+    )
 
     id: Mapped[int] = mapped_column(primary_key=True)
     job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
@@ -203,7 +207,7 @@ class Worker(Base):
         ForeignKey("devices.id", ondelete="SET NULL"), default=None
     )
     host_id: Mapped[int | None] = mapped_column(
-        ForeignKey("hosts.id", ondelete="SET NULL"), index=True, default=None
+        ForeignKey("hosts.id", ondelete="SET NULL"), default=None
     )
     state: Mapped[WorkerState] = mapped_column(
         StrEnumColumn(WorkerState, 16), default=WorkerState.ASSIGNED

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
-from contextlib import nullcontext
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from datetime import UTC, datetime
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 from fastapi import Depends, Path, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
@@ -20,6 +21,8 @@ from server.notify import PLACEMENT
 from server.services import tokens
 from server.services.tokens import Principal
 
+T = TypeVar("T")
+
 _bearer = HTTPBearer(
     auto_error=False, description="An Evenflow API token (`evenflow tokens create`)."
 )
@@ -28,7 +31,7 @@ _bearer = HTTPBearer(
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
-def _context(request: Request) -> AppContext:
+async def _context(request: Request) -> AppContext:
     return context_of(request.app)
 
 
@@ -46,16 +49,37 @@ async def _db_slot(context: Context) -> AsyncIterator[None]:
 DbSlot = Annotated[None, Depends(_db_slot, scope="function")]
 
 
-def _session(request: Request, context: Context, _slot: DbSlot) -> Iterator[Session]:
-    """One transaction per request, committed before the response is sent, inside a database
-    slot (held until the session is closed). Writes take the app's writer lock first (a real
+@contextmanager
+def transaction(context: AppContext, *, write: bool) -> Iterator[Session]:
+    """One transaction, committed on success. Writes take the app's writer lock first (a real
     lock on SQLite, which allows one writer at a time: queueing here is fairer and far faster
-    than SQLite's busy-wait backoff; a no-op elsewhere)."""
-    lock = context.write_lock if request.method not in SAFE_METHODS else nullcontext()
+    than SQLite's busy-wait backoff; a no-op elsewhere). Once committed, the controller is woken
+    if the work asked for a placement round (jobs to place, or devices to place them on)."""
+    lock = context.write_lock if write else nullcontext()
     with lock, context.sessions() as session, session.begin():
         yield session
-    if session.info.get("placement"):  # committed: jobs to place, or devices to place them on
+    if session.info.get("placement"):
         context.wake_controller(PLACEMENT)
+
+
+def _session(request: Request, context: Context, _slot: DbSlot) -> Iterator[Session]:
+    """One transaction per request (``transaction``), committed before the response is sent,
+    inside a database slot held until the session is closed."""
+    with transaction(context, write=request.method not in SAFE_METHODS) as session:
+        yield session
+
+
+async def in_transaction(context: AppContext, work: Callable[[Session], T]) -> T:
+    """``work`` in one write transaction in one worker-thread hop, inside a database slot: for
+    the hottest routes (heartbeats), which a ``SessionDep`` would take through three hops
+    (open, route, commit), each queueing for a thread anew."""
+
+    def run() -> T:
+        with transaction(context, write=True) as session:
+            return work(session)
+
+    async with context.db_slots:
+        return await run_in_threadpool(run)
 
 
 SessionDep = Annotated[Session, Depends(_session, scope="function")]
@@ -104,7 +128,7 @@ JobReader = Annotated[Principal, Depends(_job_reader)]
 """A viewer, or the worker credential of the job in the path (its plan and spec)."""
 
 
-def _settings(context: Context) -> Settings:
+async def _settings(context: Context) -> Settings:
     return context.settings
 
 
@@ -115,7 +139,7 @@ PathId = Annotated[int, Path(ge=1, le=MAX_ID)]
 """A job's, host's or token's id in a route's path."""
 
 
-def _now() -> datetime:
+async def _now() -> datetime:
     return datetime.now(UTC)
 
 

@@ -7,7 +7,16 @@ from fastapi import APIRouter
 from contract.agent import Heartbeat, HeartbeatAck, HostRegister
 from contract.api import HostOut
 from server.api.bodies import JSONRoute
-from server.api.deps import Authenticated, Now, PathId, SessionDep, SettingsDep, Viewer
+from server.api.deps import (
+    Authenticated,
+    Context,
+    Now,
+    PathId,
+    SessionDep,
+    SettingsDep,
+    Viewer,
+    in_transaction,
+)
 from server.services import hosts
 
 router = APIRouter(prefix="/hosts", tags=["hosts"], route_class=JSONRoute)
@@ -30,11 +39,13 @@ def register(
 
 
 @router.post("/{host_id}/heartbeat")
-def heartbeat(
-    req: Heartbeat, session: SessionDep, principal: Authenticated, now: Now, host_id: PathId
+async def heartbeat(
+    req: Heartbeat, context: Context, principal: Authenticated, now: Now, host_id: PathId
 ) -> HeartbeatAck:
     """Report liveness and worker states; the answer lists the ranks this host must run or stop."""
-    return hosts.heartbeat(session, host_id, req, principal, now)
+    return await in_transaction(
+        context, lambda session: hosts.heartbeat(session, host_id, req, principal, now)
+    )
 
 
 @router.get("")
