@@ -145,8 +145,12 @@ def _back_online(session: Session, dev: Device) -> None:
     dev.status = DeviceStatus.BUSY if dev.job_id else DeviceStatus.FREE
 
 
+_HOST = select(Host).options(joinedload(Host.devices)).where(Host.id == bindparam("host_id"))
+"""A host with its devices; built once (a heartbeat reads it every time)."""
+
+
 def get(session: Session, host_id: int) -> Host:
-    host = session.get(Host, host_id, options=[joinedload(Host.devices)])
+    host = session.execute(_HOST, {"host_id": host_id}).unique().scalar_one_or_none()
     if host is None:
         raise NotFound(f"host {host_id} not found")
     return host
