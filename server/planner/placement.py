@@ -11,7 +11,11 @@ in samples/s per extra host. With ``x_d`` = "device d is used" and ``y_h`` = "ho
                 x_d = 0 for devices with less memory than the job needs
 
 CBC starts from a greedy placement (``warmStart``): hosts in order of their best devices' total
-speed, devices fastest first, a new host only while it pays for its penalty. The status says what
+speed, devices fastest first, a new host only while it pays for its penalty. CBC is not run at
+all when the greedy placement already meets an upper bound on every placement (``upper_bound``:
+for each size k, the k fastest devices less the penalty of the fewest hosts that could hold k):
+it is then optimal, proven, which on a fleet of uniform hosts is the common case (measured:
+seconds of CBC per job at 10,000 devices, against milliseconds). The status says what
 was established: ``optimal`` (proven), ``feasible`` (time limit hit, best found so far) or
 ``infeasible`` (fewer eligible devices than ``min_workers``). A job that does not fit is not an
 error here, it waits, so ``infeasible`` is a status and not an exception.
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -128,6 +133,22 @@ def greedy(job: JobRequest, devices: Sequence[FreeDevice], penalty: float) -> li
     return chosen
 
 
+def upper_bound(job: JobRequest, devices: Sequence[FreeDevice], penalty: float) -> float:
+    """No placement of ``job`` on ``devices`` is worth more than this: over each allowed size k,
+    the k fastest devices' speeds less the penalty of the fewest hosts that can hold k devices
+    (each term bounds the placements of size k; both parts are the best any k could do)."""
+    speeds = sorted((d.samples_per_s for d in devices), reverse=True)
+    sizes = sorted(Counter(d.host for d in devices).values(), reverse=True)
+    best, total, held, hosts = -math.inf, 0.0, 0, 0
+    for k in range(1, min(job.most, len(speeds)) + 1):
+        total += speeds[k - 1]
+        while held < k:
+            held, hosts = held + sizes[hosts], hosts + 1
+        if k >= job.min_workers:
+            best = max(best, total - penalty * (hosts - 1))
+    return best
+
+
 def place(
     job: JobRequest, devices: Iterable[FreeDevice], *, time_limit_s: float = 10.0, threads: int = 1
 ) -> Placement:
@@ -151,14 +172,29 @@ def place(
     if penalty is None:
         penalty = DEFAULT_HOST_PENALTY_SHARE * statistics.median(d.samples_per_s for d in eligible)
     start = greedy(job, eligible, penalty)
+    value = _value(start, penalty)
+    bound = upper_bound(job, eligible, penalty)
+    if value >= bound - 1e-9 * max(1.0, abs(bound)):
+        return Placement(
+            job_id=job.id,
+            device_ids=tuple(d.id for d in start),
+            hosts_used=tuple(sorted({d.host for d in start})),
+            predicted_samples_per_s=sum(d.samples_per_s for d in start),
+            status=SolveStatus.OPTIMAL,
+            objective=value,
+            reason="the greedy placement meets the upper bound",
+        )
 
-    prob = pulp.LpProblem("placement", pulp.LpMaximize)
+    # Stated as a minimisation of the negated value: PuLP 3.3's CBC warm start of a
+    # maximisation returned the start itself as "optimal" (4 where 30 was possible; found by
+    # test_the_bound_never_undercuts_a_placement_and_what_it_proves_is_optimal).
+    prob = pulp.LpProblem("placement", pulp.LpMinimize)
     x = [pulp.LpVariable(f"x_{i}", cat="Binary") for i in range(len(eligible))]
     hosts = sorted({d.host for d in eligible})
     y = {h: pulp.LpVariable(f"y_{j}", cat="Binary") for j, h in enumerate(hosts)}
-    prob += pulp.lpSum(
+    prob += penalty * (pulp.lpSum(y.values()) - 1) - pulp.lpSum(
         d.samples_per_s * xi for d, xi in zip(eligible, x, strict=True)
-    ) - penalty * (pulp.lpSum(y.values()) - 1)
+    )
     for i, (d, xi) in enumerate(zip(eligible, x, strict=True)):
         prob += xi <= y[d.host], f"host_{i}"
     prob += pulp.lpSum(x) >= job.min_workers, "min_workers"

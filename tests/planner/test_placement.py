@@ -5,10 +5,12 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from server.planner.errors import InvalidInput
 from server.planner.ilp import SolveStatus
-from server.planner.placement import FreeDevice, JobRequest, place, place_jobs
+from server.planner.placement import FreeDevice, JobRequest, place, place_jobs, upper_bound
 
 
 def cluster() -> list[FreeDevice]:
@@ -149,7 +151,70 @@ def test_greedy_stands_in_when_cbc_finds_nothing(monkeypatch: pytest.MonkeyPatch
     import server.planner.placement as placement
 
     monkeypatch.setattr(placement, "run_cbc", lambda *a, **k: SolveStatus.NO_SOLUTION)
-    p = placement.place(JobRequest("j", 4), cluster())
+    # The bound (550: the two fastest, on one host's worth) does not prove the greedy's 490.
+    devices = [
+        FreeDevice("d0", "h0", samples_per_s=300.0),
+        FreeDevice("d1", "h0", samples_per_s=80.0),
+        FreeDevice("d2", "h1", samples_per_s=250.0),
+        FreeDevice("d3", "h1", samples_per_s=240.0),
+    ]
+    p = placement.place(JobRequest("j", 2, host_penalty=100.0), devices)
     assert p.status is SolveStatus.FEASIBLE  # not optimal: nothing proved it
     assert "greedy" in p.reason
-    assert p.hosts_used == ("a",)
+    assert p.hosts_used == ("h1",)
+
+
+def _brute_force(job: JobRequest, devices: list[FreeDevice], penalty: float) -> float:
+    return max(
+        sum(d.samples_per_s for d in pick) - penalty * (len({d.host for d in pick}) - 1)
+        for k in range(job.min_workers, job.most + 1)
+        for pick in itertools.combinations(devices, k)
+    )
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    speeds=st.lists(
+        st.lists(st.sampled_from([0.0, 10.0, 44.0, 125.0, 500.0, 1000.0]), min_size=1, max_size=3),
+        min_size=1,
+        max_size=4,
+    ),
+    lo=st.integers(1, 4),
+    extra=st.integers(0, 3),
+    penalty=st.sampled_from([0.0, 5.0, 60.0, 300.0, 5000.0]),
+)
+def test_the_bound_never_undercuts_a_placement_and_what_it_proves_is_optimal(
+    speeds: list[list[float]], lo: int, extra: int, penalty: float
+) -> None:
+    devices = [
+        FreeDevice(f"h{h}d{i}", f"h{h}", samples_per_s=v)
+        for h, host in enumerate(speeds)
+        for i, v in enumerate(host)
+    ]
+    assume(lo <= len(devices))
+    job = JobRequest("j", lo, min(lo + extra, len(devices)), host_penalty=penalty)
+    best = _brute_force(job, devices, penalty)
+    assert upper_bound(job, devices, penalty) >= best - 1e-9
+    p = place(job, devices)
+    assert p.objective == pytest.approx(best)  # proven by the bound, or by CBC
+    if p.reason == "the greedy placement meets the upper bound":
+        assert p.status is SolveStatus.OPTIMAL
+
+
+def test_a_fleet_of_uniform_hosts_is_placed_without_cbc(monkeypatch: pytest.MonkeyPatch) -> None:
+    import server.planner.placement as placement
+
+    def no_cbc(*_a: object, **_k: object) -> SolveStatus:
+        raise AssertionError("CBC was run although the greedy placement is provably optimal")
+
+    monkeypatch.setattr(placement, "run_cbc", no_cbc)
+    models = [("H100", 2000.0), ("A100", 1000.0), ("V100", 500.0)]
+    devices = [
+        FreeDevice(h * 8 + d, f"host{h}", models[h % 3][0], 80, models[h % 3][1])
+        for h in range(1250)
+        for d in range(8)
+    ]
+    p = placement.place(JobRequest("j", 64), devices)
+    assert p.status is SolveStatus.OPTIMAL
+    assert len(p.device_ids) == 64 and len(p.hosts_used) == 8
+    assert p.predicted_samples_per_s == 64 * 2000.0
