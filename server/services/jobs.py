@@ -94,9 +94,7 @@ def create(session: Session, spec: JobSpec, principal: Principal, now: datetime)
     session.flush()
     record(session, principal.name, "job.create", f"job:{job.id}", {"name": spec.name})
     # Placement is the controller's (it may take seconds): the submission answers at once.
-    job.pending_reason = scheduler.explain(
-        session, spec, scheduler.free_devices(session), tried=False
-    )
+    job.pending_reason = scheduler.explain(spec, scheduler.Landscape.read(session), tried=False)
     scheduler.request_placement(session)
     return job
 

@@ -21,7 +21,9 @@ published-figures prior (``server/planner/gpu_profiles.csv``), and a CPU a nomin
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
+from dataclasses import dataclass
 from datetime import datetime
 from functools import cache
 from typing import Any
@@ -100,32 +102,46 @@ def measured_speeds(session: Session, workload: dict[str, Any]) -> dict[int, flo
     return {d: 1000.0 * samples[d] / millis[d] for d in samples if millis[d] > 0}
 
 
-def candidates(session: Session, spec: JobSpec, free: list[Device]) -> list[FreeDevice]:
-    measured = measured_speeds(session, spec.workload.model_dump(mode="json"))
-    out = []
-    for d in free:
-        speed = measured.get(d.id)
+@cache
+def _prior(model: str, cpu: bool, memory_mb: int) -> float:
+    """The published-figures prior of a device (fuzzy name matching: worth doing once a model)."""
+    return prior_speed(model, _profiles(), cpu=cpu, memory_gb=memory_mb / 1024).samples_per_s
+
+
+class Speeds:
+    """Predicted samples/s of each device for a workload, worked out once per workload in a
+    placement round (measured on earlier jobs of the workload, else the prior)."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.measured: dict[str, dict[int, float]] = {}
+
+    def of(self, spec: JobSpec, device: Device) -> float:
+        workload = spec.workload.model_dump(mode="json")
+        key = json.dumps(workload, sort_keys=True)
+        if key not in self.measured:
+            self.measured[key] = measured_speeds(self.session, workload)
+        speed = self.measured[key].get(device.id)
         if speed is None:
-            speed = prior_speed(
-                d.model,
-                _profiles(),
-                cpu=d.kind == DeviceKind.CPU.value,
-                memory_gb=d.memory_mb / 1024,
-            ).samples_per_s
-        out.append(
-            FreeDevice(
-                id=d.id,
-                host=str(d.host_id),
-                model=d.model,
-                memory_gb=d.memory_mb / 1024,
-                samples_per_s=speed,
-            )
+            speed = _prior(device.model, device.kind == DeviceKind.CPU.value, device.memory_mb)
+        return speed
+
+
+def candidates(spec: JobSpec, free: list[Device], speeds: Speeds) -> list[FreeDevice]:
+    return [
+        FreeDevice(
+            id=d.id,
+            host=str(d.host_id),
+            model=d.model,
+            memory_gb=d.memory_mb / 1024,
+            samples_per_s=speeds.of(spec, d),
         )
-    return out
+        for d in free
+    ]
 
 
 def choose_devices(
-    session: Session, job: Job, spec: JobSpec, free: list[Device]
+    session: Session, job: Job, spec: JobSpec, free: list[Device], speeds: Speeds
 ) -> list[Device] | None:
     """Devices for one job, or None if it cannot start now."""
     by_id = {d.id: d for d in free}
@@ -140,7 +156,7 @@ def choose_devices(
         max_workers=spec.max_workers or spec.workers,
         priority=spec.priority,
     )
-    placement = _best_of_kinds(request, candidates(session, spec, free), by_id)
+    placement = _best_of_kinds(request, candidates(spec, free, speeds), by_id)
     if placement is None:
         return None
     job.error = None
@@ -210,30 +226,53 @@ def request_placement(session: Session) -> None:
     session.info["placement"] = True
 
 
-def explain(session: Session, spec: JobSpec, free: list[Device], *, tried: bool) -> str:
-    """Why a job is not placed with these devices free: "needs 4 devices, 2 free, 2 busy with
+@dataclass(frozen=True)
+class Landscape:
+    """Every device as ``explain`` needs it (id, the job holding it, whether it is free on a live
+    host), read once, as plain rows: a placement round and a submission each read it once,
+    not once per pending job (at 10,000 devices that was 10,000 entities per job per round)."""
+
+    rows: tuple[tuple[int, int | None, bool], ...]
+
+    @classmethod
+    def read(cls, session: Session) -> Landscape:
+        free = (Device.status == DeviceStatus.FREE.value) & (Host.status == HostStatus.ACTIVE.value)
+        rows = session.execute(
+            select(Device.id, Device.job_id, free).join(Host).order_by(Device.id)
+        ).all()
+        return cls(tuple((int(i), j, bool(f)) for i, j, f in rows))
+
+    def taken(self, job_id: int, device_ids: set[int]) -> Landscape:
+        """After ``job_id`` was given ``device_ids`` in this round."""
+        return Landscape(
+            tuple((i, job_id, False) if i in device_ids else (i, j, f) for i, j, f in self.rows)
+        )
+
+
+def explain(spec: JobSpec, landscape: Landscape, *, tried: bool) -> str:
+    """Why a job is not placed on the devices now free: "needs 4 devices, 2 free, 2 busy with
     job 7". ``tried``: placement was attempted with them (else it has yet to be)."""
-    free_ids = {d.id for d in free}
-    devices = list(session.scalars(select(Device).join(Host).order_by(Device.id)))
+    rows = landscape.rows
+    free = sum(1 for _, _, f in rows if f)
     if spec.devices is not None:
         wanted = set(spec.devices)
-        devices = [d for d in devices if d.id in wanted]
+        rows = tuple(r for r in rows if r[0] in wanted)
         need = f"needs devices {sorted(wanted)}"
-        have = f"{sum(1 for d in devices if d.id in free_ids)} of them free"
+        have = f"{sum(1 for _, _, f in rows if f)} of them free"
     else:
         need = f"needs {spec.workers} device{'s' if spec.workers != 1 else ''}"
-        have = f"{len(free)} free"
+        have = f"{free} free"
     busy: dict[int, int] = defaultdict(int)
-    for d in devices:
-        if d.job_id is not None and d.id not in free_ids:
-            busy[d.job_id] += 1
+    for _, job_id, is_free in rows:
+        if job_id is not None and not is_free:
+            busy[job_id] += 1
     parts = [need, have]
     for job_id, n in sorted(busy.items()):
         parts.append(f"{n} busy with job {job_id}")
-    away = sum(1 for d in devices if d.job_id is None and d.id not in free_ids)
+    away = sum(1 for _, job_id, is_free in rows if job_id is None and not is_free)
     if away:
         parts.append(f"{away} offline")
-    enough = spec.workers is not None and len(free) >= spec.workers
+    enough = spec.workers is not None and free >= spec.workers
     if spec.devices is None and enough:
         parts.append("no placement fits them" if tried else "waiting for the controller")
     return ", ".join(parts)
@@ -252,17 +291,22 @@ def place_pending(session: Session, now: datetime) -> list[Job]:
     if not pending:
         return placed
     free = free_devices(session)
+    speeds = Speeds(session)
+    landscape: Landscape | None = None
     for job in pending:
         spec = job.job_spec
-        chosen = choose_devices(session, job, spec, free)
+        chosen = choose_devices(session, job, spec, free, speeds)
         if chosen is None:
-            reason = explain(session, spec, free, tried=True)
+            landscape = landscape or Landscape.read(session)
+            reason = explain(spec, landscape, tried=True)
             if job.pending_reason != reason:
                 job.pending_reason = reason
             continue
         job.pending_reason = None
         taken = {d.id for d in chosen}
         free = [d for d in free if d.id not in taken]
+        if landscape is not None:
+            landscape = landscape.taken(job.id, taken)
         for rank, dev in enumerate(chosen):
             dev.status, dev.job_id = DeviceStatus.BUSY, job.id
             session.add(
