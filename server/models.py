@@ -101,6 +101,10 @@ class StrEnumColumn(TypeDecorator[E]):
         return None if value is None else self.enum(value)
 
 
+PENDING_REASON_LENGTH = 500
+"""Why a job waits, in words (``server.services.scheduler.explain`` keeps within it)."""
+
+
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING)
 
@@ -164,7 +168,7 @@ class Job(Base):
     """Operators' standing constraints: ``{"pins": {rank: batch}, "excluded": [rank, ...]}``."""
     plan_version: Mapped[int | None] = mapped_column(Integer, default=None)
     error: Mapped[str | None] = mapped_column(Text, default=None)
-    pending_reason: Mapped[str | None] = mapped_column(String(500), default=None)
+    pending_reason: Mapped[str | None] = mapped_column(String(PENDING_REASON_LENGTH), default=None)
     """Why a pending job waits ("needs 4 devices, 2 free, 2 busy with job 7"); None otherwise."""
     master_port: Mapped[int | None] = mapped_column(Integer, default=None)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)

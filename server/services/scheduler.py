@@ -34,7 +34,15 @@ from sqlalchemy.orm import Session
 from contract.enums import DeviceKind, DeviceStatus, HostStatus, JobStatus, PlanSource, WorkerState
 from contract.spec import JobSpec
 from server.errors import Invalid
-from server.models import Device, Host, IterationTelemetry, Job, TelemetryRollup, Worker
+from server.models import (
+    PENDING_REASON_LENGTH,
+    Device,
+    Host,
+    IterationTelemetry,
+    Job,
+    TelemetryRollup,
+    Worker,
+)
 from server.planner import (
     FreeDevice,
     GpuProfile,
@@ -249,33 +257,45 @@ class Landscape:
         )
 
 
+REASON_HOLDERS = 3
+"""The jobs holding the most of the wanted devices that a pending reason names (the rest are
+summed): at 10,000 devices a reason naming every busy job overflowed its column."""
+
+
 def explain(spec: JobSpec, landscape: Landscape, *, tried: bool) -> str:
     """Why a job is not placed on the devices now free: "needs 4 devices, 2 free, 2 busy with
-    job 7". ``tried``: placement was attempted with them (else it has yet to be)."""
+    job 7". ``tried``: placement was attempted with them (else it has yet to be). Busy devices
+    are told only when too few are free, by the jobs holding most of them."""
     rows = landscape.rows
     free = sum(1 for _, _, f in rows if f)
     if spec.devices is not None:
         wanted = set(spec.devices)
         rows = tuple(r for r in rows if r[0] in wanted)
-        need = f"needs devices {sorted(wanted)}"
+        named = sorted(wanted) if len(wanted) <= 8 else f"{len(wanted)} named"
+        need = f"needs devices {named}"
         have = f"{sum(1 for _, _, f in rows if f)} of them free"
+        short = any(not f for _, _, f in rows)
     else:
         need = f"needs {spec.workers} device{'s' if spec.workers != 1 else ''}"
         have = f"{free} free"
-    busy: dict[int, int] = defaultdict(int)
-    for _, job_id, is_free in rows:
-        if job_id is not None and not is_free:
-            busy[job_id] += 1
+        short = free < (spec.workers or 1)
     parts = [need, have]
-    for job_id, n in sorted(busy.items()):
-        parts.append(f"{n} busy with job {job_id}")
+    if short:
+        busy: dict[int, int] = defaultdict(int)
+        for _, job_id, is_free in rows:
+            if job_id is not None and not is_free:
+                busy[job_id] += 1
+        holders = sorted(busy.items(), key=lambda kv: (-kv[1], kv[0]))
+        parts += [f"{n} busy with job {job_id}" for job_id, n in holders[:REASON_HOLDERS]]
+        if len(holders) > REASON_HOLDERS:
+            rest = holders[REASON_HOLDERS:]
+            parts.append(f"{sum(n for _, n in rest)} busy with {len(rest)} other jobs")
     away = sum(1 for _, job_id, is_free in rows if job_id is None and not is_free)
     if away:
         parts.append(f"{away} offline")
-    enough = spec.workers is not None and free >= spec.workers
-    if spec.devices is None and enough:
+    if not short and spec.devices is None:
         parts.append("no placement fits them" if tried else "waiting for the controller")
-    return ", ".join(parts)
+    return ", ".join(parts)[:PENDING_REASON_LENGTH]
 
 
 def place_pending(session: Session, now: datetime) -> list[Job]:

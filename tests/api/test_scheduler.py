@@ -5,8 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from contract.base import PROTOCOL_VERSION
 from contract.enums import Role
+from contract.spec import JobSpec
+from server.models import PENDING_REASON_LENGTH
+from server.services import scheduler
 from tests.harness import Api
 
 
@@ -129,3 +135,46 @@ def test_explicit_devices_wait_until_all_are_free(api: Api) -> None:
         == "starting"
     )
     assert _devices_of(api, wants) == {d0, d1}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    holdings=st.lists(st.integers(1, 300), min_size=0, max_size=120),
+    free=st.integers(0, 10_000),
+    offline=st.integers(0, 50),
+    workers=st.integers(1, 512),
+)
+def test_a_pending_reason_fits_its_column_and_names_the_largest_holders(
+    holdings: list[int], free: int, offline: int, workers: int
+) -> None:
+    """At fleet scale (120 jobs holding devices among 10,000) a reason naming every busy job
+    overflowed jobs.pending_reason and failed the submission with a 500: a reason names the
+    jobs holding the most devices, sums the rest, and tells busy devices only when too few
+    are free."""
+    rows: list[tuple[int, int | None, bool]] = []
+    for job_id, n in enumerate(holdings, start=1):
+        rows += [(len(rows), job_id, False) for _ in range(n)]
+    rows += [(len(rows), None, True) for _ in range(free)]
+    rows += [(len(rows), None, False) for _ in range(offline)]
+    spec = JobSpec.model_validate(
+        {
+            "name": "w",
+            "workload": {"builtin": "mlp"},
+            "global_batch": 1024,
+            "workers": workers,
+            "iterations": 10,
+        }
+    )
+    reason = scheduler.explain(spec, scheduler.Landscape(tuple(rows)), tried=True)
+    assert len(reason) <= PENDING_REASON_LENGTH
+    assert reason.startswith(f"needs {workers} device{'s' if workers > 1 else ''}, {free} free")
+    assert (f"{offline} offline" in reason) == (offline > 0)
+    if free >= workers:
+        assert "busy" not in reason and reason.endswith("no placement fits them")
+        return
+    ranked = sorted(enumerate(holdings, start=1), key=lambda jn: (-jn[1], jn[0]))
+    for job_id, n in ranked[: scheduler.REASON_HOLDERS]:
+        assert f"{n} busy with job {job_id}," in reason + ","
+    rest = ranked[scheduler.REASON_HOLDERS :]
+    if rest:
+        assert f"{sum(n for _, n in rest)} busy with {len(rest)} other jobs" in reason
