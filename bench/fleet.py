@@ -39,6 +39,7 @@ from typing import Any
 
 import aiohttp
 import httpx
+import psutil
 from sqlalchemy import create_engine, text
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -61,8 +62,56 @@ STRAGGLER_FACTOR = 3.0
 # ------------------------------------------------------------------------------ the server
 
 
+@dataclass
+class Server:
+    base: str
+    pid: int
+
+
+class CpuMeter:
+    """CPU seconds used by the server's API processes, its controller, PostgreSQL's backends and
+    this generator: which one saturates the machine first."""
+
+    def __init__(self, server_pid: int) -> None:
+        self.server = psutil.Process(server_pid)
+        self.start = self.read()
+        self.t0 = time.monotonic()
+
+    def read(self) -> dict[str, float]:
+        out: dict[str, float] = defaultdict(float)
+        ours = [self.server, *self.server.children(recursive=True)]
+        kinds = [(p, "controller" if self._is_controller(p) else "api") for p in ours]
+        kinds += [(p, "postgres") for p in psutil.process_iter() if self._is_postgres(p)]
+        for p, kind in kinds:
+            with contextlib.suppress(psutil.Error):
+                t = p.cpu_times()
+                out[kind] += t.user + t.system
+        me = psutil.Process().cpu_times()
+        out["generator"] = me.user + me.system
+        return out
+
+    @staticmethod
+    def _is_controller(p: psutil.Process) -> bool:
+        with contextlib.suppress(psutil.Error):
+            return "server.controller" in p.cmdline()
+        return False
+
+    @staticmethod
+    def _is_postgres(p: psutil.Process) -> bool:
+        with contextlib.suppress(psutil.Error):
+            return p.name() == "postgres"
+        return False
+
+    def cores_used(self) -> dict[str, float]:
+        """Mean cores busy per kind since the meter started (2.0 = both of this machine's)."""
+        now, secs = self.read(), time.monotonic() - self.t0
+        used = {k: round((now[k] - self.start.get(k, 0.0)) / secs, 2) for k in now}
+        used["machine"] = os.cpu_count() or 0
+        return used
+
+
 @contextlib.contextmanager
-def server(db_url: str, workers: int, log: Path) -> Iterator[str]:
+def server(db_url: str, workers: int, log: Path) -> Iterator[Server]:
     """`evenflow server` with the controller summarising its rounds every 10 s into ``log``."""
     port = free_port()
     env = {
@@ -85,7 +134,7 @@ def server(db_url: str, workers: int, log: Path) -> Iterator[str]:
                 if time.monotonic() > deadline or proc.poll() is not None:
                     raise RuntimeError(f"server did not start; see {log}")
                 time.sleep(0.2)
-            yield base
+            yield Server(base, proc.pid)
         finally:
             proc.terminate()
             try:
@@ -268,7 +317,7 @@ class Fleet:
             job.ranks[a["rank"]] = host
             if not job.started and len(job.ranks) == job.size:
                 job.started = True
-                asyncio.get_running_loop().create_task(self.train(job))
+                self.loop_task(self.train(job))
         for key in [k for k in host.reports if k not in live]:
             del host.reports[key]  # the server no longer lists it: nothing left to report
 
@@ -456,8 +505,8 @@ def quantiles(values: list[float]) -> dict[str, float]:
     }
 
 
-async def run(base: str, db_url: str, args: argparse.Namespace) -> dict[str, Any]:
-    fleet = Fleet(base, args, db_url)
+async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, Any]:
+    fleet = Fleet(srv.base, args, db_url)
     connector = aiohttp.TCPConnector(limit=args.connections, keepalive_timeout=20)
     timeout = aiohttp.ClientTimeout(total=60)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as fleet.http:
@@ -480,6 +529,7 @@ async def run(base: str, db_url: str, args: argparse.Namespace) -> dict[str, Any
         )
         fleet.stats = Stats()
         size0 = db_size(db_url)
+        cpu = CpuMeter(srv.pid)
         started = time.monotonic()
         fleet.loop_task(fleet.keep_jobs())
         fleet.loop_task(fleet.sample_lag())
@@ -490,6 +540,7 @@ async def run(base: str, db_url: str, args: argparse.Namespace) -> dict[str, Any
         out["placement_s_64_workers"] = await fleet.placement_time(64)
         await asyncio.sleep(max(0.0, args.seconds - (time.monotonic() - started)))
         elapsed = time.monotonic() - started
+        out["cores_used"] = cpu.cores_used()
         await fleet.shut_down()
         size1 = db_size(db_url)
     s = fleet.stats
@@ -539,8 +590,8 @@ def main() -> None:
     args = ap.parse_args()
     with database("postgresql") as db_url, tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "server.log"
-        with server(db_url, args.workers, log) as base:
-            out = asyncio.run(run(base, db_url, args))
+        with server(db_url, args.workers, log) as srv:
+            out = asyncio.run(run(srv, db_url, args))
         out["controller_rounds"] = controller_rounds(log)
         kept = Path(__file__).resolve().parent / "results" / "fleet-server.log"
         kept.parent.mkdir(exist_ok=True)
