@@ -20,6 +20,7 @@ import select
 import signal
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
 from datetime import UTC, datetime
@@ -71,6 +72,9 @@ class Controller:
         self._wake = threading.Event()
         self._sweep_now = False
         """The next round sweeps live jobs (its interval passed, or a poke asked for one)."""
+        self._urgent: set[int] = set()
+        """Jobs that sent urgent telemetry since a round last looked: swept before the others."""
+        self._urgent_lock = threading.Lock()
         self.round_stats = RoundStats(settings.controller_report_s)
         self.retention = retention.Retention(
             retention.Window(settings.telemetry_keep_iterations, settings.telemetry_keep_running_s)
@@ -81,12 +85,23 @@ class Controller:
         telemetry (its iteration time jumped), so a straggler may have to be answered. Any
         thread may call it; the API processes reach a controller process over the wake bus.
 
+        The poked jobs are swept first, and a job poked while a round is under way is swept
+        next: at fleet scale a round over every job with new data takes seconds, which a
+        straggler would otherwise wait out.
+
         The id ``PLACEMENT`` alone asks for placement only (a job was submitted, devices were
         added or freed): pending jobs are placed now, and the sweep keeps its cadence."""
         ids = set(job_ids)
         if ids != {PLACEMENT}:
+            with self._urgent_lock:
+                self._urgent |= ids - {PLACEMENT}
             self._sweep_now = True
         self._wake.set()
+
+    def _take_urgent(self) -> list[int]:
+        with self._urgent_lock:
+            ids, self._urgent = sorted(self._urgent), set()
+        return ids
 
     def _pause(self, stop: threading.Event, seconds: float) -> bool:
         """Wait ``seconds`` or until poked; True when stopping. Clears ``_sweep_now`` when the
@@ -157,22 +172,38 @@ class Controller:
     def sweep(self) -> None:
         """Re-plan running jobs on their cadence and watch for stragglers; each job in its own
         short transaction, so ingest is never held up for a whole round. The job's new telemetry
-        is read first, outside the writer lock (``control_loop.prefetch``)."""
+        is read first, outside the writer lock (``control_loop.prefetch``). Jobs poked as
+        urgent go first, also those poked while the round is under way (``poke``)."""
         started = time.perf_counter()
         with transaction(self.sessions) as s:
             live = control_loop.live_jobs(s)
             due = control_loop.jobs_to_sweep(s, self.state, live)
-        for job_id in due:
-            self.state.swept_at[job_id] = time.monotonic()
-            if self.prefetch:  # reads only, outside SQLite's writer lock
-                with transaction(self.sessions) as s:
-                    control_loop.prefetch(s, self.state, job_id)
-            with self.write_lock, transaction(self.sessions) as s:
-                for job, version in control_loop.sweep_job(s, self.state, job_id):
-                    log.info("job %d: plan v%d", job, version)
-        self.state.forget(set(live))
+        live_ids, queue, swept = set(live), deque(due), set()
+        while True:
+            urgent = [j for j in self._take_urgent() if j in live_ids]
+            again = [j for j in urgent if j in swept]  # new data since its turn: next round
+            if again:
+                self.poke(again)
+            queue.extendleft(reversed([j for j in urgent if j not in swept]))
+            if not queue:
+                break
+            job_id = queue.popleft()
+            if job_id in swept:
+                continue
+            swept.add(job_id)
+            self._sweep_job(job_id)
+        self.state.forget(live_ids)
         self.rounds += 1
-        self.round_stats.add(1000 * (time.perf_counter() - started), len(live), len(due))
+        self.round_stats.add(1000 * (time.perf_counter() - started), len(live), len(swept))
+
+    def _sweep_job(self, job_id: int) -> None:
+        self.state.swept_at[job_id] = time.monotonic()
+        if self.prefetch:  # reads only, outside SQLite's writer lock
+            with transaction(self.sessions) as s:
+                control_loop.prefetch(s, self.state, job_id)
+        with self.write_lock, transaction(self.sessions) as s:
+            for job, version in control_loop.sweep_job(s, self.state, job_id):
+                log.info("job %d: plan v%d", job, version)
 
     def place(self) -> list[int]:
         """Place pending jobs on free devices (``scheduler.place_pending``) and bring the

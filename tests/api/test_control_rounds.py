@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
 
 from server.context import context_of
+from server.controller import Controller
 from server.db import transaction
+from server.notify import PLACEMENT
 from server.services import control_loop
 from tests.harness import Api
 
@@ -68,3 +71,36 @@ def test_an_idle_job_is_still_swept_now_and_then(api: Api) -> None:
     sessions = context_of(api.client.app).sessions
     with transaction(sessions) as s:
         assert control_loop.jobs_to_sweep(s, state, [job]) == [job]
+
+
+def test_urgent_jobs_are_swept_first_even_when_poked_mid_round(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At fleet scale a round over every job with new data takes seconds: a job whose worker
+    sent urgent telemetry (a straggler starting) goes first, and one poked while a round is
+    under way goes next, not after the rest of the round."""
+    jobs = []
+    for host in ("a", "b", "c", "d"):
+        api.register(host, devices=2)
+        jobs.append(int(api.submit(workers=2, global_batch=32)["id"]))  # type: ignore[call-overload]
+    context = context_of(api.client.app)  # type: ignore[arg-type]
+    controller = Controller(context.settings, engine=context.engine, sessions=context.sessions)
+    order: list[int] = []
+    poked_mid_round: list[int] = []
+
+    def sweep_job(job_id: int) -> None:
+        if not poked_mid_round:  # a worker of the last job turns urgent while one is swept
+            poked_mid_round.append(jobs[3])
+            controller.poke([jobs[3]])
+        order.append(job_id)
+        controller.state.swept_at[job_id] = time.monotonic()
+
+    monkeypatch.setattr(controller, "_sweep_job", sweep_job)
+    controller.poke([jobs[2]])
+    controller.sweep()
+    assert order[:2] == [jobs[2], jobs[3]]
+    assert sorted(order) == sorted(jobs)  # each once: never swept, all of them are due
+    order.clear()
+    controller.poke([jobs[1], PLACEMENT])
+    controller.sweep()  # nothing new but the poke: the urgent job is swept all the same
+    assert order == [jobs[1]]
