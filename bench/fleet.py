@@ -40,7 +40,7 @@ from typing import Any
 import aiohttp
 import httpx
 import psutil
-from sqlalchemy import create_engine, text
+from sqlalchemy import create_engine, make_url, text
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -57,6 +57,8 @@ SIZE_WEIGHTS = [15, 15, 15, 15, 15, 12, 9, 4]
 GPU_MODELS = [("NVIDIA H100 80GB HBM3", 0.5), ("NVIDIA A100-SXM4-80GB", 1.0), ("Tesla V100", 2.0)]
 STRAGGLER_ONSET = 30
 STRAGGLER_FACTOR = 3.0
+JUMP_RECORDS = 3
+"""Iterations into a slowdown at which the runtime posts at once, marked urgent."""
 
 
 # ------------------------------------------------------------------------------ the server
@@ -72,8 +74,10 @@ class CpuMeter:
     """CPU seconds used by the server's API processes, its controller, PostgreSQL's backends and
     this generator: which one saturates the machine first."""
 
-    def __init__(self, server_pid: int) -> None:
+    def __init__(self, server_pid: int, database: str) -> None:
         self.server = psutil.Process(server_pid)
+        self.database = database
+        """PostgreSQL backends of this database only (the machine's other work uses others)."""
         self.start = self.read()
         self.t0 = time.monotonic()
 
@@ -81,7 +85,7 @@ class CpuMeter:
         out: dict[str, float] = defaultdict(float)
         ours = [self.server, *self.server.children(recursive=True)]
         kinds = [(p, "controller" if self._is_controller(p) else "api") for p in ours]
-        kinds += [(p, "postgres") for p in psutil.process_iter() if self._is_postgres(p)]
+        kinds += [(p, "postgres") for p in psutil.process_iter() if self._is_ours(p)]
         for p, kind in kinds:
             with contextlib.suppress(psutil.Error):
                 t = p.cpu_times()
@@ -96,10 +100,10 @@ class CpuMeter:
             return "server.controller" in p.cmdline()
         return False
 
-    @staticmethod
-    def _is_postgres(p: psutil.Process) -> bool:
+    def _is_ours(self, p: psutil.Process) -> bool:
+        """A backend serving this database ("postgres: 15/main: user DB host(port) ...")."""
         with contextlib.suppress(psutil.Error):
-            return p.name() == "postgres"
+            return p.name() == "postgres" and f" {self.database} " in " ".join(p.cmdline())
         return False
 
     def cores_used(self) -> dict[str, float]:
@@ -363,23 +367,33 @@ class Fleet:
         return compute, b
 
     async def train(self, job: Job) -> None:
+        """Iterations at the job's rate on a real clock, posted every ``FLUSH_S``; a straggler's
+        onset is posted ``JUMP_RECORDS`` iterations in at once and marked urgent, as the
+        runtime's jump watch does (``agent.runtime.telemetry``)."""
         self.loop_task(self.leader(job))
         if job.straggler:
             self.loop_task(self.watch_events(job))
-        carry = 0.0
+        t0 = time.monotonic()
+        next_flush = t0 + FLUSH_S
+        urgent_at = STRAGGLER_ONSET + JUMP_RECORDS - 1 if job.straggler else None
         while not self.stop.is_set() and job.sent < job.iterations - 1:
-            await asyncio.sleep(FLUSH_S)
-            carry += job.rate * FLUSH_S
-            n, carry = int(carry), carry - int(carry)
-            first, last = job.sent + 1, min(job.iterations - 1, job.sent + n)
-            if last < first:
+            wake = next_flush
+            if urgent_at is not None and job.sent < urgent_at:
+                wake = min(wake, t0 + (urgent_at + 1) / job.rate)
+            await asyncio.sleep(max(0.0, wake - time.monotonic()))
+            now = time.monotonic()
+            if now >= next_flush:
+                next_flush = now + FLUSH_S
+            done = min(job.iterations - 1, int((now - t0) * job.rate) - 1)
+            if done <= job.sent:
                 continue
-            await self.post_iterations(job, first, last)
-            job.sent = last
+            urgent = urgent_at is not None and job.sent < urgent_at <= done
+            await self.post_iterations(job, job.sent + 1, done, urgent)
+            job.sent = done
         job.finished = True
         self.stats.jobs_finished += 1
 
-    async def post_iterations(self, job: Job, first: int, last: int) -> None:
+    async def post_iterations(self, job: Job, first: int, last: int, urgent: bool) -> None:
         groups: dict[Any, list[int]] = defaultdict(list)
         for rank, host in job.ranks.items():
             groups[rank if self.args.telemetry_per == "rank" else host.name].append(rank)
@@ -408,7 +422,7 @@ class Fleet:
                     "POST",
                     f"/api/v1/jobs/{job.id}/telemetry",
                     job.ranks[ranks[0]].token,
-                    json={"columns": cols},
+                    json={"columns": cols, "urgent": urgent},
                 )
             )
         await asyncio.gather(*posts)
@@ -529,7 +543,7 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
         )
         fleet.stats = Stats()
         size0 = db_size(db_url)
-        cpu = CpuMeter(srv.pid)
+        cpu = CpuMeter(srv.pid, make_url(db_url).database or "")
         started = time.monotonic()
         fleet.loop_task(fleet.keep_jobs())
         fleet.loop_task(fleet.sample_lag())

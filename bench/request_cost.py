@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from sqlalchemy import make_url
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -61,14 +62,16 @@ async def heartbeat(fleet: Fleet, host: Any) -> None:
         fleet.on_ack(host, ack)
 
 
-async def metered(srv: Server, n: int, make: Callable[[int], Awaitable[Any]]) -> dict[str, float]:
+async def metered(
+    srv: Server, database: str, n: int, make: Callable[[int], Awaitable[Any]]
+) -> dict[str, float]:
     sem = asyncio.Semaphore(8)
 
     async def one(i: int) -> None:
         async with sem:
             await make(i)
 
-    cpu = CpuMeter(srv.pid)
+    cpu = CpuMeter(srv.pid, database)
     t0 = time.monotonic()
     await asyncio.gather(*(one(i) for i in range(n)))
     secs = time.monotonic() - t0
@@ -115,19 +118,19 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
             params = {"known_version": str(job.version), "wait_s": "0"}
             await fleet.request("plan-poll", "GET", f"/api/v1/jobs/{job.id}/plan", params=params)
 
-        n = args.requests
+        n, db = args.requests, make_url(db_url).database or ""
         out: dict[str, Any] = {"hosts": args.hosts, "ranks_running": sum(j.size for j in jobs)}
         out["heartbeat (8 ranks running)"] = await metered(
-            srv, n, lambda i: heartbeat(fleet, busy[i % len(busy)])
+            srv, db, n, lambda i: heartbeat(fleet, busy[i % len(busy)])
         )
         # One rank per post; the jobs' ranks in turn (a job's posts are ordered by iteration).
         out[f"telemetry per rank ({ROWS_PER_POST} rows)"] = await metered(
-            srv, n, lambda i: rows(jobs[i % len(jobs)], [(i // len(jobs)) % JOB_SIZE])
+            srv, db, n, lambda i: rows(jobs[i % len(jobs)], [(i // len(jobs)) % JOB_SIZE])
         )
         out[f"telemetry per host (8 ranks x {ROWS_PER_POST} rows)"] = await metered(
-            srv, n // 4, lambda i: rows(jobs[i % len(jobs)], list(range(8)))
+            srv, db, n // 4, lambda i: rows(jobs[i % len(jobs)], list(range(8)))
         )
-        out["plan poll (unchanged, wait_s=0)"] = await metered(srv, n, poll)
+        out["plan poll (unchanged, wait_s=0)"] = await metered(srv, db, n, poll)
         errors = dict(fleet.stats.errors)
     out["errors"] = errors
     out["fleet_of_issue_16"] = fleet_cost(out)
