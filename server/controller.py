@@ -75,6 +75,9 @@ class Controller:
         self._urgent: set[int] = set()
         """Jobs that sent urgent telemetry since a round last looked: swept before the others."""
         self._urgent_lock = threading.Lock()
+        self._place_now = False
+        """A job was submitted or devices freed since placement last ran: a round under way
+        places between two jobs' sweeps rather than after its last."""
         self.round_stats = RoundStats(settings.controller_report_s)
         self.retention = retention.Retention(
             retention.Window(settings.telemetry_keep_iterations, settings.telemetry_keep_running_s)
@@ -92,6 +95,8 @@ class Controller:
         The id ``PLACEMENT`` alone asks for placement only (a job was submitted, devices were
         added or freed): pending jobs are placed now, and the sweep keeps its cadence."""
         ids = set(job_ids)
+        if PLACEMENT in ids:
+            self._place_now = True
         if ids != {PLACEMENT}:
             with self._urgent_lock:
                 self._urgent |= ids - {PLACEMENT}
@@ -187,6 +192,8 @@ class Controller:
             queue.extendleft(reversed([j for j in urgent if j not in swept]))
             if not queue:
                 break
+            if self._place_now:
+                self._place_between_sweeps()
             job_id = queue.popleft()
             if job_id in swept:
                 continue
@@ -205,11 +212,20 @@ class Controller:
             for job, version in control_loop.sweep_job(s, self.state, job_id):
                 log.info("job %d: plan v%d", job, version)
 
+    def _place_between_sweeps(self) -> None:
+        try:
+            self.place()
+        except Exception:
+            log.exception("placement failed")
+
     def place(self) -> list[int]:
         """Place pending jobs on free devices (``scheduler.place_pending``) and bring the
         reasons of those still waiting up to date; after the sweep, so a job placed now is
-        first swept next round. Submissions never wait for this (it may take seconds: the
-        placement solver). Returns the jobs placed."""
+        first swept next round, and between two jobs' sweeps when asked for during a round (at
+        fleet scale a round takes seconds, which a submitted job would wait out). Submissions
+        never wait for this (it may take seconds: the placement solver). Returns the jobs
+        placed."""
+        self._place_now = False
         with self.write_lock, transaction(self.sessions) as s:
             placed = [job.id for job in scheduler.place_pending(s, datetime.now(UTC))]
         for job_id in placed:

@@ -104,3 +104,36 @@ def test_urgent_jobs_are_swept_first_even_when_poked_mid_round(
     controller.poke([jobs[1], PLACEMENT])
     controller.sweep()  # nothing new but the poke: the urgent job is swept all the same
     assert order == [jobs[1]]
+
+
+def test_a_job_submitted_during_a_round_is_placed_before_the_round_ends(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    jobs = []
+    for host in ("a", "b", "c"):
+        api.register(host, devices=2)
+        jobs.append(int(api.submit(workers=2, global_batch=32)["id"]))  # type: ignore[call-overload]
+    api.register("d", devices=2)
+    context = context_of(api.client.app)  # type: ignore[arg-type]
+    controller = Controller(context.settings, engine=context.engine, sessions=context.sessions)
+    controller.place()  # nothing pending: the jobs above were placed as they were submitted
+    steps: list[str] = []
+    submitted: list[int] = []
+    place = controller.place
+
+    def sweep_job(job_id: int) -> None:
+        steps.append(f"sweep {job_id}")
+        if not submitted:  # the wake bus pokes the controller for placement
+            submitted.append(int(api.submit(workers=2, global_batch=32, place=False)["id"]))  # type: ignore[call-overload]
+            controller.poke([PLACEMENT])
+
+    def placing() -> list[int]:
+        placed = place()
+        steps.append(f"placed {placed}")
+        return placed
+
+    monkeypatch.setattr(controller, "_sweep_job", sweep_job)
+    monkeypatch.setattr(controller, "place", placing)
+    controller.sweep()
+    assert steps[:2] == [f"sweep {jobs[0]}", f"placed {submitted}"]
+    assert len(steps) == 1 + 1 + 2  # the other two jobs swept after it, placement not again
