@@ -27,6 +27,11 @@ Each worker gets the agent's pid (``EVENFLOW_AGENT_PID``) and dies with it
 The agent holds its host by an instance id (one per process). A second agent registering the
 same host name while this one heartbeats is refused (409) unless it asks to replace it; once
 replaced, this agent's heartbeats are refused with 409 and it stops its workers and exits.
+The instance is recorded beside the workers' state (``workdir/state/<host name>/agent.json``,
+with the agent's pid and process start time): an agent started again on the host after its
+predecessor died (a crash, ``kill -9``, a reboot) finds that process gone and carries on as
+the same instance, so it takes its host back at once instead of being refused until the dead
+one's heartbeat is ``live_after_s`` old. A predecessor that still runs is never taken over.
 
 When a rank fails, the other ranks of its job on this host are stopped at once: they would
 otherwise block in a collective until the process group times out. The control plane, on the
@@ -54,7 +59,13 @@ import httpx
 from agent.backoff import Backoff
 from agent.client import ApiClient, ApiError
 from agent.environment import device_variables, worker_environment
-from agent.launcher import Launcher, LaunchSpec, ProcessExit, SubprocessLauncher
+from agent.launcher import (
+    Launcher,
+    LaunchSpec,
+    ProcessExit,
+    SubprocessLauncher,
+    process_start_time,
+)
 from agent.network import check_address
 from contract.agent import (
     LOG_TAIL_CHARS,
@@ -180,6 +191,38 @@ class Agent:
         if self.launcher is None:
             self.launcher = SubprocessLauncher(self.workdir / "state" / self.name)
         self._launcher: Launcher = self.launcher
+        self._record = self.workdir / "state" / self.name / "agent.json"
+        self._adopt_dead_predecessor()
+
+    def _adopt_dead_predecessor(self) -> None:
+        """Carry on as the instance of the agent this host ran before, if that process is gone
+        (see the module docstring); never when it still runs or cannot be checked."""
+        try:
+            record = json.loads(self._record.read_text())
+            instance, pid, started = str(record["instance"]), int(record["pid"]), record["start"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return
+        if pid == os.getpid() or started is None:
+            return
+        if process_start_time(pid) == started:
+            return  # still running: a second agent for this host must not pose as it
+        log.info(
+            "the previous agent of host %s (pid %d) is gone; carrying on as its instance",
+            self.name,
+            pid,
+        )
+        self.instance = instance
+
+    def _write_record(self) -> None:
+        record = {"instance": self.instance, "pid": os.getpid()}
+        record["start"] = process_start_time(os.getpid())
+        try:
+            self._record.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self._record.with_suffix(".tmp")
+            tmp.write_text(json.dumps(record))
+            tmp.replace(self._record)
+        except OSError as exc:
+            log.warning("cannot record this agent in %s: %s", self._record, exc)
 
     # ------------------------------------------------------------------ control plane
     def register(self) -> int:
@@ -196,6 +239,7 @@ class Agent:
                 replace=self.replace,
             )
         )
+        self._write_record()
         self._launcher.stop_leftovers()
         self.host_id = host.id
         log.info(
