@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -161,7 +161,7 @@ class LocalCluster:
 
     def __exit__(self, *exc: object | TracebackType) -> None:
         self._stop.set()
-        for name, proc in self._agent_procs.items():  # SIGTERM: it stops its workers, then exits
+        for proc in self._agent_procs.values():  # SIGTERM: it stops its workers, then exits
             if proc.poll() is None:
                 proc.terminate()
         for name, proc in self._agent_procs.items():
@@ -224,10 +224,8 @@ class LocalCluster:
         killed = [proc.pid, *workers]
         os.killpg(proc.pid, signal.SIGKILL)
         for pid in workers:
-            try:
+            with suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         proc.wait()
         return killed
 
