@@ -27,17 +27,19 @@ Each worker gets the agent's pid (``EVENFLOW_AGENT_PID``) and dies with it
 The agent holds its host by an instance id (one per process). A second agent registering the
 same host name while this one heartbeats is refused (409) unless it asks to replace it; once
 replaced, this agent's heartbeats are refused with 409 and it stops its workers and exits.
-The instance is recorded beside the workers' state (``workdir/state/<host name>/agent.json``,
+The instance is recorded beside the workers' state (``workdir/state/<host name>.agent.json``,
 with the agent's pid and process start time): an agent started again on the host after its
 predecessor died (a crash, ``kill -9``, a reboot) finds that process gone and carries on as
 the same instance, so it takes its host back at once instead of being refused until the dead
 one's heartbeat is ``live_after_s`` old. A predecessor that still runs is never taken over.
 
-When a rank fails, the other ranks of its job on this host are stopped at once: they would
-otherwise block in a collective until the process group times out. The control plane, on the
-first report, either fails the job (its other hosts' ranks are told to stop) or restarts it as
-a new *attempt*: ranks are keyed by (job, rank, attempt), so an earlier attempt's processes no
-longer wanted are stopped before the new attempt's are launched. An unreachable control
+When a rank fails, the control plane decides, on the heartbeat that reports it, what becomes of
+the other ranks: it fails the job (they are told to stop), restarts it as a new *attempt*
+(ranks are keyed by (job, rank, attempt), so an earlier attempt's processes, no longer wanted,
+are stopped before the new attempt's are launched), or, for a rank that was out of the
+all-reduce group, lets the job go on without it (they keep running). Only when that heartbeat
+does not get through are the other ranks of the job on this host stopped at once: they would
+otherwise block in a collective until the process group times out. An unreachable control
 plane never stops training: heartbeats are retried and reports are kept until they are taken.
 """
 
@@ -186,12 +188,14 @@ class Agent:
     done: set[tuple[int, int, int]] = field(default_factory=set)
     pending: list[WorkerReport] = field(default_factory=list)
     """Reports about ranks that have no process here (told to stop before launch)."""
+    failed_jobs: set[int] = field(default_factory=set)
+    """Jobs with a rank that failed here whose failure the control plane has not yet taken."""
 
     def __post_init__(self) -> None:
         if self.launcher is None:
             self.launcher = SubprocessLauncher(self.workdir / "state" / self.name)
         self._launcher: Launcher = self.launcher
-        self._record = self.workdir / "state" / self.name / "agent.json"
+        self._record = self.workdir / "state" / f"{self.name}.agent.json"
         self._adopt_dead_predecessor()
 
     def _adopt_dead_predecessor(self) -> None:
@@ -266,13 +270,16 @@ class Agent:
                 log.error("%s; stopping", exc.detail)
                 return None
             log.warning("heartbeat refused: %s", exc)
+            self._stop_failed_jobs()
             return None
         except httpx.TransportError as exc:
             log.warning("control plane unreachable (%s); workers keep running", exc)
+            self._stop_failed_jobs()
             return None
         for p in self.procs.values():
             p.reported = p.state
         self.pending.clear()
+        self.failed_jobs.clear()  # the answer says what becomes of their other ranks
         self._reconcile(ack.assignments)
         self._forget_reported()
         return ack
@@ -380,7 +387,6 @@ class Agent:
         return worker_environment(os.environ, job_vars, self.secret_env)
 
     def _poll(self) -> None:
-        failed_jobs: set[int] = set()
         for proc in self.procs.values():
             if proc.state is not WorkerState.RUNNING:
                 continue
@@ -397,7 +403,7 @@ class Agent:
             else:
                 proc.state = WorkerState.FAILED
                 proc.error = self._root_cause(proc)
-                failed_jobs.add(proc.assignment.job_id)
+                self.failed_jobs.add(proc.assignment.job_id)
                 log.error(
                     "job %d rank %d failed (%s): %s",
                     proc.assignment.job_id,
@@ -405,8 +411,12 @@ class Agent:
                     f"killed by {proc.signal}" if proc.signal else f"exit {end.code}",
                     (proc.error or "").strip().splitlines()[-1:],
                 )
-        for proc in self.procs.values():  # siblings of a failed rank would hang in a collective
-            if proc.assignment.job_id in failed_jobs and proc.state is WorkerState.RUNNING:
+
+    def _stop_failed_jobs(self) -> None:
+        """Without the control plane's word, stop the other ranks of a job with a failed rank
+        here: they would hang in a collective with it."""
+        for proc in self.procs.values():
+            if proc.assignment.job_id in self.failed_jobs and proc.state is WorkerState.RUNNING:
                 self._stop(proc)
 
     @staticmethod

@@ -59,7 +59,7 @@ def test_a_second_agent_is_refused_then_replaces_the_first(api: Api, tmp_path: P
 
 def _pose_as_predecessor(workdir: Path, proc: subprocess.Popen[bytes]) -> None:
     """Make ``proc`` the recorded process of the host's agent (as if it had registered)."""
-    record = workdir / "state" / "host-a" / "agent.json"
+    record = workdir / "state" / "host-a.agent.json"
     data = json.loads(record.read_text())
     data.update(pid=proc.pid, start=process_start_time(proc.pid))
     record.write_text(json.dumps(data))
