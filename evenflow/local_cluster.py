@@ -99,6 +99,8 @@ class LocalCluster:
     )
     url: str = ""
     client: ApiClient = field(init=False)
+    app: Any = None
+    """The control plane's app (``server.app.create_app``), once started."""
     _server: uvicorn.Server | None = None
     _threads: list[threading.Thread] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -117,9 +119,10 @@ class LocalCluster:
             admin_token=self.admin_token,
             rebalance_interval_s=self.rebalance_interval_s,
         )
+        self.app = create_app(settings)
         self._server = uvicorn.Server(
             uvicorn.Config(
-                create_app(settings),
+                self.app,
                 host=self.host,
                 port=self.port,
                 log_level="warning",
