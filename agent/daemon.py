@@ -27,12 +27,19 @@ Each worker gets the agent's pid (``EVENFLOW_AGENT_PID``) and dies with it
 The agent holds its host by an instance id (one per process). A second agent registering the
 same host name while this one heartbeats is refused (409) unless it asks to replace it; once
 replaced, this agent's heartbeats are refused with 409 and it stops its workers and exits.
+The instance is recorded beside the workers' state (``workdir/state/<host name>.agent.json``,
+with the agent's pid and process start time): an agent started again on the host after its
+predecessor died (a crash, ``kill -9``, a reboot) finds that process gone and carries on as
+the same instance, so it takes its host back at once instead of being refused until the dead
+one's heartbeat is ``live_after_s`` old. A predecessor that still runs is never taken over.
 
-When a rank fails, the other ranks of its job on this host are stopped at once: they would
-otherwise block in a collective until the process group times out. The control plane, on the
-first report, either fails the job (its other hosts' ranks are told to stop) or restarts it as
-a new *attempt*: ranks are keyed by (job, rank, attempt), so an earlier attempt's processes no
-longer wanted are stopped before the new attempt's are launched. An unreachable control
+When a rank fails, the control plane decides, on the heartbeat that reports it, what becomes of
+the other ranks: it fails the job (they are told to stop), restarts it as a new *attempt*
+(ranks are keyed by (job, rank, attempt), so an earlier attempt's processes, no longer wanted,
+are stopped before the new attempt's are launched), or, for a rank that was out of the
+all-reduce group, lets the job go on without it (they keep running). Only when that heartbeat
+does not get through are the other ranks of the job on this host stopped at once: they would
+otherwise block in a collective until the process group times out. An unreachable control
 plane never stops training: heartbeats are retried and reports are kept until they are taken.
 """
 
@@ -54,7 +61,13 @@ import httpx
 from agent.backoff import Backoff
 from agent.client import ApiClient, ApiError
 from agent.environment import device_variables, worker_environment
-from agent.launcher import Launcher, LaunchSpec, ProcessExit, SubprocessLauncher
+from agent.launcher import (
+    Launcher,
+    LaunchSpec,
+    ProcessExit,
+    SubprocessLauncher,
+    process_start_time,
+)
 from agent.network import check_address
 from contract.agent import (
     LOG_TAIL_CHARS,
@@ -175,11 +188,45 @@ class Agent:
     done: set[tuple[int, int, int]] = field(default_factory=set)
     pending: list[WorkerReport] = field(default_factory=list)
     """Reports about ranks that have no process here (told to stop before launch)."""
+    failed_jobs: set[int] = field(default_factory=set)
+    """Jobs with a rank that failed here whose failure the control plane has not yet taken."""
 
     def __post_init__(self) -> None:
         if self.launcher is None:
             self.launcher = SubprocessLauncher(self.workdir / "state" / self.name)
         self._launcher: Launcher = self.launcher
+        self._record = self.workdir / "state" / f"{self.name}.agent.json"
+        self._adopt_dead_predecessor()
+
+    def _adopt_dead_predecessor(self) -> None:
+        """Carry on as the instance of the agent this host ran before, if that process is gone
+        (see the module docstring); never when it still runs or cannot be checked."""
+        try:
+            record = json.loads(self._record.read_text())
+            instance, pid, started = str(record["instance"]), int(record["pid"]), record["start"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return
+        if pid == os.getpid() or started is None:
+            return
+        if process_start_time(pid) == started:
+            return  # still running: a second agent for this host must not pose as it
+        log.info(
+            "the previous agent of host %s (pid %d) is gone; carrying on as its instance",
+            self.name,
+            pid,
+        )
+        self.instance = instance
+
+    def _write_record(self) -> None:
+        record = {"instance": self.instance, "pid": os.getpid()}
+        record["start"] = process_start_time(os.getpid())
+        try:
+            self._record.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self._record.with_suffix(".tmp")
+            tmp.write_text(json.dumps(record))
+            tmp.replace(self._record)
+        except OSError as exc:
+            log.warning("cannot record this agent in %s: %s", self._record, exc)
 
     # ------------------------------------------------------------------ control plane
     def register(self) -> int:
@@ -196,6 +243,7 @@ class Agent:
                 replace=self.replace,
             )
         )
+        self._write_record()
         self._launcher.stop_leftovers()
         self.host_id = host.id
         log.info(
@@ -222,13 +270,16 @@ class Agent:
                 log.error("%s; stopping", exc.detail)
                 return None
             log.warning("heartbeat refused: %s", exc)
+            self._stop_failed_jobs()
             return None
         except httpx.TransportError as exc:
             log.warning("control plane unreachable (%s); workers keep running", exc)
+            self._stop_failed_jobs()
             return None
         for p in self.procs.values():
             p.reported = p.state
         self.pending.clear()
+        self.failed_jobs.clear()  # the answer says what becomes of their other ranks
         self._reconcile(ack.assignments)
         self._forget_reported()
         return ack
@@ -336,7 +387,6 @@ class Agent:
         return worker_environment(os.environ, job_vars, self.secret_env)
 
     def _poll(self) -> None:
-        failed_jobs: set[int] = set()
         for proc in self.procs.values():
             if proc.state is not WorkerState.RUNNING:
                 continue
@@ -353,7 +403,7 @@ class Agent:
             else:
                 proc.state = WorkerState.FAILED
                 proc.error = self._root_cause(proc)
-                failed_jobs.add(proc.assignment.job_id)
+                self.failed_jobs.add(proc.assignment.job_id)
                 log.error(
                     "job %d rank %d failed (%s): %s",
                     proc.assignment.job_id,
@@ -361,8 +411,12 @@ class Agent:
                     f"killed by {proc.signal}" if proc.signal else f"exit {end.code}",
                     (proc.error or "").strip().splitlines()[-1:],
                 )
-        for proc in self.procs.values():  # siblings of a failed rank would hang in a collective
-            if proc.assignment.job_id in failed_jobs and proc.state is WorkerState.RUNNING:
+
+    def _stop_failed_jobs(self) -> None:
+        """Without the control plane's word, stop the other ranks of a job with a failed rank
+        here: they would hang in a collective with it."""
+        for proc in self.procs.values():
+            if proc.assignment.job_id in self.failed_jobs and proc.state is WorkerState.RUNNING:
                 self._stop(proc)
 
     @staticmethod

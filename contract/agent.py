@@ -155,6 +155,15 @@ class PlanOut(Response):
     excluded: list[int] = []
     """Ranks out of the all-reduce group under this plan (partial all-reduce); their batch is 0.
     They only probe their speed off the critical path until a later plan readmits them."""
+    departed: list[int] = []
+    """Ranks of ``excluded`` that have left the job for good (their process is gone): no later
+    plan readmits them and the others never wait for them, the job's end included."""
+
+    @field_validator("departed", mode="before")
+    @classmethod
+    def _none_is_empty(cls, v: object) -> object:
+        return [] if v is None else v  # a plan stored before departures were recorded
+
     global_batch: int
     source: PlanSource
     reason: str

@@ -7,7 +7,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from contract.agent import PlanOut
 from contract.base import MAX_WORKERS, Batch, Name, Request, Response, Text
@@ -92,6 +92,17 @@ class RankLogOut(Response):
     it runs or once it succeeded."""
 
 
+class DepartureOut(Response):
+    """A rank that left a running job for good: it was out of the all-reduce group (partial
+    all-reduce) when it died, so the others went on without it and no restart was counted."""
+
+    rank: int
+    attempt: int
+    """The attempt it left (a restart places every rank anew)."""
+    at: datetime
+    reason: str
+
+
 class JobOut(Response):
     id: int
     name: str
@@ -113,6 +124,14 @@ class JobOut(Response):
     """Starts after the first (one per restart)."""
     restarts: int = 0
     restart_history: list[RestartOut] = []
+    departures: list[DepartureOut] = []
+    """Ranks that left the job for good while the others went on (no restart): an excluded
+    rank that died when the job could do without it."""
+
+    @field_validator("departures", mode="before")
+    @classmethod
+    def _none_is_empty(cls, v: object) -> object:
+        return [] if v is None else v  # a job stored before departures were recorded
 
 
 class JobList(Response):

@@ -179,6 +179,9 @@ class Job(Base):
     workers (and their credentials) are those of this attempt only."""
     restart_history: Mapped[list[dict[str, Any]]] = mapped_column(Json, default=list)
     """One ``contract.api.RestartOut`` (as JSON) per restart, oldest first."""
+    departures: Mapped[list[dict[str, Any]] | None] = mapped_column(Json, default=list)
+    """One ``contract.api.DepartureOut`` (as JSON) per rank that left the job for good while
+    the others went on (``server.services.departures``), oldest first, every attempt's."""
 
     workers: Mapped[list[Worker]] = relationship(
         back_populates="job", order_by="Worker.rank", cascade="all, delete-orphan"
@@ -192,6 +195,13 @@ class Job(Base):
     @property
     def restarts(self) -> int:
         return len(self.restart_history or [])
+
+    @property
+    def departed(self) -> frozenset[int]:
+        """Ranks of the current attempt that have left the job for good."""
+        return frozenset(
+            int(d["rank"]) for d in self.departures or [] if d["attempt"] == self.attempt
+        )
 
 
 class Worker(Base):
@@ -240,6 +250,9 @@ class Plan(Base):
     batch_sizes: Mapped[list[int]] = mapped_column(Json)
     excluded: Mapped[list[int]] = mapped_column(Json, default=list)
     """Ranks out of the all-reduce group under this plan."""
+    departed: Mapped[list[int] | None] = mapped_column(Json, default=list)
+    """Ranks of ``excluded`` that have left the job for good (their process is gone): never
+    readmitted, never waited for."""
     global_batch: Mapped[int] = mapped_column(Integer)
     source: Mapped[PlanSource] = mapped_column(StrEnumColumn(PlanSource, 16))
     reason: Mapped[str] = mapped_column(Text)

@@ -17,7 +17,8 @@ A rank the agreed plan excludes leaves this loop at that boundary: it probes its
 tick from the leader and waits for a join notice (:mod:`agent.runtime.membership`); ``batches()``
 yields nothing meanwhile, and resumes at the join iteration with parameters, buffers and optimizer
 state re-synchronised. After the last iteration, ranks still excluded are re-synchronised too, so
-every rank ends with the trained model. See :mod:`agent.runtime.workloads` for how a user loop
+every rank ends with the trained model; a rank that *departed* (excluded, then its process died:
+the control plane lets the job go on without it) is left out of that, as of everything else. See :mod:`agent.runtime.workloads` for how a user loop
 uses this.
 """
 
@@ -297,10 +298,14 @@ class EvenflowContext:
                 self._plan = self.agreement.current
                 self.membership.tick(it, self._plan)
                 yield from self._iteration(it, dataset, sampler)
-            if self.membership.role is GroupRole.ACTIVE and self.agreement.current.excluded:
+            final = self.agreement.current
+            if self.membership.role is GroupRole.ACTIVE and set(final.excluded) - set(
+                final.departed
+            ):
                 self.agreement.close()
-                self._resync(self.membership.end(self.iteration, self.agreement.current), False)
-                self._sync.group = self.group
+                tr = self.membership.end(self.iteration, final)
+                self._resync(tr, False)
+                self._sync.group = tr.group
         except BaseException:  # failed, or the loop was left early: excluded ranks stop too
             self.membership.abort(self.iteration, self.agreement.current)
             raise
@@ -531,9 +536,13 @@ class EvenflowContext:
             self._resync(tr, True)
             self._sync.group = tr.group
             self.agreement.resume(notice.iteration, plan, tr.control)
-        else:
-            self._resync(self.membership.rejoin(notice, tuple(range(self.world_size))), True)
-            self._sync.group = self.group
+        else:  # the end: re-synchronised among the ranks still in the job
+            members = tuple(range(self.world_size))
+            if notice.plan:
+                members = decode_plan(notice.plan, self.world_size)[0].members
+            tr = self.membership.rejoin(notice, members)
+            self._resync(tr, True)
+            self._sync.group = tr.group
         self.stats.exclusions.append((since, notice.iteration))
         self.iteration = notice.iteration
         log.info("rank %d: readmitted at iteration %d", self.rank, notice.iteration)

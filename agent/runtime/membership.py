@@ -101,7 +101,8 @@ class Notice:
     """tick: the active ranks' iteration; join and end: the iteration to rejoin at."""
     version: int
     plan: tuple[int, ...] = ()
-    """join: the agreement message of the plan in force from ``iteration``."""
+    """join: the agreement message of the plan in force from ``iteration``; end: of the plan
+    in force at the end (who is still in the job)."""
     root: int = -1
     """join and end: the rank re-synchronisation comes from."""
     log: tuple[Ranks, ...] = ()
@@ -239,15 +240,18 @@ class Membership:
             self._post(r, notice, with_log=False)
 
     def end(self, iteration: int, plan: RuntimePlan) -> Transition:
-        """Every active rank, after the job's last iteration, when ranks are still excluded:
-        the leader tells them, and all re-synchronise in the world group."""
+        """Every active rank, after the job's last iteration, when ranks still in the job are
+        excluded: the leader tells them (the notice carries the plan, so they know who is
+        still in), and all re-synchronise in the group of the ranks still in the job: the
+        world, unless some departed (their process is gone; nobody waits for them)."""
+        waiting = tuple(r for r in plan.excluded if r not in plan.departed)
         if self.rank == plan.leader:
-            notice = Notice("end", iteration, plan.version, root=plan.leader)
-            for r in plan.excluded:
+            message = tuple(encode_plan(plan, self.world_size))
+            notice = Notice("end", iteration, plan.version, message, root=plan.leader)
+            for r in waiting:
                 self._post(r, notice, with_log=True)
-        group, control = self.groups_for(tuple(range(self.world_size)))
-        everyone = tuple(range(self.world_size))
-        return Transition(iteration, everyone, plan.excluded, plan.leader, group, control)
+        group, control = self.groups_for(plan.members)
+        return Transition(iteration, plan.members, waiting, plan.leader, group, control)
 
     def abort(self, iteration: int, plan: RuntimePlan) -> None:
         """An active rank whose loop failed tells the excluded ranks (best effort, never raises),

@@ -5,15 +5,18 @@ The *leader* (the lowest rank in the group; rank 0 unless a plan excluded it) pu
 candidate (or the current plan) into a tiny integer message (:func:`encode_plan`)::
 
     [version, global_batch, length, n_excluded, size_0 .. size_{W-1}, excl_0 .. excl_{W-1},
-     cap_0 .. cap_{W-1}]
+     cap_0 .. cap_{W-1}, gone_0 .. gone_{W-1}]
 
-where ``excl_r`` counts how often rank ``r`` is listed as excluded and ``cap_r`` is rank ``r``'s
-memory cap, the most samples one forward/backward pass may hold (0: none); a rank whose share is
-larger runs it as several passes and accumulates the gradients (the update is unchanged). Every rank decodes the *same*
+where ``excl_r`` counts how often rank ``r`` is listed as excluded, ``cap_r`` is rank ``r``'s
+memory cap, the most samples one forward/backward pass may hold (0: none; a rank whose share is
+larger runs it as several passes and accumulates the gradients, the update unchanged), and
+``gone_r`` is 1 when rank ``r`` has *departed*: it was excluded and its process died, so it is
+never readmitted and the job's end does not wait for it (``server.services.departures``). Every rank decodes the *same*
 message and runs the *same* validation, so all accept or all refuse, and a new version takes effect
 at the same iteration everywhere. Refused (logged, counted, old plan kept): sizes negative, not
 summing to B, above the job's ``max_batch_per_worker``, a length that is not the world size; an
-excluded rank listed twice, out of range, or given samples; every rank excluded; and a membership
+excluded rank listed twice, out of range, or given samples; every rank excluded; a departed rank
+not excluded, or readmitted (departed in the current plan, not in the new one); and a membership
 change that keeps no rank of the current group (nobody would hold the current parameters).
 
 Candidates come from ``propose`` (a :class:`~agent.runtime.fetcher.PlanFetcher`'s ``latest``);
@@ -31,7 +34,7 @@ new plan takes effect one iteration after the leader saw it. Where the gradients
 (on a GPU, where reading it back would synchronise the host, or with 16-bit gradients), it is a
 tiny int64 broadcast, pipelined: started at boundary ``i``, waited for at ``i + every``, so its
 latency hides behind compute. On NCCL jobs that broadcast goes over a gloo group so the control
-tensor stays on the CPU. Nothing is allocated per iteration beyond a tensor of ``4 + 3 * world``
+tensor stays on the CPU. Nothing is allocated per iteration beyond a tensor of ``4 + 4 * world``
 integers.
 """
 
@@ -76,6 +79,8 @@ class RuntimePlan:
     """Ranks out of the all-reduce group under this plan (their batch is 0)."""
     memory_caps: tuple[int, ...] = ()
     """Per rank, the most samples one pass may hold (0: no cap); empty when no rank has one."""
+    departed: tuple[int, ...] = ()
+    """Excluded ranks whose process is gone for good: nobody waits for them, the end included."""
 
     @classmethod
     def of(cls, plan: PlanOut | RuntimePlan) -> RuntimePlan:
@@ -88,6 +93,7 @@ class RuntimePlan:
             plan.global_batch,
             tuple(plan.excluded),
             caps if any(caps) else (),
+            tuple(sorted(plan.departed or ())),
         )
 
     def cap_of(self, rank: int) -> int | None:
@@ -100,6 +106,12 @@ class RuntimePlan:
         """The ranks in the all-reduce group, ascending (every rank not excluded)."""
         out = set(self.excluded)
         return tuple(r for r in range(len(self.batch_sizes)) if r not in out)
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """The ranks still in the job, ascending: every rank that has not departed."""
+        gone = set(self.departed)
+        return tuple(r for r in range(len(self.batch_sizes)) if r not in gone)
 
     @property
     def leader(self) -> int:
@@ -121,16 +133,9 @@ def plan_problem(
         return f"{len(sizes)} batch sizes for {world_size} ranks"
     if any(b < 0 for b in sizes):
         return f"negative batch size in {list(sizes)}"
-    excluded = plan.excluded
-    if len(set(excluded)) != len(excluded):
-        return f"a rank is excluded twice in {list(excluded)}"
-    if any(not 0 <= r < world_size for r in excluded):
-        return f"excluded ranks {list(excluded)} outside 0..{world_size - 1}"
-    if len(excluded) == world_size:
-        return "every rank is excluded"
-    given = [r for r in excluded if sizes[r]]
-    if given:
-        return f"excluded rank {given[0]} is given {sizes[given[0]]} samples"
+    problem = _exclusion_problem(plan, world_size)
+    if problem is not None:
+        return problem
     if sum(sizes) != global_batch:
         return f"batch sizes sum to {sum(sizes)}, global batch is {global_batch}"
     if plan.global_batch not in (-1, global_batch):
@@ -143,9 +148,26 @@ def plan_problem(
     return None
 
 
+def _exclusion_problem(plan: RuntimePlan, world_size: int) -> str | None:
+    excluded, sizes = plan.excluded, plan.batch_sizes
+    if len(set(excluded)) != len(excluded):
+        return f"a rank is excluded twice in {list(excluded)}"
+    if any(not 0 <= r < world_size for r in excluded):
+        return f"excluded ranks {list(excluded)} outside 0..{world_size - 1}"
+    if len(excluded) == world_size:
+        return "every rank is excluded"
+    stray = [r for r in plan.departed if r not in excluded]
+    if stray:
+        return f"departed rank {stray[0]} is not excluded"
+    given = [r for r in excluded if sizes[r]]
+    if given:
+        return f"excluded rank {given[0]} is given {sizes[given[0]]} samples"
+    return None
+
+
 def message_length(world_size: int) -> int:
     """Integers in one agreement message (see the module docstring)."""
-    return 4 + 3 * world_size
+    return 4 + 4 * world_size
 
 
 def encode_plan(plan: RuntimePlan, world_size: int) -> list[int]:
@@ -158,8 +180,12 @@ def encode_plan(plan: RuntimePlan, world_size: int) -> list[int]:
             flags[r] += 1
     caps = list(plan.memory_caps)[:world_size]
     caps += [0] * (world_size - len(caps))
+    gone = [0] * world_size
+    for r in plan.departed:
+        if 0 <= r < world_size:
+            gone[r] = 1
     head = [plan.version, plan.global_batch, len(plan.batch_sizes), len(plan.excluded)]
-    return head + sizes + flags + caps
+    return head + sizes + flags + caps + gone
 
 
 def decode_plan(message: Sequence[int], world_size: int) -> tuple[RuntimePlan, str | None]:
@@ -169,7 +195,9 @@ def decode_plan(message: Sequence[int], world_size: int) -> tuple[RuntimePlan, s
     flags = message[4 + world_size : 4 + 2 * world_size]
     excluded = tuple(r for r, n in enumerate(flags) for _ in range(n))
     caps = tuple(message[4 + 2 * world_size : 4 + 3 * world_size])
-    plan = RuntimePlan(version, sizes, gb, excluded, caps if any(caps) else ())
+    gone = message[4 + 3 * world_size : 4 + 4 * world_size]
+    departed = tuple(r for r, g in enumerate(gone) if g)
+    plan = RuntimePlan(version, sizes, gb, excluded, caps if any(caps) else (), departed)
     if length != world_size:
         return plan, f"{length} batch sizes for {world_size} ranks"
     if n_excluded != len(excluded):
@@ -381,6 +409,9 @@ class PlanAgreement:
         regroup = plan.active != old.active
         if problem is None:
             problem = plan_problem(plan, self.world_size, self.global_batch, self.max_batch)
+        back = sorted(set(old.departed) - set(plan.departed))
+        if problem is None and back:
+            problem = f"rank {back[0]} has departed; a plan cannot readmit it"
         if problem is None and regroup:
             if self._regroup is None:
                 problem = "this runtime cannot change the all-reduce group (no membership)"

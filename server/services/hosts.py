@@ -347,10 +347,11 @@ def mark_lost(session: Session, now: datetime, after_s: float) -> list[Host]:
         for job_id in sorted(job_ids):
             job = session.get(Job, job_id)
             # only a live attempt with a rank here loses it (a restarting job's old attempt
-            # may still hold devices here: they just go offline)
+            # may still hold devices here: they just go offline; a rank that left the job
+            # for good is no loss)
             if (
                 job is not None
-                and any(w.host_id == host.id for w in job.workers)
+                and any(w.host_id == host.id and w.rank not in job.departed for w in job.workers)
                 and JobStatus(job.status) in (JobStatus.STARTING, JobStatus.RUNNING)
             ):
                 jobs.fail_or_restart(session, job, f"host '{host.name}' was lost", now)

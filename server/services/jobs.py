@@ -33,7 +33,7 @@ from contract.spec import JobSpec
 from server.cache import mark_tokens_changed
 from server.errors import Conflict, Forbidden, Invalid, NotFound
 from server.models import Checkpoint, Device, Host, IterationTelemetry, Job, Worker
-from server.services import events, scheduler
+from server.services import departures, events, scheduler
 from server.services.audit import record
 from server.services.tokens import Principal
 
@@ -279,15 +279,25 @@ def apply_worker_report(
 
 
 def _advance_job(session: Session, job: Job, report: WorkerReport, now: datetime) -> None:
-    """A live job after one of its ranks changed state: restart or fail it on a failure,
-    succeed when every rank did, run once every rank runs."""
+    """A live job after one of its ranks changed state: on a failure, go on without the rank
+    when it was out of the all-reduce group and the others can (``departures``), else restart
+    or fail the job; succeed when every rank still in the job did, run once every rank runs."""
     status, to = JobStatus(job.status), report.state
-    states = [WorkerState(w.state) for w in job.workers]
     if to is WorkerState.FAILED:
         reason = failure_reason(report)
         retry = report.exit_code != WORKER_EXIT_FATAL
-        fail_or_restart(session, job, reason, now, retry=retry)
-    elif all(s is WorkerState.SUCCEEDED for s in states):
+        decision = departures.decide_for(session, job, report.rank) if retry else None
+        if decision is None or not decision.go_on:
+            if decision is not None and decision.why is not None:
+                reason = f"{reason} ({decision.why})"
+            fail_or_restart(session, job, reason, now, retry=retry)
+            return
+        # out of the all-reduce group: the others go on without it (``departures``)
+        departures.depart(session, job, report.rank, reason, now)
+        _release_departed(session, job, report.rank)
+    departed = job.departed
+    states = [WorkerState(w.state) for w in job.workers if w.rank not in departed]
+    if all(s is WorkerState.SUCCEEDED for s in states):
         if status is JobStatus.STARTING:
             transition(job, JobStatus.RUNNING)
         finish(session, job, JobStatus.SUCCEEDED, now)
@@ -296,6 +306,16 @@ def _advance_job(session: Session, job: Job, report: WorkerReport, now: datetime
     ):
         transition(job, JobStatus.RUNNING)
         job.started_at = now
+
+
+def _release_departed(session: Session, job: Job, rank: int) -> None:
+    """The device of a rank that left the job for good (its process is gone) is free."""
+    worker = next(w for w in job.workers if w.rank == rank)
+    device = session.get(Device, worker.device_id) if worker.device_id is not None else None
+    if device is not None and device.job_id == job.id:
+        release(device)
+        session.flush()
+        scheduler.request_placement(session)
 
 
 def release_replaced(

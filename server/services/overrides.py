@@ -47,6 +47,12 @@ def _rank(job: Job, req: OverrideCreate) -> int:
             f"rank {req.rank} does not exist; job {job.id} has {len(job.workers)} workers",
             field="rank",
         )
+    if req.rank in job.departed:
+        raise Invalid(
+            f"rank {req.rank} has left job {job.id} (its process is gone: see the job's "
+            "departures); it is out of the job until a restart places it again",
+            field="rank",
+        )
     return req.rank
 
 
@@ -74,7 +80,7 @@ def _new_controls(job: Job, req: OverrideCreate) -> tuple[dict[int, int], frozen
         rank = _rank(job, req)
         excl.add(rank)
         pins.pop(rank, None)
-        if len(excl) == len(job.workers):
+        if len(excl | job.departed) == len(job.workers):
             raise Invalid("cannot exclude every worker", field="rank")
     elif req.kind is OverrideKind.READMIT:
         rank = _rank(job, req)

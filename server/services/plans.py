@@ -45,7 +45,15 @@ def create(
     memory_caps: list[int | None] | None = None,
 ) -> Plan:
     validate(job, batch_sizes)
-    excluded = sorted(set(excluded or []))
+    departed = sorted(job.departed)  # out for good: every plan keeps them out (``departures``)
+    given = [r for r in departed if r < len(batch_sizes) and batch_sizes[r]]
+    if given:
+        raise Invalid(
+            f"rank {given[0]} has left the job (its process is gone: see the job's departures); "
+            "it cannot be given samples",
+            field="batch_sizes",
+        )
+    excluded = sorted(set(excluded or []) | set(departed))
     if any(batch_sizes[r] for r in excluded if r < len(batch_sizes)) or any(
         r >= len(batch_sizes) for r in excluded
     ):
@@ -63,6 +71,7 @@ def create(
         predicted_ms=predicted_ms,
         created_by=by,
         excluded=excluded,
+        departed=departed,
         memory_caps=memory_caps,
     )
     session.add(plan)

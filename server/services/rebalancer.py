@@ -186,7 +186,8 @@ def propose(
             granularity=spec.policy.granularity,
             max_batch=spec.max_batch_per_worker,
             pins=standing_pins if pins is None else pins,
-            excluded=standing_excluded if excluded is None else excluded,
+            # ranks that left the job for good are out whatever the controls say
+            excluded=(standing_excluded if excluded is None else excluded) | job.departed,
             min_gain=spec.policy.min_gain,
             force=force,
             current_from_guesses=current_from_guesses,

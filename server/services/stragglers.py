@@ -316,7 +316,8 @@ def _mitigate(
         global_batch=spec.global_batch,
         ranks=views,
         granularity=spec.policy.granularity,
-        overrides=Overrides(frozen=job.frozen, pins=pins, excluded=excluded),
+        # ranks that left the job for good (``departures``) stay out, as an operator's do
+        overrides=Overrides(frozen=job.frozen, pins=pins, excluded=excluded | job.departed),
         remaining_iterations=(spec.iterations - iteration - 1) if spec.iterations else None,
         sync_ms=sync_ms,
     )
@@ -324,7 +325,7 @@ def _mitigate(
     if decision.new_batch_sizes is None:
         return None
     sizes = [decision.new_batch_sizes[r] for r in range(len(job.workers))]
-    group_out = sorted(set(watch.ladder.excluded) - set(excluded))
+    group_out = sorted(set(watch.ladder.excluded) - set(excluded))  # plans.create adds departed
     plan = plans.create(
         session,
         job,

@@ -119,7 +119,7 @@ def test_a_failed_rank_stops_its_siblings_and_fails_the_job_with_its_root_cause(
     error_file.write_text("Traceback (most recent call last):\n  ...\nRuntimeError: boom\n")
     launcher.end(job_id, 1, ProcessExit(code=1))
     agent.tick()
-    assert launcher.stopped() == [(job_id, 0)]  # at once, before the control plane answers
+    assert launcher.stopped() == [(job_id, 0)]  # at once: the answer says the job failed
     job = _job(api, job_id)
     assert job["status"] == "failed" and job["error"] == "rank 1 failed: RuntimeError: boom"
     workers = {w["rank"]: w for w in job["workers"]}

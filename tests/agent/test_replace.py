@@ -3,7 +3,10 @@ which then stops (the agent against the real app, in-process)."""
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -11,6 +14,7 @@ import pytest
 
 from agent.client import ApiClient, ApiError
 from agent.daemon import Agent, discover_devices
+from agent.launcher import process_start_time
 from contract.enums import Role
 from tests.harness import Api
 
@@ -51,3 +55,40 @@ def test_a_second_agent_is_refused_then_replaces_the_first(api: Api, tmp_path: P
     first.run(stop, interval_s=0.01)  # returns at once: it was replaced
     assert not stop.is_set()
     assert second.tick() is not None
+
+
+def _pose_as_predecessor(workdir: Path, proc: subprocess.Popen[bytes]) -> None:
+    """Make ``proc`` the recorded process of the host's agent (as if it had registered)."""
+    record = workdir / "state" / "host-a.agent.json"
+    data = json.loads(record.read_text())
+    data.update(pid=proc.pid, start=process_start_time(proc.pid))
+    record.write_text(json.dumps(data))
+
+
+def test_an_agent_started_again_after_its_predecessor_died_takes_the_host_back(
+    api: Api, tmp_path: Path
+) -> None:
+    """A host crash: its agent is gone without a word, and the agent started again on the host
+    (same workdir) is not refused as a second live agent while the dead one's last heartbeat is
+    fresh; a predecessor that still runs is never taken over."""
+    token = api.token(Role.AGENT, host="host-a")
+    first = _agent(api, token, tmp_path)
+    first.register()
+    assert first.tick() is not None
+    stand_in = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        _pose_as_predecessor(tmp_path, stand_in)  # a live predecessor
+        with pytest.raises(ApiError) as refused:
+            _agent(api, token, tmp_path).register()
+        assert refused.value.status_code == 409
+        _pose_as_predecessor(tmp_path, stand_in)
+    finally:
+        stand_in.kill()
+        stand_in.wait()
+    # the recorded agent process has died (kill -9): the next agent carries on as its instance
+    again = _agent(api, token, tmp_path)
+    assert again.instance == first.instance
+    again.register()
+    ack = again.tick()
+    assert ack is not None and ack.status.value == "active"
+    assert _agent(api, token, tmp_path / "elsewhere").instance != first.instance
