@@ -5,7 +5,7 @@ tokens, as people and scripts read and write them.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import Field
 
@@ -115,9 +115,23 @@ class JobOut(Response):
     restart_history: list[RestartOut] = []
 
 
-class JobList(Response):
-    items: list[JobOut]
+T = TypeVar("T")
+
+
+class Page(Response, Generic[T]):
+    """What every list endpoint answers: one page of ``items`` (at most the request's
+    ``limit``, from its ``offset``) and the ``total`` matching the request's filters."""
+
+    items: list[T]
     total: int
+
+    @classmethod
+    def model_parametrized_name(cls, params: tuple[Any, ...]) -> str:
+        """``Page[JobOut]`` is ``JobOutPage`` in the OpenAPI document."""
+        return f"{params[0].__name__}Page"
+
+
+JobList = Page[JobOut]
 
 
 SolvePolicy = Literal["minmax", "equal", "proportional"]

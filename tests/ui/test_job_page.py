@@ -236,12 +236,12 @@ def test_set_batches_override_from_preview_to_the_iteration_that_took_it(
     assert f"v{new_version} override took effect" in labels
     rows = cluster.client.get(
         f"/api/v1/jobs/{running.id}/telemetry?since_iteration={took - 1}&rank=0"
-    ).json()
+    ).json()["items"]
     assert [(r["iteration"], r["plan_version"]) for r in rows[:2]] == [
         (took - 1, current["version"]),
         (took, new_version),
     ]
-    audit = cluster.client.get(f"/api/v1/audit?target=job:{running.id}").json()
+    audit = cluster.client.get(f"/api/v1/audit?target=job:{running.id}").json()["items"]
     entry = next(a for a in audit if a["action"] == "override.set_batches")
     assert entry["actor"] == "olga"
     assert entry["detail"]["reason"] == "rank 3 shares its node with a backup job"
@@ -271,7 +271,7 @@ def test_freeze_and_unfreeze_from_the_page(
         assert _wait_state(pg, "applied", "error") == "applied"
         assert pg.locator(".badge.frozen").count() == (1 if frozen else 0)
         assert cluster.client.get(f"/api/v1/jobs/{running.id}").json()["frozen"] is frozen
-    audit = cluster.client.get(f"/api/v1/audit?target=job:{running.id}").json()
+    audit = cluster.client.get(f"/api/v1/audit?target=job:{running.id}").json()["items"]
     assert [a["action"] for a in audit[:2]] == ["override.unfreeze", "override.freeze"]
 
 
@@ -424,7 +424,7 @@ def test_rebalance_now(
 ) -> None:
     _open(page.page, live_app, running.id)
     assert _override(page.page, "rebalance_now") in ("applied", "effective")
-    audit = cluster.client.get(f"/api/v1/audit?target=job:{running.id}").json()
+    audit = cluster.client.get(f"/api/v1/audit?target=job:{running.id}").json()["items"]
     assert audit[0]["action"] == "override.rebalance_now"
 
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from contract.agent import Heartbeat, HeartbeatAck, HostRegister
-from contract.api import HostOut
+from contract.api import HostOut, Page
 from server.api.bodies import JSONRoute
 from server.api.deps import (
     Authenticated,
     Context,
     Now,
+    PagingDep,
     PathId,
     SessionDep,
     SettingsDep,
@@ -49,9 +50,10 @@ async def heartbeat(
 
 
 @router.get("")
-def list_hosts(session: SessionDep, _: Viewer) -> list[HostOut]:
-    """All hosts with their devices."""
-    return [HostOut.model_validate(h) for h in hosts.list_hosts(session)]
+def list_hosts(session: SessionDep, _: Viewer, paging: PagingDep) -> Page[HostOut]:
+    """Hosts with their devices, by id."""
+    rows, total = hosts.list_hosts(session, paging)
+    return Page(items=[HostOut.model_validate(h) for h in rows], total=total)
 
 
 @router.get("/{host_id}")

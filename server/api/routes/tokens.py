@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from contract.api import TokenCreate, TokenCreated, TokenOut
+from contract.api import Page, TokenCreate, TokenCreated, TokenOut
 from server.api.bodies import JSONRoute
-from server.api.deps import Admin, PathId, SessionDep
+from server.api.deps import Admin, PagingDep, PathId, SessionDep
 from server.services import tokens
 
 router = APIRouter(prefix="/tokens", tags=["tokens"], route_class=JSONRoute)
@@ -22,9 +22,10 @@ def create_token(req: TokenCreate, session: SessionDep, principal: Admin) -> Tok
 
 
 @router.get("")
-def list_tokens(session: SessionDep, _: Admin) -> list[TokenOut]:
-    """All tokens, revoked ones included (never their secrets)."""
-    return [TokenOut.model_validate(t) for t in tokens.list_tokens(session)]
+def list_tokens(session: SessionDep, _: Admin, paging: PagingDep) -> Page[TokenOut]:
+    """Tokens by id, revoked ones included (never their secrets)."""
+    rows, total = tokens.list_tokens(session, paging)
+    return Page(items=[TokenOut.model_validate(t) for t in rows], total=total)
 
 
 @router.delete("/{token_id}")
