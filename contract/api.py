@@ -125,11 +125,6 @@ class Page(Response, Generic[T]):
     items: list[T]
     total: int
 
-    @classmethod
-    def model_parametrized_name(cls, params: tuple[Any, ...]) -> str:
-        """``Page[JobOut]`` is ``JobOutPage`` in the OpenAPI document."""
-        return f"{params[0].__name__}Page"
-
 
 JobList = Page[JobOut]
 
