@@ -8,6 +8,7 @@ from contract.api import EventOut, OverrideCreate, OverrideOut, Page
 from contract.enums import OverrideKind
 from server.api.bodies import JSONRoute
 from server.api.deps import Operator, PagingDep, PathId, SessionDep, Viewer
+from server.api.statuses import declare
 from server.services import events, jobs, overrides
 
 router = APIRouter(prefix="/jobs", tags=["events"], route_class=JSONRoute)
@@ -39,7 +40,10 @@ def list_overrides(
 @router.post(
     "/{job_id}/overrides",
     status_code=201,
-    responses={200: {"model": OverrideOut, "description": "A preview: nothing was created"}},
+    responses={
+        200: {"model": OverrideOut, "description": "A preview: nothing was created"},
+        **declare(409),
+    },
 )
 def create_override(
     req: OverrideCreate,

@@ -18,12 +18,13 @@ from server.api.deps import (
     Viewer,
     in_transaction,
 )
+from server.api.statuses import declare
 from server.services import hosts
 
 router = APIRouter(prefix="/hosts", tags=["hosts"], route_class=JSONRoute)
 
 
-@router.post("/register", status_code=201)
+@router.post("/register", status_code=201, responses=declare(409))
 def register(
     req: HostRegister,
     session: SessionDep,
@@ -39,7 +40,7 @@ def register(
     )
 
 
-@router.post("/{host_id}/heartbeat")
+@router.post("/{host_id}/heartbeat", responses=declare(409))
 async def heartbeat(
     req: Heartbeat, context: Context, principal: Authenticated, now: Now, host_id: PathId
 ) -> HeartbeatAck:

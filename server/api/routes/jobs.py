@@ -19,6 +19,7 @@ from server.api.deps import (
     SessionDep,
     Viewer,
 )
+from server.api.statuses import declare
 from server.services import jobs, rendezvous
 
 router = APIRouter(prefix="/jobs", tags=["jobs"], route_class=JSONRoute)
@@ -62,19 +63,19 @@ def get_logs(
     return Page(items=[RankLogOut.model_validate(w) for w in ranks], total=total)
 
 
-@router.post("/{job_id}/cancel")
+@router.post("/{job_id}/cancel", responses=declare(409))
 def cancel_job(session: SessionDep, principal: Operator, now: Now, job_id: PathId) -> JobOut:
     """Cancel a job that has not ended; its agents stop the workers."""
     return JobOut.model_validate(jobs.cancel(session, job_id, principal, now))
 
 
-@router.get("/{job_id}/rendezvous")
+@router.get("/{job_id}/rendezvous", responses=declare(409))
 def get_rendezvous(session: SessionDep, _: JobReader, job_id: PathId) -> RendezvousOut:
     """Rank 0's address and rendezvous port (null until rank 0 has bound one)."""
     return rendezvous.lookup(session, job_id)
 
 
-@router.put("/{job_id}/rendezvous")
+@router.put("/{job_id}/rendezvous", responses=declare(409))
 def put_rendezvous(
     body: RendezvousIn, session: SessionDep, principal: Authenticated, job_id: PathId
 ) -> RendezvousOut:

@@ -10,6 +10,7 @@ from contract.api import Page, TelemetryOut
 from contract.enums import Role
 from server.api import bodies
 from server.api.deps import Authenticated, Context, PagingDep, PathId, SessionDep, Viewer
+from server.api.statuses import declare
 from server.context import AppContext
 from server.live import telemetry_stored
 from server.services import jobs, telemetry
@@ -18,7 +19,11 @@ from server.services.tokens import Principal
 router = APIRouter(prefix="/jobs", tags=["telemetry"], route_class=bodies.JSONRoute)
 
 
-@router.post("/{job_id}/telemetry", openapi_extra=bodies.documented_body(TelemetryBatch))
+@router.post(
+    "/{job_id}/telemetry",
+    openapi_extra=bodies.documented_body(TelemetryBatch),
+    responses=declare(409),
+)
 async def ingest(
     request: Request, context: Context, principal: Authenticated, job_id: PathId
 ) -> TelemetryAck:

@@ -7,12 +7,13 @@ from fastapi import APIRouter
 from contract.api import Page, TokenCreate, TokenCreated, TokenOut
 from server.api.bodies import JSONRoute
 from server.api.deps import Admin, PagingDep, PathId, SessionDep
+from server.api.statuses import declare
 from server.services import tokens
 
 router = APIRouter(prefix="/tokens", tags=["tokens"], route_class=JSONRoute)
 
 
-@router.post("", status_code=201)
+@router.post("", status_code=201, responses=declare(409))
 def create_token(req: TokenCreate, session: SessionDep, principal: Admin) -> TokenCreated:
     """Create a token; its secret is in this answer and nowhere else."""
     row, secret = tokens.create(session, req, by=principal.name)
