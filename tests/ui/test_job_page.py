@@ -5,6 +5,7 @@ iteration where the workers took them."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -286,6 +287,11 @@ def test_viewers_see_the_override_panel_disabled(
     assert pg.locator("#override-preview").is_disabled()
 
 
+def _models_url(job_id: int) -> re.Pattern[str]:
+    """GET /models of the job, whatever page it asks for."""
+    return re.compile(rf".*/api/v1/jobs/{job_id}/models(\?.*)?$")
+
+
 def test_fitted_models_are_shown_with_the_plan_when_the_api_has_them(
     page: Page, live_app: LiveApp, running: RunningJob
 ) -> None:
@@ -301,10 +307,10 @@ def test_fitted_models_are_shown_with_the_plan_when_the_api_has_them(
         }
         for r, p in enumerate(PER_SAMPLE_MS)
     ]
-    # Known figures for GET /models, answered in the browser.
+    # Known figures for GET /models (one page), answered in the browser.
     pg.route(
-        f"**/api/v1/jobs/{running.id}/models",
-        lambda route: route.fulfill(json=models),
+        _models_url(running.id),
+        lambda route: route.fulfill(json={"items": models, "total": len(models)}),
     )
     sign_in(pg, live_app.url, live_app.admin_token, path=f"/jobs/{running.id}")
     pg.locator("#plan-table thead").wait_for()
@@ -352,7 +358,7 @@ def test_models_that_cannot_be_loaded_say_why(
     """The page once swallowed any failure here and said the server "answered 404"."""
     pg = page.page
     pg.route(
-        f"**/api/v1/jobs/{running.id}/models",
+        _models_url(running.id),
         lambda route: route.fulfill(status=status, body=body, content_type=content_type),
     )
     sign_in(pg, live_app.url, live_app.admin_token, path=f"/jobs/{running.id}")
