@@ -7,7 +7,7 @@ and talk to the real app in-process, without sockets.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -26,21 +26,24 @@ from contract.api import (
     CheckpointOut,
     EventOut,
     HostOut,
-    JobList,
     JobOut,
     ModelOut,
     OverrideCreate,
     OverrideOut,
+    Page,
     RankLogOut,
     TelemetryOut,
     TokenCreate,
     TokenCreated,
     TokenOut,
 )
+from contract.base import MAX_PAGE
 from contract.dashboard import MetricsOut, SeriesOut, ThroughputOut
 from contract.spec import JobSpec
 
 API = "/api/v1"
+
+T = TypeVar("T")
 
 
 class ApiError(Exception):
@@ -101,6 +104,30 @@ class ApiClient:
             raise ApiError(resp.status_code, detail, field)
         return resp
 
+    def _page(
+        self,
+        path: str,
+        item: type[T],
+        params: dict[str, Any] | None = None,
+        *,
+        limit: int | None,
+        offset: int = 0,
+    ) -> Page[T]:
+        """One page of a list endpoint (``limit`` items from ``offset``), or with ``limit``
+        None every item from ``offset`` on, read page by page (``total`` is the server's count
+        at the last page: items added while it reads may be missed or seen twice)."""
+        model = Page[item]  # type: ignore[valid-type]
+        query = dict(params or {})
+        items: list[T] = []
+        while True:
+            want = MAX_PAGE if limit is None else limit - len(items)
+            query.update(limit=min(want, MAX_PAGE), offset=offset + len(items))
+            page: Page[T] = model.model_validate(self._call("GET", path, params=query).json())
+            items += page.items
+            done = limit is not None and len(items) >= limit
+            if done or not page.items or offset + len(items) >= page.total:
+                return Page[item](items=items, total=page.total)  # type: ignore[valid-type]
+
     # -- health
     def health(self) -> dict[str, Any]:
         data: dict[str, Any] = self._call("GET", "/health").json()
@@ -116,8 +143,9 @@ class ApiClient:
         resp = self._call("POST", f"/hosts/{host_id}/heartbeat", json=hb.model_dump(mode="json"))
         return HeartbeatAck.model_validate(resp.json())
 
-    def hosts(self) -> list[HostOut]:
-        return [HostOut.model_validate(h) for h in self._call("GET", "/hosts").json()]
+    def hosts(self, *, limit: int | None = None, offset: int = 0) -> Page[HostOut]:
+        """Hosts by id (all of them unless ``limit``)."""
+        return self._page("/hosts", HostOut, limit=limit, offset=offset)
 
     # -- jobs
     def submit(self, spec: JobSpec | dict[str, Any]) -> JobOut:
@@ -126,11 +154,12 @@ class ApiClient:
         )
         return JobOut.model_validate(self._call("POST", "/jobs", json=body).json())
 
-    def jobs(self, *, status: str | None = None, limit: int = 100) -> JobList:
-        params: dict[str, Any] = {"limit": limit}
-        if status:
-            params["status"] = status
-        return JobList.model_validate(self._call("GET", "/jobs", params=params).json())
+    def jobs(
+        self, *, status: str | None = None, limit: int | None = 100, offset: int = 0
+    ) -> Page[JobOut]:
+        """Jobs, newest first (``limit`` None: all of them)."""
+        params = {"status": status} if status else {}
+        return self._page("/jobs", JobOut, params, limit=limit, offset=offset)
 
     def job(self, job_id: int) -> JobOut:
         return JobOut.model_validate(self._call("GET", f"/jobs/{job_id}").json())
@@ -138,10 +167,10 @@ class ApiClient:
     def cancel(self, job_id: int) -> JobOut:
         return JobOut.model_validate(self._call("POST", f"/jobs/{job_id}/cancel").json())
 
-    def logs(self, job_id: int, rank: int | None = None) -> list[RankLogOut]:
+    def logs(self, job_id: int, rank: int | None = None) -> Page[RankLogOut]:
+        """Every rank's end (one rank's, with ``rank``)."""
         params = {} if rank is None else {"rank": rank}
-        resp = self._call("GET", f"/jobs/{job_id}/logs", params=params)
-        return [RankLogOut.model_validate(r) for r in resp.json()]
+        return self._page(f"/jobs/{job_id}/logs", RankLogOut, params, limit=None)
 
     # -- plans
     def plan(
@@ -162,14 +191,16 @@ class ApiClient:
         )
         return None if resp.status_code == 304 else PlanOut.model_validate(resp.json())
 
-    def checkpoints(self, job_id: int, *, limit: int = 100) -> list[CheckpointOut]:
-        resp = self._call("GET", f"/jobs/{job_id}/checkpoints", params={"limit": limit})
-        return [CheckpointOut.model_validate(c) for c in resp.json()]
+    def checkpoints(
+        self, job_id: int, *, limit: int | None = 100, offset: int = 0
+    ) -> Page[CheckpointOut]:
+        """A job's checkpoints, newest first."""
+        path = f"/jobs/{job_id}/checkpoints"
+        return self._page(path, CheckpointOut, limit=limit, offset=offset)
 
-    def plans(self, job_id: int) -> list[PlanOut]:
-        return [
-            PlanOut.model_validate(p) for p in self._call("GET", f"/jobs/{job_id}/plans").json()
-        ]
+    def plans(self, job_id: int, *, limit: int | None = None, offset: int = 0) -> Page[PlanOut]:
+        """A job's plans, newest first (all of them unless ``limit``)."""
+        return self._page(f"/jobs/{job_id}/plans", PlanOut, limit=limit, offset=offset)
 
     # -- telemetry
     def post_telemetry(self, job_id: int, batch: TelemetryBatch) -> TelemetryAck:
@@ -178,14 +209,21 @@ class ApiClient:
         return TelemetryAck.model_validate(resp.json())
 
     def telemetry(
-        self, job_id: int, *, since_iteration: int = 0, limit: int = 10_000
-    ) -> list[TelemetryOut]:
-        resp = self._call(
-            "GET",
-            f"/jobs/{job_id}/telemetry",
-            params={"since_iteration": since_iteration, "limit": limit},
-        )
-        return [TelemetryOut.model_validate(r) for r in resp.json()]
+        self,
+        job_id: int,
+        *,
+        since_iteration: int = 0,
+        rank: int | None = None,
+        limit: int | None = None,
+        offset: int = 0,
+    ) -> Page[TelemetryOut]:
+        """A job's timings from ``since_iteration`` on, by iteration and rank (all of them
+        unless ``limit``)."""
+        params: dict[str, Any] = {"since_iteration": since_iteration}
+        if rank is not None:
+            params["rank"] = rank
+        path = f"/jobs/{job_id}/telemetry"
+        return self._page(path, TelemetryOut, params, limit=limit, offset=offset)
 
     def post_metrics(self, job_id: int, batch: MetricBatch) -> MetricAck:
         resp = self._call("POST", f"/jobs/{job_id}/metrics", json=batch.model_dump(mode="json"))
@@ -208,10 +246,9 @@ class ApiClient:
         resp = self._call("GET", f"/jobs/{job_id}/metrics", params=params)
         return MetricsOut.model_validate(resp.json())
 
-    def models(self, job_id: int) -> list[ModelOut]:
-        return [
-            ModelOut.model_validate(m) for m in self._call("GET", f"/jobs/{job_id}/models").json()
-        ]
+    def models(self, job_id: int) -> Page[ModelOut]:
+        """Each rank's fitted performance model, by rank."""
+        return self._page(f"/jobs/{job_id}/models", ModelOut, limit=None)
 
     # -- dashboard figures
     def series(self, job_id: int, *, points: int = 50, window: int = 20) -> SeriesOut:
@@ -225,10 +262,15 @@ class ApiClient:
         return ThroughputOut.model_validate(resp.json()[0])
 
     # -- events, overrides, audit
-    def events(self, job_id: int) -> list[EventOut]:
-        return [
-            EventOut.model_validate(e) for e in self._call("GET", f"/jobs/{job_id}/events").json()
-        ]
+    def events(self, job_id: int, *, limit: int | None = None, offset: int = 0) -> Page[EventOut]:
+        """A job's straggler events, newest first (all of them unless ``limit``)."""
+        return self._page(f"/jobs/{job_id}/events", EventOut, limit=limit, offset=offset)
+
+    def overrides(
+        self, job_id: int, *, limit: int | None = None, offset: int = 0
+    ) -> Page[OverrideOut]:
+        """Overrides applied to a job, newest first (all of them unless ``limit``)."""
+        return self._page(f"/jobs/{job_id}/overrides", OverrideOut, limit=limit, offset=offset)
 
     def override(self, job_id: int, req: OverrideCreate) -> OverrideOut:
         resp = self._call(
@@ -236,21 +278,21 @@ class ApiClient:
         )
         return OverrideOut.model_validate(resp.json())
 
-    def audit(self, *, target: str | None = None, limit: int = 100) -> list[AuditOut]:
-        params: dict[str, Any] = {"limit": limit}
-        if target:
-            params["target"] = target
-        return [
-            AuditOut.model_validate(a) for a in self._call("GET", "/audit", params=params).json()
-        ]
+    def audit(
+        self, *, target: str | None = None, limit: int | None = 100, offset: int = 0
+    ) -> Page[AuditOut]:
+        """Who did what, newest first."""
+        params = {"target": target} if target else {}
+        return self._page("/audit", AuditOut, params, limit=limit, offset=offset)
 
     # -- tokens
     def create_token(self, req: TokenCreate) -> TokenCreated:
         resp = self._call("POST", "/tokens", json=req.model_dump(mode="json", exclude_none=True))
         return TokenCreated.model_validate(resp.json())
 
-    def tokens(self) -> list[TokenOut]:
-        return [TokenOut.model_validate(t) for t in self._call("GET", "/tokens").json()]
+    def tokens(self, *, limit: int | None = None, offset: int = 0) -> Page[TokenOut]:
+        """Tokens by id, revoked ones included (all of them unless ``limit``)."""
+        return self._page("/tokens", TokenOut, limit=limit, offset=offset)
 
     def revoke_token(self, token_id: int) -> TokenOut:
         return TokenOut.model_validate(self._call("DELETE", f"/tokens/{token_id}").json())

@@ -96,8 +96,8 @@ def kill_one_worker(workdir: Path, iterations: int = 240) -> dict[str, Any]:
         os.kill(pids[1], signal.SIGKILL)
         done_before = cluster.last_iteration(job.id) + 1
         out = cluster.wait(job.id, poll_s=0.25, timeout_s=600)
-        rows = cluster.client.telemetry(job.id, limit=100_000)
-        plans = cluster.client.plans(job.id)
+        rows = cluster.client.telemetry(job.id).items
+        plans = cluster.client.plans(job.id).items
     restart = out.restart_history[0] if out.restart_history else None
     jobdir = workdir / "local-a" / f"job-{job.id}"
     result = json.loads((jobdir / "rank-0.result.json").read_text())

@@ -118,10 +118,10 @@ def scenario(
             entry["error"] = done.error
             out["policies"][policy.value] = entry
             continue
-        rows = cluster.client.telemetry(job.id, limit=100_000)
+        rows = cluster.client.telemetry(job.id).items
         m = measure(rows, [w.memory_mb for w in prof.workers])
-        plans = cluster.client.plans(job.id)
-        events = cluster.client.events(job.id)
+        plans = cluster.client.plans(job.id).items
+        events = cluster.client.events(job.id).items
         entry.update(
             samples_per_s=m.samples_per_s,
             of_ideal_under_caps=m.samples_per_s / out["ideal_under_caps_samples_per_s"],

@@ -57,7 +57,7 @@ def run(cluster: LocalCluster, p: Profile, policy: PolicyName) -> dict[str, Any]
     done = cluster.wait(job.id)
     if done.status.value != "succeeded":
         raise RuntimeError(f"job {job.id} ({policy.value}) {done.status.value}: {done.error}")
-    events = cluster.client.events(job.id)
+    events = cluster.client.events(job.id).items
     kinds = Counter(e.kind for e in events)
     return {
         "job": job.id,

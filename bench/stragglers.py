@@ -107,11 +107,9 @@ def collect(
         "scenario": name,
         "policy": policy.value,
         "iterations": n,
-        "telemetry": [
-            r.model_dump(mode="json") for r in cluster.client.telemetry(job.id, limit=100_000)
-        ],
-        "plans": [p.model_dump(mode="json") for p in cluster.client.plans(job.id)],
-        "events": [e.model_dump(mode="json") for e in cluster.client.events(job.id)],
+        "telemetry": [r.model_dump(mode="json") for r in cluster.client.telemetry(job.id).items],
+        "plans": [p.model_dump(mode="json") for p in cluster.client.plans(job.id).items],
+        "events": [e.model_dump(mode="json") for e in cluster.client.events(job.id).items],
     }
 
 

@@ -63,7 +63,7 @@ def balancing(seconds: float, scale: float = 1.0) -> dict[str, Any]:
             done = cluster.wait(job.id)
             if done.status.value != "succeeded":
                 raise RuntimeError(f"{policy.value}: {done.status.value}: {done.error}")
-            rows = cluster.client.telemetry(job.id, limit=100_000)
+            rows = cluster.client.telemetry(job.id).items
             r = measure(rows)
             steady = [x for x in rows if x.iteration >= iterations // 2]
             by_it: dict[int, list[Any]] = {}

@@ -5,7 +5,7 @@ tokens, as people and scripts read and write them.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import Field, field_validator
 
@@ -134,9 +134,18 @@ class JobOut(Response):
         return [] if v is None else v  # a job stored before departures were recorded
 
 
-class JobList(Response):
-    items: list[JobOut]
+T = TypeVar("T")
+
+
+class Page(Response, Generic[T]):
+    """What every list endpoint answers: one page of ``items`` (at most the request's
+    ``limit``, from its ``offset``) and the ``total`` matching the request's filters."""
+
+    items: list[T]
     total: int
+
+
+JobList = Page[JobOut]
 
 
 SolvePolicy = Literal["minmax", "equal", "proportional"]

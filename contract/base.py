@@ -40,6 +40,10 @@ must exceed it."""
 MAX_WORKERS = 10_000
 
 
+MAX_PAGE = 1000
+"""Most items one page of a list endpoint holds (``limit``); a larger ``limit`` is a 422."""
+
+
 MAX_MS = 1e7
 """No timing above ~2.8 hours per iteration phase is plausible; larger values are input errors."""
 

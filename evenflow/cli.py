@@ -213,9 +213,9 @@ def _print_restarts(job: Any) -> None:
 
 
 def cmd_jobs_checkpoints(args: argparse.Namespace) -> None:
-    items = _client(args).checkpoints(args.id, limit=args.limit)
+    page = _client(args).checkpoints(args.id, limit=args.limit)
 
-    def rows(cs: list[Any]) -> list[list[Any]]:
+    def rows(p: Any) -> list[list[Any]]:
         return [
             [
                 c.iteration,
@@ -226,11 +226,12 @@ def cmd_jobs_checkpoints(args: argparse.Namespace) -> None:
                 c.attempt,
                 c.url,
             ]
-            for c in cs
+            for c in p.items
         ]
 
     columns = ["iteration", "written", "size", "write ms", "rank", "attempt", "url"]
-    _emit(args, items, columns, rows, title=f"checkpoints of job {args.id}")
+    shown = f"newest {len(page.items)} of " if len(page.items) < page.total else ""
+    _emit(args, page, columns, rows, title=f"{shown}{page.total} checkpoints of job {args.id}")
 
 
 def cmd_jobs_logs(args: argparse.Namespace) -> None:
@@ -240,7 +241,7 @@ def cmd_jobs_logs(args: argparse.Namespace) -> None:
     shown: set[int] = set()
     while True:
         job = client.job(args.id)
-        ranks = client.logs(args.id, args.rank)
+        ranks = client.logs(args.id, args.rank).items
         ended = [r for r in ranks if r.rank not in shown and r.state.value not in _LIVE_STATES]
         if args.json:
             print(json.dumps(_jsonable(ended), indent=2))
@@ -278,7 +279,7 @@ def cmd_jobs_plan(args: argparse.Namespace) -> None:
     plan = client.plan(args.id)
     if plan is None:  # only with known_version, which this never sends
         raise SystemExit(f"error: job {args.id} has no plan")
-    models = client.models(args.id)
+    models = client.models(args.id).items
     if args.json:
         print(json.dumps({"plan": _jsonable(plan), "models": _jsonable(models)}, indent=2))
         return
@@ -297,8 +298,8 @@ def cmd_jobs_events(args: argparse.Namespace) -> None:
         args,
         events,
         job_views.EVENT_COLUMNS,
-        job_views.event_rows,
-        title=f"{len(events)} straggler events of job {args.id}",
+        lambda p: job_views.event_rows(p.items),
+        title=f"{events.total} straggler events of job {args.id}",
     )
 
 
@@ -391,7 +392,13 @@ def cmd_jobs_watch(args: argparse.Namespace) -> None:
 
 def cmd_hosts_list(args: argparse.Namespace) -> None:
     hosts = _client(args).hosts()
-    _emit(args, hosts, job_views.DEVICE_COLUMNS, job_views.device_rows, title=f"{len(hosts)} hosts")
+    _emit(
+        args,
+        hosts,
+        job_views.DEVICE_COLUMNS,
+        lambda p: job_views.device_rows(p.items),
+        title=f"{hosts.total} hosts",
+    )
 
 
 def cmd_tokens_create(args: argparse.Namespace) -> None:
@@ -411,7 +418,7 @@ def cmd_tokens_list(args: argparse.Namespace) -> None:
         args,
         toks,
         ["id", "name", "role", "prefix", "host", "created", "revoked"],
-        lambda ts: [
+        lambda p: [
             [
                 t.id,
                 t.name,
@@ -421,8 +428,9 @@ def cmd_tokens_list(args: argparse.Namespace) -> None:
                 t.created_at.strftime("%Y-%m-%d"),
                 t.revoked_at.strftime("%Y-%m-%d") if t.revoked_at else "",
             ]
-            for t in ts
+            for t in p.items
         ],
+        title=f"{toks.total} tokens",
     )
 
 

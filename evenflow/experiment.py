@@ -237,7 +237,7 @@ def run_policy(
     done = cluster.wait(job.id, on_progress)
     if done.status.value != "succeeded":
         return failed(f"job {job.id} ({policy.value}) {done.status.value}: {done.error}")
-    rows = cluster.client.telemetry(job.id, limit=100_000)
+    rows = cluster.client.telemetry(job.id).items
     return replace(measure(rows, [w.memory_mb for w in profile.workers]), job_id=job.id)
 
 

@@ -35,6 +35,7 @@ import uvicorn
 from agent.client import ApiClient
 from agent.daemon import Agent, discover_devices
 from contract.api import JobOut, TokenCreate
+from contract.base import MAX_PAGE
 from contract.enums import Role
 from contract.spec import JobSpec
 from server.app import create_app
@@ -298,13 +299,14 @@ class LocalCluster:
 
     def last_iteration(self, job_id: int, after: int = -1) -> int:
         """The newest iteration rank 0 has reported (``after`` if none newer)."""
-        rows = self.client.http.get(
-            f"/api/v1/jobs/{job_id}/telemetry",
-            params={"since_iteration": after + 1, "rank": 0, "limit": 100_000},
-        )
-        rows.raise_for_status()
-        data = rows.json()
-        return int(data[-1]["iteration"]) if data else after
+        since = after + 1
+        page = self.client.telemetry(job_id, since_iteration=since, rank=0, limit=MAX_PAGE)
+        if page.total > len(page.items):  # more than a page since ``after``: read the last row
+            last = page.total - 1
+            page = self.client.telemetry(
+                job_id, since_iteration=since, rank=0, limit=1, offset=last
+            )
+        return page.items[-1].iteration if page.items else after
 
     def wait(
         self,

@@ -23,8 +23,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from contract.agent import TelemetryBatch
-from contract.base import ErrorOut
 from contract.problems import explain
+from server.api import statuses
 from server.api.bodies import component_schemas
 from server.api.gate import Gate, error_response
 from server.api.routes import (
@@ -37,6 +37,8 @@ from server.api.routes import (
     jobs,
     planner,
     plans,
+    series,
+    stream,
     telemetry,
     tokens,
 )
@@ -60,18 +62,19 @@ API_PREFIX = "/api/v1"
 PUBLIC_PATHS = frozenset({f"{API_PREFIX}/health", f"{API_PREFIX}/health/live"})
 """The only API routes callable without a token."""
 MAX_BODY_BYTES = 8 * 1024 * 1024
-ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorOut, "description": desc}
-    for code, desc in {
-        401: "No token, or an unknown or revoked one",
-        403: "The token's role or host may not do this",
-        404: "No such resource",
-        409: "Conflicts with the stored state",
-        413: "Request body too large",
-        422: "Invalid input; `field` names the culprit",
-        429: "Too many bad credentials from this address, or too many live streams",
-    }.items()
-}
+API_ROUTES = (
+    hosts,
+    jobs,
+    plans,
+    telemetry,
+    job_metrics,
+    checkpoints,
+    events,
+    audit,
+    tokens,
+    planner,
+)
+"""The API's resources (the dashboard's series and stream are mounted with the dashboard)."""
 
 
 def _field_path(loc: Sequence[Any]) -> str:
@@ -134,23 +137,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
 
+    for module in (health, *API_ROUTES, series, stream):
+        # each operation's error statuses, from its dependencies (``server.api.statuses``)
+        statuses.document(module.router, api_prefix=API_PREFIX, public=PUBLIC_PATHS)
     app.include_router(health.router, prefix=API_PREFIX)
-    for module in (
-        hosts,
-        jobs,
-        plans,
-        telemetry,
-        job_metrics,
-        checkpoints,
-        events,
-        audit,
-        tokens,
-        planner,
-    ):
-        app.include_router(module.router, prefix=API_PREFIX, responses=ERROR_RESPONSES)
-
+    for module in API_ROUTES:
+        app.include_router(module.router, prefix=API_PREFIX)
     # The dashboard: chart data, the live stream, and the web UI (pages, login, static files).
-    mount_dashboard(app, api_prefix=API_PREFIX, responses=ERROR_RESPONSES)
+    mount_dashboard(app, api_prefix=API_PREFIX)
     metrics = context.metrics
 
     @app.get("/metrics", include_in_schema=False)

@@ -269,7 +269,7 @@ def test_plan_override_events_watch_and_devices(
     assert "--batches must be integers" in str(exc.value)
 
     events = _json(capsys, "jobs", "events", job_id)
-    assert events == []
+    assert events == {"items": [], "total": 0}  # --json prints the API's page
 
     assert main(["jobs", "watch", job_id, "--count", "2", "--interval", "0.01"]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -287,7 +287,7 @@ def test_agent_refuses_an_address_that_does_not_resolve(
         main([*argv, "--workdir", str(tmp_path / "w")])
     assert exc.value.code not in (0, None)
     assert "'no-such-host.invalid' does not resolve" in str(exc.value)
-    hosts = ApiClient(make_http(env.url, env.admin_token)).hosts()
+    hosts = ApiClient(make_http(env.url, env.admin_token)).hosts().items
     assert not hosts, "nothing was registered"
 
 
@@ -359,7 +359,7 @@ def test_jobs_show_lists_restarts_and_jobs_checkpoints_lists_checkpoints(
     assert "restarts" in out and "rank 1 failed: OOM killed" in out
     assert "iteration 10" in out and "restarts: 1 of at most 3" in out
     listed = _json(capsys, "jobs", "checkpoints", str(job.id))
-    assert isinstance(listed, list) and [c["iteration"] for c in listed] == [10]
+    assert isinstance(listed, dict) and [c["iteration"] for c in listed["items"]] == [10]
     assert main(["jobs", "checkpoints", str(job.id)]) == 0
     assert "4.0 KiB" in capsys.readouterr().out
 

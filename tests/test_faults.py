@@ -43,12 +43,12 @@ def test_a_job_survives_a_worker_killed_mid_run(tmp_path: Path) -> None:
     with LocalCluster(tmp_path, workers=2, agents=2) as cluster:
         job = cluster.submit(spec)
         deadline = time.monotonic() + 240
-        while cluster.last_iteration(job.id) < 35 or not cluster.client.checkpoints(job.id):
+        while cluster.last_iteration(job.id) < 35 or not cluster.client.checkpoints(job.id).items:
             assert time.monotonic() < deadline, "the job made no progress"
             time.sleep(0.2)
         os.kill(cluster.worker_pids(job.id)[1], signal.SIGKILL)
         done = cluster.wait(job.id, timeout_s=400)
-        checkpoints = cluster.client.checkpoints(job.id)
+        checkpoints = cluster.client.checkpoints(job.id).items
 
     assert done.status is JobStatus.SUCCEEDED, done.error
     assert done.restarts == 1 and done.attempt == 1

@@ -46,26 +46,44 @@ function errorBody(response, text) {
 const get = (path) => request("GET", path);
 const post = (path, body) => request("POST", path, body);
 
+/** Most items the server puts in one page of a list endpoint. */
+const MAX_PAGE = 1000;
+
+/** One page of a list endpoint: {items, total}. */
+const page = (path, { limit = 100, offset = 0 } = {}) =>
+  get(`${path}${path.includes("?") ? "&" : "?"}limit=${limit}&offset=${offset}`);
+
+/** Every item of a list endpoint, read page by page. */
+async function all(path) {
+  const items = [];
+  for (;;) {
+    const { items: more, total } = await page(path, { limit: MAX_PAGE, offset: items.length });
+    items.push(...more);
+    if (!more.length || items.length >= total) return items;
+  }
+}
+
+// List endpoints answer {items, total}: `jobs` and `audit` give the page, the others every item.
 export const api = {
-  hosts: () => get("/hosts"),
-  jobs: ({ status, limit = 200 } = {}) =>
-    get(`/jobs?limit=${limit}${status ? `&status=${encodeURIComponent(status)}` : ""}`),
+  hosts: () => all("/hosts"),
+  jobs: ({ status, limit = 200, offset = 0 } = {}) =>
+    page(`/jobs${status ? `?status=${encodeURIComponent(status)}` : ""}`, { limit, offset }),
   job: (id) => get(`/jobs/${id}`),
   submitJob: (spec) => post("/jobs", spec),
   cancelJob: (id) => post(`/jobs/${id}/cancel`),
   plan: (id) => get(`/jobs/${id}/plan`),
-  plans: (id, limit = 1000) => get(`/jobs/${id}/plans?limit=${limit}`),
-  events: (id, limit = 1000) => get(`/jobs/${id}/events?limit=${limit}`),
-  logs: (id) => get(`/jobs/${id}/logs`),
-  overrides: (id) => get(`/jobs/${id}/overrides`),
+  plans: (id) => all(`/jobs/${id}/plans`),
+  events: (id) => all(`/jobs/${id}/events`),
+  logs: (id) => all(`/jobs/${id}/logs`),
+  overrides: (id) => all(`/jobs/${id}/overrides`),
   override: (id, body) => post(`/jobs/${id}/overrides`, body),
   series: (id, points) => get(`/jobs/${id}/series?points=${points}`),
   metrics: (id, points) => get(`/jobs/${id}/metrics?points=${points}`),
   throughput: (ids) => (ids.length ? get(`/dashboard/throughput?ids=${ids.join(",")}`) : []),
   audit: ({ target, limit = 100, offset = 0 } = {}) =>
-    get(`/audit?limit=${limit}&offset=${offset}${target ? `&target=${encodeURIComponent(target)}` : ""}`),
+    page(`/audit${target ? `?target=${encodeURIComponent(target)}` : ""}`, { limit, offset }),
 
-  models: (id) => get(`/jobs/${id}/models`),
+  models: (id) => all(`/jobs/${id}/models`),
 
   /**
    * Open the job's live stream (server-sent events). `handlers` maps message kinds

@@ -21,7 +21,7 @@ function detail(d) {
 
 async function load() {
   try {
-    const rows = await api.audit({ target: target || undefined, limit: PAGE, offset });
+    const { items: rows, total } = await api.audit({ target: target || undefined, limit: PAGE, offset });
     clear($("#audit-table"),
       el("thead", {}, el("tr", {}, ["when", "who", "action", "target", "detail"].map((h) => el("th", {}, h)))),
       el("tbody", {}, rows.length ? rows.map((a) => el("tr", { "data-action": a.action },
@@ -31,7 +31,8 @@ async function load() {
         el("td", {}, targetLink(a.target)),
         el("td", { class: "detail small" }, detail(a.detail)))) : el("tr", {}, el("td", { class: "muted", colspan: 5 }, "Nothing recorded."))));
     $("#audit-newer").disabled = offset === 0;
-    $("#audit-older").disabled = rows.length < PAGE;
+    $("#audit-older").disabled = offset + rows.length >= total;
+    $("#audit-count").textContent = rows.length ? `${offset + 1}–${offset + rows.length} of ${total}` : "";
     banner("");
   } catch (err) {
     if (err.status !== undefined) banner(`Could not load the audit log: ${err.detail}`);

@@ -7,7 +7,7 @@ from contextlib import contextmanager, nullcontext
 from datetime import UTC, datetime
 from typing import Annotated, TypeVar
 
-from fastapi import Depends, Path, Request
+from fastapi import Depends, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
@@ -19,6 +19,7 @@ from server.config import Settings
 from server.context import AppContext, context_of
 from server.notify import PLACEMENT
 from server.services import tokens
+from server.services.paging import DEFAULT_LIMIT, MAX_LIMIT, MAX_OFFSET, Paging
 from server.services.tokens import Principal
 
 T = TypeVar("T")
@@ -144,3 +145,19 @@ async def _now() -> datetime:
 
 
 Now = Annotated[datetime, Depends(_now)]
+
+
+def _paging(
+    limit: Annotated[
+        int, Query(ge=1, le=MAX_LIMIT, description=f"Items in the page (at most {MAX_LIMIT}).")
+    ] = DEFAULT_LIMIT,
+    offset: Annotated[
+        int, Query(ge=0, le=MAX_OFFSET, description="Items skipped before the page.")
+    ] = 0,
+) -> Paging:
+    return Paging(limit=limit, offset=offset)
+
+
+PagingDep = Annotated[Paging, Depends(_paging)]
+"""``limit`` and ``offset`` of every list endpoint (which answers a ``Page``): one page of at
+most ``MAX_LIMIT`` items; a larger ``limit`` is a 422 naming ``limit``."""

@@ -8,6 +8,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from server.models import AuditEntry
+from server.services.paging import Paging, page
 
 
 def record(
@@ -17,9 +18,10 @@ def record(
 
 
 def entries(
-    session: Session, *, target: str | None = None, limit: int = 100, offset: int = 0
-) -> list[AuditEntry]:
-    q = select(AuditEntry).order_by(AuditEntry.id.desc()).limit(limit).offset(offset)
+    session: Session, paging: Paging, *, target: str | None = None
+) -> tuple[list[AuditEntry], int]:
+    """A page of the log, newest first (only ``target``'s entries when given)."""
+    q = select(AuditEntry).order_by(AuditEntry.id.desc())
     if target is not None:
         q = q.where(AuditEntry.target == target)
-    return list(session.scalars(q))
+    return page(session, q, paging)

@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 from contract.agent import CheckpointReport
 from server.models import Checkpoint
 from server.services import jobs
+from server.services.paging import Paging, page
 from server.services.tokens import Principal
 
 
@@ -39,14 +40,12 @@ def report(
     return row
 
 
-def list_for(session: Session, job_id: int, *, limit: int = 100) -> list[Checkpoint]:
-    """A job's checkpoints, newest first."""
+def list_for(session: Session, job_id: int, paging: Paging) -> tuple[list[Checkpoint], int]:
+    """A page of a job's checkpoints, newest first."""
     jobs.get(session, job_id)
-    return list(
-        session.scalars(
-            select(Checkpoint)
-            .where(Checkpoint.job_id == job_id)
-            .order_by(Checkpoint.iteration.desc(), Checkpoint.id.desc())
-            .limit(limit)
-        )
+    query = (
+        select(Checkpoint)
+        .where(Checkpoint.job_id == job_id)
+        .order_by(Checkpoint.iteration.desc(), Checkpoint.id.desc())
     )
+    return page(session, query, paging)

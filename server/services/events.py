@@ -6,18 +6,17 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from server.models import IterationTelemetry, StragglerEvent
+from server.services.paging import Paging, page
 
 
-def list_events(session: Session, job_id: int, *, limit: int) -> list[StragglerEvent]:
-    """The job's newest ``limit`` events, newest first."""
-    return list(
-        session.scalars(
-            select(StragglerEvent)
-            .where(StragglerEvent.job_id == job_id)
-            .order_by(StragglerEvent.id.desc())
-            .limit(limit)
-        )
+def list_events(session: Session, job_id: int, paging: Paging) -> tuple[list[StragglerEvent], int]:
+    """A page of the job's events, newest first."""
+    query = (
+        select(StragglerEvent)
+        .where(StragglerEvent.job_id == job_id)
+        .order_by(StragglerEvent.id.desc())
     )
+    return page(session, query, paging)
 
 
 def close_open(session: Session, job_id: int) -> int:

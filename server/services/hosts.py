@@ -24,6 +24,7 @@ from server.errors import Conflict, Forbidden, NotFound, ProtocolMismatch
 from server.models import Device, Host, Job, Worker
 from server.services import jobs, scheduler, tokens
 from server.services.audit import record
+from server.services.paging import Paging, page
 from server.services.tokens import Principal
 
 
@@ -156,8 +157,9 @@ def get(session: Session, host_id: int) -> Host:
     return host
 
 
-def list_hosts(session: Session) -> list[Host]:
-    return list(session.scalars(select(Host).order_by(Host.id).options(selectinload(Host.devices))))
+def list_hosts(session: Session, paging: Paging = Paging()) -> tuple[list[Host], int]:
+    """A page of hosts by id, with their devices, and how many there are."""
+    return page(session, select(Host).order_by(Host.id).options(selectinload(Host.devices)), paging)
 
 
 def heartbeat(

@@ -34,6 +34,7 @@ from server.planner import Infeasible
 from server.planner.rebalance import RebalanceDecision, makespan
 from server.services import memory, plans, rebalancer
 from server.services.audit import record
+from server.services.paging import Paging, page
 from server.services.tokens import Principal
 
 REPLANS = (OverrideKind.PIN, OverrideKind.EXCLUDE, OverrideKind.READMIT, OverrideKind.REBALANCE_NOW)
@@ -291,9 +292,6 @@ def _update_job_controls(
         }
 
 
-def list_overrides(session: Session, job_id: int) -> list[Override]:
-    return list(
-        session.scalars(
-            select(Override).where(Override.job_id == job_id).order_by(Override.id.desc())
-        )
-    )
+def list_overrides(session: Session, job_id: int, paging: Paging) -> tuple[list[Override], int]:
+    query = select(Override).where(Override.job_id == job_id).order_by(Override.id.desc())
+    return page(session, query, paging)

@@ -9,6 +9,7 @@ from contract.enums import PlanSource
 from server.cache import mark_plan_changed
 from server.errors import Invalid, NotFound
 from server.models import Job, Plan
+from server.services.paging import Paging, page
 
 
 def equal_split(global_batch: int, n: int) -> list[int]:
@@ -100,15 +101,9 @@ def after(session: Session, job_id: int, version: int) -> list[Plan]:
     )
 
 
-def history(session: Session, job_id: int, *, limit: int = 100, offset: int = 0) -> list[Plan]:
+def history(session: Session, job_id: int, paging: Paging) -> tuple[list[Plan], int]:
+    """A page of the job's plans, newest first."""
     if session.get(Job, job_id) is None:
         raise NotFound(f"job {job_id} not found")
-    return list(
-        session.scalars(
-            select(Plan)
-            .where(Plan.job_id == job_id)
-            .order_by(Plan.version.desc())
-            .limit(limit)
-            .offset(offset)
-        )
-    )
+    query = select(Plan).where(Plan.job_id == job_id).order_by(Plan.version.desc())
+    return page(session, query, paging)

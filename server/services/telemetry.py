@@ -13,6 +13,7 @@ from contract.enums import JobStatus
 from server.errors import Conflict, Invalid, NotFound
 from server.models import IterationTelemetry, Job, Worker
 from server.services.jobs import check_may_write_ranks
+from server.services.paging import Paging, page
 from server.services.tokens import Principal
 
 Row = tuple[
@@ -114,14 +115,14 @@ def window(
     *,
     since_iteration: int = 0,
     rank: int | None = None,
-    limit: int = 10_000,
-) -> list[IterationTelemetry]:
+    paging: Paging = Paging(),
+) -> tuple[list[IterationTelemetry], int]:
+    """A page of the job's timings from ``since_iteration`` on, by iteration and rank."""
     q = (
         select(IterationTelemetry)
         .where(IterationTelemetry.job_id == job_id, IterationTelemetry.iteration >= since_iteration)
         .order_by(IterationTelemetry.iteration, IterationTelemetry.rank)
-        .limit(limit)
     )
     if rank is not None:
         q = q.where(IterationTelemetry.rank == rank)
-    return list(session.scalars(q))
+    return page(session, q, paging)

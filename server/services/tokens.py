@@ -21,6 +21,7 @@ from server.cache import mark_tokens_changed
 from server.errors import Conflict, Forbidden, NotFound, Unauthorized
 from server.models import ApiToken, Job, Worker, utcnow
 from server.services.audit import record
+from server.services.paging import Paging, page
 
 TOKEN_PREFIX = "ef_"
 BOOTSTRAP_ADMIN = "bootstrap-admin"
@@ -221,8 +222,8 @@ def revoke(session: Session, token_id: int, *, by: str) -> ApiToken:
     return row
 
 
-def list_tokens(session: Session) -> list[ApiToken]:
-    return list(session.scalars(select(ApiToken).order_by(ApiToken.id)))
+def list_tokens(session: Session, paging: Paging) -> tuple[list[ApiToken], int]:
+    return page(session, select(ApiToken).order_by(ApiToken.id), paging)
 
 
 def ensure_admin(session: Session, secret: str | None) -> str | None:

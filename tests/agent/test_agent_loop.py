@@ -80,7 +80,7 @@ def _job(api: Api, job_id: object) -> dict[str, Any]:
 
 
 def _devices(api: Api) -> list[tuple[str, int | None]]:
-    hosts = api.client.get("/api/v1/hosts", headers=api.headers()).json()
+    hosts = api.client.get("/api/v1/hosts", headers=api.headers()).json()["items"]
     return [(d["status"], d["job_id"]) for h in hosts for d in h["devices"]]
 
 

@@ -94,14 +94,14 @@ def test_job_runs_to_success_with_rebalanced_plans(agent: tuple[Agent, ApiClient
     job = admin.submit(_spec())
     done = _wait(lambda: (j := admin.job(job.id)).status.terminal and j)
     assert done.status is JobStatus.SUCCEEDED, done.error
-    rows = admin.telemetry(job.id)
+    rows = admin.telemetry(job.id).items
     assert sorted({(r.rank, r.iteration) for r in rows}) == [
         (r, i) for r in range(2) for i in range(120)
     ]
     for it in range(120):
         sizes = [r.batch_size for r in rows if r.iteration == it]
         assert sum(sizes) == 32, f"iteration {it}: {sizes}"
-    plans = admin.plans(job.id)
+    plans = admin.plans(job.id).items
     assert len(plans) >= 2 and plans[0].source.value == "automatic"
     final = plans[0].batch_sizes
     assert final[0] > final[1], "the 3x faster rank gets more samples"
@@ -126,7 +126,7 @@ def test_failed_rank_fails_the_job_with_its_traceback(agent: tuple[Agent, ApiCli
     w1 = next(w for w in done.workers if w.rank == 1)
     assert w1.error is not None and "Traceback" in w1.error and "RuntimeError: boom" in w1.error
     # Its agent uploaded the last lines of its log with the failure.
-    (log,) = admin.logs(job.id, rank=1)
+    (log,) = admin.logs(job.id, rank=1).items
     assert log.state is WorkerState.FAILED and log.log_tail is not None
     assert "RuntimeError: boom" in log.log_tail
 
@@ -148,7 +148,7 @@ def test_a_rank_killed_by_sigkill_fails_the_job_naming_the_signal(
 ) -> None:
     a, admin = agent
     job = admin.submit(_spec(iterations=100_000, max_restarts=0))  # fails, not restarts
-    _wait(lambda: len(admin.telemetry(job.id, limit=10)) > 0)
+    _wait(lambda: len(admin.telemetry(job.id, limit=10).items) > 0)
     os.kill(a.procs[(job.id, 1, 0)].pid, signal.SIGKILL)  # as the kernel's OOM killer would
     done = _wait(lambda: (j := admin.job(job.id)).status.terminal and j, timeout=60)
     assert done.status is JobStatus.FAILED
@@ -160,13 +160,13 @@ def test_a_rank_killed_by_sigkill_fails_the_job_naming_the_signal(
 def test_cancel_stops_the_workers(agent: tuple[Agent, ApiClient]) -> None:
     a, admin = agent
     job = admin.submit(_spec(iterations=100_000))
-    _wait(lambda: len(admin.telemetry(job.id, limit=10)) > 0)
+    _wait(lambda: len(admin.telemetry(job.id, limit=10).items) > 0)
     admin.cancel(job.id)
     _wait(lambda: all(w.state.value == "stopped" for w in admin.job(job.id).workers), timeout=60)
     assert all(p.state is WorkerState.STOPPED for p in a.procs.values())
     assert not list((a.workdir / "state" / a.name).iterdir())  # no process left to stop
     # The devices are free again for the next job.
-    assert all(d.status.value == "free" for h in admin.hosts() for d in h.devices)
+    assert all(d.status.value == "free" for h in admin.hosts().items for d in h.devices)
 
 
 def test_job_code_holds_only_its_own_rank_credential(
@@ -224,7 +224,7 @@ def test_job_code_holds_only_its_own_rank_credential(
         )
         done = _wait(lambda: (j := admin.job(job.id)).status.terminal and j)
         assert done.status is JobStatus.SUCCEEDED, done.error
-        assert {r.rank for r in admin.telemetry(job.id)} == {0, 1}  # its own credential works
+        assert {r.rank for r in admin.telemetry(job.id).items} == {0, 1}  # its own credential works
     finally:
         stop.set()
         thread.join(timeout=30)

@@ -89,7 +89,7 @@ def test_cpu_ranks_on_a_cuda_host_train_with_gloo(
     job = admin.submit(_spec(iterations=30, emulation=None))
     done = _wait(lambda: (j := admin.job(job.id)).status.terminal and j)
     assert done.status is JobStatus.SUCCEEDED, done.error
-    assert {(r.rank, r.iteration) for r in admin.telemetry(job.id)} == {
+    assert {(r.rank, r.iteration) for r in admin.telemetry(job.id).items} == {
         (r, i) for r in range(2) for i in range(30)
     }
     for rank in range(2):  # the fake was in force, and the rank was pinned to the CPU

@@ -137,7 +137,7 @@ def test_workers_die_within_10_s_of_a_kill_9_of_their_agent(
     )
     reaped.append(agent.pid)
     try:
-        assert _wait_for(lambda: any(h.name == "orphan-host" for h in admin.hosts()), 30)
+        assert _wait_for(lambda: any(h.name == "orphan-host" for h in admin.hosts().items), 30)
         job = admin.submit(
             {
                 "name": "long",
@@ -147,7 +147,7 @@ def test_workers_die_within_10_s_of_a_kill_9_of_their_agent(
                 "workers": 2,
             }
         )
-        assert _wait_for(lambda: len(admin.telemetry(job.id, limit=10)) > 0, 180, 0.5)
+        assert _wait_for(lambda: len(admin.telemetry(job.id, limit=10).items) > 0, 180, 0.5)
         records = [
             json.loads(p.read_text())
             for p in (workdir / "state" / "orphan-host").glob("worker-*.json")

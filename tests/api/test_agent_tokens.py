@@ -38,7 +38,7 @@ def test_each_agent_token_acts_for_its_own_host_only(tmp_path: Path) -> None:
         assert "bound to host 'host-a'" in r.json()["detail"]
         spec = {"name": "j", "workload": {"builtin": "mlp"}, "global_batch": 8, "workers": 1}
         assert client.post("/api/v1/jobs", json=spec, headers=api.headers(A)).status_code == 403
-        listed = client.get("/api/v1/tokens", headers=api.headers()).json()
+        listed = client.get("/api/v1/tokens", headers=api.headers()).json()["items"]
         agents = {t["host"]: t for t in listed if t["role"] == "agent"}
         assert set(agents) == {"host-a", "host-b"}
 

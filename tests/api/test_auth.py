@@ -57,14 +57,14 @@ def test_roles_gate_writes(api: Api) -> None:
 def test_revoked_token_stops_working_at_once(api: Api) -> None:
     tok = api.token(Role.VIEWER, name="soon-gone")
     assert api.client.get("/api/v1/jobs", headers=api.headers(tok)).status_code == 200
-    listed = api.client.get("/api/v1/tokens", headers=api.headers()).json()
+    listed = api.client.get("/api/v1/tokens", headers=api.headers()).json()["items"]
     tid = next(t["id"] for t in listed if t["name"] == "soon-gone")
     assert all("token" not in t and "token_hash" not in t for t in listed)
     assert api.client.delete(f"/api/v1/tokens/{tid}", headers=api.headers()).status_code == 200
     r = api.client.get("/api/v1/jobs", headers=api.headers(tok))
     assert r.status_code == 401
     assert "revoked" in r.json()["detail"]
-    audit = api.client.get("/api/v1/audit", headers=api.headers()).json()
+    audit = api.client.get("/api/v1/audit", headers=api.headers()).json()["items"]
     assert any(a["action"] == "token.revoke" and a["target"] == f"token:{tid}" for a in audit)
 
 
@@ -155,12 +155,12 @@ def test_a_new_admin_token_revokes_the_old_bootstrap_one(db_url: str) -> None:
         api = Api(client)
         old = client.get("/api/v1/tokens", headers=api.headers())
         assert old.status_code == 401 and "revoked" in old.json()["detail"]
-        listed = client.get("/api/v1/tokens", headers=api.headers(new)).json()
+        listed = client.get("/api/v1/tokens", headers=api.headers(new)).json()["items"]
         admins = [t for t in listed if t["name"] == "bootstrap-admin"]
         assert [t["revoked_at"] is None for t in admins] == [False, True]
         # Tokens people made are untouched.
         assert client.get("/api/v1/jobs", headers=api.headers(operator)).status_code == 200
-        audit = client.get("/api/v1/audit?limit=100", headers=api.headers(new)).json()
+        audit = client.get("/api/v1/audit?limit=100", headers=api.headers(new)).json()["items"]
         assert any(a["action"] == "token.revoke" and a["actor"] == "system" for a in audit)
     # Starting again with the same token changes nothing.
     with TestClient(

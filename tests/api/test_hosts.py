@@ -18,7 +18,7 @@ def test_register_lists_devices_and_refresh_keeps_ids(api: Api) -> None:
     again = api.register("gpu-1", devices=3, token=str(first["_token"]))
     assert [d["id"] for d in again["devices"]][:2] == ids  # type: ignore[union-attr]
     assert len(again["devices"]) == 3  # type: ignore[arg-type]
-    listed = api.client.get("/api/v1/hosts", headers=api.headers()).json()
+    listed = api.client.get("/api/v1/hosts", headers=api.headers()).json()["items"]
     assert [h["name"] for h in listed] == ["gpu-1"]
     assert all(d["status"] == "free" for d in listed[0]["devices"])
 
@@ -35,7 +35,7 @@ def test_protocol_mismatch_is_refused_with_409(api: Api) -> None:
     assert r.status_code == 409
     assert r.json()["field"] == "protocol_version"
     assert "99" in r.json()["detail"]
-    assert api.client.get("/api/v1/hosts", headers=api.headers()).json() == []
+    assert api.client.get("/api/v1/hosts", headers=api.headers()).json()["items"] == []
 
 
 def test_duplicate_device_is_422_naming_field(api: Api) -> None:
@@ -136,7 +136,7 @@ def _heartbeat(api: Api, host: dict[str, object], *reports: tuple[object, int, s
 
 
 def _devices(api: Api) -> list[tuple[str, int | None]]:
-    listed = api.client.get("/api/v1/hosts", headers=api.headers()).json()
+    listed = api.client.get("/api/v1/hosts", headers=api.headers()).json()["items"]
     return [(d["status"], d["job_id"]) for h in listed for d in h["devices"]]
 
 

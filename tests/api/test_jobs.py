@@ -136,7 +136,7 @@ def test_worker_reports_drive_the_job_to_success(api: Api) -> None:
     _report(api, host, job["id"], 1, "succeeded", exit_code=0)
     j = _job(api, job["id"])
     assert j["status"] == "succeeded" and j["finished_at"] is not None
-    devices = api.client.get("/api/v1/hosts", headers=api.headers()).json()[0]["devices"]
+    devices = api.client.get("/api/v1/hosts", headers=api.headers()).json()["items"][0]["devices"]
     assert all(d["status"] == "free" and d["job_id"] is None for d in devices)
 
 
@@ -162,7 +162,7 @@ def test_each_ranks_root_cause_and_log_tail_are_served_per_rank(api: Api) -> Non
     job = api.submit(workers=2, max_restarts=0)  # the failure ends the job (no restart)
     r = api.client.get(f"/api/v1/jobs/{job['id']}/logs", headers=api.headers())
     assert r.status_code == 200
-    assert [(x["rank"], x["state"], x["log_tail"]) for x in r.json()] == [
+    assert [(x["rank"], x["state"], x["log_tail"]) for x in r.json()["items"]] == [
         (0, "assigned", None),
         (1, "assigned", None),
     ]
@@ -174,12 +174,13 @@ def test_each_ranks_root_cause_and_log_tail_are_served_per_rank(api: Api) -> Non
     viewer = api.token(Role.VIEWER)
     r = api.client.get(f"/api/v1/jobs/{job['id']}/logs", headers=api.headers(viewer))
     assert r.status_code == 200, r.text
-    by_rank = {x["rank"]: x for x in r.json()}
+    by_rank = {x["rank"]: x for x in r.json()["items"]}
     assert by_rank[1]["state"] == "failed" and by_rank[1]["exit_code"] == 1
     assert by_rank[1]["error"] == tb and by_rank[1]["log_tail"] == tail
     assert by_rank[0]["state"] == "stopped" and by_rank[0]["log_tail"] == "step 42 loss 0.3\n"
     one = api.client.get(f"/api/v1/jobs/{job['id']}/logs?rank=1", headers=api.headers())
-    assert [x["rank"] for x in one.json()] == [1]
+    assert one.json() == {"items": [one.json()["items"][0]], "total": 1}
+    assert one.json()["items"][0]["rank"] == 1
     missing = api.client.get(f"/api/v1/jobs/{job['id']}/logs?rank=7", headers=api.headers())
     assert missing.status_code == 404 and missing.json()["field"] == "rank"
     assert api.client.get("/api/v1/jobs/999/logs", headers=api.headers()).status_code == 404

@@ -63,7 +63,7 @@ def _job_with_telemetry(api: Api) -> int:
 
 def test_caps_come_from_the_memory_fit_and_the_device_and_plans_carry_them(api: Api) -> None:
     job = _job_with_telemetry(api)
-    models = api.client.get(f"/api/v1/jobs/{job}/models", headers=api.headers()).json()
+    models = api.client.get(f"/api/v1/jobs/{job}/models", headers=api.headers()).json()["items"]
     small, big = models
     # (0.9 * 12288 - 4595) / 90.7 = 71.3; (0.9 * 81920 - 4595) / 90.7 = 762.2
     assert small["memory_cap"] == 71 and big["memory_cap"] == 762
@@ -117,7 +117,7 @@ def test_an_out_of_memory_report_caps_the_rank_below_the_failing_size(api: Api) 
         headers=api.headers(),
     )
     assert r.status_code == 200, r.text
-    models = api.client.get(f"/api/v1/jobs/{job}/models", headers=api.headers()).json()
+    models = api.client.get(f"/api/v1/jobs/{job}/models", headers=api.headers()).json()["items"]
     assert models[1]["oom_batch"] == 140 and models[1]["memory_cap"] == 139
 
 
@@ -136,7 +136,7 @@ def test_an_out_of_memory_report_is_an_event_and_a_new_plan_under_every_policy(a
         )
         with transaction(api.client.app.state.context.sessions) as s:  # type: ignore[attr-defined]
             control_loop.sweep(s, state, watch=False)
-    events = api.client.get(f"/api/v1/jobs/{job}/events", headers=api.headers()).json()
+    events = api.client.get(f"/api/v1/jobs/{job}/events", headers=api.headers()).json()["items"]
     assert [(e["kind"], e["rank"], e["detail"]["batch"]) for e in events] == [("oom", 1, 100)]
     assert "cap 99 per pass" in events[0]["action"]
     plan = api.client.get(f"/api/v1/jobs/{job}/plan", headers=api.headers()).json()
@@ -167,7 +167,7 @@ def test_the_time_fit_counts_an_accumulated_iteration_as_passes(api: Api) -> Non
         f"/api/v1/jobs/{job}/telemetry", json={"records": records}, headers=api.headers()
     )
     assert r.status_code == 200, r.text
-    fast = api.client.get(f"/api/v1/jobs/{job}/models", headers=api.headers()).json()[0]
+    fast = api.client.get(f"/api/v1/jobs/{job}/models", headers=api.headers()).json()["items"][0]
     assert abs(fast["per_sample_ms"] - 1.0) < 0.05 and abs(fast["intercept_ms"] - 5.0) < 1.0
 
 
@@ -185,6 +185,6 @@ def test_after_an_out_of_memory_error_the_cap_comes_from_the_pass_that_fitted(ap
         f"/api/v1/jobs/{job}/telemetry", json={"records": records}, headers=api.headers()
     )
     assert r.status_code == 200, r.text
-    small = api.client.get(f"/api/v1/jobs/{job}/models", headers=api.headers()).json()[0]
+    small = api.client.get(f"/api/v1/jobs/{job}/models", headers=api.headers()).json()["items"][0]
     assert small["memory_cap"] == 60 and small["oom_batch"] == 100
     assert not small["memory_identifiable"]  # one pass size seen: a labelled guess

@@ -78,8 +78,8 @@ def _stored(api: Api) -> tuple[int, int, int]:
     h = api.headers()
     return (
         api.client.get("/api/v1/jobs", headers=h).json()["total"],
-        len(api.client.get("/api/v1/tokens", headers=h).json()),
-        len(api.client.get("/api/v1/hosts", headers=h).json()),
+        len(api.client.get("/api/v1/tokens", headers=h).json()["items"]),
+        len(api.client.get("/api/v1/hosts", headers=h).json()["items"]),
     )
 
 

@@ -26,10 +26,10 @@ def test_set_batches_makes_a_manual_plan_and_an_audit_entry(api: Api) -> None:
     assert plan["batch_sizes"] == [10, 20, 30]
     assert plan["source"] == "manual" and plan["created_by"] == "alice"
     assert "busy node" in plan["reason"]
-    audit = api.client.get(f"/api/v1/audit?target=job:{job}", headers=api.headers()).json()
+    audit = api.client.get(f"/api/v1/audit?target=job:{job}", headers=api.headers()).json()["items"]
     entry = next(a for a in audit if a["action"] == "override.set_batches")
     assert entry["actor"] == "alice" and entry["detail"]["reason"] == "rank 0 is on a busy node"
-    listed = api.client.get(f"/api/v1/jobs/{job}/overrides", headers=api.headers()).json()
+    listed = api.client.get(f"/api/v1/jobs/{job}/overrides", headers=api.headers()).json()["items"]
     assert [o["kind"] for o in listed] == ["set_batches"]
 
 
@@ -45,7 +45,9 @@ def test_preview_changes_nothing(api: Api) -> None:
     assert r.status_code == 200  # nothing created
     assert r.json()["applied"] is False and r.json()["plan"]["batch_sizes"] == [30, 20, 10]
     assert api.client.get(f"/api/v1/jobs/{job}/plan", headers=api.headers()).json()["version"] == 1
-    assert api.client.get(f"/api/v1/jobs/{job}/overrides", headers=api.headers()).json() == []
+    assert (
+        api.client.get(f"/api/v1/jobs/{job}/overrides", headers=api.headers()).json()["items"] == []
+    )
 
 
 def test_invalid_override_is_422_and_keeps_the_plan(api: Api) -> None:

@@ -65,7 +65,9 @@ class Sim:
 def test_minmax_explores_then_converges_to_the_optimum(api: Api) -> None:
     sim = Sim(api)
     sim.run(40)
-    history = api.client.get(f"/api/v1/jobs/{sim.job}/plans", headers=api.headers()).json()[::-1]
+    history = api.client.get(f"/api/v1/jobs/{sim.job}/plans", headers=api.headers()).json()[
+        "items"
+    ][::-1]
     assert [p["source"] for p in history][:3] == ["initial", "automatic", "automatic"]
     assert "exploring" in history[1]["reason"]
     # Continuous optimum: (T - 5) * (1 + 1 + 1/2 + 1/4) = 256 -> T = 98.1 ms; the integer plan
@@ -79,10 +81,10 @@ def test_minmax_explores_then_converges_to_the_optimum(api: Api) -> None:
     versions = len(history)
     sim.run(30)
     assert (
-        len(api.client.get(f"/api/v1/jobs/{sim.job}/plans", headers=api.headers()).json())
+        len(api.client.get(f"/api/v1/jobs/{sim.job}/plans", headers=api.headers()).json()["items"])
         == versions
     )
-    models = api.client.get(f"/api/v1/jobs/{sim.job}/models", headers=api.headers()).json()
+    models = api.client.get(f"/api/v1/jobs/{sim.job}/models", headers=api.headers()).json()["items"]
     assert [m["identifiable"] for m in models] == [True] * 4
     for m, s in zip(models, PER_SAMPLE, strict=True):
         assert abs(m["per_sample_ms"] - s) < 0.05 and abs(m["intercept_ms"] - INTERCEPT) < 1.0
@@ -144,7 +146,9 @@ def test_pin_exclude_readmit_and_rebalance_now(api: Api) -> None:
     now = _override(api, sim.job, kind="rebalance_now").json()
     assert now["applied"]
     assert sim.plan()["batch_sizes"][0] > 0 and sim.plan()["batch_sizes"][3] != 40
-    audit = api.client.get(f"/api/v1/audit?target=job:{sim.job}", headers=api.headers()).json()
+    audit = api.client.get(f"/api/v1/audit?target=job:{sim.job}", headers=api.headers()).json()[
+        "items"
+    ]
     actions = [a["action"] for a in audit if a["actor"] == "ops"]
     assert actions[::-1] == [
         "override.pin",

@@ -136,7 +136,7 @@ def test_an_old_attempts_live_rank_keeps_its_device_until_reported_gone(api: Api
     _heartbeat(api, b, _failed(job["id"], 1))  # rank 1 on host-b fails: restart
 
     def devices() -> dict[str, tuple[str, object]]:
-        listed = api.client.get("/api/v1/hosts", headers=api.headers()).json()
+        listed = api.client.get("/api/v1/hosts", headers=api.headers()).json()["items"]
         return {h["name"]: (h["devices"][0]["status"], h["devices"][0]["job_id"]) for h in listed}
 
     out = api.client.get(f"/api/v1/jobs/{job['id']}", headers=api.headers()).json()
@@ -166,12 +166,12 @@ def test_after_max_restarts_the_job_fails_with_every_reason(api: Api) -> None:
         "attempt 2: rank 0 failed: boom 2"
     )
     assert all(h["resumed_from"] is None for h in out["restart_history"])
-    devices = api.client.get("/api/v1/hosts", headers=api.headers()).json()[0]["devices"]
+    devices = api.client.get("/api/v1/hosts", headers=api.headers()).json()["items"][0]["devices"]
     # rank 1 of the last attempt was handed out and not yet reported ended: may still run
     assert sorted(d["status"] for d in devices) == ["busy", "free"]
     stopped = {"job_id": job["id"], "rank": 1, "state": "stopped", "attempt": 2}
     _heartbeat(api, host, stopped)
-    devices = api.client.get("/api/v1/hosts", headers=api.headers()).json()[0]["devices"]
+    devices = api.client.get("/api/v1/hosts", headers=api.headers()).json()["items"][0]["devices"]
     assert {d["status"] for d in devices} == {"free"}
 
 
@@ -205,7 +205,7 @@ def test_a_lost_host_restarts_the_job_on_fewer_devices_when_the_spec_allows(api:
     later = datetime.now(UTC) + timedelta(seconds=120)
     _heartbeat(api, a)  # host-a stays alive; host-b falls silent
     with context.sessions() as session, session.begin():
-        for h in hosts.list_hosts(session):
+        for h in hosts.list_hosts(session)[0]:
             if h.name == "host-a":
                 h.last_heartbeat = later
         lost = hosts.mark_lost(session, later, after_s=60)
@@ -242,7 +242,7 @@ def test_checkpoints_are_reported_by_the_rank_and_listed(api: Api) -> None:
     assert r.status_code == 422 and "iteration" in r.text
     r = api.client.get(f"/api/v1/jobs/{job['id']}/checkpoints", headers=api.headers(viewer))
     assert r.status_code == 200
-    listed = r.json()
+    listed = r.json()["items"]
     assert [(c["iteration"], c["rank"], c["attempt"], c["size_bytes"]) for c in listed] == [
         (20, 0, 0, 1234),
         (10, 0, 0, 1234),

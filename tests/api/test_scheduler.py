@@ -49,7 +49,9 @@ def test_fast_gpus_are_chosen_from_the_published_figures(api: Api) -> None:
     job = api.submit(workers=2)
     assert _devices_of(api, job) == _ids(new, 0, 1)
     assert not _devices_of(api, job) & _ids(old, 0, 1)
-    audit = api.client.get(f"/api/v1/audit?target=job:{job['id']}", headers=api.headers()).json()
+    audit = api.client.get(f"/api/v1/audit?target=job:{job['id']}", headers=api.headers()).json()[
+        "items"
+    ]
     placed = next(a for a in audit if a["action"] == "job.placed")
     assert placed["detail"]["status"] in ("optimal", "feasible") and placed["detail"]["hosts"] == 1
 

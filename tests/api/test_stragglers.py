@@ -148,13 +148,13 @@ class Cluster:
     def events(self) -> list[dict[str, Any]]:
         data: list[dict[str, Any]] = self.api.client.get(
             f"/api/v1/jobs/{self.job}/events", headers=self.api.headers()
-        ).json()
+        ).json()["items"]
         return data
 
     def plans(self) -> list[dict[str, Any]]:
         data: list[dict[str, Any]] = self.api.client.get(
             f"/api/v1/jobs/{self.job}/plans?limit=1000", headers=self.api.headers()
-        ).json()
+        ).json()["items"]
         return data[::-1]
 
 

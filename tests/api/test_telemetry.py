@@ -44,7 +44,9 @@ def test_retried_batch_never_duplicates(api: Api) -> None:
     assert api.client.post(
         f"/api/v1/jobs/{job}/telemetry", json=overlap, headers=api.headers()
     ).json() == {"accepted": 1, "duplicates": 2}
-    rows = api.client.get(f"/api/v1/jobs/{job}/telemetry", headers=api.headers()).json()
+    rows = api.client.get(f"/api/v1/jobs/{job}/telemetry?limit=1000", headers=api.headers()).json()[
+        "items"
+    ]
     assert len(rows) == 101
     assert rows[0] == {
         **_rec(0, 0),
@@ -76,7 +78,12 @@ def test_bad_records_are_422_and_store_nothing(api: Api) -> None:
         )
         assert r.status_code == 422, field
         assert r.json()["field"] == field
-    assert api.client.get(f"/api/v1/jobs/{job}/telemetry", headers=api.headers()).json() == []
+    assert (
+        api.client.get(f"/api/v1/jobs/{job}/telemetry?limit=1000", headers=api.headers()).json()[
+            "items"
+        ]
+        == []
+    )
 
 
 def _columns(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -105,7 +112,9 @@ def test_a_columnar_batch_stores_what_the_same_records_would(api: Api) -> None:
         headers=api.headers(),
     ).json()
     assert ack == {"accepted": 10, "duplicates": 0}
-    rows = api.client.get(f"/api/v1/jobs/{job}/telemetry", headers=api.headers()).json()
+    rows = api.client.get(f"/api/v1/jobs/{job}/telemetry?limit=1000", headers=api.headers()).json()[
+        "items"
+    ]
     assert rows == records
     # The records form of an overlapping batch sees them as duplicates, and the reverse.
     again = {"records": [_rec(0, 4), _rec(0, 5)]}
@@ -120,7 +129,7 @@ def test_a_columnar_batch_stores_what_the_same_records_would(api: Api) -> None:
     ).json() == {"accepted": 1, "duplicates": 1}
     last = api.client.get(
         f"/api/v1/jobs/{job}/telemetry?since_iteration=5&rank=1", headers=api.headers()
-    ).json()
+    ).json()["items"]
     assert last == [
         {**_rec(1, 5), "probe": False, "peak_memory_mb": None, "oom_batch": None, "pass_size": None}
     ]
@@ -135,7 +144,9 @@ def test_peak_memory_is_stored_from_records_and_columns_and_bounded(api: Api) ->
     cols = _columns([_rec(1, 0, peak_memory_mb=3192.0), _rec(0, 1, peak_memory_mb=None)])
     cols["peak_memory_mb"] = [3192.0, None]
     assert post({"columns": cols}).json()["accepted"] == 2
-    rows = api.client.get(f"/api/v1/jobs/{job}/telemetry", headers=api.headers()).json()
+    rows = api.client.get(f"/api/v1/jobs/{job}/telemetry?limit=1000", headers=api.headers()).json()[
+        "items"
+    ]
     assert [r["peak_memory_mb"] for r in rows] == [2428.5, 3192.0, None]
     for bad, field in (
         ({"records": [_rec(0, 2, peak_memory_mb=-1.0)]}, "records.0.peak_memory_mb"),
@@ -167,7 +178,12 @@ def test_bad_columns_are_422_naming_the_column_and_store_nothing(api: Api) -> No
         assert r.json()["field"] == field, r.json()
         if field == "columns":
             assert "columns.sync_ms has 1 values" in r.json()["detail"]
-    assert api.client.get(f"/api/v1/jobs/{job}/telemetry", headers=api.headers()).json() == []
+    assert (
+        api.client.get(f"/api/v1/jobs/{job}/telemetry?limit=1000", headers=api.headers()).json()[
+            "items"
+        ]
+        == []
+    )
 
 
 def test_nan_and_infinity_are_refused(sqlite_api: Api) -> None:
@@ -213,7 +229,9 @@ def test_any_sequence_of_retries_stores_each_key_once(
     job = jobs[0]["id"] if jobs else _job(app)
     before = {
         (r["rank"], r["iteration"])
-        for r in app.client.get(f"/api/v1/jobs/{job}/telemetry", headers=app.headers()).json()
+        for r in app.client.get(
+            f"/api/v1/jobs/{job}/telemetry?limit=1000", headers=app.headers()
+        ).json()["items"]
     }
     seen = set(before)
     for n, batch in enumerate(batches):
@@ -225,7 +243,9 @@ def test_any_sequence_of_retries_stores_each_key_once(
         new = {k for k in batch if k not in seen}
         assert ack == {"accepted": len(new), "duplicates": len(batch) - len(new)}
         seen |= new
-    stored = app.client.get(f"/api/v1/jobs/{job}/telemetry", headers=app.headers()).json()
+    stored = app.client.get(
+        f"/api/v1/jobs/{job}/telemetry?limit=1000", headers=app.headers()
+    ).json()["items"]
     assert len(stored) == len(seen)
 
 

@@ -236,5 +236,5 @@ def test_a_second_live_agent_for_a_host_is_refused_unless_it_replaces(api: Api) 
     assert r.status_code == 409
     assert "replaced" in r.json()["detail"]
     _heartbeat(api, host, instance="second")
-    audit = api.client.get("/api/v1/audit", headers=api.headers()).json()
+    audit = api.client.get("/api/v1/audit", headers=api.headers()).json()["items"]
     assert any(a["action"] == "host.replace" for a in audit)

@@ -131,7 +131,7 @@ def test_a_worker_stops_cleanly_when_its_job_is_cancelled(live_server: LiveServe
         try:
             auth = {"Authorization": f"Bearer {live_server.admin_token}"}
             deadline = time.monotonic() + 60
-            while not client.get(f"/api/v1/jobs/{job_id}/telemetry", headers=auth).json():
+            while not client.get(f"/api/v1/jobs/{job_id}/telemetry", headers=auth).json()["items"]:
                 assert proc.poll() is None and time.monotonic() < deadline
                 time.sleep(0.2)
             assert client.post(f"/api/v1/jobs/{job_id}/cancel", headers=auth).status_code == 200

@@ -5,6 +5,7 @@ iteration where the workers took them."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -236,12 +237,12 @@ def test_set_batches_override_from_preview_to_the_iteration_that_took_it(
     assert f"v{new_version} override took effect" in labels
     rows = cluster.client.get(
         f"/api/v1/jobs/{running.id}/telemetry?since_iteration={took - 1}&rank=0"
-    ).json()
+    ).json()["items"]
     assert [(r["iteration"], r["plan_version"]) for r in rows[:2]] == [
         (took - 1, current["version"]),
         (took, new_version),
     ]
-    audit = cluster.client.get(f"/api/v1/audit?target=job:{running.id}").json()
+    audit = cluster.client.get(f"/api/v1/audit?target=job:{running.id}").json()["items"]
     entry = next(a for a in audit if a["action"] == "override.set_batches")
     assert entry["actor"] == "olga"
     assert entry["detail"]["reason"] == "rank 3 shares its node with a backup job"
@@ -271,7 +272,7 @@ def test_freeze_and_unfreeze_from_the_page(
         assert _wait_state(pg, "applied", "error") == "applied"
         assert pg.locator(".badge.frozen").count() == (1 if frozen else 0)
         assert cluster.client.get(f"/api/v1/jobs/{running.id}").json()["frozen"] is frozen
-    audit = cluster.client.get(f"/api/v1/audit?target=job:{running.id}").json()
+    audit = cluster.client.get(f"/api/v1/audit?target=job:{running.id}").json()["items"]
     assert [a["action"] for a in audit[:2]] == ["override.unfreeze", "override.freeze"]
 
 
@@ -284,6 +285,11 @@ def test_viewers_see_the_override_panel_disabled(
     assert pg.locator("#override-status").get_attribute("data-state") == "disabled"
     assert "operator role" in pg.locator("#override-status").inner_text()
     assert pg.locator("#override-preview").is_disabled()
+
+
+def _models_url(job_id: int) -> re.Pattern[str]:
+    """GET /models of the job, whatever page it asks for."""
+    return re.compile(rf".*/api/v1/jobs/{job_id}/models(\?.*)?$")
 
 
 def test_fitted_models_are_shown_with_the_plan_when_the_api_has_them(
@@ -301,10 +307,10 @@ def test_fitted_models_are_shown_with_the_plan_when_the_api_has_them(
         }
         for r, p in enumerate(PER_SAMPLE_MS)
     ]
-    # Known figures for GET /models, answered in the browser.
+    # Known figures for GET /models (one page), answered in the browser.
     pg.route(
-        f"**/api/v1/jobs/{running.id}/models",
-        lambda route: route.fulfill(json=models),
+        _models_url(running.id),
+        lambda route: route.fulfill(json={"items": models, "total": len(models)}),
     )
     sign_in(pg, live_app.url, live_app.admin_token, path=f"/jobs/{running.id}")
     pg.locator("#plan-table thead").wait_for()
@@ -352,7 +358,7 @@ def test_models_that_cannot_be_loaded_say_why(
     """The page once swallowed any failure here and said the server "answered 404"."""
     pg = page.page
     pg.route(
-        f"**/api/v1/jobs/{running.id}/models",
+        _models_url(running.id),
         lambda route: route.fulfill(status=status, body=body, content_type=content_type),
     )
     sign_in(pg, live_app.url, live_app.admin_token, path=f"/jobs/{running.id}")
@@ -424,7 +430,7 @@ def test_rebalance_now(
 ) -> None:
     _open(page.page, live_app, running.id)
     assert _override(page.page, "rebalance_now") in ("applied", "effective")
-    audit = cluster.client.get(f"/api/v1/audit?target=job:{running.id}").json()
+    audit = cluster.client.get(f"/api/v1/audit?target=job:{running.id}").json()["items"]
     assert audit[0]["action"] == "override.rebalance_now"
 
 

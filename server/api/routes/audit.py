@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Query
 
-from contract.api import AuditOut
+from contract.api import AuditOut, Page
 from server.api.bodies import JSONRoute
-from server.api.deps import SessionDep, Viewer
+from server.api.deps import PagingDep, SessionDep, Viewer
 from server.services import audit
 
 router = APIRouter(prefix="/audit", tags=["audit"], route_class=JSONRoute)
@@ -16,12 +16,9 @@ router = APIRouter(prefix="/audit", tags=["audit"], route_class=JSONRoute)
 def audit_log(
     session: SessionDep,
     _: Viewer,
+    paging: PagingDep,
     target: str | None = Query(None, max_length=128, pattern=r"^[\w:.-]+$"),
-    limit: int = Query(100, ge=1, le=1000),
-    offset: int = Query(0, ge=0, le=2**31 - 1),
-) -> list[AuditOut]:
+) -> Page[AuditOut]:
     """Who did what, newest first; `target` like `job:3` narrows it."""
-    return [
-        AuditOut.model_validate(e)
-        for e in audit.entries(session, target=target, limit=limit, offset=offset)
-    ]
+    rows, total = audit.entries(session, paging, target=target)
+    return Page(items=[AuditOut.model_validate(e) for e in rows], total=total)

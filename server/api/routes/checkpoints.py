@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter
 
 from contract.agent import CheckpointReport
-from contract.api import CheckpointOut
+from contract.api import CheckpointOut, Page
 from server.api.bodies import JSONRoute
-from server.api.deps import Authenticated, JobReader, Now, PathId, SessionDep
+from server.api.deps import Authenticated, JobReader, Now, PagingDep, PathId, SessionDep
 from server.services import checkpoints
 
 router = APIRouter(prefix="/jobs", tags=["checkpoints"], route_class=JSONRoute)
@@ -27,9 +27,8 @@ def list_checkpoints(
     session: SessionDep,
     _: JobReader,
     job_id: PathId,
-    limit: int = Query(100, ge=1, le=1000),
-) -> list[CheckpointOut]:
+    paging: PagingDep,
+) -> Page[CheckpointOut]:
     """A job's checkpoints, newest first: iteration, size, when, by which rank and attempt."""
-    return [
-        CheckpointOut.model_validate(c) for c in checkpoints.list_for(session, job_id, limit=limit)
-    ]
+    rows, total = checkpoints.list_for(session, job_id, paging)
+    return Page(items=[CheckpointOut.model_validate(c) for c in rows], total=total)

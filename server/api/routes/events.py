@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Query, Response
+from fastapi import APIRouter, Response
 
-from contract.api import EventOut, OverrideCreate, OverrideOut
+from contract.api import EventOut, OverrideCreate, OverrideOut, Page
 from contract.enums import OverrideKind
 from server.api.bodies import JSONRoute
-from server.api.deps import Operator, PathId, SessionDep, Viewer
+from server.api.deps import Operator, PagingDep, PathId, SessionDep, Viewer
+from server.api.statuses import declare
 from server.services import events, jobs, overrides
 
 router = APIRouter(prefix="/jobs", tags=["events"], route_class=JSONRoute)
@@ -15,27 +16,34 @@ router = APIRouter(prefix="/jobs", tags=["events"], route_class=JSONRoute)
 
 @router.get("/{job_id}/events")
 def list_events(
-    session: SessionDep, _: Viewer, job_id: PathId, limit: int = Query(200, ge=1, le=10_000)
-) -> list[EventOut]:
+    session: SessionDep, _: Viewer, job_id: PathId, paging: PagingDep
+) -> Page[EventOut]:
     """Straggler events of a job, newest first."""
     jobs.get(session, job_id)
-    return [EventOut.model_validate(e) for e in events.list_events(session, job_id, limit=limit)]
+    rows, total = events.list_events(session, job_id, paging)
+    return Page(items=[EventOut.model_validate(e) for e in rows], total=total)
 
 
 @router.get("/{job_id}/overrides")
-def list_overrides(session: SessionDep, _: Viewer, job_id: PathId) -> list[OverrideOut]:
+def list_overrides(
+    session: SessionDep, _: Viewer, job_id: PathId, paging: PagingDep
+) -> Page[OverrideOut]:
     """Overrides applied to a job, newest first."""
     jobs.get(session, job_id)
-    return [
-        OverrideOut.model_validate({**_row(o), "kind": OverrideKind(o.kind)})
-        for o in overrides.list_overrides(session, job_id)
-    ]
+    rows, total = overrides.list_overrides(session, job_id, paging)
+    return Page(
+        items=[OverrideOut.model_validate({**_row(o), "kind": OverrideKind(o.kind)}) for o in rows],
+        total=total,
+    )
 
 
 @router.post(
     "/{job_id}/overrides",
     status_code=201,
-    responses={200: {"model": OverrideOut, "description": "A preview: nothing was created"}},
+    responses={
+        200: {"model": OverrideOut, "description": "A preview: nothing was created"},
+        **declare(409),
+    },
 )
 def create_override(
     req: OverrideCreate,

@@ -5,24 +5,26 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from contract.agent import Heartbeat, HeartbeatAck, HostRegister
-from contract.api import HostOut
+from contract.api import HostOut, Page
 from server.api.bodies import JSONRoute
 from server.api.deps import (
     Authenticated,
     Context,
     Now,
+    PagingDep,
     PathId,
     SessionDep,
     SettingsDep,
     Viewer,
     in_transaction,
 )
+from server.api.statuses import declare
 from server.services import hosts
 
 router = APIRouter(prefix="/hosts", tags=["hosts"], route_class=JSONRoute)
 
 
-@router.post("/register", status_code=201)
+@router.post("/register", status_code=201, responses=declare(409))
 def register(
     req: HostRegister,
     session: SessionDep,
@@ -38,7 +40,7 @@ def register(
     )
 
 
-@router.post("/{host_id}/heartbeat")
+@router.post("/{host_id}/heartbeat", responses=declare(409))
 async def heartbeat(
     req: Heartbeat, context: Context, principal: Authenticated, now: Now, host_id: PathId
 ) -> HeartbeatAck:
@@ -49,9 +51,10 @@ async def heartbeat(
 
 
 @router.get("")
-def list_hosts(session: SessionDep, _: Viewer) -> list[HostOut]:
-    """All hosts with their devices."""
-    return [HostOut.model_validate(h) for h in hosts.list_hosts(session)]
+def list_hosts(session: SessionDep, _: Viewer, paging: PagingDep) -> Page[HostOut]:
+    """Hosts with their devices, by id."""
+    rows, total = hosts.list_hosts(session, paging)
+    return Page(items=[HostOut.model_validate(h) for h in rows], total=total)
 
 
 @router.get("/{host_id}")

@@ -10,6 +10,7 @@ from contract.dashboard import MetricsOut
 from contract.enums import Role
 from server.api.bodies import JSONRoute
 from server.api.deps import Authenticated, PathId, SessionDep, Viewer
+from server.api.statuses import declare
 from server.services import job_metrics, jobs
 
 router = APIRouter(prefix="/jobs", tags=["metrics"], route_class=JSONRoute)
@@ -18,7 +19,7 @@ _NAME = r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}"
 NAMES_PATTERN = rf"^{_NAME}(,{_NAME}){{0,{MAX_METRIC_NAMES - 1}}}$"
 
 
-@router.post("/{job_id}/metrics")
+@router.post("/{job_id}/metrics", responses=declare(409))
 def ingest(
     batch: MetricBatch, session: SessionDep, principal: Authenticated, job_id: PathId
 ) -> MetricAck:

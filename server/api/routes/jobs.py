@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Query
 
 from contract.agent import RendezvousIn, RendezvousOut
-from contract.api import JobList, JobOut, RankLogOut
+from contract.api import JobOut, Page, RankLogOut
 from contract.enums import JobStatus
 from contract.spec import JobSpec
 from server.api.bodies import JSONRoute
@@ -14,10 +14,12 @@ from server.api.deps import (
     JobReader,
     Now,
     Operator,
+    PagingDep,
     PathId,
     SessionDep,
     Viewer,
 )
+from server.api.statuses import declare
 from server.services import jobs, rendezvous
 
 router = APIRouter(prefix="/jobs", tags=["jobs"], route_class=JSONRoute)
@@ -33,13 +35,12 @@ def create_job(spec: JobSpec, session: SessionDep, principal: Operator, now: Now
 def list_jobs(
     session: SessionDep,
     _: Viewer,
+    paging: PagingDep,
     status: JobStatus | None = None,
-    limit: int = Query(100, ge=1, le=1000),
-    offset: int = Query(0, ge=0, le=2**31 - 1),
-) -> JobList:
+) -> Page[JobOut]:
     """Jobs, newest first."""
-    rows, total = jobs.list_jobs(session, status=status, limit=limit, offset=offset)
-    return JobList(items=[JobOut.model_validate(j) for j in rows], total=total)
+    rows, total = jobs.list_jobs(session, status=status, limit=paging.limit, offset=paging.offset)
+    return Page(items=[JobOut.model_validate(j) for j in rows], total=total)
 
 
 @router.get("/{job_id}")
@@ -53,26 +54,28 @@ def get_logs(
     session: SessionDep,
     _: JobReader,
     job_id: PathId,
+    paging: PagingDep,
     rank: int | None = Query(None, ge=0, le=10_000),
-) -> list[RankLogOut]:
+) -> Page[RankLogOut]:
     """Each rank's (or one rank's) root cause and the last lines of its log, uploaded by its
-    agent when it failed or was stopped."""
-    return [RankLogOut.model_validate(w) for w in jobs.logs(session, job_id, rank)]
+    agent when it failed or was stopped; by rank."""
+    ranks, total = paging.slice(jobs.logs(session, job_id, rank))
+    return Page(items=[RankLogOut.model_validate(w) for w in ranks], total=total)
 
 
-@router.post("/{job_id}/cancel")
+@router.post("/{job_id}/cancel", responses=declare(409))
 def cancel_job(session: SessionDep, principal: Operator, now: Now, job_id: PathId) -> JobOut:
     """Cancel a job that has not ended; its agents stop the workers."""
     return JobOut.model_validate(jobs.cancel(session, job_id, principal, now))
 
 
-@router.get("/{job_id}/rendezvous")
+@router.get("/{job_id}/rendezvous", responses=declare(409))
 def get_rendezvous(session: SessionDep, _: JobReader, job_id: PathId) -> RendezvousOut:
     """Rank 0's address and rendezvous port (null until rank 0 has bound one)."""
     return rendezvous.lookup(session, job_id)
 
 
-@router.put("/{job_id}/rendezvous")
+@router.put("/{job_id}/rendezvous", responses=declare(409))
 def put_rendezvous(
     body: RendezvousIn, session: SessionDep, principal: Authenticated, job_id: PathId
 ) -> RendezvousOut:

@@ -9,10 +9,10 @@ from fastapi import APIRouter, Query, Response
 from sqlalchemy.orm import Session, sessionmaker
 
 from contract.agent import PlanOut
-from contract.api import ModelOut
+from contract.api import ModelOut, Page
 from contract.base import MAX_PLAN_WAIT_S
 from server.api.bodies import JSONRoute
-from server.api.deps import Context, JobReader, PathId, SessionDep, Viewer
+from server.api.deps import Context, JobReader, PagingDep, PathId, SessionDep, Viewer
 from server.context import AppContext
 from server.notify import RECHECK_S
 from server.services import jobs, memory, plans, rebalancer
@@ -74,8 +74,10 @@ def _load_current(sessions: sessionmaker[Session], job_id: int) -> tuple[int, by
 
 
 @router.get("/{job_id}/models")
-def worker_models(session: SessionDep, _: Viewer, job_id: PathId) -> list[ModelOut]:
-    """Each worker's performance model, fitted from its recent telemetry."""
+def worker_models(
+    session: SessionDep, _: Viewer, job_id: PathId, paging: PagingDep
+) -> Page[ModelOut]:
+    """Each worker's performance model, fitted from its recent telemetry; by rank."""
     job = jobs.get(session, job_id)
     out = []
     mem = memory.ranks(session, job)
@@ -97,7 +99,8 @@ def worker_models(session: SessionDep, _: Viewer, job_id: PathId) -> list[ModelO
                 **_memory_fields(mem[rank], sizes[rank] if rank < len(sizes) else 0),
             )
         )
-    return out
+    items, total = paging.slice(out)
+    return Page(items=items, total=total)
 
 
 def _memory_fields(m: memory.RankMemory, batch: int) -> dict[str, object]:
@@ -120,11 +123,8 @@ def plan_history(
     session: SessionDep,
     _: Viewer,
     job_id: PathId,
-    limit: int = Query(100, ge=1, le=1000),
-    offset: int = Query(0, ge=0, le=2**31 - 1),
-) -> list[PlanOut]:
+    paging: PagingDep,
+) -> Page[PlanOut]:
     """Every plan version, newest first, with why it was made."""
-    return [
-        PlanOut.model_validate(p)
-        for p in plans.history(session, job_id, limit=limit, offset=offset)
-    ]
+    rows, total = plans.history(session, job_id, paging)
+    return Page(items=[PlanOut.model_validate(p) for p in rows], total=total)

@@ -7,6 +7,7 @@ from fastapi import APIRouter, Query
 from contract.dashboard import SeriesOut, ThroughputOut
 from server.api.bodies import JSONRoute
 from server.api.deps import PathId, SessionDep, Viewer
+from server.api.statuses import declare
 from server.errors import Invalid
 from server.services import jobs, series
 
@@ -27,7 +28,7 @@ def job_series(
     )
 
 
-@router.get("/dashboard/throughput")
+@router.get("/dashboard/throughput", responses=declare(404))
 def job_throughput(
     session: SessionDep,
     _: Viewer,

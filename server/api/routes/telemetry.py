@@ -6,10 +6,11 @@ from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
 
 from contract.agent import TelemetryAck, TelemetryBatch
-from contract.api import TelemetryOut
+from contract.api import Page, TelemetryOut
 from contract.enums import Role
 from server.api import bodies
-from server.api.deps import Authenticated, Context, PathId, SessionDep, Viewer
+from server.api.deps import Authenticated, Context, PagingDep, PathId, SessionDep, Viewer
+from server.api.statuses import declare
 from server.context import AppContext
 from server.live import telemetry_stored
 from server.services import jobs, telemetry
@@ -18,7 +19,11 @@ from server.services.tokens import Principal
 router = APIRouter(prefix="/jobs", tags=["telemetry"], route_class=bodies.JSONRoute)
 
 
-@router.post("/{job_id}/telemetry", openapi_extra=bodies.documented_body(TelemetryBatch))
+@router.post(
+    "/{job_id}/telemetry",
+    openapi_extra=bodies.documented_body(TelemetryBatch),
+    responses=declare(409),
+)
 async def ingest(
     request: Request, context: Context, principal: Authenticated, job_id: PathId
 ) -> TelemetryAck:
@@ -55,13 +60,13 @@ def read(
     session: SessionDep,
     _: Viewer,
     job_id: PathId,
+    paging: PagingDep,
     since_iteration: int = Query(0, ge=0, le=10**12),
     rank: int | None = Query(None, ge=0, le=10_000),
-    limit: int = Query(10_000, ge=1, le=100_000),
-) -> list[TelemetryOut]:
+) -> Page[TelemetryOut]:
     """Timings from `since_iteration` on, ordered by iteration and rank."""
     jobs.get(session, job_id)
-    rows = telemetry.window(
-        session, job_id, since_iteration=since_iteration, rank=rank, limit=limit
+    rows, total = telemetry.window(
+        session, job_id, since_iteration=since_iteration, rank=rank, paging=paging
     )
-    return [TelemetryOut.model_validate(r) for r in rows]
+    return Page(items=[TelemetryOut.model_validate(r) for r in rows], total=total)

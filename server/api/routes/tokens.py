@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from contract.api import TokenCreate, TokenCreated, TokenOut
+from contract.api import Page, TokenCreate, TokenCreated, TokenOut
 from server.api.bodies import JSONRoute
-from server.api.deps import Admin, PathId, SessionDep
+from server.api.deps import Admin, PagingDep, PathId, SessionDep
+from server.api.statuses import declare
 from server.services import tokens
 
 router = APIRouter(prefix="/tokens", tags=["tokens"], route_class=JSONRoute)
 
 
-@router.post("", status_code=201)
+@router.post("", status_code=201, responses=declare(409))
 def create_token(req: TokenCreate, session: SessionDep, principal: Admin) -> TokenCreated:
     """Create a token; its secret is in this answer and nowhere else."""
     row, secret = tokens.create(session, req, by=principal.name)
@@ -22,9 +23,10 @@ def create_token(req: TokenCreate, session: SessionDep, principal: Admin) -> Tok
 
 
 @router.get("")
-def list_tokens(session: SessionDep, _: Admin) -> list[TokenOut]:
-    """All tokens, revoked ones included (never their secrets)."""
-    return [TokenOut.model_validate(t) for t in tokens.list_tokens(session)]
+def list_tokens(session: SessionDep, _: Admin, paging: PagingDep) -> Page[TokenOut]:
+    """Tokens by id, revoked ones included (never their secrets)."""
+    rows, total = tokens.list_tokens(session, paging)
+    return Page(items=[TokenOut.model_validate(t) for t in rows], total=total)
 
 
 @router.delete("/{token_id}")

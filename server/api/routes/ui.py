@@ -18,7 +18,6 @@ import html
 import string
 from functools import cache
 from pathlib import Path as FsPath
-from typing import Any
 from urllib.parse import parse_qs, quote
 
 import plotly
@@ -64,11 +63,11 @@ CHARTED = {"job", "compare"}
 router = APIRouter(include_in_schema=False, route_class=JSONRoute)
 
 
-def mount_dashboard(app: FastAPI, *, api_prefix: str, responses: dict[int | str, Any]) -> None:
+def mount_dashboard(app: FastAPI, *, api_prefix: str) -> None:
     """Add the dashboard to ``app``: its API routes (chart series, live stream), the pages,
     the login routes and the static files."""
     for module in (series_routes, stream_routes):
-        app.include_router(module.router, prefix=api_prefix, responses=responses)
+        app.include_router(module.router, prefix=api_prefix)
     app.include_router(router)
     app.mount("/static", StaticFiles(directory=FRONTEND_DIR / "static"), name="static")
 
