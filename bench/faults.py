@@ -197,8 +197,8 @@ def worker_then_host(workdir: Path, iterations: int = 360) -> dict[str, Any]:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"job {job.id} did not finish")
             time.sleep(0.1)
-        rows = cluster.client.telemetry(job.id, limit=100_000)
-        plans = cluster.client.plans(job.id)
+        rows = cluster.client.telemetry(job.id).items
+        plans = cluster.client.plans(job.id).items
     resumes = _resumes(workdir, job.id)
     versions = [
         min((p.version for p in plans if p.created_at >= r.at), default=None)

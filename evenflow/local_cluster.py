@@ -243,7 +243,7 @@ class LocalCluster:
     def _wait_registered(self, names: list[str], timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            hosts = {h.name: h for h in self.client.hosts()}
+            hosts = {h.name: h for h in self.client.hosts().items}
             if all(n in hosts for n in names):
                 return
             for n in names:

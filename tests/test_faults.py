@@ -109,7 +109,7 @@ def test_an_excluded_rank_that_dies_leaves_the_job_and_the_others_finish_it(
             ).version
         while not any(
             r.plan_version >= version and r.rank == 0
-            for r in cluster.client.telemetry(job.id, limit=100_000)
+            for r in cluster.client.telemetry(job.id, since_iteration=0).items
         ):
             assert time.monotonic() < deadline, "the exclusion never came into force"
             time.sleep(0.05)
@@ -117,7 +117,7 @@ def test_an_excluded_rank_that_dies_leaves_the_job_and_the_others_finish_it(
         assert cluster.last_iteration(job.id) < iterations - 200, "too late to be mid-run"
         os.kill(cluster.worker_pids(job.id)[1], signal.SIGKILL)
         done = cluster.wait(job.id, poll_s=0.25, timeout_s=400)
-        newest = cluster.client.plans(job.id)[0]
+        newest = cluster.client.plans(job.id).items[0]
 
     assert done.status is JobStatus.SUCCEEDED, done.error
     assert (done.restarts, done.attempt, done.restart_history) == (0, 0, [])

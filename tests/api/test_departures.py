@@ -92,7 +92,7 @@ def test_an_excluded_rank_that_dies_departs_without_a_restart(api: Api) -> None:
     assert plan["excluded"] == [2] and plan["batch_sizes"][2] == 0
     # the others keep running; the departed rank's device is free
     assert sorted(a["rank"] for a in _assignments(api, host, job_id)) == [0, 1, 3]
-    devices = api.client.get("/api/v1/hosts", headers=api.headers()).json()[0]["devices"]
+    devices = api.client.get("/api/v1/hosts", headers=api.headers()).json()["items"][0]["devices"]
     assert sorted(d["status"] for d in devices) == ["busy", "busy", "busy", "free"]
     # no later plan gives it samples, nor an operator
     r = api.client.post(
