@@ -291,17 +291,21 @@ class Fleet:
         await asyncio.sleep(self.rng.random() * HEARTBEAT_S)
         while not self.stop.is_set():
             started = time.monotonic()
-            workers = [{"job_id": j, "rank": r, "state": s} for (j, r), s in host.reports.items()]
-            status, ack = await self.request(
-                "heartbeat",
-                "POST",
-                f"/api/v1/hosts/{host.id}/heartbeat",
-                host.token,
-                json={"workers": workers},
-            )
-            if status == 200:
-                self.on_ack(host, ack)
+            await self.heartbeat(host)
             await asyncio.sleep(max(0.0, HEARTBEAT_S - (time.monotonic() - started)))
+
+    async def heartbeat(self, host: Host) -> None:
+        """One heartbeat reporting the host's ranks; the answer updates them."""
+        workers = [{"job_id": j, "rank": r, "state": s} for (j, r), s in host.reports.items()]
+        status, ack = await self.request(
+            "heartbeat",
+            "POST",
+            f"/api/v1/hosts/{host.id}/heartbeat",
+            host.token,
+            json={"workers": workers},
+        )
+        if status == 200:
+            self.on_ack(host, ack)
 
     def on_ack(self, host: Host, ack: dict[str, Any]) -> None:
         live = set()

@@ -44,22 +44,9 @@ async def placed(fleet: Fleet) -> None:
     while not all(len(j.ranks) == j.size for j in fleet.jobs.values()):
         if time.monotonic() > deadline:
             raise RuntimeError("the jobs were not placed")
-        await asyncio.gather(*(heartbeat(fleet, h) for h in fleet.hosts))
+        await asyncio.gather(*(fleet.heartbeat(h) for h in fleet.hosts))
         await asyncio.sleep(0.5)
-    await asyncio.gather(*(heartbeat(fleet, h) for h in fleet.hosts))  # now reporting running
-
-
-async def heartbeat(fleet: Fleet, host: Any) -> None:
-    workers = [{"job_id": j, "rank": r, "state": s} for (j, r), s in host.reports.items()]
-    status, ack = await fleet.request(
-        "heartbeat",
-        "POST",
-        f"/api/v1/hosts/{host.id}/heartbeat",
-        host.token,
-        json={"workers": workers},
-    )
-    if status == 200:
-        fleet.on_ack(host, ack)
+    await asyncio.gather(*(fleet.heartbeat(h) for h in fleet.hosts))  # now reporting running
 
 
 async def metered(
@@ -121,7 +108,7 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
         n, db = args.requests, make_url(db_url).database or ""
         out: dict[str, Any] = {"hosts": args.hosts, "ranks_running": sum(j.size for j in jobs)}
         out["heartbeat (8 ranks running)"] = await metered(
-            srv, db, n, lambda i: heartbeat(fleet, busy[i % len(busy)])
+            srv, db, n, lambda i: fleet.heartbeat(busy[i % len(busy)])
         )
         # One rank per post; the jobs' ranks in turn (a job's posts are ordered by iteration).
         out[f"telemetry per rank ({ROWS_PER_POST} rows)"] = await metered(
