@@ -117,32 +117,31 @@ def _prior(model: str, cpu: bool, memory_mb: int) -> float:
 
 
 class Speeds:
-    """Predicted samples/s of each device for a workload, worked out once per workload in a
-    placement round (measured on earlier jobs of the workload, else the prior)."""
+    """Measured samples/s per device for a workload (earlier jobs of it), read once per workload
+    in a placement round; a device without is predicted by its prior."""
 
     def __init__(self, session: Session) -> None:
         self.session = session
         self.measured: dict[str, dict[int, float]] = {}
 
-    def of(self, spec: JobSpec, device: Device) -> float:
+    def of(self, spec: JobSpec) -> dict[int, float]:
         workload = spec.workload.model_dump(mode="json")
         key = json.dumps(workload, sort_keys=True)
         if key not in self.measured:
             self.measured[key] = measured_speeds(self.session, workload)
-        speed = self.measured[key].get(device.id)
-        if speed is None:
-            speed = _prior(device.model, device.kind == DeviceKind.CPU.value, device.memory_mb)
-        return speed
+        return self.measured[key]
 
 
 def candidates(spec: JobSpec, free: list[Device], speeds: Speeds) -> list[FreeDevice]:
+    measured = speeds.of(spec)
     return [
         FreeDevice(
             id=d.id,
             host=str(d.host_id),
             model=d.model,
             memory_gb=d.memory_mb / 1024,
-            samples_per_s=speeds.of(spec, d),
+            samples_per_s=measured.get(d.id)
+            or _prior(d.model, d.kind == DeviceKind.CPU.value, d.memory_mb),
         )
         for d in free
     ]
