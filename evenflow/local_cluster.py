@@ -40,6 +40,7 @@ from contract.enums import Role
 from contract.spec import JobSpec
 from server.app import create_app
 from server.config import Settings
+from server.context import context_of
 
 log = logging.getLogger("evenflow.local")
 
@@ -177,6 +178,7 @@ class LocalCluster:
         for t in self._threads[1:]:
             t.join(timeout=30)
         if self._server is not None:
+            context_of(self.app).plan_waiters.close()  # held long-polls answer now
             self._server.should_exit = True
             self._threads[0].join(timeout=30)
         for h in self._http:

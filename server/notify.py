@@ -58,6 +58,18 @@ class PlanWaiters:
     def __init__(self) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._events: dict[int, asyncio.Event] = {}
+        self.closed = False
+        """The server is stopping: long-polls answer now rather than wait (``close``)."""
+
+    def close(self) -> None:
+        """Wake every long-poll to answer at once (304), from any thread: a server stopping
+        with long-polls held otherwise waits out its graceful-shutdown timeout and then
+        cancels them with an error and a traceback per request."""
+        self.closed = True
+        loop = self._loop
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits
+                loop.call_soon_threadsafe(lambda: self._fire(list(self._events)))
 
     def event(self, job_id: int) -> asyncio.Event:
         """The event the job's next plan sets; take it *before* reading the current plan."""

@@ -90,6 +90,23 @@ def test_an_override_wakes_the_waiter(api: Api) -> None:
     assert answer.json()["version"] == 2 and answer.json()["batch_sizes"] == [30, 20, 10]
 
 
+def test_a_stopping_server_answers_its_long_polls_at_once(api: Api) -> None:
+    """Closing the waiters (the server is stopping) answers held long-polls with 304 now,
+    rather than leaving them to be cancelled at the graceful-shutdown timeout with an error
+    and a traceback each (`make demo` printed one as it exited)."""
+    job = _live_job(api)
+    waiting = _long_poll(api, job, known=1, wait_s=30)
+    _until_waiting(api, job)
+    api.client.app.state.context.plan_waiters.close()  # type: ignore[attr-defined]
+    answer = waiting.result(timeout=10)  # far less than the 30 s it may wait
+    assert answer.status_code == 304
+    started = time.monotonic()
+    again = api.client.get(
+        f"/api/v1/jobs/{job}/plan", params={"known_version": 1, "wait_s": 30}, headers=api.headers()
+    )
+    assert again.status_code == 304 and time.monotonic() - started < 5  # none waits any more
+
+
 def test_a_plan_made_in_another_process_wakes_the_waiter(api: Api, db_url: str) -> None:
     job = _live_job(api)
     # Cached now, so only the notification (not the cache's TTL) can make the waiter see v2.

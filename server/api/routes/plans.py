@@ -51,7 +51,7 @@ async def current_plan(
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
         waiters = context.plan_waiters
-        while (remaining := deadline - loop.time()) > 0:
+        while not waiters.closed and (remaining := deadline - loop.time()) > 0:
             changed = waiters.event(job_id)  # taken before the read, so no commit slips between
             version, body = await _current(context, job_id)
             if version != known_version:
