@@ -184,19 +184,21 @@ class Controller:
             live = control_loop.live_jobs(s)
             due = control_loop.jobs_to_sweep(s, self.state, live)
         live_ids, queue, swept = set(live), deque(due), set()
+        urgent: deque[int] = deque()
         while True:
-            urgent = [j for j in self._take_urgent() if j in live_ids]
-            again = [j for j in urgent if j in swept]  # new data since its turn: next round
-            if again:
-                self.poke(again)
-            queue.extendleft(reversed([j for j in urgent if j not in swept]))
-            if not queue:
-                break
-            if self._place_now:
+            for j in self._take_urgent():
+                if j in live_ids and j not in urgent:
+                    urgent.append(j)
+            if self._place_now and (urgent or queue):
                 self._place_between_sweeps()
-            job_id = queue.popleft()
-            if job_id in swept:
-                continue
+            if urgent:  # again if swept already: its ranks' urgent posts arrive one by one
+                job_id = urgent.popleft()
+            elif queue:
+                job_id = queue.popleft()
+                if job_id in swept:
+                    continue
+            else:
+                break
             swept.add(job_id)
             self._sweep_job(job_id)
         self.state.forget(live_ids)

@@ -137,3 +137,27 @@ def test_a_job_submitted_during_a_round_is_placed_before_the_round_ends(
     controller.sweep()
     assert steps[:2] == [f"sweep {jobs[0]}", f"placed {submitted}"]
     assert len(steps) == 1 + 1 + 2  # the other two jobs swept after it, placement not again
+
+
+def test_an_urgent_job_poked_again_is_swept_again_in_the_same_round(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A straggler's ranks post their urgent batches one by one: the iteration is judged once
+    every rank has reported it, so the job is swept on each, not left for the next round."""
+    jobs = []
+    for host in ("a", "b", "c"):
+        api.register(host, devices=2)
+        jobs.append(int(api.submit(workers=2, global_batch=32)["id"]))  # type: ignore[call-overload]
+    context = context_of(api.client.app)  # type: ignore[arg-type]
+    controller = Controller(context.settings, engine=context.engine, sessions=context.sessions)
+    order: list[int] = []
+
+    def sweep_job(job_id: int) -> None:
+        if len(order) == 1:  # the straggler's second rank reports while another job is swept
+            controller.poke([jobs[1]])
+        order.append(job_id)
+
+    monkeypatch.setattr(controller, "_sweep_job", sweep_job)
+    controller.poke([jobs[1]])
+    controller.sweep()
+    assert order == [jobs[1], jobs[0], jobs[1], jobs[2]]
