@@ -51,6 +51,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -69,6 +70,7 @@ from agent.launcher import (
     process_start_time,
 )
 from agent.network import check_address
+from agent.relay import RELAY_ENV, TelemetryRelay
 from contract.agent import (
     LOG_TAIL_CHARS,
     WORKER_EXIT_JOB_ENDED,
@@ -89,6 +91,9 @@ FATAL_REGISTER_STATUSES = (401, 403, 404, 405, 409)
 """Registration answers that retrying cannot change: a refused token, another live agent on
 the host, or an address that is not an Evenflow control plane (404/405: no such API there)."""
 ERROR_TAIL_LINES = 60
+HOLD_EXIT_REPORT_S = 30.0
+"""How long a rank's end is kept out of the heartbeat while its job's relayed telemetry cannot be
+flushed; then it is reported anyway (the rows stay buffered and are retried)."""
 
 
 def discover_devices(cpu_workers: int | None = None) -> list[DeviceInfo]:
@@ -190,6 +195,12 @@ class Agent:
     """Reports about ranks that have no process here (told to stop before launch)."""
     failed_jobs: set[int] = field(default_factory=set)
     """Jobs with a rank that failed here whose failure the control plane has not yet taken."""
+    relay: TelemetryRelay | None = None
+    """The workers' telemetry relay (``agent.relay``); ``run`` starts one when none is given
+    and ``relay_telemetry`` is set. Without one, workers post their telemetry to the server."""
+    relay_telemetry: bool = True
+    held_since: dict[int, float] = field(default_factory=dict)
+    """Jobs whose ranks' ends are held back until their relayed rows are flushed: since when."""
 
     def __post_init__(self) -> None:
         if self.launcher is None:
@@ -257,7 +268,13 @@ class Agent:
             self.register()
         assert self.host_id is not None
         self._poll()
-        reports = [p.report() for p in self.procs.values() if p.state != p.reported] + self.pending
+        held = self._flush_ended_jobs()
+        sent = [
+            p
+            for p in self.procs.values()
+            if p.state != p.reported and p.assignment.job_id not in held
+        ]
+        reports = [p.report() for p in sent] + self.pending
         try:
             ack = self.client.heartbeat(
                 self.host_id, Heartbeat(workers=reports, instance=self.instance)
@@ -276,7 +293,7 @@ class Agent:
             log.warning("control plane unreachable (%s); workers keep running", exc)
             self._stop_failed_jobs()
             return None
-        for p in self.procs.values():
+        for p in sent:
             p.reported = p.state
         self.pending.clear()
         self.failed_jobs.clear()  # the answer says what becomes of their other ranks
@@ -284,8 +301,45 @@ class Agent:
         self._forget_reported()
         return ack
 
+    def _flush_ended_jobs(self) -> set[int]:
+        """Flush the relayed telemetry of every job with a rank whose end is about to be
+        reported, so the server has all its rows before it learns the rank ended; returns the
+        jobs whose rows could not be flushed, whose ends are held back (at most
+        ``HOLD_EXIT_REPORT_S``; a held failure stops its job's other ranks here at once, as an
+        unanswered heartbeat would)."""
+        if self.relay is None:
+            return set()
+        ended = {
+            p.assignment.job_id
+            for p in self.procs.values()
+            if p.state.terminal and p.state != p.reported
+        }
+        held = set()
+        for job_id in sorted(ended):
+            if self.relay.flush(job_id):
+                self.held_since.pop(job_id, None)
+                continue
+            waited = time.monotonic() - self.held_since.setdefault(job_id, time.monotonic())
+            if waited < HOLD_EXIT_REPORT_S:
+                held.add(job_id)
+                log.warning("job %d: its telemetry is not flushed; holding its ranks' ends", job_id)
+            else:
+                self.held_since.pop(job_id, None)
+                log.warning(
+                    "job %d: telemetry still not flushed after %.0f s; reporting its ranks' ends",
+                    job_id,
+                    waited,
+                )
+        if held & self.failed_jobs:
+            self._stop_failed_jobs()
+        return held
+
     def run(self, stop: threading.Event, interval_s: float = 1.0) -> None:
-        """Tick until ``stop`` is set, then stop every worker."""
+        """Tick until ``stop`` is set, then stop every worker (and the telemetry relay, which
+        it starts first unless ``relay_telemetry`` is off)."""
+        if self.relay is None and self.relay_telemetry:
+            self.relay = TelemetryRelay(self.client.post_telemetry)
+            self.relay.start()
         while not stop.is_set() and not self.replaced:
             try:
                 self.tick()
@@ -342,6 +396,9 @@ class Agent:
         log_path, error_path = jobdir / f"rank-{a.rank}.log", jobdir / f"rank-{a.rank}.error"
         error_path.unlink(missing_ok=True)
         env = self._worker_env(a, worker_token, jobdir, error_path)
+        if self.relay is not None:
+            self.relay.grant(a.job_id, a.rank, worker_token)
+            env[RELAY_ENV] = self.relay.url
         pid = self._launcher.launch(
             LaunchSpec(
                 job_id=a.job_id,
@@ -445,11 +502,16 @@ class Agent:
             if proc.state.terminal and proc.reported == proc.state:
                 self.done.add(key)
                 del self.procs[key]
+                if self.relay is not None and proc.assignment.worker_token is not None:
+                    self.relay.revoke(proc.assignment.worker_token)
 
     def shutdown(self) -> None:
+        """Stop every worker, then flush the relay's telemetry (bounded) and stop it."""
         for proc in self.procs.values():
             if proc.state is WorkerState.RUNNING:
                 self._stop(proc)
+        if self.relay is not None:
+            self.relay.close()
 
 
 def _last_lines(path: Path) -> str:

@@ -15,7 +15,10 @@ with the last ETag, if the server gives one) and answers ``None`` on 304. With `
 it is a long-poll: the server holds the request until a newer plan is committed (then answers
 at once) or ``plan_wait_s`` passes (then 304), so a new plan arrives within milliseconds
 instead of a poll interval later; the request's read timeout is the client's plus
-``plan_wait_s``. It raises on anything else that is not a 2xx. ``post_telemetry`` raises on
+``plan_wait_s``. It raises on anything else that is not a 2xx. With ``telemetry_relay`` (the
+agent's relay, ``agent.relay``: ``EVENFLOW_TELEMETRY_RELAY``) telemetry goes there instead, with
+the same body and credential; the relay posts a host's ranks in one batch per job. Everything
+else goes to the server. ``post_telemetry`` raises on
 failure, which makes the telemetry sender retry, except that it raises ``TelemetryClosed`` when
 the job has ended (409, or 401: the rank's credential died with its job), which stops the
 rank; ``post_metrics`` likewise. All run on the runtime's background threads, never in the
@@ -60,6 +63,7 @@ class RemoteControlPlane:
         job_id: int,
         *,
         plan_wait_s: float = 0.0,
+        telemetry_relay: str | None = None,
     ) -> None:
         if not 0 <= plan_wait_s <= MAX_PLAN_WAIT_S:
             raise ValueError(f"plan_wait_s must be within 0..{MAX_PLAN_WAIT_S}")
@@ -67,7 +71,8 @@ class RemoteControlPlane:
         self.plan_wait_s = plan_wait_s
         base = f"{server.rstrip('/')}/api/v1/jobs/{job_id}"
         self.plan_url = f"{base}/plan"
-        self.telemetry_url = f"{base}/telemetry"
+        relay = f"{telemetry_relay.rstrip('/')}/api/v1/jobs/{job_id}" if telemetry_relay else base
+        self.telemetry_url = f"{relay}/telemetry"
         self.metrics_url = f"{base}/metrics"
         self.rendezvous_url = f"{base}/rendezvous"
         self.checkpoints_url = f"{base}/checkpoints"

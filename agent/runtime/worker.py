@@ -36,6 +36,11 @@ be written), which the control plane does not retry; 5 when its agent died.
 
 ``EVENFLOW_TOKEN`` is the rank's own credential, minted for this job and rank: it reads the
 job's plan and posts this rank's telemetry and metrics, nothing else, and dies with the job.
+
+``EVENFLOW_TELEMETRY_RELAY`` (optional) is the launching agent's telemetry relay
+(``agent.relay``), e.g. ``http://127.0.0.1:PORT``: telemetry is posted there, with the same
+credential, and the agent posts its host's ranks in one batch per job. Without it telemetry
+goes to ``EVENFLOW_SERVER`` like everything else.
 """
 
 from __future__ import annotations
@@ -120,6 +125,7 @@ def worker_main(environ: dict[str, str] | None = None) -> int:
                 env["EVENFLOW_TOKEN"],
                 job_id,
                 plan_wait_s=plan_wait_s,
+                telemetry_relay=env.get("EVENFLOW_TELEMETRY_RELAY") or None,
             )
             rdzv = dataclasses.replace(
                 rdzv, publish_port=remote.publish_port, lookup_port=remote.lookup_port

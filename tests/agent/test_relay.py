@@ -1,0 +1,299 @@
+"""The agent's telemetry relay against the real app: workers post to the relay over a real
+socket (as ``agent.runtime.remote`` does), the relay posts to the app in-process, and the
+agent's loop is driven with the scripted launcher of ``test_agent_loop``."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from agent.backoff import Backoff
+from agent.client import ApiClient
+from agent.daemon import Agent, discover_devices
+from agent.launcher import ProcessExit
+from agent.relay import RELAY_ENV, TelemetryRelay
+from agent.runtime.remote import RemoteControlPlane
+from agent.runtime.telemetry import TelemetryClosed
+from contract.agent import Heartbeat, HeartbeatAck, TelemetryAck, TelemetryBatch, TelemetryRecord
+from contract.base import MAX_TELEMETRY_RECORDS
+from contract.enums import Role, WorkerState
+from server.context import context_of
+from tests.agent.test_agent_loop import ScriptedLauncher
+from tests.harness import Api
+
+RANKS = 8
+
+
+class CountingPost:
+    """The relay's post to the app, counted, and failing (as a server that is down) while
+    ``down`` is set."""
+
+    def __init__(self, client: ApiClient) -> None:
+        self.client = client
+        self.posts: list[tuple[int, int, bool]] = []  # (job, rows, urgent) of each post made
+        self.failures = 0
+        self.down = False
+
+    def __call__(self, job_id: int, batch: TelemetryBatch) -> TelemetryAck:
+        if self.down:
+            self.failures += 1
+            raise httpx.ConnectError("connection refused")
+        ack = self.client.post_telemetry(job_id, batch)
+        self.posts.append((job_id, len(batch.all_records()), batch.urgent))
+        return ack
+
+
+@pytest.fixture
+def relayed(
+    api: Api, tmp_path: Path
+) -> Iterator[tuple[Agent, ScriptedLauncher, CountingPost, Callable[..., TelemetryRelay]]]:
+    """An agent of 8 devices; ``make_relay(**kw)`` gives it a started relay posting through a
+    ``CountingPost`` (closed at the end)."""
+    token = api.token(Role.AGENT, host="host-a")
+    client = ApiClient(api.client, token)
+    post = CountingPost(client)
+    launcher = ScriptedLauncher()
+    agent = Agent(
+        client,
+        name="host-a",
+        address="127.0.0.1",
+        devices=discover_devices(cpu_workers=RANKS),
+        server_url="http://testserver",
+        token=token,
+        workdir=tmp_path,
+        launcher=launcher,
+    )
+    agent.register()
+
+    def make_relay(**kw: Any) -> TelemetryRelay:
+        agent.relay = TelemetryRelay(post, **{"flush_s": 3600.0, **kw})
+        agent.relay.start()
+        return agent.relay
+
+    yield agent, launcher, post, make_relay
+    if agent.relay is not None:
+        post.down = False
+        agent.relay.close(timeout_s=5)
+
+
+def _running_job(api: Api, agent: Agent, launcher: ScriptedLauncher) -> int:
+    job_id = int(api.submit(workers=RANKS, max_restarts=0)["id"])  # type: ignore[call-overload]
+    agent.tick()  # launches the ranks
+    agent.tick()  # reports them running
+    assert len(launcher.specs) == RANKS
+    return job_id
+
+
+def _worker(launcher: ScriptedLauncher, job_id: int, rank: int) -> RemoteControlPlane:
+    """What a launched rank's runtime builds from its environment."""
+    env = launcher.specs[launcher.pid(job_id, rank)].env
+    assert env[RELAY_ENV].startswith("http://127.0.0.1:")
+    return RemoteControlPlane(
+        httpx.Client(timeout=5.0),
+        "http://server.invalid",  # anything but telemetry would fail: it must not be used
+        env["EVENFLOW_TOKEN"],
+        job_id,
+        telemetry_relay=env[RELAY_ENV],
+    )
+
+
+def _batch(rank: int, iterations: range, urgent: bool = False) -> TelemetryBatch:
+    return TelemetryBatch(
+        records=[
+            TelemetryRecord(
+                rank=rank,
+                iteration=i,
+                plan_version=1,
+                batch_size=8,
+                data_ms=1.0,
+                compute_ms=2.0,
+                sync_ms=0.5,
+                ts=1.0,
+            )
+            for i in iterations
+        ],
+        urgent=urgent,
+    )
+
+
+def _stored(api: Api, job_id: int) -> int:
+    r = api.client.get(f"/api/v1/jobs/{job_id}/telemetry?limit=1", headers=api.headers())
+    assert r.status_code == 200, r.text
+    return int(r.json()["total"])
+
+
+def _server_posts(api: Api) -> int:
+    """Telemetry posts the app answered 200, from its own request counters."""
+    registry = context_of(api.client.app).metrics.requests  # type: ignore[arg-type]
+    return int(
+        sum(
+            s.value
+            for family in registry.collect()
+            for s in family.samples
+            if s.name.endswith("_total")
+            and s.labels["method"] == "POST"
+            and s.labels["route"].endswith("/telemetry")
+            and s.labels["status"] == "200"
+        )
+    )
+
+
+def _until(check: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_eight_ranks_batches_reach_the_server_as_one_post(
+    api: Api, relayed: tuple[Agent, ScriptedLauncher, CountingPost, Any]
+) -> None:
+    agent, launcher, post, make_relay = relayed
+    relay = make_relay()
+    job_id = _running_job(api, agent, launcher)
+    before = _server_posts(api)
+    for rank in range(RANKS):
+        ack = _worker(launcher, job_id, rank).post_telemetry(_batch(rank, range(4)))
+        assert (ack.accepted, ack.duplicates) == (4, 0)  # answered at once, from the buffer
+    assert _stored(api, job_id) == 0 and relay.pending(job_id) == RANKS * 4
+    assert relay.flush_all()
+    assert post.posts == [(job_id, RANKS * 4, False)]
+    assert _server_posts(api) - before == 1
+    assert _stored(api, job_id) == RANKS * 4
+
+
+def test_the_flusher_posts_on_its_cadence_and_splits_at_the_contract_limit(
+    api: Api, relayed: tuple[Agent, ScriptedLauncher, CountingPost, Any]
+) -> None:
+    agent, launcher, post, make_relay = relayed
+    relay = make_relay(flush_s=0.2)
+    job_id = _running_job(api, agent, launcher)
+    rows = MAX_TELEMETRY_RECORDS + 10
+    for start in range(0, rows, 4000):
+        _worker(launcher, job_id, 3).post_telemetry(
+            _batch(3, range(start, min(rows, start + 4000)))
+        )
+    _until(lambda: _stored(api, job_id) == rows)
+    sizes = [n for _, n, _ in post.posts]
+    assert sum(sizes) == rows and max(sizes) <= MAX_TELEMETRY_RECORDS and len(sizes) <= 3
+    assert relay.pending() == 0
+
+
+def test_an_urgent_batch_is_posted_at_once_and_marked_urgent(
+    api: Api, relayed: tuple[Agent, ScriptedLauncher, CountingPost, Any]
+) -> None:
+    agent, launcher, post, make_relay = relayed
+    make_relay()  # an hour's cadence: only urgency posts
+    job_id = _running_job(api, agent, launcher)
+    _worker(launcher, job_id, 1).post_telemetry(_batch(1, range(3)))
+    _worker(launcher, job_id, 2).post_telemetry(_batch(2, range(3), urgent=True))
+    _until(lambda: _stored(api, job_id) == 6, timeout_s=5)
+    assert post.posts == [(job_id, 6, True)]
+
+
+def test_a_foreign_or_wrong_token_is_refused_and_stores_nothing(
+    api: Api, relayed: tuple[Agent, ScriptedLauncher, CountingPost, Any]
+) -> None:
+    agent, launcher, post, make_relay = relayed
+    relay = make_relay()
+    job_id = _running_job(api, agent, launcher)
+    env = launcher.specs[launcher.pid(job_id, 0)].env
+    url = f"{env[RELAY_ENV]}/api/v1/jobs/{job_id}/telemetry"
+    body = _batch(0, range(2)).wire_json()
+    other_host = api.token(Role.AGENT, host="host-b")
+    for token in (f"efw_{uuid.uuid4().hex}", other_host, agent.token):  # not handed to a rank
+        r = httpx.post(url, content=body, headers={"Authorization": f"Bearer {token}"})
+        assert r.status_code == 403 and "detail" in r.json()
+    rank1 = launcher.specs[launcher.pid(job_id, 1)].env["EVENFLOW_TOKEN"]
+    r = httpx.post(url, content=body, headers={"Authorization": f"Bearer {rank1}"})
+    assert r.status_code == 403 and "rank 1 may not post rank 0" in r.json()["detail"]
+    r = httpx.post(
+        url.replace(f"/jobs/{job_id}/", f"/jobs/{job_id + 1}/"),
+        content=body,
+        headers={"Authorization": f"Bearer {env['EVENFLOW_TOKEN']}"},
+    )
+    assert r.status_code == 403
+    assert httpx.post(url, content=body).status_code == 401
+    r = httpx.post(
+        url,
+        content=b'{"records": []}',
+        headers={"Authorization": f"Bearer {env['EVENFLOW_TOKEN']}"},
+    )
+    assert r.status_code == 422
+    assert relay.pending() == 0 and relay.flush_all()
+    assert post.posts == [] and _stored(api, job_id) == 0
+
+
+def test_a_ranks_rows_reach_the_server_before_the_heartbeat_reporting_its_end(
+    api: Api, relayed: tuple[Agent, ScriptedLauncher, CountingPost, Any]
+) -> None:
+    agent, launcher, post, make_relay = relayed
+    make_relay()  # an hour's cadence: only the agent's own flush posts
+    job_id = _running_job(api, agent, launcher)
+    seen: list[tuple[list[tuple[int, WorkerState]], int]] = []
+    heartbeat = agent.client.heartbeat
+
+    def watched(host_id: int, hb: Heartbeat) -> HeartbeatAck:
+        seen.append(([(w.rank, w.state) for w in hb.workers], _stored(api, job_id)))
+        return heartbeat(host_id, hb)
+
+    agent.client.heartbeat = watched  # type: ignore[method-assign]
+    _worker(launcher, job_id, 5).post_telemetry(_batch(5, range(10)))
+    launcher.end(job_id, 5, ProcessExit(code=0))
+    post.down = True  # the rows cannot go: the end is held back, not reported before them
+    agent.tick()
+    assert seen[-1] == ([], 0)
+    post.down = False
+    agent.tick()
+    assert seen[-1] == ([(5, WorkerState.SUCCEEDED)], 10)
+    job = api.client.get(f"/api/v1/jobs/{job_id}", headers=api.headers()).json()
+    assert {w["rank"]: w["state"] for w in job["workers"]}[5] == "succeeded"
+
+
+def test_rows_posted_while_the_server_is_down_get_there_once_it_is_back(
+    api: Api, relayed: tuple[Agent, ScriptedLauncher, CountingPost, Any]
+) -> None:
+    agent, launcher, post, make_relay = relayed
+    make_relay(flush_s=0.1, backoff=Backoff(0.05, 0.2))
+    job_id = _running_job(api, agent, launcher)
+    post.down = True
+    for rank in (0, 7):
+        _worker(launcher, job_id, rank).post_telemetry(_batch(rank, range(5)))
+    _until(lambda: post.failures >= 3)
+    assert _stored(api, job_id) == 0
+    post.down = False
+    _until(lambda: _stored(api, job_id) == 10)
+
+
+def test_a_full_buffer_drops_its_oldest_rows(
+    api: Api, relayed: tuple[Agent, ScriptedLauncher, CountingPost, Any]
+) -> None:
+    agent, launcher, _post, make_relay = relayed
+    relay = make_relay(max_rows=6)
+    job_id = _running_job(api, agent, launcher)
+    _worker(launcher, job_id, 0).post_telemetry(_batch(0, range(10)))
+    assert relay.pending(job_id) == 6 and relay.rows_dropped == 4
+    assert relay.flush_all()
+    r = api.client.get(f"/api/v1/jobs/{job_id}/telemetry", headers=api.headers()).json()
+    assert sorted(row["iteration"] for row in r["items"]) == [4, 5, 6, 7, 8, 9]
+
+
+def test_an_ended_jobs_rows_are_dropped_and_its_workers_told(
+    api: Api, relayed: tuple[Agent, ScriptedLauncher, CountingPost, Any]
+) -> None:
+    agent, launcher, _post, make_relay = relayed
+    relay = make_relay()
+    job_id = _running_job(api, agent, launcher)
+    worker = _worker(launcher, job_id, 2)
+    worker.post_telemetry(_batch(2, range(3)))
+    r = api.client.post(f"/api/v1/jobs/{job_id}/cancel", headers=api.headers())
+    assert r.status_code in (200, 202), r.text
+    assert relay.flush(job_id) and relay.pending() == 0  # 409: dropped, not retried
+    with pytest.raises(TelemetryClosed):
+        worker.post_telemetry(_batch(2, range(3, 5)))
