@@ -17,6 +17,12 @@ code never sees the agent's token nor any variable the operator marks secret. A 
 stops because its job ended on the control plane exits with ``WORKER_EXIT_JOB_ENDED`` and is
 reported stopped.
 
+Workers post their telemetry to the agent's relay (``agent.relay``, started by ``run``; its
+URL reaches them as ``EVENFLOW_TELEMETRY_RELAY``), which takes each rank's batches with the
+credential handed to it and posts one batch per job. Before a heartbeat reports that a rank
+ended, its job's relayed rows are flushed (the report waits while they cannot be, at most
+``HOLD_EXIT_REPORT_S``), so the control plane has all of a rank's rows when it learns of its end.
+
 Processes are started, polled and stopped through an injected ``agent.launcher.Launcher`` (tests
 script one). The real one records each running worker (pid, start time) under
 ``workdir/state/<host name>``: the agent stops what an earlier agent of the host left there once
