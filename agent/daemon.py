@@ -340,11 +340,21 @@ class Agent:
             self._stop_failed_jobs()
         return held
 
+    def _telemetry_s(self) -> float:
+        """The workers' telemetry cadence (``EVENFLOW_TELEMETRY_S``, as they get it), which the
+        relay keeps: 2 s unless set."""
+        value = self.extra_env.get("EVENFLOW_TELEMETRY_S", os.environ.get("EVENFLOW_TELEMETRY_S"))
+        try:
+            seconds = float(value or 2.0)
+        except ValueError:
+            return 2.0
+        return seconds if 0 < seconds < float("inf") else 2.0
+
     def run(self, stop: threading.Event, interval_s: float = 1.0) -> None:
         """Tick until ``stop`` is set, then stop every worker (and the telemetry relay, which
         it starts first unless ``relay_telemetry`` is off)."""
         if self.relay is None and self.relay_telemetry:
-            self.relay = TelemetryRelay(self.client.post_telemetry)
+            self.relay = TelemetryRelay(self.client.post_telemetry, flush_s=self._telemetry_s())
             self.relay.start()
         while not stop.is_set() and not self.replaced:
             try:

@@ -15,7 +15,8 @@ Only the agent's own workers may post: a batch is taken only with the credential
 handed to that job's rank at launch (:meth:`TelemetryRelay.grant`), for that rank's rows only
 (else 403, JSON ``detail``), and is validated with the same contract model (else 422).
 
-An ``urgent`` batch (an iteration time jumped) makes its job's rows go at once, marked urgent,
+An ``urgent`` batch (an iteration time jumped) makes its job's rows go at once (after
+``URGENT_WINDOW_S`` for its other ranks' batches of the same jump), marked urgent,
 so the control plane still looks at the job without waiting. A failed post keeps its rows (at
 most ``max_rows`` per job: the oldest are dropped and counted in the log) and is retried with
 ``agent.backoff.Backoff``; a 409 (the job ended) drops the job's rows, and its workers' later
@@ -51,6 +52,10 @@ log = logging.getLogger("evenflow.agent.relay")
 RELAY_ENV = "EVENFLOW_TELEMETRY_RELAY"
 """The worker's variable holding the relay's base URL."""
 MAX_BODY_BYTES = 16 * 2**20
+URGENT_WINDOW_S = 0.05
+"""How long an urgent batch waits for the same jump's batches of the job's other ranks (their
+iterations end together, in one all-reduce), so that one jump is one urgent post, not one per
+rank."""
 DROPPED_FOR_GOOD = (403, 404, 422)
 """Server answers that retrying cannot change: the rows are dropped."""
 _PATH = re.compile(r"^/api/v1/jobs/(\d{1,18})/telemetry$")
@@ -86,6 +91,7 @@ class TelemetryRelay:
         self._grants: dict[str, tuple[int, int]] = {}  # token digest -> (job, rank)
         self._rows: dict[int, deque[TelemetryRecord]] = {}
         self._urgent: set[int] = set()
+        self._urgent_at = 0.0  # when the first of the urgent jobs became urgent
         self._ended: set[int] = set()
         self._retry_at = 0.0
         self._closing = False
@@ -161,6 +167,8 @@ class TelemetryRelay:
             rows.extend(records)
             self._trim(job_id, rows)
             if batch.urgent:
+                if not self._urgent:
+                    self._urgent_at = time.monotonic()
                 self._urgent.add(job_id)
                 self._cond.notify_all()
         return 200, TelemetryAck(accepted=len(records), duplicates=0).model_dump()
@@ -258,7 +266,8 @@ class TelemetryRelay:
             with self._cond:
                 while not self._closing:
                     now = time.monotonic()
-                    wake = max(self._retry_at, due if not self._urgent else now)
+                    soon = min(due, self._urgent_at + URGENT_WINDOW_S) if self._urgent else due
+                    wake = max(self._retry_at, soon)
                     if now >= wake:
                         break
                     self._cond.wait(wake - now)

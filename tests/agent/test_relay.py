@@ -4,6 +4,7 @@ agent's loop is driven with the scripted launcher of ``test_agent_loop``."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -12,6 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
+from fastapi import FastAPI
 
 from agent.backoff import Backoff
 from agent.client import ApiClient
@@ -22,7 +24,9 @@ from agent.runtime.remote import RemoteControlPlane
 from agent.runtime.telemetry import TelemetryClosed
 from contract.agent import Heartbeat, HeartbeatAck, TelemetryAck, TelemetryBatch, TelemetryRecord
 from contract.base import MAX_TELEMETRY_RECORDS
-from contract.enums import Role, WorkerState
+from contract.enums import JobStatus, Role, WorkerState
+from contract.spec import JobSpec
+from evenflow.local_cluster import LocalCluster
 from server.context import context_of
 from tests.agent.test_agent_loop import ScriptedLauncher
 from tests.harness import Api
@@ -129,8 +133,12 @@ def _stored(api: Api, job_id: int) -> int:
 
 
 def _server_posts(api: Api) -> int:
+    return _server_posts_of(api.client.app)  # type: ignore[arg-type]
+
+
+def _server_posts_of(app: FastAPI) -> int:
     """Telemetry posts the app answered 200, from its own request counters."""
-    registry = context_of(api.client.app).metrics.requests  # type: ignore[arg-type]
+    registry = context_of(app).metrics.requests
     return int(
         sum(
             s.value
@@ -297,3 +305,35 @@ def test_an_ended_jobs_rows_are_dropped_and_its_workers_told(
     assert relay.flush(job_id) and relay.pending() == 0  # 409: dropped, not retried
     with pytest.raises(TelemetryClosed):
         worker.post_telemetry(_batch(2, range(3, 5)))
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_a_real_job_posts_through_its_agents_relay(tmp_path: Path) -> None:
+    """The whole local stack: four gloo ranks on one agent post to its relay, the server gets
+    fewer posts than the ranks made (one per job and flush), and every row."""
+    iterations = 60
+    spec = JobSpec.model_validate(
+        {
+            "name": "relayed",
+            "workload": {"builtin": "mlp", "seed": 1},
+            "global_batch": 64,
+            "iterations": iterations,
+            "workers": 4,
+            "policy": {"name": "equal"},
+            "emulation": [{"per_sample_ms": 5.0}] * 4,  # ~5 s: several flushes
+        }
+    )
+    with LocalCluster(tmp_path, workers=4, agents=1) as cluster:
+        before = _server_posts_of(cluster.app)
+        job = cluster.submit(spec)
+        done = cluster.wait(job.id, timeout_s=240)
+        assert done.status is JobStatus.SUCCEEDED, done.error
+        server_posts = _server_posts_of(cluster.app) - before
+        stored = cluster.client.telemetry(job.id, limit=1).total
+    jobdir = tmp_path / "local-a" / f"job-{job.id}"
+    results = [json.loads((jobdir / f"rank-{r}.result.json").read_text()) for r in range(4)]
+    worker_posts = sum(r["telemetry"]["posts"] for r in results)
+    assert stored == 4 * iterations  # every rank's every row, flushed before its end
+    assert all(r["telemetry"]["delivered"] == iterations for r in results)
+    assert server_posts >= 1 and 2 * server_posts <= worker_posts, (server_posts, worker_posts)
