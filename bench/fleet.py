@@ -1,12 +1,13 @@
 """A simulated GPU fleet against a real `evenflow server` on PostgreSQL.
 
     python bench/fleet.py [--hosts 1250] [--gpus 8] [--jobs 200] [--seconds 120]
-                          [--telemetry-per rank|host] [--workers 1] [--json]
+                          [--telemetry-per host|rank] [--workers 1]
 
 Lightweight asyncio clients, no torch: every host registers its GPUs through the agent API and
 heartbeats every 2 s, reporting its workers' states; every running job's workers post their
-timings at the job's iteration rate (1 to 5 iterations/s), batched every 2 s as the runtime does
-(one post per rank, `--telemetry-per rank`, or one per host and job); each job's leader
+timings at the job's iteration rate (1 to 5 iterations/s), batched every 2 s: one post per host
+and job, as each agent's telemetry relay sends them (`agent/relay.py`), or, `--telemetry-per
+rank`, one per rank, as ranks posted before the relay; each job's leader
 long-polls its plan and trains at the batch sizes it says; jobs finish and new ones are
 submitted throughout; 10 jobs get a scripted 3x straggler. Bounded in time and count, loopback
 only.
@@ -602,7 +603,7 @@ def main() -> None:
     ap.add_argument("--gpus", type=int, default=8)
     ap.add_argument("--jobs", type=int, default=200)
     ap.add_argument("--seconds", type=float, default=120.0)
-    ap.add_argument("--telemetry-per", choices=["rank", "host"], default="rank")
+    ap.add_argument("--telemetry-per", choices=["host", "rank"], default="host")
     ap.add_argument("--workers", type=int, default=1, help="API processes of the server")
     ap.add_argument("--connections", type=int, default=512, help="client connections at most")
     args = ap.parse_args()
