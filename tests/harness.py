@@ -21,6 +21,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
+from contract.agent import TelemetryRecord
 from contract.base import PROTOCOL_VERSION
 from contract.enums import Role
 from server.config import Settings
@@ -199,3 +200,17 @@ def wait_placed(http: httpx.Client | None, url: str, job_id: int, timeout: float
             return
         time.sleep(0.05)
     raise AssertionError(f"job {job_id} was not placed within {timeout} s")
+
+
+def telemetry_record(rank: int, iteration: int) -> TelemetryRecord:
+    """One rank's timings of one iteration (fixed, small figures)."""
+    return TelemetryRecord(
+        rank=rank,
+        iteration=iteration,
+        plan_version=1,
+        batch_size=8,
+        data_ms=1.0,
+        compute_ms=2.0,
+        sync_ms=0.5,
+        ts=1.0,
+    )

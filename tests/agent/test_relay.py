@@ -22,14 +22,14 @@ from agent.launcher import ProcessExit
 from agent.relay import RELAY_ENV, TelemetryRelay
 from agent.runtime.remote import RemoteControlPlane
 from agent.runtime.telemetry import TelemetryClosed
-from contract.agent import Heartbeat, HeartbeatAck, TelemetryAck, TelemetryBatch, TelemetryRecord
+from contract.agent import Heartbeat, HeartbeatAck, TelemetryAck, TelemetryBatch
 from contract.base import MAX_TELEMETRY_RECORDS
 from contract.enums import JobStatus, Role, WorkerState
 from contract.spec import JobSpec
 from evenflow.local_cluster import LocalCluster
 from server.context import context_of
 from tests.agent.test_agent_loop import ScriptedLauncher
-from tests.harness import Api
+from tests.harness import Api, telemetry_record
 
 RANKS = 8
 
@@ -113,19 +113,7 @@ def _worker(launcher: ScriptedLauncher, job_id: int, rank: int) -> RemoteControl
 
 def _batch(rank: int, iterations: range, urgent: bool = False) -> TelemetryBatch:
     return TelemetryBatch(
-        records=[
-            TelemetryRecord(
-                rank=rank,
-                iteration=i,
-                plan_version=1,
-                batch_size=8,
-                data_ms=1.0,
-                compute_ms=2.0,
-                sync_ms=0.5,
-                ts=1.0,
-            )
-            for i in iterations
-        ],
+        records=[telemetry_record(rank, i) for i in iterations],
         urgent=urgent,
     )
 

@@ -16,23 +16,10 @@ import pytest
 
 from agent.runtime.remote import RemoteControlPlane
 from agent.runtime.telemetry import TelemetryClosed, TelemetrySender
-from contract.agent import WORKER_EXIT_JOB_ENDED, TelemetryBatch, TelemetryRecord
+from contract.agent import WORKER_EXIT_JOB_ENDED, TelemetryBatch
 from contract.base import PROTOCOL_VERSION
 from contract.enums import Role
-from tests.harness import ROOT, Api, LiveServer, free_port
-
-
-def _record(rank: int, iteration: int) -> TelemetryRecord:
-    return TelemetryRecord(
-        rank=rank,
-        iteration=iteration,
-        plan_version=1,
-        batch_size=8,
-        data_ms=1.0,
-        compute_ms=2.0,
-        sync_ms=0.5,
-        ts=1.0,
-    )
+from tests.harness import ROOT, Api, LiveServer, free_port, telemetry_record
 
 
 def _placed(
@@ -79,7 +66,7 @@ def test_telemetry_after_the_job_ended_closes_the_sender(api: Api) -> None:
     job_id, agent_token, tokens = _placed(
         api.client, admin, 1, {**SPEC, "iterations": 10}, api.place
     )
-    batch = TelemetryBatch(records=[_record(0, 0)])
+    batch = TelemetryBatch(records=[telemetry_record(0, 0)])
     mine = RemoteControlPlane(api.client, "http://testserver", tokens[0], job_id)
     agent = RemoteControlPlane(api.client, "http://testserver", agent_token, job_id)
     assert mine.post_telemetry(batch).accepted == 1
@@ -90,11 +77,11 @@ def test_telemetry_after_the_job_ended_closes_the_sender(api: Api) -> None:
         agent.post_telemetry(batch)  # 409
 
     sender = TelemetrySender(mine.post_telemetry, flush_records=1, backoff_initial_s=0.01)
-    sender.submit(_record(0, 1))
+    sender.submit(telemetry_record(0, 1))
     deadline = time.monotonic() + 10
     with pytest.raises(TelemetryClosed):
         while time.monotonic() < deadline:
-            sender.submit(_record(0, 2))
+            sender.submit(telemetry_record(0, 2))
             time.sleep(0.01)
     stats = sender.close(deadline_s=1)
     assert stats.delivered == 0 and stats.posts == 0
