@@ -5,7 +5,9 @@
 A real `evenflow server` on PostgreSQL with ``--hosts`` simulated hosts of 8 GPUs and four
 64-worker jobs placed and running on them (the agents' heartbeats report their ranks running).
 Then, one kind at a time, ``--requests`` requests at a concurrency of 8 while the API processes'
-and PostgreSQL's CPU time is metered: a steady heartbeat (8 ranks running, nothing to change),
+and PostgreSQL's CPU time is metered: a steady heartbeat (8 ranks running, nothing to change: answered from memory,
+``server.host_answers``), one the database works out (the same ranks, listed in another order
+than the last heartbeat),
 a telemetry post of one rank's 2 s of iterations (4 rows), a host's post (8 ranks x 4 rows), and
 a plan poll that finds the plan unchanged (``wait_s=0``). Reported: CPU ms per request (API
 process, PostgreSQL) and what the 1,250-host fleet of issue 16 would keep busy at that cost.
@@ -110,6 +112,23 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
         out["heartbeat (8 ranks running)"] = await metered(
             srv, db, n, lambda i: fleet.heartbeat(busy[i % len(busy)])
         )
+
+        async def changed(i: int) -> None:
+            """A heartbeat that is not the host's last one (its ranks listed in the other
+            order): answered by the database, as one after a change is."""
+            host = busy[i % len(busy)]
+            order = 1 if (i // len(busy)) % 2 else -1
+            workers = [{"job_id": j, "rank": r, "state": s} for (j, r), s in host.reports.items()]
+            status, _ = await fleet.request(
+                "heartbeat",
+                "POST",
+                f"/api/v1/hosts/{host.id}/heartbeat",
+                host.token,
+                json={"workers": workers[::order]},
+            )
+            assert status == 200, fleet.last_error
+
+        out["heartbeat worked out (not the last one)"] = await metered(srv, db, n, changed)
         # One rank per post; the jobs' ranks in turn (a job's posts are ordered by iteration).
         out[f"telemetry per rank ({ROWS_PER_POST} rows)"] = await metered(
             srv, db, n, lambda i: rows(jobs[i % len(jobs)], [(i // len(jobs)) % JOB_SIZE])

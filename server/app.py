@@ -49,10 +49,11 @@ from server.context import AppContext
 from server.controller import Controller
 from server.db import make_engine, migrate, session_factory, transaction
 from server.errors import EvenflowError
+from server.host_answers import LIVENESS_FLUSH_S, HostAnswers, Liveness, track
 from server.live import StreamSlots
 from server.locks import WriterLock, bootstrap_lock, writer_lock_for
 from server.metrics import Metrics, MetricsMiddleware
-from server.notify import Bus, PgNotifyBus, PlanWaiters, open_bus
+from server.notify import PlanWaiters, open_bus, subscribe
 from server.services import tokens as token_service
 from server.throttle import FailureLimit
 
@@ -172,6 +173,9 @@ def _build_context(settings: Settings) -> AppContext:
     waiters = PlanWaiters()
     bus = open_bus(settings.database_url)
     caches.plan_listeners += [waiters.notify, bus.publish]
+    answers = HostAnswers(settings.heartbeat_answer_ttl_s)
+    host_bus = open_bus(settings.database_url, "hosts")
+    track(sessions, answers.invalidate, host_bus.publish)
     wake_bus = open_bus(settings.database_url, "wake")
     return AppContext(
         settings=settings,
@@ -183,6 +187,9 @@ def _build_context(settings: Settings) -> AppContext:
         metrics=Metrics(sessions),
         plan_waiters=waiters,
         plan_bus=bus,
+        host_answers=answers,
+        liveness=Liveness(),
+        host_bus=host_bus,
         wake_bus=wake_bus,
         # Urgent telemetry (a worker's iteration time jumped) runs the controller's next round
         # now: over the wake bus to a controller process, or directly when it is a thread here.
@@ -203,7 +210,14 @@ def _lifespan(context: AppContext) -> Callable[[FastAPI], AbstractAsyncContextMa
         context.generated_admin_token = await asyncio.to_thread(
             bootstrap, engine, sessions, settings
         )
-        _listen_for_plans(context.plan_bus, context.caches, context.plan_waiters)
+        unsubscribe = [
+            _listen_for_plans(context),
+            # another process committed a change to these hosts: their answers are stale
+            subscribe(
+                context.host_bus, context.host_answers.invalidate, context.host_answers.clear
+            ),
+        ]
+        liveness = asyncio.ensure_future(_write_liveness(context))
         stop = threading.Event()
         controller: threading.Thread | None = None
         if settings.controller == "thread":
@@ -218,19 +232,40 @@ def _lifespan(context: AppContext) -> Callable[[FastAPI], AbstractAsyncContextMa
         try:
             yield
         finally:
+            liveness.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await liveness
+            await asyncio.to_thread(_flush_liveness, context)
             stop.set()
             if controller is not None:
                 await asyncio.to_thread(controller.join, 30)
+            for stop_listening in unsubscribe:
+                stop_listening()
             _close(context)
 
     return lifespan
 
 
+async def _write_liveness(context: AppContext) -> None:
+    """Every ``LIVENESS_FLUSH_S``, the last heartbeat of each host answered from memory."""
+    while True:
+        await asyncio.sleep(LIVENESS_FLUSH_S)
+        if context.liveness.pending():
+            try:
+                async with context.db_slots:
+                    await asyncio.to_thread(_flush_liveness, context)
+            except Exception:  # the database is away: the times are written at the next try
+                log.warning("could not write the hosts' liveness", exc_info=True)
+
+
+def _flush_liveness(context: AppContext) -> None:
+    with context.write_lock, context.sessions() as session, session.begin():
+        context.liveness.flush(session)
+
+
 def _close(context: AppContext) -> None:
-    bus = context.plan_bus
-    if not isinstance(bus, PgNotifyBus) and (sock := bus.listen()) is not None:
-        asyncio.get_running_loop().remove_reader(sock.fileno())
     context.plan_bus.close()
+    context.host_bus.close()
     context.wake_bus.close()
     if isinstance(context.write_lock, WriterLock):
         context.write_lock.close()
@@ -288,27 +323,15 @@ def _replace_refs(node: Any, old: str, new: str) -> Any:
     return node
 
 
-def _listen_for_plans(bus: Bus, caches: Caches, waiters: PlanWaiters) -> None:
+def _listen_for_plans(context: AppContext) -> Callable[[], None]:
     """Plans committed by other processes (the controller, other API workers, other servers on
     the same PostgreSQL): clear their cache entries and wake their long-polls, as the ids
     arrive (on the event loop from the Unix socket bus; from the LISTEN thread on PostgreSQL)."""
-    if isinstance(bus, PgNotifyBus):
+    caches, waiters = context.caches, context.plan_waiters
 
-        def on_ids(ids: set[int]) -> None:
-            for job_id in ids:
-                caches.plans.invalidate(job_id)
-            waiters.notify(ids)
-
-        bus.subscribe(on_ids)
-        return
-    sock = bus.listen()
-    if sock is None:
-        return
-
-    def on_message() -> None:
-        ids = bus.read(sock)
+    def on_ids(ids: set[int]) -> None:
         for job_id in ids:
             caches.plans.invalidate(job_id)
         waiters.notify(ids)
 
-    asyncio.get_running_loop().add_reader(sock.fileno(), on_message)
+    return subscribe(context.plan_bus, on_ids)

@@ -18,6 +18,7 @@ from starlette.applications import Starlette
 
 from server.cache import Caches
 from server.config import Settings
+from server.host_answers import HostAnswers, Liveness
 from server.live import StreamSlots, TelemetryNotifier
 from server.metrics import Metrics
 from server.notify import Bus, PlanWaiters
@@ -39,6 +40,12 @@ class AppContext:
     """This process's plan long-polls, woken when a plan is committed."""
     plan_bus: Bus
     """Plans committed here, announced to the other server processes, and theirs to us."""
+    host_answers: HostAnswers
+    """Steady heartbeats' answers, per host (``server.host_answers``)."""
+    liveness: Liveness
+    """Heartbeats answered from memory, their liveness to be written in a batch."""
+    host_bus: Bus
+    """Hosts whose heartbeat answer a commit changed, here and in the other processes."""
     wake_bus: Bus
     """Jobs whose telemetry is urgent, announced to a controller process."""
     wake_controller: Callable[[int], None]

@@ -32,6 +32,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from server.cache import Caches
 from server.config import Settings
 from server.db import checkpoint, make_engine, session_factory, transaction
+from server.host_answers import track
 from server.locks import ControllerLock, writer_lock_for
 from server.notify import PLACEMENT, Bus, PgNotifyBus, open_bus
 from server.services import control_loop, retention, scheduler
@@ -299,20 +300,25 @@ class RoundStats:
         self._since, self._ms, self._jobs, self._swept = now, [], [], []
 
 
-def connect(database_url: str, pool_size: int = 2) -> tuple[Engine, sessionmaker[Session], Bus]:
+def connect(
+    database_url: str, pool_size: int = 2
+) -> tuple[Engine, sessionmaker[Session], list[Bus]]:
     """An engine and sessions for a process other than an API one (the controller): the job
-    ids of the plans its sessions commit go out on the plan bus to the API processes."""
+    ids of the plans its sessions commit go out on the plan bus to the API processes, and the
+    ids of the hosts whose heartbeat answer they change on the hosts bus. Returns the buses,
+    to close."""
     engine = make_engine(database_url, pool_size=pool_size)
     sessions = session_factory(engine)
-    bus = open_bus(database_url)
+    bus, hosts = open_bus(database_url), open_bus(database_url, "hosts")
     Caches(sessions).plan_listeners.append(bus.publish)
-    return engine, sessions, bus
+    track(sessions, hosts.publish)
+    return engine, sessions, [bus, hosts]
 
 
 def run_process(settings: Settings, stop: threading.Event | None = None) -> None:
     """The controller as a process of its own: its own engine, writer lock and plan bus."""
     stop = stop or threading.Event()
-    engine, sessions, bus = connect(settings.database_url)
+    engine, sessions, buses = connect(settings.database_url)
     write_lock = writer_lock_for(settings.database_url)
     wake = open_bus(settings.database_url, "wake")
     controller = Controller(settings, engine=engine, sessions=sessions, write_lock=write_lock)
@@ -327,7 +333,8 @@ def run_process(settings: Settings, stop: threading.Event | None = None) -> None
         if write_lock is not None:
             write_lock.close()
         wake.close()
-        bus.close()
+        for bus in buses:
+            bus.close()
         engine.dispose()
 
 

@@ -102,7 +102,8 @@ class PlanWaiters:
 
 def bus_dir(database_url: str, channel: str = "") -> Path | None:
     """The bus directory of a database, or None for an in-memory SQLite database. ``channel``
-    names another bus on the same database: ``"wake"`` carries job ids the other way, from the
+    names another bus on the same database: ``"hosts"`` carries the ids of hosts whose heartbeat
+    answer changed (``server.host_answers``); ``"wake"`` carries job ids the other way, from the
     API processes to the controller (urgent telemetry: run a round now)."""
     url = make_url(database_url)
     if url.get_backend_name() == "sqlite":
@@ -219,7 +220,7 @@ class PlanBus:
 PlanListener = Callable[[set[int]], None]
 
 
-PG_CHANNELS = {"": "evenflow_plans", "wake": "evenflow_wake"}
+PG_CHANNELS = {"": "evenflow_plans", "wake": "evenflow_wake", "hosts": "evenflow_hosts"}
 """The NOTIFY channel of each bus; NOTIFY is scoped to one database, so the names need no hash."""
 
 PG_PAYLOAD_BYTES = 7_900
@@ -267,19 +268,31 @@ class PgNotifyBus:
                     if attempt:
                         log.debug("plan bus: NOTIFY on %s failed", self.channel, exc_info=True)
 
-    def subscribe(self, on_ids: Callable[[set[int]], None]) -> None:
-        """Call ``on_ids`` with each notification's job ids, from a thread, until :meth:`close`."""
+    def subscribe(
+        self,
+        on_ids: Callable[[set[int]], None],
+        on_connect: Callable[[], None] | None = None,
+    ) -> None:
+        """Call ``on_ids`` with each notification's job ids, from a thread, until :meth:`close`;
+        ``on_connect`` each time the ``LISTEN`` starts (anything sent while it was down is lost)."""
         thread = threading.Thread(
-            target=self._listen, args=(on_ids,), name=f"{self.channel}-listen", daemon=True
+            target=self._listen,
+            args=(on_ids, on_connect),
+            name=f"{self.channel}-listen",
+            daemon=True,
         )
         self._threads.append(thread)
         thread.start()
 
-    def _listen(self, on_ids: Callable[[set[int]], None]) -> None:
+    def _listen(
+        self, on_ids: Callable[[set[int]], None], on_connect: Callable[[], None] | None
+    ) -> None:
         while not self._stop.is_set():
             try:
                 with psycopg.connect(self.conninfo, autocommit=True) as conn:
                     conn.execute(f"LISTEN {self.channel}")
+                    if on_connect is not None:
+                        on_connect()
                     while not self._stop.is_set():
                         for note in conn.notifies(timeout=RECHECK_S / 2):
                             ids = {int(p) for p in note.payload.split(",") if p.isdigit()}
@@ -322,6 +335,34 @@ def _payloads(ids: list[int]) -> Iterable[str]:
 
 
 Bus = PlanBus | PgNotifyBus
+
+
+def subscribe(
+    bus: Bus, on_ids: Callable[[set[int]], None], on_connect: Callable[[], None] | None = None
+) -> Callable[[], None]:
+    """Call ``on_ids`` with the ids other processes publish on ``bus``: on this event loop from
+    a Unix socket, or from the LISTEN thread on PostgreSQL (``on_connect`` each time it starts
+    listening). Returns what stops the socket's reader (the bus's ``close`` stops the thread)."""
+    if isinstance(bus, PgNotifyBus):
+        bus.subscribe(on_ids, on_connect)
+        return lambda: None
+    sock = bus.listen()
+    if sock is None:
+        return lambda: None
+    loop = asyncio.get_running_loop()
+
+    def on_message() -> None:
+        ids = bus.read(sock)
+        if ids:
+            on_ids(ids)
+
+    fd = sock.fileno()  # (the socket may be closed by the time the reader is removed)
+    loop.add_reader(fd, on_message)
+
+    def stop() -> None:
+        loop.remove_reader(fd)
+
+    return stop
 
 
 def open_bus(database_url: str, channel: str = "") -> Bus:

@@ -23,11 +23,12 @@ from server.db import transaction
 from server.models import Job
 from server.services import plans
 
-engine, sessions, bus = connect(sys.argv[1])
+engine, sessions, buses = connect(sys.argv[1])
 with transaction(sessions) as s:
     job = s.get(Job, int(sys.argv[2]))
     plans.create(s, job, [10, 20, 30], PlanSource.MANUAL, "from another process", by="test")
-bus.close()
+for bus in buses:
+    bus.close()
 engine.dispose()
 """
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Response
 
 from contract.agent import Heartbeat, HeartbeatAck, HostRegister
 from contract.api import HostOut, Page
+from contract.enums import HostStatus
 from server.api.bodies import JSONRoute
 from server.api.deps import (
     Authenticated,
@@ -40,14 +41,25 @@ def register(
     )
 
 
-@router.post("/{host_id}/heartbeat", responses=declare(409))
+@router.post("/{host_id}/heartbeat", response_model=HeartbeatAck, responses=declare(409))
 async def heartbeat(
     req: Heartbeat, context: Context, principal: Authenticated, now: Now, host_id: PathId
-) -> HeartbeatAck:
+) -> Response:
     """Report liveness and worker states; the answer lists the ranks this host must run or stop."""
-    return await in_transaction(
+    answers = context.host_answers
+    body = answers.get(host_id, req, principal)
+    if body is not None:  # steady: the same report, nothing changed (``server.host_answers``)
+        context.liveness.seen(host_id, now)
+        return Response(body, media_type="application/json")
+    generation = answers.generation(host_id)
+    ack = await in_transaction(
         context, lambda session: hosts.heartbeat(session, host_id, req, principal, now)
     )
+    body = ack.model_dump_json().encode()
+    # an answer that minted launch credentials is never repeated: each one retires the last
+    if ack.status is HostStatus.ACTIVE and not any(a.worker_token for a in ack.assignments):
+        answers.put(host_id, req, principal, body, generation)
+    return Response(body, media_type="application/json")
 
 
 @router.get("")

@@ -1,0 +1,282 @@
+"""The steady heartbeat, answered from memory.
+
+Every host heartbeats every 2 s; at fleet scale (1,250 hosts) that is 625 requests a second,
+almost all of them *steady*: the agent reports what it reported last time and the answer is
+the one it got last time. Working that answer out costs four statements and a commit (about
+2.3 ms of an API process's CPU, ``bench/request_cost.py``), which alone needs more than the one
+core an API process has. So each API process keeps, per host, the last heartbeat it answered
+and its answer (:class:`HostAnswers`), and answers the same heartbeat again from memory while
+nothing the answer depends on has changed. Liveness, the one thing a steady heartbeat still
+writes, goes to the database in batches (:class:`Liveness`).
+
+What an answer depends on, and so what invalidates it (:func:`track`, on every session of the
+process: API workers and the controller alike):
+
+- the host's row (status, agent instance, name; its address is every job's rank 0 address, so
+  a changed address invalidates every host), its devices' (what job each holds, index, kind),
+- its ranks' rows (job, rank, state, device, host, worker credential),
+- their jobs' rows (status, attempt, rendezvous port, spec) and the number and places of their
+  ranks (a rank added or removed changes the world size every host of the job is told).
+
+A flush that changes any of these notes the hosts concerned (a job's hosts: one query over its
+ranks and devices); when the transaction commits, they are dropped from this process's answers
+and published on the ``hosts`` bus (``server.notify``), so every other API process, on this
+machine or (PostgreSQL) another, drops them within milliseconds. A heartbeat that changes
+anything is never answered from memory: its report differs, or its own commit invalidated the
+answer it built. An answer also expires after ``ttl_s`` whatever happens, so a lost
+notification (the bus is best effort) delays a change reaching an agent by at most that long.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import bindparam, event, inspect, select, union, update
+from sqlalchemy.orm import Session, object_session, sessionmaker
+from sqlalchemy.sql.selectable import CompoundSelect
+
+from contract.agent import Heartbeat
+from server.models import Device, Host, Job, Worker
+
+log = logging.getLogger("evenflow.host_answers")
+
+EVERY_HOST = 0
+"""The id a change notification carries when every host's answer is affected (a host's address
+changed: it is the rank 0 address of its jobs, on other hosts too). No host has id 0."""
+
+_CHANGED = "evenflow.changed_hosts"
+
+_RELEVANT: dict[type, frozenset[str]] = {
+    Host: frozenset({"status", "agent_instance", "name", "address"}),
+    Device: frozenset({"job_id", "status", "index", "kind", "host_id"}),
+    Worker: frozenset({"job_id", "rank", "state", "device_id", "host_id", "token_hash"}),
+    Job: frozenset({"status", "attempt", "master_port", "spec"}),
+}
+"""The columns a heartbeat's answer reads (``server.services.hosts.heartbeat``); a change to any
+other (telemetry marks, pending reasons, last heartbeats) leaves every answer as it was."""
+
+_WORLD = frozenset({"job_id", "rank", "host_id"})
+"""A rank's columns whose change concerns every host of its job (world size, rank 0 address)."""
+
+_HOSTS_OF_JOBS: CompoundSelect[Any] = union(
+    select(Worker.host_id).where(Worker.job_id.in_(bindparam("job_ids", expanding=True))),
+    select(Device.host_id).where(Device.job_id.in_(bindparam("job_ids", expanding=True))),
+)
+
+
+def _changed(obj: Any, names: frozenset[str]) -> set[str]:
+    state = inspect(obj)
+    return {name for name in names if state.attrs[name].history.has_changes()}
+
+
+def _old_and_new(obj: Any, name: str) -> set[Any]:
+    history = inspect(obj).attrs[name].history
+    return {*history.added, *history.unchanged, *history.deleted} - {None}
+
+
+def _concerned(
+    obj: Any, changed: set[str] | frozenset[str], new: bool
+) -> tuple[set[int], set[int]]:
+    """The hosts, and the jobs (all of whose hosts), whose answers a change to ``obj``'s
+    ``changed`` columns concerns."""
+    if isinstance(obj, Host):
+        every = "address" in changed and not new  # (a new host is no rank 0 yet)
+        return {obj.id, EVERY_HOST} if every else {obj.id}, set()
+    if isinstance(obj, Device):
+        return _old_and_new(obj, "host_id"), set()
+    if isinstance(obj, Worker):
+        jobs = _old_and_new(obj, "job_id") if changed & _WORLD else set()
+        return _old_and_new(obj, "host_id"), jobs
+    # a job: its ranks' hosts (a new job has none yet; ranks placed with it are new too)
+    return set(), set() if new else {obj.id}
+
+
+_DELETED = "evenflow.deleted_ranks"
+
+
+def _on_delete(_mapper: Any, _connection: Any, target: Any) -> None:
+    """A rank or device deleted in a flush, orphans of a job's restart included (which the
+    session's ``deleted`` does not list): kept for ``_after_flush``."""
+    session = object_session(target)
+    if session is not None:
+        session.info.setdefault(_DELETED, []).append(
+            _concerned(target, _RELEVANT[type(target)], False)
+        )
+
+
+for _model in (Worker, Device):
+    event.listen(_model, "after_delete", _on_delete)
+
+
+def _after_flush(session: Session, _context: Any) -> None:
+    hosts: set[int] = set()
+    jobs: set[int] = set()
+    for more_hosts, more_jobs in session.info.pop(_DELETED, []):
+        hosts |= more_hosts
+        jobs |= more_jobs
+    for objs, new in ((session.new, True), (session.dirty, False)):
+        for obj in objs:
+            names = _RELEVANT.get(type(obj))
+            if names is None:
+                continue
+            changed = names if new else _changed(obj, names)
+            if not changed:
+                continue
+            more_hosts, more_jobs = _concerned(obj, changed, new)
+            hosts |= more_hosts
+            jobs |= more_jobs
+    if jobs and EVERY_HOST not in hosts:
+        rows = session.connection().execute(_HOSTS_OF_JOBS, {"job_ids": sorted(jobs)})
+        hosts |= {row[0] for row in rows if row[0] is not None}
+    if hosts:
+        session.info.setdefault(_CHANGED, set()).update(hosts)
+
+
+def track(sessions: sessionmaker[Session], *listeners: Callable[[set[int]], None]) -> None:
+    """Tell ``listeners`` the ids of the hosts whose heartbeat answer each committed
+    transaction of ``sessions`` may have changed (:data:`EVERY_HOST` for all of them)."""
+
+    def after_commit(session: Session) -> None:
+        changed: set[int] = session.info.pop(_CHANGED, set())
+        if not changed:
+            return
+        for listener in listeners:
+            try:
+                listener(changed)
+            except Exception:  # a listener must never fail the commit that called it
+                log.exception("host change listener failed")
+
+    def after_rollback(session: Session) -> None:
+        session.info.pop(_CHANGED, None)
+        session.info.pop(_DELETED, None)
+
+    event.listen(sessions, "after_flush", _after_flush)
+    event.listen(sessions, "after_commit", after_commit)
+    event.listen(sessions, "after_rollback", after_rollback)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A heartbeat and the answer it got."""
+
+    heartbeat: Heartbeat
+    principal: object
+    """Who sent it (``server.services.tokens.Principal``): another token goes through the
+    checks again."""
+    body: bytes
+    expires: float
+
+
+class HostAnswers:
+    """The last steady answer per host, valid until a change to the host is committed (here or
+    in another process, :meth:`invalidate`) or ``ttl_s`` passes. Thread-safe; an answer built
+    from reads that a commit may have overtaken is never stored (:meth:`generation`)."""
+
+    def __init__(
+        self, ttl_s: float, maxsize: int = 65_536, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.ttl_s, self.maxsize, self.clock = ttl_s, maxsize, clock
+        self._answers: dict[int, Answer] = {}
+        self._generations: dict[int, int] = {}
+        self._epoch = 0
+        """Bumped when every answer is dropped at once."""
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, host_id: int, heartbeat: Heartbeat, principal: object) -> bytes | None:
+        """The answer to give again, when ``heartbeat`` repeats the last one answered for the
+        host, with the same token, and nothing has changed since."""
+        answer = self._answers.get(host_id)
+        if (
+            answer is None
+            or answer.expires < self.clock()
+            or answer.principal != principal
+            or answer.heartbeat != heartbeat
+        ):
+            self.misses += 1
+            return None
+        self.hits += 1
+        return answer.body
+
+    def generation(self, host_id: int) -> tuple[int, int]:
+        """Take it before reading what an answer is built from; :meth:`put` with it."""
+        return self._epoch, self._generations.get(host_id, 0)
+
+    def put(
+        self,
+        host_id: int,
+        heartbeat: Heartbeat,
+        principal: object,
+        body: bytes,
+        generation: tuple[int, int],
+    ) -> None:
+        """Keep an answer, unless the host was invalidated since ``generation`` was taken."""
+        if self.ttl_s <= 0:
+            return
+        with self._lock:
+            if generation != (self._epoch, self._generations.get(host_id, 0)):
+                return
+            if len(self._answers) >= self.maxsize:
+                self._answers.clear()
+            self._answers[host_id] = Answer(heartbeat, principal, body, self.clock() + self.ttl_s)
+
+    def invalidate(self, host_ids: Iterable[int]) -> None:
+        """Drop the answers of ``host_ids`` (all of them with :data:`EVERY_HOST`)."""
+        with self._lock:
+            for host_id in host_ids:
+                if host_id == EVERY_HOST:
+                    self._answers.clear()
+                    self._generations.clear()
+                    self._epoch += 1
+                    continue
+                self._answers.pop(host_id, None)
+                if len(self._generations) >= self.maxsize:
+                    self._generations.clear()
+                    self._epoch += 1
+                self._generations[host_id] = self._generations.get(host_id, 0) + 1
+
+    def clear(self) -> None:
+        self.invalidate([EVERY_HOST])
+
+
+LIVENESS_FLUSH_S = 1.0
+"""How often the heartbeats answered from memory have their liveness written."""
+
+_ALIVE_IF_NEWER = (
+    update(Host)
+    .where(Host.id == bindparam("host_id"), Host.last_heartbeat < bindparam("seen"))
+    .values(last_heartbeat=bindparam("seen"))
+)
+
+
+class Liveness:
+    """Last heartbeat times of the hosts answered from memory, written in one statement per
+    :data:`LIVENESS_FLUSH_S` rather than one per heartbeat. A time never moves back (a
+    heartbeat answered by the database meanwhile may have written a later one)."""
+
+    def __init__(self) -> None:
+        self._seen: dict[int, datetime] = {}
+        self._lock = threading.Lock()
+
+    def seen(self, host_id: int, now: datetime) -> None:
+        with self._lock:
+            self._seen[host_id] = now
+
+    def pending(self) -> int:
+        return len(self._seen)
+
+    def flush(self, session: Session) -> int:
+        """Write what was seen since the last flush in ``session``; returns how many hosts."""
+        with self._lock:
+            seen, self._seen = self._seen, {}
+        if seen:
+            rows = [{"host_id": h, "seen": t} for h, t in sorted(seen.items())]
+            session.connection().execute(_ALIVE_IF_NEWER, rows)
+        return len(seen)

@@ -1,0 +1,273 @@
+"""Steady heartbeats answered from memory (``server.host_answers``): never a stale answer."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from sqlalchemy import Engine, event, select
+
+from contract.agent import Heartbeat
+from contract.enums import Role
+from server.app import _flush_liveness, create_app
+from server.context import AppContext, context_of
+from server.db import transaction
+from server.models import Host
+from server.services import hosts
+from server.services.tokens import Principal
+from tests.harness import ROOT, Api, driven, make_settings
+
+
+def _context(api: Api) -> AppContext:
+    return context_of(api.client.app)  # type: ignore[arg-type]
+
+
+def _beat(
+    api: Api,
+    host: dict[str, Any],
+    workers: list[dict[str, Any]],
+    *,
+    token: str | None = None,
+    instance: str | None = None,
+) -> Any:
+    body: dict[str, Any] = {"workers": workers}
+    if instance is not None:
+        body["instance"] = instance
+    headers = api.headers(token or host["_token"])
+    return api.client.post(f"/api/v1/hosts/{host['id']}/heartbeat", json=body, headers=headers)
+
+
+def _running(answer: dict[str, Any]) -> list[dict[str, Any]]:
+    """The report of an agent running every rank it was told to run."""
+    return [
+        {"job_id": a["job_id"], "rank": a["rank"], "state": "running", "attempt": a["attempt"]}
+        for a in answer["assignments"]
+        if a["desired"] == "run"
+    ]
+
+
+def _steady(api: Api, host: dict[str, Any]) -> list[dict[str, Any]]:
+    """Heartbeat until the host's answer is kept in memory; returns the report that gets it."""
+    answers = _context(api).host_answers
+    report: list[dict[str, Any]] = []
+    for _ in range(5):
+        r = _beat(api, host, report)
+        assert r.status_code == 200, r.text
+        report = _running(r.json())
+        if answers._answers.get(int(host["id"])) is not None:
+            return report
+    raise AssertionError("the answer was never kept")
+
+
+@contextmanager
+def statements(engine: Engine) -> Iterator[list[str]]:
+    """The SQL ``engine`` runs meanwhile, credential look-ups left out."""
+    seen: list[str] = []
+
+    def note(_conn: Any, _cursor: Any, sql: str, *_: Any) -> None:
+        if "api_tokens" not in sql:
+            seen.append(sql)
+
+    event.listen(engine, "before_cursor_execute", note)
+    try:
+        yield seen
+    finally:
+        event.remove(engine, "before_cursor_execute", note)
+
+
+def test_a_repeated_heartbeat_is_answered_without_the_database(api: Api) -> None:
+    host = api.register("h", devices=2)
+    api.submit(workers=2)
+    report = _steady(api, host)
+    kept = _beat(api, host, report).json()
+    with statements(_context(api).engine) as sql:
+        again = _beat(api, host, report)
+    assert again.status_code == 200
+    assert again.json() == kept
+    assert [a["desired"] for a in kept["assignments"]] == ["run", "run"]
+    assert sql == []
+
+
+def test_liveness_is_written_in_a_batch_and_never_moves_back(api: Api) -> None:
+    host = api.register("h", devices=1)
+    report = _steady(api, host)
+    context = _context(api)
+
+    def last_heartbeat() -> datetime:
+        with transaction(context.sessions) as s:
+            return s.scalars(select(Host.last_heartbeat)).one()
+
+    before = last_heartbeat()
+    time.sleep(0.01)
+    assert _beat(api, host, report).status_code == 200
+    _flush_liveness(context)
+    written = last_heartbeat()
+    assert written > before
+    context.liveness.seen(int(host["id"]), written - timedelta(seconds=5))
+    _flush_liveness(context)
+    assert last_heartbeat() == written
+
+
+def test_a_cancelled_job_reaches_the_agent_at_once(api: Api) -> None:
+    host = api.register("h", devices=2)
+    job = api.submit(workers=2)
+    report = _steady(api, host)
+    r = api.client.post(f"/api/v1/jobs/{job['id']}/cancel", headers=api.headers())
+    assert r.status_code == 200, r.text
+    answer = _beat(api, host, report).json()
+    assert [a["desired"] for a in answer["assignments"]] == ["stop", "stop"]
+
+
+def test_a_job_placed_on_the_host_reaches_its_agent_at_once(api: Api) -> None:
+    host = api.register("h", devices=2)
+    first = api.submit(workers=1)
+    report = _steady(api, host)
+    second = api.submit(workers=1)
+    answer = _beat(api, host, report).json()
+    assert {a["job_id"] for a in answer["assignments"]} == {first["id"], second["id"]}
+
+
+def test_another_token_goes_through_the_checks_again(api: Api) -> None:
+    host = api.register("h", devices=1)
+    report = _steady(api, host)
+    other = api.token(Role.AGENT, host="another-host")
+    r = _beat(api, host, report, token=other)
+    assert r.status_code == 403
+    assert "another-host" in r.json()["detail"]
+
+
+def test_a_replaced_agent_is_told_at_once(api: Api) -> None:
+    host = api.register("h", devices=1)
+    report = _steady(api, host)
+    kept = _beat(api, host, report, instance="agent-a")
+    assert kept.status_code == 200
+    assert _beat(api, host, report, instance="agent-a").json() == kept.json()
+    body = {
+        "protocol_version": 2,
+        "name": "h",
+        "address": "127.0.0.1",
+        "devices": [{"index": 0, "kind": "cpu", "model": "CPU", "memory_mb": 1024}],
+        "instance": "agent-b",
+        "replace": True,
+    }
+    r = api.client.post("/api/v1/hosts/register", json=body, headers=api.headers(host["_token"]))
+    assert r.status_code == 201, r.text
+    stale = _beat(api, host, report, instance="agent-a")
+    assert stale.status_code == 409
+    assert "agent-b" in stale.json()["detail"]
+
+
+# The controller's reaper, in a process of its own wired as the controller process is: the host
+# is taken for lost and its job restarted there; the answer must change here at once.
+OTHER_PROCESS = """
+import sys
+from datetime import UTC, datetime, timedelta
+from server.controller import connect
+from server.db import transaction
+from server.services import hosts
+
+engine, sessions, buses = connect(sys.argv[1])
+with transaction(sessions) as s:
+    lost = hosts.mark_lost(s, datetime.now(UTC) + timedelta(seconds=600), after_s=30)
+    assert [h.name for h in lost] == ["h"], lost
+for bus in buses:
+    bus.close()
+engine.dispose()
+"""
+
+
+def test_a_change_committed_by_another_process_reaches_the_agent(api: Api, db_url: str) -> None:
+    host = api.register("h", devices=2)
+    job = api.submit(workers=2, max_restarts=3)
+    report = _steady(api, host)
+    kept = _beat(api, host, report).json()
+    assert {a["attempt"] for a in kept["assignments"]} == {0}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-c", OTHER_PROCESS, db_url], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    answers = _context(api).host_answers
+    deadline = time.monotonic() + 5
+    while answers._answers.get(int(host["id"])) is not None:
+        assert time.monotonic() < deadline, "the other process's change never arrived"
+        time.sleep(0.01)
+    answer = _beat(api, host, report).json()
+    assert answer != kept
+    restarted = api.client.get(f"/api/v1/jobs/{job['id']}", headers=api.headers()).json()
+    assert restarted["attempt"] == 1
+
+
+# ------------------------------------------------------------------------- the invariant
+
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("submit"), st.integers(1, 3)),
+        st.tuples(st.just("cancel"), st.integers(0, 3)),
+        st.tuples(st.just("report"), st.sampled_from(["running", "succeeded", "failed"])),
+        st.tuples(st.just("lost"), st.just(0)),
+        st.tuples(st.just("beat"), st.just(0)),
+    ),
+    min_size=1,
+    max_size=12,
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=OPS)
+def test_an_answer_from_memory_is_what_the_database_answers(ops: list[tuple[str, Any]]) -> None:
+    """Whatever happens between two heartbeats (jobs placed, cancelled, ended by a report,
+    restarted when the host is taken for lost), a heartbeat answered from memory gets exactly
+    what working it out in the database gives."""
+    with tempfile.TemporaryDirectory() as tmp:
+        db = f"sqlite:///{Path(tmp) / 'e.db'}"
+        with TestClient(create_app(make_settings(db))) as client:
+            api = driven(client)
+            _invariant(api, ops)
+
+
+def _invariant(api: Api, ops: list[tuple[str, Any]]) -> None:
+    context = _context(api)
+    answers = context.host_answers
+    host = api.register("h", devices=4)
+    host_id = int(host["id"])
+    jobs: list[int] = []
+    report: list[dict[str, Any]] = []
+    for op, arg in ops:
+        if op == "submit":
+            jobs.append(int(api.submit(workers=arg, max_restarts=5)["id"]))
+        elif op == "cancel" and arg < len(jobs):
+            api.client.post(f"/api/v1/jobs/{jobs[arg]}/cancel", headers=api.headers())
+        elif op == "report" and report:
+            report = [{**report[0], "state": arg}, *report[1:]]
+        elif op == "lost":
+            with context.write_lock, transaction(context.sessions) as s:
+                hosts.mark_lost(s, datetime.now(UTC) + timedelta(seconds=600), after_s=30)
+        hits = answers.hits
+        r = _beat(api, host, report)
+        assert r.status_code == 200, r.text
+        if answers.hits > hits:  # from memory: the database must say the same
+            assert r.json() == _worked_out(api, host_id, report)
+        report = _running(r.json()) or report
+
+
+def _worked_out(api: Api, host_id: int, report: list[dict[str, Any]]) -> dict[str, Any]:
+    """The heartbeat's answer as the database gives it now, in a transaction rolled back."""
+    context = _context(api)
+    hb = Heartbeat.model_validate({"workers": report})
+    principal = Principal(token_id=0, name="test", role=Role.ADMIN)
+    with context.write_lock, context.sessions() as s:
+        ack = hosts.heartbeat(s, host_id, hb, principal, datetime.now(UTC))
+        s.rollback()
+    return ack.model_dump(mode="json")
