@@ -50,6 +50,12 @@ log = logging.getLogger("evenflow.stragglers")
 REFRESH_EVERY = 25
 """Normal models are refitted every this many iterations, and only once the watch has caught up
 with the telemetry (while it works through a backlog the fits would be stale anyway)."""
+REFRESH_STEADY = 100
+"""...but only every this many (half a fit window) while the job is steady: the same plan as at
+the last refit, which saw a recency half-life of it, no event open or changed since, a model
+for every rank. A refit then sees more of the same batch sizes, so it moves the models by
+little while refitting every rank (the largest cost of a settled job's sweep); a new plan or an
+event brings ``REFRESH_EVERY`` back."""
 MAX_TIMINGS_PER_ROUND = 4096
 REPLAY = 300
 """Iterations replayed into a fresh detector (after a restart or for a new job)."""
@@ -68,6 +74,11 @@ class Watch:
     refreshed_through: int = -1
     """The iteration the normal models were last refreshed at (they are refitted every
     ``REFRESH_EVERY`` iterations, not every round: a fit per rank is the round's main cost)."""
+    refreshed_plan: int | None = None
+    """The plan version in force at the last refresh of the normal models, if that refresh saw
+    at least ``HALF_LIFE`` iterations of it (a fit mostly of that plan's timings)."""
+    stirred: bool = True
+    """An event opened, changed or closed since the last refresh of the normal models."""
     quiet_since: dict[int, int] = field(default_factory=dict)
     """rank -> the iteration its last event ended: its fits mix slow and normal timings until a
     whole fit window has passed after that."""
@@ -384,6 +395,17 @@ def _mitigate(
     return plan.version
 
 
+def _steady(job: Job, watch: Watch) -> bool:
+    """Nothing new for the normal models to learn but more of the same (``REFRESH_STEADY``)."""
+    return (
+        watch.refreshed_plan is not None
+        and watch.refreshed_plan == job.plan_version
+        and not watch.stirred
+        and len(watch.normal) >= len(job.workers)
+        and not watch.detector.open_events()
+    )
+
+
 def _ladder_inputs(job: Job, watch: Watch) -> tuple[object, ...]:
     """What the ladder decides on, but for the detector's view (no open event while it rests)
     and the iteration: the plan in force, the normal models and the operators' overrides."""
@@ -449,10 +471,21 @@ def watch_job(
     updates = watch.detector.observe(timings, watch.normal or None)
     watch.fed_through = complete
     _store(session, job, watch, updates)
+    watch.stirred = watch.stirred or bool(updates)
     caught_up = complete >= progress.complete_through
-    if caught_up and complete - watch.refreshed_through >= REFRESH_EVERY:
+    since = complete - watch.refreshed_through
+    if (
+        caught_up
+        and since >= REFRESH_EVERY
+        and (since >= REFRESH_STEADY or not _steady(job, watch))
+    ):
         _refresh_normal(session, job, watch, complete)
         watch.refreshed_through = complete
+        seen = progress.effective_from is not None and (
+            complete - progress.effective_from >= rebalancer.HALF_LIFE
+        )
+        watch.refreshed_plan = job.plan_version if seen else None
+        watch.stirred = False
     if mitigate and spec.policy.name is PolicyName.ADAPTIVE:
         if not updates and _ladder_rests(job, watch, complete):
             return None
