@@ -322,3 +322,29 @@ def test_the_ladder_reads_the_devices_once(api: Api) -> None:
         sa_event.remove(context.engine, "before_cursor_execute", count)
     assert len(read) == 1 and reread == []
     assert first.regroup_ms == again.regroup_ms == stragglers.GLOO_REGROUP_MS
+
+
+def test_a_steady_job_refits_its_normal_models_less_often_until_something_happens(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Same plan, no event: the normal models are refitted every ``REFRESH_STEADY`` iterations,
+    not every ``REFRESH_EVERY`` (each refit is a fit of every rank); once an event opens the
+    refits come at ``REFRESH_EVERY`` again, and the event is found as promptly."""
+    refits: list[int] = []
+    refresh = stragglers._refresh_normal
+
+    def counting(session: Any, job: Any, watch: Any, through: int) -> None:
+        refits.append(through)
+        refresh(session, job, watch, through)
+
+    monkeypatch.setattr(stragglers, "_refresh_normal", counting)
+    c = Cluster(api, "adaptive", slow={2: (200, 300, 3.0)})
+    c.run(200)
+    steady = [i for i in refits if 100 <= i < 200]
+    assert 1 <= len(steady) <= 2, refits  # every REFRESH_EVERY (25) iterations: 4
+    c.run(60)  # iterations 200..259: rank 2 three times slower
+    (event,) = c.events()
+    assert event["rank"] == 2 and 198 <= event["start_iteration"] <= 202
+    assert event["detail"]["confirmed_iteration"] - 200 <= 5
+    during = [i for i in refits if i >= 200]
+    assert len(during) >= 60 // stragglers.REFRESH_EVERY - 1, refits
