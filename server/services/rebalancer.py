@@ -18,11 +18,11 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from sqlalchemy import func, select
+from sqlalchemy import bindparam, func, select
 from sqlalchemy.orm import Session
 
 from contract.enums import PlanSource, PolicyName
-from server.models import IterationTelemetry, Job
+from server.models import IterationTelemetry, Job, Plan
 from server.planner import ModelFit, Observation, fit_model
 from server.planner.rebalance import RebalanceDecision, RebalanceInput, decide
 from server.services import memory, plans, retention
@@ -78,6 +78,9 @@ class Tracker:
     ooms: list[tuple[int, int, int]] = field(default_factory=list)
     """(rank, iteration, pass size) of out-of-memory reports not handled yet."""
     oom_seen: set[tuple[int, int]] = field(default_factory=set)
+    excluded: tuple[int | None, frozenset[int]] = (None, frozenset())
+    """``(plan version, its ranks out of the all-reduce group)``: plans never change once
+    made, so a round reads them only when the job has a new one."""
 
     def update(self, session: Session, job: Job) -> Progress:
         T = IterationTelemetry
@@ -104,7 +107,10 @@ class Tracker:
     def progress(self, session: Session, job: Job) -> Progress:
         """Ranks out of the all-reduce group under the plan in force (they only probe now and
         then) do not hold ``complete_through`` back."""
-        excluded = set(plans.current(session, job.id).excluded or []) if job.plan_version else set()
+        if job.plan_version and self.excluded[0] != job.plan_version:
+            out = session.scalar(_EXCLUDED, {"job_id": job.id, "version": job.plan_version})
+            self.excluded = (job.plan_version, frozenset(int(r) for r in out or []))
+        excluded = self.excluded[1] if job.plan_version else frozenset()
         active = [r for r in range(len(job.workers)) if r not in excluded]
         seen = self.max_iteration
         complete = (
@@ -112,6 +118,11 @@ class Tracker:
         )
         effective = self.first_of_version.get(job.plan_version) if job.plan_version else None
         return Progress(effective, complete)
+
+
+_EXCLUDED = select(Plan.excluded).where(
+    Plan.job_id == bindparam("job_id"), Plan.version == bindparam("version")
+)
 
 
 def fits(session: Session, job: Job, *, window: int = FIT_WINDOW) -> list[ModelFit | None]:
@@ -126,8 +137,15 @@ def fits(session: Session, job: Job, *, window: int = FIT_WINDOW) -> list[ModelF
         rows = session.connection().execute(recent).all()  # Core rows: no ORM loading per row
         caps = memory.caps_by_version(session, job.id)
         for rank, iteration, batch, compute, version, probe, pass_size in rows:
-            cap = pass_size or (None if probe else _cap_in(caps.get(int(version)), int(rank)))
-            by_rank[int(rank)].append(_one_pass(int(batch), float(compute), int(iteration), cap))
+            cap = pass_size or (
+                None if probe or not caps else _cap_in(caps.get(int(version)), int(rank))
+            )
+            if not cap or batch <= cap:  # ``_one_pass``'s own case, without the call per row
+                by_rank[int(rank)].append(Observation(int(batch), float(compute), int(iteration)))
+            else:
+                by_rank[int(rank)].append(
+                    _one_pass(int(batch), float(compute), int(iteration), cap)
+                )
     spec = job.job_spec
     return [
         fit_model(

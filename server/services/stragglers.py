@@ -18,7 +18,7 @@ import logging
 import statistics
 from dataclasses import dataclass, field, replace
 
-from sqlalchemy import func, select
+from sqlalchemy import bindparam, func, select
 from sqlalchemy.orm import Session
 
 from contract.enums import PlanSource, PolicyName
@@ -50,6 +50,12 @@ log = logging.getLogger("evenflow.stragglers")
 REFRESH_EVERY = 25
 """Normal models are refitted every this many iterations, and only once the watch has caught up
 with the telemetry (while it works through a backlog the fits would be stale anyway)."""
+REFRESH_STEADY = 100
+"""...but only every this many (half a fit window) while the job is steady: the same plan as at
+the last refit, which saw a recency half-life of it, no event open or changed since, a model
+for every rank. A refit then sees more of the same batch sizes, so it moves the models by
+little while refitting every rank (the largest cost of a settled job's sweep); a new plan or an
+event brings ``REFRESH_EVERY`` back."""
 MAX_TIMINGS_PER_ROUND = 4096
 REPLAY = 300
 """Iterations replayed into a fresh detector (after a restart or for a new job)."""
@@ -68,11 +74,24 @@ class Watch:
     refreshed_through: int = -1
     """The iteration the normal models were last refreshed at (they are refitted every
     ``REFRESH_EVERY`` iterations, not every round: a fit per rank is the round's main cost)."""
+    refreshed_plan: int | None = None
+    """The plan version in force at the last refresh of the normal models, if that refresh saw
+    at least ``HALF_LIFE`` iterations of it (a fit mostly of that plan's timings)."""
+    stirred: bool = True
+    """An event opened, changed or closed since the last refresh of the normal models."""
     quiet_since: dict[int, int] = field(default_factory=dict)
     """rank -> the iteration its last event ended: its fits mix slow and normal timings until a
     whole fit window has passed after that."""
     prefetched: tuple[int, list[ComputeTiming]] | None = None
     """``(after, timings)`` read by ``prefetch`` for the next round, outside its transaction."""
+    normal_version: int = 0
+    """Counts the changes to ``normal``: part of what the ladder last decided on."""
+    rested: tuple[tuple[object, ...], int] | None = None
+    """``(inputs, iteration)`` of the ladder's last decision when it held with nothing of its
+    own under way (``_ladder_rests``); None when it acted, or has something to follow up."""
+    gloo: tuple[tuple[int, ...], bool] | None = None
+    """``(device ids, every one a CPU)`` of the job's workers: what ``ladder_config`` needs to
+    know about the devices, read once per set of devices rather than a device a round."""
 
 
 def _feed_from(session: Session, job: Job, watch: Watch) -> int:
@@ -153,7 +172,9 @@ def _refresh_normal(session: Session, job: Job, watch: Watch, through: int) -> N
             < rebalancer.FIT_WINDOW
         ):
             continue
-        watch.normal[rank] = fit.model
+        if watch.normal.get(rank) != fit.model:
+            watch.normal[rank] = fit.model
+            watch.normal_version += 1
 
 
 def _store(session: Session, job: Job, watch: Watch, updates: list[EventUpdate]) -> None:
@@ -274,21 +295,44 @@ link, so about twice its time (``bench/membership_cost.py``: 4 ms at 4k paramete
 MIN_RESYNC_MS = 3.0
 
 
-def ladder_config(session: Session, job: Job, all_reduce_ms: float) -> LadderConfig:
+def ladder_config(
+    session: Session, job: Job, all_reduce_ms: float, watch: Watch | None = None
+) -> LadderConfig:
     """The ladder's switching costs for this job, from what it runs on and what it measured:
     regrouping costs ``GLOO_REGROUP_MS`` when every device is a CPU (gloo) and the default's
     NCCL-sized figure otherwise (creating a communicator); re-synchronising costs
-    ``RESYNC_PER_ALL_REDUCE`` all-reduces, once the all-reduce has been measured."""
+    ``RESYNC_PER_ALL_REDUCE`` all-reduces, once the all-reduce has been measured. With a
+    ``watch``, what the devices are is remembered there while the workers keep their devices."""
     config = LadderConfig()
-    devices = [session.get(Device, w.device_id) for w in job.workers if w.device_id is not None]
-    gloo = bool(devices) and all(d is not None and d.kind == "cpu" for d in devices)
-    regroup = GLOO_REGROUP_MS if gloo else config.regroup_ms
+    regroup = GLOO_REGROUP_MS if _on_gloo(session, job, watch) else config.regroup_ms
     resync = (
         max(MIN_RESYNC_MS, RESYNC_PER_ALL_REDUCE * all_reduce_ms)
         if all_reduce_ms > 0
         else config.resync_ms
     )
     return replace(config, regroup_ms=regroup, resync_ms=resync)
+
+
+_DEVICE_KINDS = select(Device.id, Device.kind).where(
+    Device.id.in_(bindparam("ids", expanding=True))
+)
+
+
+def _on_gloo(session: Session, job: Job, watch: Watch | None) -> bool:
+    """Whether every device of the job's workers is a CPU (none: not gloo). One query for all
+    of them (a ``session.get`` per device was a third of a 256-rank job's round)."""
+    ids = tuple(w.device_id for w in job.workers if w.device_id is not None)
+    if watch is not None and watch.gloo is not None and watch.gloo[0] == ids:
+        return watch.gloo[1]
+    kinds: dict[int, str] = {}
+    if ids:
+        kinds = {
+            int(i): str(k) for i, k in session.execute(_DEVICE_KINDS, {"ids": sorted(set(ids))})
+        }
+    gloo = bool(ids) and all(kinds.get(i) == "cpu" for i in ids)
+    if watch is not None:
+        watch.gloo = (ids, gloo)
+    return gloo
 
 
 def _mitigate(
@@ -321,8 +365,12 @@ def _mitigate(
         remaining_iterations=(spec.iterations - iteration - 1) if spec.iterations else None,
         sync_ms=sync_ms,
     )
-    decision, watch.ladder = decide(situation, watch.ladder, ladder_config(session, job, sync_ms))
+    config = ladder_config(session, job, sync_ms, watch)
+    decision, watch.ladder = decide(situation, watch.ladder, config)
+    watch.rested = None
     if decision.new_batch_sizes is None:
+        if _idle(watch.ladder, iteration, config):
+            watch.rested = (_ladder_inputs(job, watch), iteration)
         return None
     sizes = [decision.new_batch_sizes[r] for r in range(len(job.workers))]
     group_out = sorted(set(watch.ladder.excluded) - set(excluded))  # plans.create adds departed
@@ -347,6 +395,60 @@ def _mitigate(
     return plan.version
 
 
+def _steady(job: Job, watch: Watch) -> bool:
+    """Nothing new for the normal models to learn but more of the same (``REFRESH_STEADY``)."""
+    return (
+        watch.refreshed_plan is not None
+        and watch.refreshed_plan == job.plan_version
+        and not watch.stirred
+        and len(watch.normal) >= len(job.workers)
+        and not watch.detector.open_events()
+    )
+
+
+def _ladder_inputs(job: Job, watch: Watch) -> tuple[object, ...]:
+    """What the ladder decides on, but for the detector's view (no open event while it rests)
+    and the iteration: the plan in force, the normal models and the operators' overrides."""
+    pins, excluded = rebalancer.controls(job)
+    return (
+        job.plan_version,
+        watch.normal_version,
+        len(watch.normal),
+        job.frozen,
+        tuple(sorted(pins.items())),
+        excluded,
+        job.departed,
+    )
+
+
+def _idle(state: LadderState, iteration: int, config: LadderConfig) -> bool:
+    """The ladder has nothing of its own under way: no exclusion to readmit, no event in its
+    ledger, no provisional change to confirm or undo, no cool-down running."""
+    return (
+        not state.excluded
+        and not state.ledger
+        and state.provisional is None
+        and (
+            state.last_change is None or iteration >= state.last_change + config.cooldown_iterations
+        )
+    )
+
+
+def _ladder_rests(job: Job, watch: Watch, iteration: int) -> bool:
+    """Whether the ladder can be left out this round: it held last time with nothing under way,
+    no event is open, and neither the plan, the normal models nor the overrides changed since;
+    asked again at least every ``REFRESH_EVERY`` iterations all the same (the all-reduce time
+    and the baseline levels it also prices with drift slowly). Pricing every candidate plan of
+    a settled job every round was most of its round; detection still sees every iteration."""
+    rested = watch.rested
+    return (
+        rested is not None
+        and iteration - rested[1] < REFRESH_EVERY
+        and rested[0] == _ladder_inputs(job, watch)
+        and not watch.detector.open_events()
+    )
+
+
 def watch_job(
     session: Session, job: Job, watch: Watch, progress: Progress, *, mitigate: bool
 ) -> int | None:
@@ -369,10 +471,23 @@ def watch_job(
     updates = watch.detector.observe(timings, watch.normal or None)
     watch.fed_through = complete
     _store(session, job, watch, updates)
+    watch.stirred = watch.stirred or bool(updates)
     caught_up = complete >= progress.complete_through
-    if caught_up and complete - watch.refreshed_through >= REFRESH_EVERY:
+    since = complete - watch.refreshed_through
+    if (
+        caught_up
+        and since >= REFRESH_EVERY
+        and (since >= REFRESH_STEADY or not _steady(job, watch))
+    ):
         _refresh_normal(session, job, watch, complete)
         watch.refreshed_through = complete
+        seen = progress.effective_from is not None and (
+            complete - progress.effective_from >= rebalancer.HALF_LIFE
+        )
+        watch.refreshed_plan = job.plan_version if seen else None
+        watch.stirred = False
     if mitigate and spec.policy.name is PolicyName.ADAPTIVE:
+        if not updates and _ladder_rests(job, watch, complete):
+            return None
         return _mitigate(session, job, spec, watch, complete)
     return None

@@ -213,10 +213,19 @@ def baseline(state: RankState, config: DetectorConfig) -> tuple[float, float]:
     if len(state.base) < config.min_samples:
         return 0.0, config.sigma_prior
     bound = math.log(config.max_bias)
-    mu = min(bound, max(-bound, median(state.base)))
-    center = median(state.base)
-    sigma = MAD_TO_SIGMA * median(abs(b - center) for b in state.base)
+    # Called for every sample of every rank: the median once, and the deviations as a list
+    # (``statistics.median``'s own arithmetic, so the same values to the last bit).
+    center = _median_of_sorted(sorted(state.base))
+    mu = min(bound, max(-bound, center))
+    sigma = MAD_TO_SIGMA * _median_of_sorted(sorted([abs(b - center) for b in state.base]))
     return mu, max(config.sigma_floor, sigma)
+
+
+def _median_of_sorted(data: list[float]) -> float:
+    """``statistics.median`` of an already sorted, non-empty list."""
+    n = len(data)
+    i = n // 2
+    return data[i] if n % 2 == 1 else (data[i - 1] + data[i]) / 2
 
 
 def current_level(state: RankState, config: DetectorConfig) -> float:

@@ -261,3 +261,90 @@ def test_events_still_open_close_when_the_job_ends(api: Api) -> None:
     (event,) = c.events()
     assert event["end_iteration"] == 100  # after the last iteration reported (99)
     assert event["detail"]["closed_by"] == "job ended"
+
+
+def test_a_settled_job_is_not_priced_every_round_yet_a_slowdown_is_answered_at_once(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While nothing changes (no open event; plan, normal models, overrides the same) the
+    ladder of a settled job is asked at most every ``REFRESH_EVERY`` iterations, not every
+    round; detection still sees every iteration, and once an event opens the ladder is asked
+    every round until it closes."""
+    asked: list[int] = []
+    decide = stragglers.decide
+
+    def counting(situation: Any, *a: Any, **kw: Any) -> Any:
+        asked.append(situation.iteration)
+        return decide(situation, *a, **kw)
+
+    monkeypatch.setattr(stragglers, "decide", counting)
+    c = Cluster(api, "adaptive", slow={2: (80, 160, 3.0)})
+    c.run(80)
+    settled = len(c.plans())
+    quiet = [i for i in asked if 50 <= i < 80]
+    assert len(quiet) <= 30 // stragglers.REFRESH_EVERY + 2, quiet  # was one per round
+    c.run(80)  # iterations 80..159: rank 2 three times slower
+    (event,) = c.events()
+    assert event["rank"] == 2 and 78 <= event["start_iteration"] <= 82
+    detected = event["detail"]["detected_iteration"]
+    assert event["detail"]["confirmed_iteration"] - 80 <= 5, "detection is as prompt as ever"
+    open_rounds = range(detected, 160)
+    assert set(open_rounds) <= set(asked), "asked every round while the event is open"
+    assert any(p["reason"].startswith("straggler ladder") for p in c.plans()[settled:])
+
+
+def test_the_ladder_reads_the_devices_once(api: Api) -> None:
+    """One query for every worker's device (not one per device), none while they stay put."""
+    from sqlalchemy import event as sa_event
+
+    c = Cluster(api, "adaptive", slow={})
+    c.run(1)
+    context = api.client.app.state.context  # type: ignore[attr-defined]
+    statements: list[str] = []
+
+    def count(*args: Any) -> None:
+        statements.append(str(args[2]))
+
+    sa_event.listen(context.engine, "before_cursor_execute", count)
+    try:
+        with transaction(context.sessions) as s:
+            job = s.get(Job, c.job)
+            assert job is not None
+            _ = list(job.workers)  # loaded: what the round has at hand anyway
+            watch = stragglers.Watch()
+            statements.clear()
+            first = stragglers.ladder_config(s, job, 20.0, watch)
+            read = [q for q in statements if "devices" in q]
+            statements.clear()
+            again = stragglers.ladder_config(s, job, 20.0, watch)
+            reread = [q for q in statements if "devices" in q]
+    finally:
+        sa_event.remove(context.engine, "before_cursor_execute", count)
+    assert len(read) == 1 and reread == []
+    assert first.regroup_ms == again.regroup_ms == stragglers.GLOO_REGROUP_MS
+
+
+def test_a_steady_job_refits_its_normal_models_less_often_until_something_happens(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Same plan, no event: the normal models are refitted every ``REFRESH_STEADY`` iterations,
+    not every ``REFRESH_EVERY`` (each refit is a fit of every rank); once an event opens the
+    refits come at ``REFRESH_EVERY`` again, and the event is found as promptly."""
+    refits: list[int] = []
+    refresh = stragglers._refresh_normal
+
+    def counting(session: Any, job: Any, watch: Any, through: int) -> None:
+        refits.append(through)
+        refresh(session, job, watch, through)
+
+    monkeypatch.setattr(stragglers, "_refresh_normal", counting)
+    c = Cluster(api, "adaptive", slow={2: (200, 300, 3.0)})
+    c.run(200)
+    steady = [i for i in refits if 100 <= i < 200]
+    assert 1 <= len(steady) <= 2, refits  # every REFRESH_EVERY (25) iterations: 4
+    c.run(60)  # iterations 200..259: rank 2 three times slower
+    (event,) = c.events()
+    assert event["rank"] == 2 and 198 <= event["start_iteration"] <= 202
+    assert event["detail"]["confirmed_iteration"] - 200 <= 5
+    during = [i for i in refits if i >= 200]
+    assert len(during) >= 60 // stragglers.REFRESH_EVERY - 1, refits
