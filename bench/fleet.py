@@ -73,27 +73,42 @@ class Server:
 
 class CpuMeter:
     """CPU seconds used by the server's API processes, its controller, PostgreSQL's backends and
-    this generator: which one saturates the machine first."""
+    this generator: which one saturates the machine first.
+
+    Processes come and go (the pools close overflow connections, and their backends exit), so
+    the meter samples every process's CPU time (``sample``, about once a second) and adds up
+    what each used while it was seen: one that exits loses at most what it used since the last
+    sample. One that appears is counted from zero (it started within the window)."""
 
     def __init__(self, server_pid: int, database: str) -> None:
         self.server = psutil.Process(server_pid)
         self.database = database
         """PostgreSQL backends of this database only (the machine's other work uses others)."""
-        self.start = self.read()
         self.t0 = time.monotonic()
+        self.seen: dict[tuple[int, float], tuple[str, float, float]] = {}
+        """(pid, start time) -> (kind, CPU seconds when first seen, when last seen)."""
+        self.sample(first=True)
 
-    def read(self) -> dict[str, float]:
-        out: dict[str, float] = defaultdict(float)
-        ours = [self.server, *self.server.children(recursive=True)]
-        kinds = [(p, "controller" if self._is_controller(p) else "api") for p in ours]
+    def _ours(self) -> list[tuple[psutil.Process, str]]:
+        procs = [self.server, *self.server.children(recursive=True)]
+        kinds = [(p, "controller" if self._is_controller(p) else "api") for p in procs]
         kinds += [(p, "postgres") for p in psutil.process_iter() if self._is_ours(p)]
-        for p, kind in kinds:
+        return [*kinds, (psutil.Process(), "generator")]
+
+    def sample(self, first: bool = False) -> None:
+        for p, kind in self._ours():
             with contextlib.suppress(psutil.Error):
+                key = (p.pid, p.create_time())
                 t = p.cpu_times()
-                out[kind] += t.user + t.system
-        me = psutil.Process().cpu_times()
-        out["generator"] = me.user + me.system
-        return out
+                used = t.user + t.system
+                was = self.seen.get(key)
+                start = was[1] if was is not None else (used if first else 0.0)
+                self.seen[key] = (kind, start, used)
+
+    async def sample_every(self, seconds: float, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await asyncio.sleep(seconds)
+            await asyncio.to_thread(self.sample)
 
     @staticmethod
     def _is_controller(p: psutil.Process) -> bool:
@@ -109,10 +124,14 @@ class CpuMeter:
 
     def cores_used(self) -> dict[str, float]:
         """Mean cores busy per kind since the meter started (2.0 = both of this machine's)."""
-        now, secs = self.read(), time.monotonic() - self.t0
-        used = {k: round((now[k] - self.start.get(k, 0.0)) / secs, 2) for k in now}
-        used["machine"] = os.cpu_count() or 0
-        return used
+        self.sample()
+        secs = time.monotonic() - self.t0
+        used: dict[str, float] = defaultdict(float)
+        for kind, start, last in self.seen.values():
+            used[kind] += last - start
+        out: dict[str, float] = {k: round(v / secs, 2) for k, v in used.items()}
+        out["machine"] = os.cpu_count() or 0
+        return out
 
 
 @contextlib.contextmanager
@@ -549,6 +568,7 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
         fleet.stats = Stats()
         size0 = db_size(db_url)
         cpu = CpuMeter(srv.pid, make_url(db_url).database or "")
+        fleet.loop_task(cpu.sample_every(1.0, fleet.stop))
         started = time.monotonic()
         fleet.loop_task(fleet.keep_jobs())
         fleet.loop_task(fleet.sample_lag())
