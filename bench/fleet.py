@@ -227,6 +227,9 @@ class Stats:
     latency: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     errors: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     lag_s: list[float] = field(default_factory=list)
+    loop_lag_ms: list[float] = field(default_factory=list)
+    """How late the generator's own event loop woke a 100 ms sleep: latency it adds to every
+    figure above (a saturated machine delays the generator too)."""
     records: int = 0
     jobs_finished: int = 0
     jobs_submitted: int = 0
@@ -484,6 +487,19 @@ class Fleet:
 
     # -------------------------------------------------------------- measurements
 
+    async def sample_loop_lag(self) -> None:
+        while not self.stop.is_set():
+            t0 = time.monotonic()
+            await asyncio.sleep(0.1)
+            self.stats.loop_lag_ms.append(1000 * (time.monotonic() - t0 - 0.1))
+
+    async def heartbeat_sources(self) -> dict[str, float]:
+        """The server's heartbeat answers by source (``/metrics``: memory or database)."""
+        async with self.http.get(self.base + "/metrics") as r:
+            body = await r.text()
+        found = re.findall(r'evenflow_heartbeat_answers_total\{source="(\w+)"\} ([\d.e+]+)', body)
+        return {source: float(n) for source, n in found}
+
     async def sample_lag(self) -> None:
         engine = create_engine(self.db_url)
         try:
@@ -543,6 +559,20 @@ def quantiles(values: list[float]) -> dict[str, float]:
     }
 
 
+def quantiles_ms(values: list[float]) -> dict[str, float]:
+    """p50/p99 of values already in milliseconds."""
+    out = quantiles([v / 1000 for v in values])
+    out.pop("n", None)
+    return out
+
+
+def share_from_memory(before: dict[str, float], after: dict[str, float]) -> float | None:
+    """The share of the window's heartbeats answered from memory (``server.host_answers``)."""
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    total = sum(delta.values())
+    return round(delta.get("memory", 0.0) / total, 3) if total else None
+
+
 async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, Any]:
     fleet = Fleet(srv.base, args, db_url)
     connector = aiohttp.TCPConnector(limit=args.connections, keepalive_timeout=20)
@@ -569,6 +599,8 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
         size0 = db_size(db_url)
         cpu = CpuMeter(srv.pid, make_url(db_url).database or "")
         fleet.loop_task(cpu.sample_every(1.0, fleet.stop))
+        fleet.loop_task(fleet.sample_loop_lag())
+        answers0 = await fleet.heartbeat_sources()
         started = time.monotonic()
         fleet.loop_task(fleet.keep_jobs())
         fleet.loop_task(fleet.sample_lag())
@@ -580,6 +612,7 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
         await asyncio.sleep(max(0.0, args.seconds - (time.monotonic() - started)))
         elapsed = time.monotonic() - started
         out["cores_used"] = cpu.cores_used()
+        answers1 = await fleet.heartbeat_sources()
         await fleet.shut_down()
         size1 = db_size(db_url)
     s = fleet.stats
@@ -594,6 +627,8 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
             "devices": args.hosts * args.gpus,
             "telemetry_per": args.telemetry_per,
             "heartbeat": quantiles(s.latency["heartbeat"]),
+            "heartbeats_answered_from_memory": share_from_memory(answers0, answers1),
+            "generator_loop_lag_ms": quantiles_ms(s.loop_lag_ms),
             "telemetry": quantiles(s.latency["telemetry"]),
             "plan_poll": quantiles(s.latency["plan-poll"]),
             "errors": dict(s.errors),

@@ -66,6 +66,13 @@ class Metrics:
             "Telemetry records skipped as already stored",
             registry=self.registry,
         )
+        self.heartbeat_answers = Counter(
+            "evenflow_heartbeat_answers",
+            "Heartbeat answers, by where they came from: memory (the host's last heartbeat "
+            "repeated, nothing changed) or the database",
+            ["source"],
+            registry=self.registry,
+        )
         self.registry.register(_StateCollector(sessions))
         self._templates: list[tuple[re.Pattern[str], str]] = []
 

@@ -271,7 +271,8 @@ def apply_worker_report(
         worker.error = report.error
     if report.log_tail:
         worker.log_tail = report.log_tail
-    job = get(session, report.job_id)
+    job = session.get(Job, report.job_id)  # its ranks' states are counted, not loaded
+    assert job is not None  # (its rank was just read)
     if JobStatus(job.status).terminal:
         _release_ended_rank(session, worker, now)
         return
@@ -295,8 +296,7 @@ def _advance_job(session: Session, job: Job, report: WorkerReport, now: datetime
         # out of the all-reduce group: the others go on without it (``departures``)
         departures.depart(session, job, report.rank, reason, now)
         _release_departed(session, job, report.rank)
-    departed = job.departed
-    states = [WorkerState(w.state) for w in job.workers if w.rank not in departed]
+    states = _rank_states(session, job)
     if all(s is WorkerState.SUCCEEDED for s in states):
         if status is JobStatus.STARTING:
             transition(job, JobStatus.RUNNING)
@@ -306,6 +306,17 @@ def _advance_job(session: Session, job: Job, report: WorkerReport, now: datetime
     ):
         transition(job, JobStatus.RUNNING)
         job.started_at = now
+
+
+def _rank_states(session: Session, job: Job) -> set[WorkerState]:
+    """The states of the job's ranks still in it, in one aggregate read: at every rank's start
+    and end, loading a 256-rank job's workers was most of a fleet's heartbeat work."""
+    rows = session.execute(
+        select(Worker.state)
+        .where(Worker.job_id == job.id, Worker.rank.not_in(sorted(job.departed)))
+        .group_by(Worker.state)
+    )
+    return {WorkerState(state) for (state,) in rows}
 
 
 def _release_departed(session: Session, job: Job, rank: int) -> None:

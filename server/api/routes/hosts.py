@@ -50,7 +50,9 @@ async def heartbeat(
     body = answers.get(host_id, req, principal)
     if body is not None:  # steady: the same report, nothing changed (``server.host_answers``)
         context.liveness.seen(host_id, now)
+        context.metrics.heartbeat_answers.labels("memory").inc()
         return Response(body, media_type="application/json")
+    context.metrics.heartbeat_answers.labels("database").inc()
     generation = answers.generation(host_id)
     ack = await in_transaction(
         context, lambda session: hosts.heartbeat(session, host_id, req, principal, now)
