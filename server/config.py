@@ -31,11 +31,13 @@ class Settings(BaseSettings):
     host_lost_after_s: float = Field(default=30.0, gt=0)
     """A host that has not sent a heartbeat for this long is marked lost."""
 
-    heartbeat_answer_ttl_s: float = Field(default=15.0, ge=0)
+    heartbeat_answer_ttl_s: float = Field(default=60.0, ge=0)
     """A heartbeat that repeats the host's last one is answered from memory while nothing its
     answer depends on has changed, and for at most this long (``server.host_answers``): the
-    bound on how late a change reaches an agent should a change notification be lost. 0 works
-    out every answer in the database."""
+    bound on how late a change reaches an agent should a change notification be lost (the
+    notifications are not: they are a backstop). Every expiry costs a heartbeat worked out in the
+    database: at 15 s that was one heartbeat in seven at fleet scale (bench/fleet.py: 86% answered
+    from memory; 95% at 60 s). 0 works out every answer in the database."""
 
     reaper_interval_s: float = Field(default=5.0, gt=0)
     """How often the server looks for lost hosts."""
