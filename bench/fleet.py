@@ -575,7 +575,8 @@ def share_from_memory(before: dict[str, float], after: dict[str, float]) -> floa
 
 async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, Any]:
     fleet = Fleet(srv.base, args, db_url)
-    connector = aiohttp.TCPConnector(limit=args.connections, keepalive_timeout=20)
+    limit = args.connections or args.hosts + 2 * args.jobs + 64
+    connector = aiohttp.TCPConnector(limit=limit, keepalive_timeout=20)
     timeout = aiohttp.ClientTimeout(total=60)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as fleet.http:
         t0 = time.monotonic()
@@ -660,7 +661,13 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=120.0)
     ap.add_argument("--telemetry-per", choices=["host", "rank"], default="host")
     ap.add_argument("--workers", type=int, default=1, help="API processes of the server")
-    ap.add_argument("--connections", type=int, default=512, help="client connections at most")
+    ap.add_argument(
+        "--connections",
+        type=int,
+        default=None,
+        help="client connections at most (default: one per host and two per job, as the agents "
+        "and the jobs' leaders each hold their own; fewer makes requests queue in the generator)",
+    )
     args = ap.parse_args()
     with database("postgresql") as db_url, tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "server.log"
