@@ -105,6 +105,20 @@ def jobs_to_sweep(session: Session, state: LoopState, live: list[int]) -> list[i
 REREAD_IDS = 5000
 
 
+def newest_telemetry(session: Session, state: LoopState, job_ids: list[int]) -> dict[int, int]:
+    """The newest telemetry row id of each of ``job_ids`` among the rows added since the round
+    began (``jobs_to_sweep``'s mark, less ``REREAD_IDS`` on PostgreSQL): one range scan of the
+    newest rows, for the controller's watch on hot jobs in the middle of a round."""
+    T = IterationTelemetry
+    reread = REREAD_IDS if session.get_bind().dialect.name == "postgresql" else 0
+    rows = session.execute(
+        select(T.job_id, func.max(T.id))
+        .where(T.id > state.telemetry_mark - reread, T.job_id.in_(job_ids))
+        .group_by(T.job_id)
+    )
+    return {int(job_id): int(newest) for job_id, newest in rows}
+
+
 def sweep(session: Session, state: LoopState, *, watch: bool = True) -> list[tuple[int, int]]:
     """One round over live jobs; returns (job id, new plan version) for every plan made.
     With ``watch`` the straggler watch runs too: events for every job, the mitigation ladder

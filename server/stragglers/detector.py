@@ -120,6 +120,10 @@ class Detector:
             self.state.last_iteration = max(self.state.last_iteration, iteration)
         return updates
 
+    def any_open(self) -> bool:
+        """Whether some rank is in an open event (cheaper than ``open_events``)."""
+        return any(state.start is not None for state in self.state.ranks)
+
     def open_events(self) -> list[StragglerEvent]:
         """Every open event, by rank."""
         return [e for e in (event_of(state) for state in self.state.ranks) if e is not None]

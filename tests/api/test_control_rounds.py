@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from server import controller as controller_module
 from server.context import context_of
 from server.controller import Controller
 from server.db import transaction
@@ -161,3 +162,40 @@ def test_an_urgent_job_poked_again_is_swept_again_in_the_same_round(
     controller.poke([jobs[1]])
     controller.sweep()
     assert order == [jobs[1], jobs[0], jobs[1], jobs[2]]
+
+
+def test_a_hot_job_with_new_telemetry_is_swept_again_in_the_same_round(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A straggler's urgent batch comes from its own host; its ranks on other hosts report the
+    slow iteration with their next regular batch, and the iteration is judged only once every
+    rank has. A job poked as urgent stays hot for a while: telemetry of it that arrives during
+    a round has it swept again before the round ends. Another job's new rows wait their turn."""
+    jobs = []
+    for host in ("a", "b", "c"):
+        api.register(host, devices=2)
+        jobs.append(int(api.submit(workers=2, global_batch=32)["id"]))  # type: ignore[call-overload]
+    context = context_of(api.client.app)  # type: ignore[arg-type]
+    controller = Controller(context.settings, engine=context.engine, sessions=context.sessions)
+    monkeypatch.setattr(controller_module, "HOT_CHECK_S", 0.0)
+    order: list[int] = []
+    posted = [0]
+
+    def sweep_job(job_id: int) -> None:
+        if len(order) == 1:  # while another job is swept, both get their next rows
+            first = posted[0]
+            posted[0] += 3
+            _post(api, jobs[1], range(first, first + 3))
+            _post(api, jobs[2], range(first, first + 3))
+        order.append(job_id)
+
+    monkeypatch.setattr(controller, "_sweep_job", sweep_job)
+    controller.poke([jobs[1]])
+    controller.sweep()
+    assert order == [jobs[1], jobs[0], jobs[1], jobs[2]]
+    order.clear()
+    monkeypatch.setattr(controller_module, "HOT_S", 0.0)
+    controller.poke([jobs[1]])  # hot no more: swept for the poke, its next rows wait their turn
+    controller.sweep()
+    assert order[:2] == [jobs[1], jobs[0]]
+    assert order.count(jobs[1]) == 1
