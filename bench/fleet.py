@@ -225,6 +225,8 @@ class Job:
 @dataclass
 class Stats:
     latency: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    sent_at: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    """When each request of ``latency`` was sent (monotonic), in the same order."""
     errors: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     lag_s: list[float] = field(default_factory=list)
     loop_lag_ms: list[float] = field(default_factory=list)
@@ -264,6 +266,7 @@ class Fleet:
             self.last_error[kind] = repr(exc)[:300]
             return 0, None
         self.stats.latency[kind].append(time.perf_counter() - t0)
+        self.stats.sent_at[kind].append(time.monotonic() - (time.perf_counter() - t0))
         if status >= 400:
             self.stats.errors[f"{kind}: {status}"] += 1
             self.last_error[kind] = f"{status} {str(body)[:300]}"
@@ -559,6 +562,15 @@ def quantiles(values: list[float]) -> dict[str, float]:
     }
 
 
+def by_window(stats: Stats, kind: str, started: float, window_s: float) -> list[float]:
+    """The p99 latency (ms) of the requests of ``kind`` sent in each ``window_s`` of the run:
+    whether a tail is steady or a burst (jobs starting together, say)."""
+    windows: dict[int, list[float]] = defaultdict(list)
+    for at, latency in zip(stats.sent_at[kind], stats.latency[kind], strict=True):
+        windows[int((at - started) // window_s)].append(latency)
+    return [quantiles(windows[w]).get("p99_ms", 0.0) for w in sorted(windows)]
+
+
 def quantiles_ms(values: list[float]) -> dict[str, float]:
     """p50/p99 of values already in milliseconds."""
     out = quantiles([v / 1000 for v in values])
@@ -628,6 +640,7 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
             "devices": args.hosts * args.gpus,
             "telemetry_per": args.telemetry_per,
             "heartbeat": quantiles(s.latency["heartbeat"]),
+            "heartbeat_p99_ms_by_10s": by_window(s, "heartbeat", started, 10.0),
             "heartbeats_answered_from_memory": share_from_memory(answers0, answers1),
             "generator_loop_lag_ms": quantiles_ms(s.loop_lag_ms),
             "telemetry": quantiles(s.latency["telemetry"]),
