@@ -235,7 +235,10 @@ def _lifespan(context: AppContext) -> Callable[[FastAPI], AbstractAsyncContextMa
             liveness.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await liveness
-            await asyncio.to_thread(_flush_liveness, context)
+            try:
+                await asyncio.to_thread(_flush_liveness, context)
+            except Exception:  # the database is away: the reaper will not run either
+                log.warning("could not write the hosts' liveness", exc_info=True)
             stop.set()
             if controller is not None:
                 await asyncio.to_thread(controller.join, 30)
@@ -259,8 +262,12 @@ async def _write_liveness(context: AppContext) -> None:
 
 
 def _flush_liveness(context: AppContext) -> None:
-    with context.write_lock, context.sessions() as session, session.begin():
-        context.liveness.flush(session)
+    try:
+        with context.write_lock, context.sessions() as session, session.begin():
+            context.liveness.flush(session)
+    except Exception:
+        context.liveness.restore()
+        raise
 
 
 def _close(context: AppContext) -> None:

@@ -263,6 +263,7 @@ class Liveness:
 
     def __init__(self) -> None:
         self._seen: dict[int, datetime] = {}
+        self._flushing: dict[int, datetime] = {}
         self._lock = threading.Lock()
 
     def seen(self, host_id: int, now: datetime) -> None:
@@ -273,10 +274,22 @@ class Liveness:
         return len(self._seen)
 
     def flush(self, session: Session) -> int:
-        """Write what was seen since the last flush in ``session``; returns how many hosts."""
+        """Write what was seen since the last flush in ``session``, which the caller commits;
+        returns how many hosts. Should the write or its commit fail, :meth:`restore` puts the
+        times back for the next flush."""
         with self._lock:
             seen, self._seen = self._seen, {}
+        self._flushing = seen
         if seen:
             rows = [{"host_id": h, "seen": t} for h, t in sorted(seen.items())]
             session.connection().execute(_ALIVE_IF_NEWER, rows)
         return len(seen)
+
+    def restore(self) -> None:
+        """The last flush was not committed: its times go out with the next one (a later
+        heartbeat's time, seen meanwhile, wins)."""
+        with self._lock:
+            for host_id, at in self._flushing.items():
+                if self._seen.get(host_id, at) <= at:
+                    self._seen[host_id] = at
+            self._flushing = {}

@@ -271,3 +271,20 @@ def _worked_out(api: Api, host_id: int, report: list[dict[str, Any]]) -> dict[st
         ack = hosts.heartbeat(s, host_id, hb, principal, datetime.now(UTC))
         s.rollback()
     return ack.model_dump(mode="json")
+
+
+def test_liveness_not_written_is_written_by_the_next_flush(api: Api) -> None:
+    """A flush whose transaction fails (the database away) loses no heartbeat time."""
+    host = api.register("h", devices=1)
+    context = _context(api)
+    host_id = int(host["id"])
+    later = datetime.now(UTC) + timedelta(seconds=30)
+    context.liveness.seen(host_id, later)
+    with context.sessions() as s:
+        context.liveness.flush(s)
+        s.rollback()  # as when the commit fails
+    context.liveness.restore()
+    assert context.liveness.pending() == 1
+    _flush_liveness(context)
+    with transaction(context.sessions) as s:
+        assert s.scalars(select(Host.last_heartbeat)).one() == later
