@@ -320,18 +320,20 @@ class Fleet:
             await self.heartbeat(host)
             await asyncio.sleep(max(0.0, HEARTBEAT_S - (time.monotonic() - started)))
 
-    async def heartbeat(self, host: Host) -> None:
-        """One heartbeat reporting the host's ranks; the answer updates them."""
+    async def heartbeat(self, host: Host, reverse: bool = False) -> int:
+        """One heartbeat reporting the host's ranks (``reverse``: listed the other way round,
+        the same report in another heartbeat); the answer updates them. Returns its status."""
         workers = [{"job_id": j, "rank": r, "state": s} for (j, r), s in host.reports.items()]
         status, ack = await self.request(
             "heartbeat",
             "POST",
             f"/api/v1/hosts/{host.id}/heartbeat",
             host.token,
-            json={"workers": workers},
+            json={"workers": workers[::-1] if reverse else workers},
         )
         if status == 200:
             self.on_ack(host, ack)
+        return status
 
     def on_ack(self, host: Host, ack: dict[str, Any]) -> None:
         live = set()

@@ -117,15 +117,7 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
             """A heartbeat that is not the host's last one (its ranks listed in the other
             order): answered by the database, as one after a change is."""
             host = busy[i % len(busy)]
-            order = 1 if (i // len(busy)) % 2 else -1
-            workers = [{"job_id": j, "rank": r, "state": s} for (j, r), s in host.reports.items()]
-            status, _ = await fleet.request(
-                "heartbeat",
-                "POST",
-                f"/api/v1/hosts/{host.id}/heartbeat",
-                host.token,
-                json={"workers": workers[::order]},
-            )
+            status = await fleet.heartbeat(host, reverse=(i // len(busy)) % 2 == 0)
             assert status == 200, fleet.last_error
 
         out["heartbeat worked out (not the last one)"] = await metered(srv, db, n, changed)
