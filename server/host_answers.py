@@ -279,7 +279,7 @@ class Liveness:
         times back for the next flush."""
         with self._lock:
             seen, self._seen = self._seen, {}
-        self._flushing = seen
+            self._flushing = seen
         if seen:
             rows = [{"host_id": h, "seen": t} for h, t in sorted(seen.items())]
             session.connection().execute(_ALIVE_IF_NEWER, rows)
