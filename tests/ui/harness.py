@@ -79,7 +79,11 @@ def sign_in(page: Any, url: str, token: str, path: str = "/jobs") -> None:
     page.goto(f"{url}/login?next={path}")
     page.fill("input[name=token]", token)
     page.click("button[type=submit]")
-    page.wait_for_url(f"{url}{path}")
+    # Signed in once the redirect lands on the path: the page's module scripts have run by
+    # DOMContentLoaded, and each test waits for the elements it needs. Waiting for the whole
+    # load (Plotly, the stylesheet, the icon) within 10 s failed once in CI on a loaded
+    # 2-core machine, so the landing gets more time than a single element does.
+    page.wait_for_url(f"{url}{path}", wait_until="domcontentloaded", timeout=30_000)
 
 
 # ----------------------------------------------------------------- what a rebalancer would do
