@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime
-from functools import cache
+from functools import cache, cached_property
 from typing import Any
 
 from sqlalchemy import func, select
@@ -202,6 +203,11 @@ def check_placeable(session: Session, spec: JobSpec) -> None:
     ranks share one backend) than the registered hosts have, busy or not."""
     if spec.workers is None:
         return  # explicit devices: their existence is checked by the caller
+    most = session.execute(
+        select(func.count(Device.id)).group_by(Device.kind).order_by(func.count(Device.id).desc())
+    ).first()
+    if most is not None and spec.workers <= most[0]:
+        return  # the common case, one small aggregate; the details only to say what is short
     rows = session.execute(
         select(Device.kind, Host.name, func.count(Device.id))
         .join(Host)
@@ -242,11 +248,13 @@ class Landscape:
     rows: tuple[tuple[int, int | None, bool], ...]
 
     @classmethod
-    def read(cls, session: Session) -> Landscape:
+    def read(cls, session: Session, only: Collection[int] | None = None) -> Landscape:
+        """Every device, or ``only`` these."""
         free = (Device.status == DeviceStatus.FREE.value) & (Host.status == HostStatus.ACTIVE.value)
-        rows = session.execute(
-            select(Device.id, Device.job_id, free).join(Host).order_by(Device.id)
-        ).all()
+        query = select(Device.id, Device.job_id, free).join(Host).order_by(Device.id)
+        if only is not None:
+            query = query.where(Device.id.in_(sorted(only)))
+        rows = session.execute(query).all()
         return cls(tuple((int(i), j, bool(f)) for i, j, f in rows))
 
     def taken(self, job_id: int, device_ids: set[int]) -> Landscape:
@@ -254,6 +262,61 @@ class Landscape:
         return Landscape(
             tuple((i, job_id, False) if i in device_ids else (i, j, f) for i, j, f in self.rows)
         )
+
+    @cached_property
+    def tally(self) -> Tally:
+        """The whole inventory counted once: every pending job that names no devices is
+        explained from it (a round explained 130 pending jobs over 2,000 devices each)."""
+        return Tally.of(self.rows)
+
+
+@dataclass(frozen=True)
+class Tally:
+    """Devices counted as a pending reason tells them: free, busy by holder (most first),
+    offline."""
+
+    free: int
+    holders: tuple[tuple[int, int], ...]
+    """(job, devices it holds) for busy devices, most first, then by job."""
+    away: int
+
+    @classmethod
+    def read(cls, session: Session) -> Tally:
+        """The counts of ``Landscape.read(session).tally``, taken by the database: a
+        submission's first pending reason needs no device list (10,000 rows at fleet scale,
+        read once per ``POST /jobs``)."""
+        rows = session.execute(
+            select(Device.job_id, Device.status, Host.status, func.count(Device.id))
+            .join(Host)
+            .group_by(Device.job_id, Device.status, Host.status)
+        ).all()
+        busy: dict[int, int] = defaultdict(int)
+        free = away = 0
+        for job_id, status, host_status, n in rows:
+            if status == DeviceStatus.FREE.value and host_status == HostStatus.ACTIVE.value:
+                free += n
+            elif job_id is None:
+                away += n
+            else:
+                busy[int(job_id)] += n
+        return cls(free, _most_first(busy), away)
+
+    @classmethod
+    def of(cls, rows: tuple[tuple[int, int | None, bool], ...]) -> Tally:
+        busy: dict[int, int] = defaultdict(int)
+        free = away = 0
+        for _, job_id, is_free in rows:
+            if is_free:
+                free += 1
+            elif job_id is None:
+                away += 1
+            else:
+                busy[job_id] += 1
+        return cls(free, _most_first(busy), away)
+
+
+def _most_first(busy: dict[int, int]) -> tuple[tuple[int, int], ...]:
+    return tuple(sorted(busy.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 REASON_HOLDERS = 3
@@ -265,33 +328,44 @@ def explain(spec: JobSpec, landscape: Landscape, *, tried: bool) -> str:
     """Why a job is not placed on the devices now free: "needs 4 devices, 2 free, 2 busy with
     job 7". ``tried``: placement was attempted with them (else it has yet to be). Busy devices
     are told only when too few are free, by the jobs holding most of them."""
-    rows = landscape.rows
-    free = sum(1 for _, _, f in rows if f)
+    if spec.devices is None:
+        return _reason(spec, landscape.tally, 0, tried=tried)
+    wanted = set(spec.devices)
+    rows = tuple(r for r in landscape.rows if r[0] in wanted)
+    return _reason(spec, Tally.of(rows), len(rows), tried=tried)
+
+
+def explain_submitted(session: Session, spec: JobSpec) -> str:
+    """``explain(spec, Landscape.read(session), tried=False)`` for a job just submitted, from
+    counts the database takes (or, for a job naming its devices, just those)."""
+    if spec.devices is None:
+        return _reason(spec, Tally.read(session), 0, tried=False)
+    rows = Landscape.read(session, only=spec.devices).rows
+    return _reason(spec, Tally.of(rows), len(rows), tried=False)
+
+
+def _reason(spec: JobSpec, tally: Tally, named_found: int, *, tried: bool) -> str:
+    """``explain``'s words for ``tally``: the whole inventory, or the ``named_found`` devices
+    of those a job names that exist."""
     if spec.devices is not None:
         wanted = set(spec.devices)
-        rows = tuple(r for r in rows if r[0] in wanted)
         named = sorted(wanted) if len(wanted) <= 8 else f"{len(wanted)} named"
         need = f"needs devices {named}"
-        have = f"{sum(1 for _, _, f in rows if f)} of them free"
-        short = any(not f for _, _, f in rows)
+        have = f"{tally.free} of them free"
+        short = tally.free < named_found
     else:
         need = f"needs {spec.workers} device{'s' if spec.workers != 1 else ''}"
-        have = f"{free} free"
-        short = free < (spec.workers or 1)
+        have = f"{tally.free} free"
+        short = tally.free < (spec.workers or 1)
     parts = [need, have]
     if short:
-        busy: dict[int, int] = defaultdict(int)
-        for _, job_id, is_free in rows:
-            if job_id is not None and not is_free:
-                busy[job_id] += 1
-        holders = sorted(busy.items(), key=lambda kv: (-kv[1], kv[0]))
+        holders = tally.holders
         parts += [f"{n} busy with job {job_id}" for job_id, n in holders[:REASON_HOLDERS]]
         if len(holders) > REASON_HOLDERS:
             rest = holders[REASON_HOLDERS:]
             parts.append(f"{sum(n for _, n in rest)} busy with {len(rest)} other jobs")
-    away = sum(1 for _, job_id, is_free in rows if job_id is None and not is_free)
-    if away:
-        parts.append(f"{away} offline")
+    if tally.away:
+        parts.append(f"{tally.away} offline")
     if not short and spec.devices is None:
         parts.append("no placement fits them" if tried else "waiting for the controller")
     return ", ".join(parts)[:PENDING_REASON_LENGTH]

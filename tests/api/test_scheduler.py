@@ -7,11 +7,14 @@ from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sqlalchemy import select
 
 from contract.base import PROTOCOL_VERSION
-from contract.enums import Role
+from contract.enums import HostStatus, Role
 from contract.spec import JobSpec
-from server.models import PENDING_REASON_LENGTH
+from server.context import context_of
+from server.db import transaction
+from server.models import PENDING_REASON_LENGTH, Host
 from server.services import scheduler
 from tests.harness import Api
 
@@ -180,3 +183,37 @@ def test_a_pending_reason_fits_its_column_and_names_the_largest_holders(
     rest = ranked[scheduler.REASON_HOLDERS :]
     if rest:
         assert f"{sum(n for _, n in rest)} busy with {len(rest)} other jobs" in reason
+
+
+def test_a_submissions_pending_reason_is_what_the_device_list_would_say(api: Api) -> None:
+    """A submission's first reason comes from counts the database takes (no device list):
+    on an inventory with free, busy (several holders) and offline devices it says exactly
+    what ``explain`` says from the whole list, for jobs that fit, do not, and name devices."""
+    for name in ("a", "b", "c"):
+        api.register(name, devices=4)
+    for workers in (3, 2, 2):
+        assert api.submit(workers=workers)["status"] == "starting"
+    context = context_of(api.client.app)  # type: ignore[arg-type]
+    with context.write_lock, transaction(context.sessions) as s:
+        lost = s.scalars(select(Host).where(Host.name == "c")).one()
+        lost.status = HostStatus.LOST
+        s.flush()
+        landscape = scheduler.Landscape.read(s)
+        assert {(j, f) for _, j, f in landscape.rows} >= {(None, True), (None, False)}
+        ids = [i for i, _, _ in landscape.rows]
+        for extra in (
+            ({"workers": n} for n in (1, 2, 5, 12)),
+            ({"devices": d, "workers": None} for d in (ids[:2], ids[-3:], [ids[0], 9999])),
+        ):
+            for more in extra:
+                spec = JobSpec.model_validate(
+                    {
+                        "name": "w",
+                        "workload": {"builtin": "mlp"},
+                        "global_batch": 64,
+                        "iterations": 5,
+                        **more,
+                    }
+                )
+                said = scheduler.explain_submitted(s, spec)
+                assert said == scheduler.explain(spec, landscape, tried=False), more
