@@ -78,10 +78,18 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
     connector = aiohttp.TCPConnector(limit=64)
     async with aiohttp.ClientSession(connector=connector) as fleet.http:
         await fleet.register()
+        db = make_url(db_url).database or ""
+        cpu, t0 = CpuMeter(srv.pid, db), time.monotonic()
         await placed(fleet)
         jobs = list(fleet.jobs.values())
         busy = [h for h in fleet.hosts if h.reports]
         next_iteration = dict.fromkeys((j.id for j in jobs), 0)
+        started, secs, used = sum(j.size for j in jobs), time.monotonic() - t0, cpu.cores_used()
+        per_rank = {  # the burst of a job's start: placement, launch and the running reports
+            "api_cpu_ms": round(1000 * used["api"] * secs / started, 2),
+            "controller_cpu_ms": round(1000 * used.get("controller", 0.0) * secs / started, 2),
+            "postgres_cpu_ms": round(1000 * used.get("postgres", 0.0) * secs / started, 2),
+        }
 
         async def rows(job: Any, ranks: list[int]) -> None:
             first = next_iteration[job.id]
@@ -107,8 +115,9 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
             params = {"known_version": str(job.version), "wait_s": "0"}
             await fleet.request("plan-poll", "GET", f"/api/v1/jobs/{job.id}/plan", params=params)
 
-        n, db = args.requests, make_url(db_url).database or ""
-        out: dict[str, Any] = {"hosts": args.hosts, "ranks_running": sum(j.size for j in jobs)}
+        n = args.requests
+        out: dict[str, Any] = {"hosts": args.hosts, "ranks_running": started}
+        out["job start, per rank (placed, launched, reported running)"] = per_rank
         out["heartbeat (8 ranks running)"] = await metered(
             srv, db, n, lambda i: fleet.heartbeat(busy[i % len(busy)])
         )

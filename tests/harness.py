@@ -15,11 +15,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import httpx
 import uvicorn
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
+from sqlalchemy import Engine, event
 
 from contract.agent import TelemetryRecord
 from contract.base import PROTOCOL_VERSION
@@ -214,3 +216,19 @@ def telemetry_record(rank: int, iteration: int) -> TelemetryRecord:
         sync_ms=0.5,
         ts=1.0,
     )
+
+
+@contextmanager
+def statements(engine: Engine) -> Iterator[list[str]]:
+    """The SQL ``engine`` runs meanwhile, credential look-ups left out."""
+    seen: list[str] = []
+
+    def note(_conn: Any, _cursor: Any, sql: str, *_: Any) -> None:
+        if "api_tokens" not in sql:
+            seen.append(sql)
+
+    event.listen(engine, "before_cursor_execute", note)
+    try:
+        yield seen
+    finally:
+        event.remove(engine, "before_cursor_execute", note)

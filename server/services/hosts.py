@@ -187,14 +187,14 @@ def heartbeat(
         scheduler.request_placement(session)
     reported = {r.job_id for r in hb.workers}
     placed = _placed_here(session, host, reported)
-    changed = False
+    changes = []
     for report in hb.workers:
         known = placed.get((report.job_id, report.rank))
         if known is not None and (known.attempt != report.attempt or known.state == report.state):
             continue  # an earlier attempt's, or nothing new: the common case, with no query
-        jobs.apply_worker_report(session, host, report, principal, now)
-        changed = True
-    if changed:  # a report may have ended or restarted a job: its ranks may be gone
+        changes.append(report)
+    jobs.apply_worker_reports(session, host, changes, now)
+    if changes:  # a report may have ended or restarted a job: its ranks may be gone
         session.flush()
         placed = _placed_here(session, host, reported)
     on_devices = {(p.device_id, p.job_id) for p in placed.values()}
@@ -286,6 +286,12 @@ def assignments(
     if not live:
         return []
     shapes = _job_shapes(session, {p.job_id for p in live})
+    to_launch = [p.worker_id for p in live if p.state == WorkerState.ASSIGNED.value]
+    launching = (  # read together (and held: the session keeps its entities only while used)
+        {w.id: w for w in session.scalars(select(Worker).where(Worker.id.in_(to_launch)))}
+        if to_launch
+        else {}
+    )
     out = []
     for p in live:
         device, job = devices[p.device_id], shapes[p.job_id]  # type: ignore[index]
@@ -293,9 +299,7 @@ def assignments(
         launch = not status.terminal and p.state == WorkerState.ASSIGNED.value
         token = None
         if launch:
-            worker = session.get(Worker, p.worker_id)
-            assert worker is not None
-            token = tokens.mint_worker_token(worker)
+            token = tokens.mint_worker_token(launching[p.worker_id])
         out.append(
             Assignment(
                 job_id=p.job_id,

@@ -94,7 +94,7 @@ def create(session: Session, spec: JobSpec, principal: Principal, now: datetime)
     session.flush()
     record(session, principal.name, "job.create", f"job:{job.id}", {"name": spec.name})
     # Placement is the controller's (it may take seconds): the submission answers at once.
-    job.pending_reason = scheduler.explain(spec, scheduler.Landscape.read(session), tried=False)
+    job.pending_reason = scheduler.explain_submitted(session, spec)
     scheduler.request_placement(session)
     return job
 
@@ -238,45 +238,77 @@ def rank0_address(session: Session, job: Job) -> str:
     return host.address if host is not None else "127.0.0.1"
 
 
-def apply_worker_report(
-    session: Session, host: Host, report: WorkerReport, principal: Principal, now: datetime
+def apply_worker_reports(
+    session: Session, host: Host, reports: list[WorkerReport], now: datetime
 ) -> None:
-    """A worker changed state on ``host``; advance the worker and, through it, the job.
+    """Workers changed state on ``host`` (one heartbeat's reports, in order); advance each
+    worker and, through them, their jobs.
 
     A report about a rank the control plane does not know (its database was reset, or the job
     removed) is skipped rather than refusing the whole heartbeat: the answer does not list that
     rank, so the agent stops the process. Reports about an earlier attempt's processes are
     ignored too (that attempt has been replaced; ``release_replaced`` frees their devices once
-    the host reports none of them running)."""
-    attempt = session.scalar(select(Job.attempt).where(Job.id == report.job_id))
-    if attempt is not None and report.attempt != attempt:
+    the host reports none of them running).
+
+    The reports' jobs and workers are read in two statements and their state changes written
+    together: a job starting on a host of 8 GPUs reports 8 ranks at once, and a statement or
+    two per report made the fleet's start a burst of thousands of round trips. A job is
+    advanced once for its reports (its rank states counted once), except that a failure is
+    handled where it comes, as it may restart the job (later reports of the replaced attempt
+    are then ignored)."""
+    if not reports:
         return
-    worker = session.scalars(
-        select(Worker).where(Worker.job_id == report.job_id, Worker.rank == report.rank)
-    ).first()
-    if worker is None:
-        return
+    job_ids = sorted({r.job_id for r in reports})
+    found = {j.id: j for j in session.scalars(select(Job).where(Job.id.in_(job_ids)))}
+    workers = {
+        (w.job_id, w.rank): w
+        for w in session.scalars(
+            select(Worker).where(
+                Worker.job_id.in_(job_ids), Worker.rank.in_(sorted({r.rank for r in reports}))
+            )
+        )
+    }
+    to_advance: dict[int, WorkerReport] = {}
+    """Jobs whose ranks moved, with the last such report: advanced once, after them all."""
+    for report in reports:
+        job = found.get(report.job_id)
+        worker = workers.get((report.job_id, report.rank))
+        if job is None or worker is None or report.attempt != job.attempt:
+            continue
+        if not _move_worker(worker, host, report, now):
+            continue
+        to = report.state
+        if to is WorkerState.FAILED and (earlier := to_advance.pop(job.id, None)) is not None:
+            _advance_job(session, job, earlier, now)  # what came before the failure, first
+        if JobStatus(job.status).terminal:
+            _release_ended_rank(session, worker, now)
+        elif to is WorkerState.FAILED:
+            _advance_job(session, job, report, now)
+        else:
+            to_advance[job.id] = report
+    for job_id, report in to_advance.items():
+        job = found[job_id]
+        if not JobStatus(job.status).terminal and report.attempt == job.attempt:
+            _advance_job(session, job, report, now)
+
+
+def _move_worker(worker: Worker, host: Host, report: WorkerReport, now: datetime) -> bool:
+    """Move ``worker`` to the state ``report`` says, if that is a move it can make; False for
+    a late or repeated report (an agent restarting), which is not an error: the first end
+    state stays."""
     if worker.host_id != host.id:
         raise Forbidden(
             f"rank {report.rank} of job {report.job_id} does not run on host '{host.name}'"
         )
     frm, to = WorkerState(worker.state), report.state
-    if to == frm:
-        return
-    if to not in WORKER_TRANSITIONS[frm]:
-        # Late or repeated reports (an agent restarting) are not errors: keep the first end state.
-        return
+    if to == frm or to not in WORKER_TRANSITIONS[frm]:
+        return False
     worker.state, worker.exit_code, worker.updated_at = to, report.exit_code, now
     if report.error:
         worker.error = report.error
     if report.log_tail:
         worker.log_tail = report.log_tail
-    job = session.get(Job, report.job_id)  # its ranks' states are counted, not loaded
-    assert job is not None  # (its rank was just read)
-    if JobStatus(job.status).terminal:
-        _release_ended_rank(session, worker, now)
-        return
-    _advance_job(session, job, report, now)
+    return True
 
 
 def _advance_job(session: Session, job: Job, report: WorkerReport, now: datetime) -> None:
@@ -329,6 +361,10 @@ def _release_departed(session: Session, job: Job, rank: int) -> None:
         scheduler.request_placement(session)
 
 
+_PROCESS_LIVES = (WorkerState.LAUNCHING, WorkerState.RUNNING)
+"""Reported states in which a rank's process holds its device (one being launched does too)."""
+
+
 def release_replaced(
     session: Session,
     host: Host,
@@ -340,14 +376,15 @@ def release_replaced(
     """Free the devices of ``host`` that a restarted job's earlier attempt still holds (no rank
     of the job is ``placed`` there: (device, job) of the host's ranks) once its agent reports
     none of that attempt's processes running: the heartbeat answer no longer lists them, so the
-    agent stops them, and a process is reported running for as long as it runs."""
+    agent stops them, and a process is reported launching or running for as long as it
+    lives."""
     released = False
     for dev in host.devices:
         if dev.job_id is None or (dev.id, dev.job_id) in placed:
             continue
         attempt = session.scalar(select(Job.attempt).where(Job.id == dev.job_id))
         if attempt is None or any(
-            r.job_id == dev.job_id and r.attempt < attempt and r.state is WorkerState.RUNNING
+            r.job_id == dev.job_id and r.attempt < attempt and r.state in _PROCESS_LIVES
             for r in reports
         ):
             continue

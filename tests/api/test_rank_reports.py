@@ -1,0 +1,152 @@
+"""A heartbeat's rank reports are applied together (``jobs.apply_worker_reports``): a job
+starting on a host costs a fixed number of statements, and batching changes no outcome."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from sqlalchemy import Engine, select
+
+from contract.agent import WORKER_EXIT_FATAL
+from server.app import create_app
+from server.context import context_of
+from server.db import transaction
+from server.models import Device, Job, Worker
+from tests.harness import Api, driven, make_settings, statements
+
+
+def _engine(api: Api) -> Engine:
+    return context_of(api.client.app).engine  # type: ignore[arg-type]
+
+
+def _beat(api: Api, host: dict[str, Any], workers: list[dict[str, Any]]) -> dict[str, Any]:
+    r = api.client.post(
+        f"/api/v1/hosts/{host['id']}/heartbeat",
+        json={"workers": workers},
+        headers=api.headers(host["_token"]),
+    )
+    assert r.status_code == 200, r.text
+    answer: dict[str, Any] = r.json()
+    return answer
+
+
+def _reports(answer: dict[str, Any], state: str) -> list[dict[str, Any]]:
+    return [
+        {"job_id": a["job_id"], "rank": a["rank"], "state": state, "attempt": a["attempt"]}
+        for a in answer["assignments"]
+    ]
+
+
+def test_a_job_starting_on_a_host_costs_the_same_statements_for_one_rank_or_eight(
+    api: Api,
+) -> None:
+    """Launch, launching and running: one rank or eight on the host, the same statements."""
+    cost: dict[int, list[int]] = {}
+    for size in (1, 8):
+        host = api.register(f"h{size}", devices=size)
+        api.submit(workers=size)
+        steps = []
+        with statements(_engine(api)) as sql:
+            answer = _beat(api, host, [])  # the launch: a credential minted per rank
+        assert [a["worker_token"] is not None for a in answer["assignments"]] == [True] * size
+        steps.append(len(sql))
+        for state in ("launching", "running"):
+            with statements(_engine(api)) as sql:
+                _beat(api, host, _reports(answer, state))
+            steps.append(len(sql))
+        cost[size] = steps
+    assert cost[8] == cost[1]
+    job = api.client.get("/api/v1/jobs?limit=5", headers=api.headers()).json()["items"]
+    assert {j["status"] for j in job} == {"running"}
+
+
+# ------------------------------------------------------------------------- the invariant
+
+STARTED = st.sampled_from(["launching", "running"])
+EVENTS = st.lists(
+    st.tuples(
+        st.integers(0, 1),  # which of the host's two jobs
+        st.integers(0, 1),  # which rank
+        st.sampled_from(["running", "succeeded", "failed", "fatal", "stopped"]),
+    ),
+    max_size=4,
+    unique_by=lambda e: (e[0], e[1]),
+)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(started=STARTED, events=EVENTS)
+def test_reports_in_one_heartbeat_end_as_when_sent_one_heartbeat_at_a_time(
+    started: str, events: list[tuple[int, int, str]]
+) -> None:
+    """Two hosts run two 2-rank jobs each, alike. One host's agent sends the rank ``events``
+    one heartbeat at a time, the other's all in one heartbeat (each heartbeat lists every rank,
+    as an agent does): the jobs and their ranks and devices end the same (jobs finishing,
+    failing, restarting with later reports of the old attempt ignored)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        db = f"sqlite:///{Path(tmp) / 'r.db'}"
+        with TestClient(create_app(make_settings(db))) as client:
+            api = driven(client)
+            one_at_a_time, together = _host_with_two_jobs(api, "a"), _host_with_two_jobs(api, "b")
+            for host, _ in (one_at_a_time, together):
+                answer = _beat(api, host, [])
+                _beat(api, host, _reports(answer, started))
+            host, job_ids = one_at_a_time
+            for k in range(1, len(events) + 1):
+                _beat(api, host, _agent_report(job_ids, started, events[:k]))
+            host, job_ids = together
+            _beat(api, host, _agent_report(job_ids, started, events))
+            assert _outcome(api, one_at_a_time[1]) == _outcome(api, together[1])
+
+
+def _host_with_two_jobs(api: Api, name: str) -> tuple[dict[str, Any], list[int]]:
+    host = api.register(name, devices=4)
+    job_ids = [int(api.submit(workers=2, max_restarts=1)["id"]) for _ in range(2)]
+    return host, job_ids
+
+
+def _agent_report(
+    job_ids: list[int], started: str, events: list[tuple[int, int, str]]
+) -> list[dict[str, Any]]:
+    """What the agent lists after ``events``: its other ranks as ``started``, then the events
+    in order."""
+    changed = {(job, rank) for job, rank, _ in events}
+    steady = [(j, r, started) for j in (0, 1) for r in (0, 1) if (j, r) not in changed]
+    return [_report(job_ids, e) for e in [*steady, *events]]
+
+
+def _report(job_ids: list[int], event_: tuple[int, int, str]) -> dict[str, Any]:
+    job, rank, state = event_
+    report: dict[str, Any] = {"job_id": job_ids[job], "rank": rank, "attempt": 0}
+    if state == "fatal":
+        return {**report, "state": "failed", "exit_code": WORKER_EXIT_FATAL}
+    if state == "failed":
+        return {**report, "state": "failed", "exit_code": 1}
+    return {**report, "state": state, "exit_code": 0 if state == "succeeded" else None}
+
+
+def _outcome(api: Api, job_ids: list[int]) -> list[Any]:
+    """Each job's status, attempt and reason; its ranks' states; the devices it holds."""
+    context = context_of(api.client.app)  # type: ignore[arg-type]
+    out: list[Any] = []
+    with transaction(context.sessions) as s:
+        for job_id in job_ids:
+            job = s.get(Job, job_id)
+            assert job is not None
+            workers = s.scalars(select(Worker).where(Worker.job_id == job_id)).all()
+            held = s.scalars(select(Device.index).where(Device.job_id == job_id)).all()
+            out.append(
+                (
+                    job.status,
+                    job.attempt,
+                    job.error,
+                    sorted((w.rank, w.state, w.exit_code) for w in workers),
+                    sorted(held),
+                )
+            )
+    return out
