@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import select
 import signal
@@ -57,6 +58,12 @@ with their next regular batch, which at fleet scale would otherwise wait for the
 HOT_CHECK_S = 0.5
 """How often a round looks for new telemetry of hot jobs (one query over the newest rows)."""
 
+PLACE_GAP_S = 1.0
+"""A round under way places pending jobs between two jobs' sweeps at most this often. A fleet
+asks for placement several times a second (each submission, each job that ends) and a
+placement pass reads every pending job and the free devices: run between every two sweeps it
+made a round of 67 jobs take 20 s (``bench/fleet.py``, 250 hosts)."""
+
 WAKE_SLICE_S = 0.1
 """Between rounds the controller waits for a poke in slices this long, to notice ``stop``."""
 
@@ -93,7 +100,9 @@ class Controller:
         """Hot job -> its newest telemetry row id when a round last looked."""
         self._place_now = False
         """A job was submitted or devices freed since placement last ran: a round under way
-        places between two jobs' sweeps rather than after its last."""
+        places between two jobs' sweeps rather than after its last (``PLACE_GAP_S``)."""
+        self._placed_at = -math.inf
+        """Monotonic time placement last ran."""
         self.round_stats = RoundStats(settings.controller_report_s)
         self.retention = retention.Retention(
             retention.Window(settings.telemetry_keep_iterations, settings.telemetry_keep_running_s)
@@ -212,7 +221,11 @@ class Controller:
             for j in [*self._take_urgent(), *news]:
                 if j in live_ids and j not in urgent:
                     urgent.append(j)
-            if self._place_now and (urgent or queue):
+            if (
+                self._place_now
+                and (urgent or queue)
+                and time.monotonic() - self._placed_at >= PLACE_GAP_S
+            ):
                 self._place_between_sweeps()
             if urgent:  # again if swept already: its ranks' urgent posts arrive one by one
                 job_id = urgent.popleft()
@@ -267,7 +280,7 @@ class Controller:
         fleet scale a round takes seconds, which a submitted job would wait out). Submissions
         never wait for this (it may take seconds: the placement solver). Returns the jobs
         placed."""
-        self._place_now = False
+        self._place_now, self._placed_at = False, time.monotonic()
         with self.write_lock, transaction(self.sessions) as s:
             placed = [job.id for job in scheduler.place_pending(s, datetime.now(UTC))]
         for job_id in placed:

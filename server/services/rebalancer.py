@@ -22,7 +22,7 @@ from sqlalchemy import bindparam, func, select
 from sqlalchemy.orm import Session
 
 from contract.enums import PlanSource, PolicyName
-from server.models import IterationTelemetry, Job, Plan
+from server.models import IterationTelemetry, Job, Plan, Worker
 from server.planner import ModelFit, Observation, fit_model
 from server.planner.rebalance import RebalanceDecision, RebalanceInput, decide
 from server.services import memory, plans, retention
@@ -81,6 +81,10 @@ class Tracker:
     excluded: tuple[int | None, frozenset[int]] = (None, frozenset())
     """``(plan version, its ranks out of the all-reduce group)``: plans never change once
     made, so a round reads them only when the job has a new one."""
+    world: int | None = None
+    """The job's number of ranks, counted once: an attempt keeps its ranks (one that leaves
+    stays listed, ``departed``), and a restart starts a new tracker. Loading the workers to
+    count them was a tenth of a steady sweep (256 entities per round for a 256-rank job)."""
 
     def update(self, session: Session, job: Job) -> Progress:
         T = IterationTelemetry
@@ -111,7 +115,9 @@ class Tracker:
             out = session.scalar(_EXCLUDED, {"job_id": job.id, "version": job.plan_version})
             self.excluded = (job.plan_version, frozenset(int(r) for r in out or []))
         excluded = self.excluded[1] if job.plan_version else frozenset()
-        active = [r for r in range(len(job.workers)) if r not in excluded]
+        if self.world is None:
+            self.world = session.scalar(_WORLD, {"job_id": job.id}) or 0
+        active = [r for r in range(self.world) if r not in excluded]
         seen = self.max_iteration
         complete = (
             min(seen[r] for r in active) if active and all(r in seen for r in active) else None
@@ -120,6 +126,7 @@ class Tracker:
         return Progress(effective, complete)
 
 
+_WORLD = select(func.count(Worker.id)).where(Worker.job_id == bindparam("job_id"))
 _EXCLUDED = select(Plan.excluded).where(
     Plan.job_id == bindparam("job_id"), Plan.version == bindparam("version")
 )

@@ -13,7 +13,7 @@ from server.controller import Controller
 from server.db import transaction
 from server.notify import PLACEMENT
 from server.services import control_loop
-from tests.harness import Api
+from tests.harness import Api, statements
 
 
 def _post(api: Api, job: int, iterations: range) -> None:
@@ -37,6 +37,20 @@ def _post(api: Api, job: int, iterations: range) -> None:
     assert r.status_code == 200, r.text
 
 
+def _jobs_on_hosts(api: Api, hosts: str) -> list[int]:
+    """A 2-rank job on each of ``hosts`` (one letter each), placed as it is submitted."""
+    jobs = []
+    for host in hosts:
+        api.register(host, devices=2)
+        jobs.append(int(api.submit(workers=2, global_batch=32)["id"]))  # type: ignore[call-overload]
+    return jobs
+
+
+def _controller(api: Api) -> Controller:
+    context = context_of(api.client.app)  # type: ignore[arg-type]
+    return Controller(context.settings, engine=context.engine, sessions=context.sessions)
+
+
 def _due(api: Api, state: control_loop.LoopState) -> list[int]:
     sessions = context_of(api.client.app).sessions
     with transaction(sessions) as s:
@@ -49,10 +63,7 @@ def _due(api: Api, state: control_loop.LoopState) -> list[int]:
 
 def test_only_jobs_with_new_telemetry_are_swept(api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(control_loop, "REREAD_IDS", 0)  # judge by exactly the new rows
-    jobs = []
-    for host in ("a", "b", "c"):
-        api.register(host, devices=2)
-        jobs.append(int(api.submit(workers=2, global_batch=32)["id"]))  # type: ignore[call-overload]
+    jobs = _jobs_on_hosts(api, "abc")
     state = control_loop.LoopState()
     assert sorted(_due(api, state)) == sorted(jobs)  # never swept: all of them, once
     assert _due(api, state) == []  # nothing new anywhere
@@ -80,12 +91,8 @@ def test_urgent_jobs_are_swept_first_even_when_poked_mid_round(
     """At fleet scale a round over every job with new data takes seconds: a job whose worker
     sent urgent telemetry (a straggler starting) goes first, and one poked while a round is
     under way goes next, not after the rest of the round."""
-    jobs = []
-    for host in ("a", "b", "c", "d"):
-        api.register(host, devices=2)
-        jobs.append(int(api.submit(workers=2, global_batch=32)["id"]))  # type: ignore[call-overload]
-    context = context_of(api.client.app)  # type: ignore[arg-type]
-    controller = Controller(context.settings, engine=context.engine, sessions=context.sessions)
+    jobs = _jobs_on_hosts(api, "abcd")
+    controller = _controller(api)
     order: list[int] = []
     poked_mid_round: list[int] = []
 
@@ -110,14 +117,11 @@ def test_urgent_jobs_are_swept_first_even_when_poked_mid_round(
 def test_a_job_submitted_during_a_round_is_placed_before_the_round_ends(
     api: Api, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    jobs = []
-    for host in ("a", "b", "c"):
-        api.register(host, devices=2)
-        jobs.append(int(api.submit(workers=2, global_batch=32)["id"]))  # type: ignore[call-overload]
+    jobs = _jobs_on_hosts(api, "abc")
     api.register("d", devices=2)
-    context = context_of(api.client.app)  # type: ignore[arg-type]
-    controller = Controller(context.settings, engine=context.engine, sessions=context.sessions)
+    controller = _controller(api)
     controller.place()  # nothing pending: the jobs above were placed as they were submitted
+    monkeypatch.setattr(controller_module, "PLACE_GAP_S", 0.0)  # (it ran just now)
     steps: list[str] = []
     submitted: list[int] = []
     place = controller.place
@@ -145,12 +149,8 @@ def test_an_urgent_job_poked_again_is_swept_again_in_the_same_round(
 ) -> None:
     """A straggler's ranks post their urgent batches one by one: the iteration is judged once
     every rank has reported it, so the job is swept on each, not left for the next round."""
-    jobs = []
-    for host in ("a", "b", "c"):
-        api.register(host, devices=2)
-        jobs.append(int(api.submit(workers=2, global_batch=32)["id"]))  # type: ignore[call-overload]
-    context = context_of(api.client.app)  # type: ignore[arg-type]
-    controller = Controller(context.settings, engine=context.engine, sessions=context.sessions)
+    jobs = _jobs_on_hosts(api, "abc")
+    controller = _controller(api)
     order: list[int] = []
 
     def sweep_job(job_id: int) -> None:
@@ -171,12 +171,8 @@ def test_a_hot_job_with_new_telemetry_is_swept_again_in_the_same_round(
     slow iteration with their next regular batch, and the iteration is judged only once every
     rank has. A job poked as urgent stays hot for a while: telemetry of it that arrives during
     a round has it swept again before the round ends. Another job's new rows wait their turn."""
-    jobs = []
-    for host in ("a", "b", "c"):
-        api.register(host, devices=2)
-        jobs.append(int(api.submit(workers=2, global_batch=32)["id"]))  # type: ignore[call-overload]
-    context = context_of(api.client.app)  # type: ignore[arg-type]
-    controller = Controller(context.settings, engine=context.engine, sessions=context.sessions)
+    jobs = _jobs_on_hosts(api, "abc")
+    controller = _controller(api)
     monkeypatch.setattr(controller_module, "HOT_CHECK_S", 0.0)
     order: list[int] = []
     posted = [0]
@@ -199,3 +195,48 @@ def test_a_hot_job_with_new_telemetry_is_swept_again_in_the_same_round(
     controller.sweep()
     assert order[:2] == [jobs[1], jobs[0]]
     assert order.count(jobs[1]) == 1
+
+
+def test_a_sweep_counts_a_jobs_ranks_once_not_every_round(api: Api) -> None:
+    """The tracker counts the job's ranks on its first round; later rounds of the same attempt
+    read no worker rows (a 256-rank job's workers were loaded every round to count them). The
+    ``equal`` policy makes no decisions, which read them for the models."""
+    api.register("a", devices=2)
+    job = int(api.submit(workers=2, global_batch=32, policy={"name": "equal"})["id"])  # type: ignore[call-overload]
+    state = control_loop.LoopState()
+    context = context_of(api.client.app)
+    for first, last in ((0, 4), (5, 9), (10, 14)):
+        _post(api, job, range(first, last + 1))
+        with statements(context.engine) as sql, transaction(context.sessions) as s:
+            control_loop.sweep_job(s, state, job, watch=False)
+        worker_reads = [q for q in sql if "FROM workers" in q]
+        if first == 0:
+            assert worker_reads, "the first round counts the ranks"
+        else:
+            assert worker_reads == []
+
+
+def test_a_round_places_between_sweeps_at_most_once_per_gap(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Asked for placement before every job's sweep (a fleet's submissions and ends), a round
+    places once per ``PLACE_GAP_S``, not between every two sweeps."""
+    _jobs_on_hosts(api, "abcd")
+    controller = _controller(api)
+    monkeypatch.setattr(controller_module, "PLACE_GAP_S", 3600.0, raising=False)
+    steps: list[str] = []
+    place = controller.place
+
+    def sweep_job(job_id: int) -> None:
+        steps.append("sweep")
+        controller.poke([PLACEMENT])
+
+    def placing() -> list[int]:
+        steps.append("place")
+        return place()
+
+    monkeypatch.setattr(controller, "_sweep_job", sweep_job)
+    monkeypatch.setattr(controller, "place", placing)
+    controller.sweep()
+    assert steps == ["sweep", "place", "sweep", "sweep", "sweep"]
+    assert controller._place_now  # the rest waits for the gap, or the round's end
