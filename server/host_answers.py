@@ -171,6 +171,9 @@ class Answer:
     checks again."""
     body: bytes
     expires: float
+    raw: bytes | None = None
+    """The request body the heartbeat came in, when known: a repeat of the same bytes is
+    answered before the request is routed or parsed (``server.api.gate``)."""
 
 
 class HostAnswers:
@@ -205,6 +208,22 @@ class HostAnswers:
         self.hits += 1
         return answer.body
 
+    def get_raw(self, host_id: int, raw: bytes, principal: object) -> bytes | None:
+        """The answer to give again when ``raw`` is, byte for byte, the body of the last
+        heartbeat answered for the host, with the same token, and nothing has changed since
+        (a real agent sends the same bytes while its report is the same). None: go through
+        the route (which still answers from memory an equal report worded otherwise)."""
+        answer = self._answers.get(host_id)
+        if (
+            answer is None
+            or answer.raw != raw
+            or answer.expires < self.clock()
+            or answer.principal != principal
+        ):
+            return None
+        self.hits += 1
+        return answer.body
+
     def generation(self, host_id: int) -> tuple[int, int]:
         """Take it before reading what an answer is built from; :meth:`put` with it."""
         return self._epoch, self._generations.get(host_id, 0)
@@ -216,8 +235,10 @@ class HostAnswers:
         principal: object,
         body: bytes,
         generation: tuple[int, int],
+        raw: bytes | None = None,
     ) -> None:
-        """Keep an answer, unless the host was invalidated since ``generation`` was taken."""
+        """Keep an answer, unless the host was invalidated since ``generation`` was taken;
+        ``raw``: the request body the heartbeat was read from."""
         if self.ttl_s <= 0:
             return
         with self._lock:
@@ -225,7 +246,8 @@ class HostAnswers:
                 return
             if len(self._answers) >= self.maxsize:
                 self._answers.clear()
-            self._answers[host_id] = Answer(heartbeat, principal, body, self.clock() + self.ttl_s)
+            expires = self.clock() + self.ttl_s
+            self._answers[host_id] = Answer(heartbeat, principal, body, expires, raw)
 
     def invalidate(self, host_ids: Iterable[int]) -> None:
         """Drop the answers of ``host_ids`` (all of them with :data:`EVERY_HOST`)."""

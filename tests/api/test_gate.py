@@ -238,7 +238,7 @@ def test_a_caller_without_a_valid_token_is_refused_before_the_body_is_read(
 def test_a_chunked_body_over_the_limit_is_refused_before_it_is_all_read(tmp_path: Path) -> None:
     chunk = 1024 * 1024
     headers = {"content-type": "application/json", "authorization": f"Bearer {ADMIN_TOKEN}"}
-    for path in ("/api/v1/jobs", "/api/v1/jobs/1/telemetry"):
+    for path in ("/api/v1/jobs", "/api/v1/jobs/1/telemetry", "/api/v1/hosts/1/heartbeat"):
         answer = _call(_app(tmp_path), path, headers, chunks=64, size=chunk)
         assert answer.status == 413, answer.body
         assert b"request body over 8388608 bytes" in answer.body
@@ -252,7 +252,13 @@ def test_chunked_bodies_over_the_limit_get_413_in_the_error_shape(client: TestCl
         for _ in range(9):
             yield b" " * (1024 * 1024)
 
-    for path in ("/api/v1/jobs", "/api/v1/jobs/1/telemetry", "/api/v1/tokens"):
+    paths = (
+        "/api/v1/jobs",
+        "/api/v1/jobs/1/telemetry",
+        "/api/v1/tokens",
+        "/api/v1/hosts/1/heartbeat",
+    )
+    for path in paths:
         r = client.post(path, content=chunks(), headers=headers)
         assert r.status_code == 413, (path, r.text)
         assert r.json() == {"detail": f"request body over {MAX_BODY_BYTES} bytes"}

@@ -2,21 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import pytest
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sqlalchemy import Engine, event, select
+from sqlalchemy import select
 
 from contract.agent import Heartbeat
 from contract.enums import Role
@@ -26,7 +26,7 @@ from server.db import transaction
 from server.models import Host
 from server.services import hosts
 from server.services.tokens import Principal
-from tests.harness import ROOT, Api, driven, make_settings
+from tests.harness import ADMIN_TOKEN, ROOT, Api, driven, make_settings, statements
 
 
 def _context(api: Api) -> AppContext:
@@ -70,22 +70,6 @@ def _steady(api: Api, host: dict[str, Any]) -> list[dict[str, Any]]:
     raise AssertionError("the answer was never kept")
 
 
-@contextmanager
-def statements(engine: Engine) -> Iterator[list[str]]:
-    """The SQL ``engine`` runs meanwhile, credential look-ups left out."""
-    seen: list[str] = []
-
-    def note(_conn: Any, _cursor: Any, sql: str, *_: Any) -> None:
-        if "api_tokens" not in sql:
-            seen.append(sql)
-
-    event.listen(engine, "before_cursor_execute", note)
-    try:
-        yield seen
-    finally:
-        event.remove(engine, "before_cursor_execute", note)
-
-
 def test_a_repeated_heartbeat_is_answered_without_the_database(api: Api) -> None:
     host = api.register("h", devices=2)
     api.submit(workers=2)
@@ -97,6 +81,38 @@ def test_a_repeated_heartbeat_is_answered_without_the_database(api: Api) -> None
     assert again.json() == kept
     assert [a["desired"] for a in kept["assignments"]] == ["run", "run"]
     assert sql == []
+
+
+def test_a_byte_for_byte_repeat_is_answered_before_the_route(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The gate answers a heartbeat whose body repeats the last one's bytes (the route, its
+    dependencies and its parsing never run); the same report worded otherwise goes to the
+    route, which still answers it from memory; another credential is checked again."""
+    host = api.register("h", devices=2)
+    api.submit(workers=2)
+    report = _steady(api, host)
+    answers = _context(api).host_answers
+    kept = _beat(api, host, report).json()  # answered by the route: now kept with its bytes
+    gets = []
+    monkeypatch.setattr(answers, "get", lambda *a: gets.append(a))  # the route's lookup
+    with statements(_context(api).engine) as sql:
+        again = _beat(api, host, report)
+    assert again.status_code == 200 and again.json() == kept
+    assert again.headers["content-type"] == "application/json"
+    assert gets == [] and sql == []
+    monkeypatch.undo()
+    hits = answers.hits
+    reworded = api.client.post(
+        f"/api/v1/hosts/{host['id']}/heartbeat",
+        content=json.dumps({"workers": report}, indent=2),
+        headers={**api.headers(host["_token"]), "Content-Type": "application/json"},
+    )
+    assert reworded.status_code == 200 and reworded.json() == kept
+    assert answers.hits == hits + 1  # from memory, through the route
+    admin = _beat(api, host, report, token=ADMIN_TOKEN)
+    assert admin.status_code == 200 and admin.json() == kept
+    assert answers.hits == hits + 1  # another credential: worked out again
 
 
 def test_liveness_is_written_in_a_batch_and_never_moves_back(api: Api) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Request, Response
 
 from contract.agent import Heartbeat, HeartbeatAck, HostRegister
 from contract.api import HostOut, Page
@@ -19,6 +19,7 @@ from server.api.deps import (
     Viewer,
     in_transaction,
 )
+from server.api.gate import RAW_BODY_STATE
 from server.api.statuses import declare
 from server.services import hosts
 
@@ -43,7 +44,12 @@ def register(
 
 @router.post("/{host_id}/heartbeat", response_model=HeartbeatAck, responses=declare(409))
 async def heartbeat(
-    req: Heartbeat, context: Context, principal: Authenticated, now: Now, host_id: PathId
+    req: Heartbeat,
+    context: Context,
+    principal: Authenticated,
+    now: Now,
+    host_id: PathId,
+    request: Request,
 ) -> Response:
     """Report liveness and worker states; the answer lists the ranks this host must run or stop."""
     answers = context.host_answers
@@ -60,7 +66,8 @@ async def heartbeat(
     body = ack.model_dump_json().encode()
     # an answer that minted launch credentials is never repeated: each one retires the last
     if ack.status is HostStatus.ACTIVE and not any(a.worker_token for a in ack.assignments):
-        answers.put(host_id, req, principal, body, generation)
+        raw = request.scope.get("state", {}).get(RAW_BODY_STATE)  # a repeat is answered there
+        answers.put(host_id, req, principal, body, generation, raw=raw)
     return Response(body, media_type="application/json")
 
 
