@@ -1,6 +1,6 @@
 """A simulated GPU fleet against a real `evenflow server` on PostgreSQL.
 
-    python bench/fleet.py [--hosts 1250] [--gpus 8] [--jobs 200] [--seconds 120]
+    python bench/fleet.py [--hosts 1250] [--gpus 8] [--jobs 200 per 1,250 hosts] [--seconds 120]
                           [--telemetry-per host|rank] [--workers 1]
 
 Lightweight asyncio clients, no torch: every host registers its GPUs through the agent API and
@@ -15,7 +15,8 @@ only.
 Reported: heartbeat and telemetry latency (p50/p99) and errors, ingest lag (newest iteration
 stored behind newest sent, in seconds of training), controller round time against live jobs
 (from the controller's own log summary), straggler detection delay at load against the same
-job alone, placement time of a new job on the full inventory, and database growth.
+job alone, placement time of a 64-worker job on the whole inventory (before the load, and at load
+first in the queue, given up after 30 s), and database growth.
 """
 
 from __future__ import annotations
@@ -359,7 +360,9 @@ class Fleet:
 
     # -------------------------------------------------------------- jobs
 
-    async def submit(self, size: int | None = None, straggler: bool = False) -> Job | None:
+    async def submit(
+        self, size: int | None = None, straggler: bool = False, priority: int = 0
+    ) -> Job | None:
         size = size or self.rng.choices(SIZES, SIZE_WEIGHTS)[0]
         rate = self.rng.choice([1.0, 2.0, 3.0, 4.0, 5.0])
         iterations = int(rate * self.rng.uniform(30, 150))
@@ -371,6 +374,7 @@ class Fleet:
             "global_batch": 64 * size,
             "iterations": iterations,
             "workers": size,
+            "priority": priority,
         }
         t0 = time.monotonic()
         status, body = await self.request("submit", "POST", "/api/v1/jobs", json=spec)
@@ -532,11 +536,15 @@ class Fleet:
                 )
             ]
 
-    async def placement_time(self, size: int) -> float | None:
-        job = await self.submit(size=size)
+    async def placement_time(self, size: int, limit_s: float = 30.0) -> float | None:
+        """Seconds from the submission of a ``size``-worker job (first in the queue: top
+        priority) to its placement; None if not placed within ``limit_s`` (on a full fleet it
+        waits for devices, and smaller jobs behind it may take them first)."""
+        job = await self.submit(size=size, priority=100)
         if job is None:
             return None
-        while not self.stop.is_set():
+        deadline = time.monotonic() + limit_s
+        while not self.stop.is_set() and time.monotonic() < deadline:
             status, body = await self.request("show", "GET", f"/api/v1/jobs/{job.id}")
             if status == 200 and body["status"] != "pending":
                 return time.monotonic() - job.submitted_at
@@ -610,6 +618,8 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
             if alone.detected_at_iteration is None
             else alone.detected_at_iteration - STRAGGLER_ONSET
         )
+        # Placement on the whole inventory with room for it, before the load starts.
+        out["placement_s_64_workers_idle"] = await fleet.placement_time(64)
         fleet.stats = Stats()
         size0 = db_size(db_url)
         cpu = CpuMeter(srv.pid, make_url(db_url).database or "")
@@ -617,13 +627,16 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
         fleet.loop_task(fleet.sample_loop_lag())
         answers0 = await fleet.heartbeat_sources()
         started = time.monotonic()
+        out["measured_from_unix"] = round(time.time(), 1)
         fleet.loop_task(fleet.keep_jobs())
         fleet.loop_task(fleet.sample_lag())
         await asyncio.sleep(args.seconds * 0.3)
         stragglers = [
-            j for j in [await fleet.submit(size=8, straggler=True) for _ in range(10)] if j
+            j
+            for j in [await fleet.submit(size=8, straggler=True, priority=50) for _ in range(10)]
+            if j
         ]
-        out["placement_s_64_workers"] = await fleet.placement_time(64)
+        out["placement_s_64_workers_at_load"] = await fleet.placement_time(64)
         await asyncio.sleep(max(0.0, args.seconds - (time.monotonic() - started)))
         elapsed = time.monotonic() - started
         out["cores_used"] = cpu.cores_used()
@@ -672,7 +685,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--hosts", type=int, default=1250)
     ap.add_argument("--gpus", type=int, default=8)
-    ap.add_argument("--jobs", type=int, default=200)
+    ap.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="jobs kept live (default: 200 per 1,250 hosts, the issue's fleet, in proportion)",
+    )
     ap.add_argument("--seconds", type=float, default=120.0)
     ap.add_argument("--telemetry-per", choices=["host", "rank"], default="host")
     ap.add_argument("--workers", type=int, default=1, help="API processes of the server")
@@ -684,6 +702,8 @@ def main() -> None:
         "and the jobs' leaders each hold their own; fewer makes requests queue in the generator)",
     )
     args = ap.parse_args()
+    if args.jobs is None:
+        args.jobs = max(1, round(args.hosts * 200 / 1250))
     with database("postgresql") as db_url, tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "server.log"
         with server(db_url, args.workers, log) as srv:
