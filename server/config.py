@@ -45,6 +45,12 @@ class Settings(BaseSettings):
     rebalance_interval_s: float = Field(default=0.5, gt=0)
     """How often running jobs are checked for a due re-plan."""
 
+    queue_hold: bool = True
+    """The first job in the queue that is short of free devices keeps the free ones it can use
+    as others free up, and jobs after it start only on the rest (``server.services.scheduler``):
+    a big job starts once enough devices have ended their jobs. Off: any job that fits starts at
+    once, and a big job can wait behind a stream of small ones indefinitely."""
+
     controller_report_s: float = Field(default=60.0, gt=0)
     """How often the controller logs a summary of its round times."""
 

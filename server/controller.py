@@ -282,10 +282,11 @@ class Controller:
         placed."""
         self._place_now, self._placed_at = False, time.monotonic()
         with self.write_lock, transaction(self.sessions) as s:
-            placed = [job.id for job in scheduler.place_pending(s, datetime.now(UTC))]
-        for job_id in placed:
+            placed = scheduler.place_pending(s, datetime.now(UTC), hold=self.settings.queue_hold)
+            placed_ids = [job.id for job in placed]
+        for job_id in placed_ids:
             log.info("job %d placed", job_id)
-        return placed
+        return placed_ids
 
     def roll_up_telemetry(self, budget_s: float = ROLL_UP_BUDGET_S) -> int:
         """Roll up telemetry older than each job's retention window, a chunk per short

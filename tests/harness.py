@@ -125,7 +125,8 @@ class Api:
         apps never place on their own (their controller runs only when a test drives it)."""
         context = context_of(self.client.app)  # type: ignore[arg-type]
         with context.write_lock, transaction(context.sessions) as s:
-            return [j.id for j in scheduler.place_pending(s, datetime.now(UTC))]
+            hold = context.settings.queue_hold
+            return [j.id for j in scheduler.place_pending(s, datetime.now(UTC), hold=hold)]
 
 
 def driven(client: TestClient) -> Api:

@@ -5,6 +5,12 @@ submission answers at once, and a job that cannot be placed yet carries ``pendin
 (``explain``). A job that could never be placed (more workers than devices exist on the
 registered hosts) is refused at submission (``check_placeable``).
 
+Jobs are placed by priority, then age. The first of them that is short of free devices keeps
+the free ones it can use (``Hold``): jobs after it start only on the others, so a big job's
+devices gather as running jobs end rather than each going to the next small job that fits.
+Jobs that fit beside what it keeps still start (backfill); ``Settings.queue_hold`` turns the
+hold off.
+
 A job naming explicit ``devices`` gets exactly those once they are all free. Any other job is
 placed by the planner's integer program (``server.planner.place``: maximise the predicted
 throughput of the chosen devices, fewer hosts preferred, between ``workers`` and
@@ -371,8 +377,95 @@ def _reason(spec: JobSpec, tally: Tally, named_found: int, *, tried: bool) -> st
     return ", ".join(parts)[:PENDING_REASON_LENGTH]
 
 
-def place_pending(session: Session, now: datetime) -> list[Job]:
-    """Give devices to every pending job that fits, by priority then age. Returns jobs placed."""
+@dataclass(frozen=True)
+class Hold:
+    """Free devices kept for the first job in the queue that is short of them (its kind's
+    free devices, or the free ones of those it names, all fewer than it needs): jobs after it
+    start only on the others. Worked out again every placement pass, from what is free then."""
+
+    job_id: int
+    priority: int
+    device_ids: frozenset[int]
+    need: int
+
+    @classmethod
+    def of(cls, session: Session, job: Job, spec: JobSpec, free: list[Device]) -> Hold | None:
+        """What ``job`` keeps, or None where holding would not bring its start closer: it is
+        not short of free devices (no placement fits them for another reason), or too few of
+        its devices exist on live hosts for it to start at all."""
+        if spec.devices is not None:
+            wanted = set(spec.devices)
+            kept = [d for d in free if d.id in wanted]
+            need = len(wanted)
+        else:
+            assert spec.workers is not None
+            need = spec.workers
+            live = {
+                str(kind): int(n)
+                for kind, n in session.execute(
+                    select(Device.kind, func.count(Device.id))
+                    .join(Host)
+                    .where(Host.status == HostStatus.ACTIVE.value)
+                    .group_by(Device.kind)
+                )
+            }
+            by_kind: dict[str, list[Device]] = defaultdict(list)
+            for d in free:
+                by_kind[d.kind].append(d)
+            # The kind it would start on soonest: most free, of those with enough devices.
+            kinds = [k for k, n in live.items() if n >= need]
+            if not kinds:
+                return None
+            kept = max((by_kind[k] for k in kinds), key=len)
+        if len(kept) >= need:
+            return None
+        return cls(job.id, job.priority, frozenset(d.id for d in kept), need)
+
+    def rest(self, free: list[Device]) -> list[Device]:
+        return [d for d in free if d.id not in self.device_ids]
+
+    def keeps(self, reason: str) -> str:
+        kept = len(self.device_ids)
+        them = (
+            f"the {kept} free devices it can use are"
+            if kept != 1
+            else "the free device it can use is"
+        )
+        return f"first in the queue: {them} kept for it until {self.need} are; {reason}"
+
+    def blocks(self, spec: JobSpec, free: int) -> str:
+        kept = len(self.device_ids)
+        need = (
+            f"needs devices {sorted(spec.devices)}"
+            if spec.devices is not None and len(spec.devices) <= 8
+            else f"needs {spec.world_size} device{'s' if spec.world_size != 1 else ''}"
+        )
+        return (
+            f"{need}, {free} free but {kept} of them kept for job {self.job_id} (priority "
+            f"{self.priority}), first in the queue and waiting for {self.need}"
+        )
+
+
+def _enough(spec: JobSpec, free: list[Device]) -> bool:
+    """Whether ``free`` has devices enough for the job to start, by count: all it names, or
+    ``workers`` of one kind."""
+    if spec.devices is not None:
+        ids = {d.id for d in free}
+        return all(d in ids for d in spec.devices)
+    kinds: dict[str, int] = defaultdict(int)
+    for d in free:
+        kinds[d.kind] += 1
+    return max(kinds.values(), default=0) >= (spec.workers or 1)
+
+
+def place_pending(session: Session, now: datetime, *, hold: bool = True) -> list[Job]:
+    """Give devices to pending jobs, by priority then age. Returns jobs placed.
+
+    ``hold``: the first job in that order that is short of free devices keeps those there are
+    (``Hold``) and later jobs start only on the rest, so the devices a big job needs gather as
+    running jobs end, instead of each going to the next small job that fits (which made a
+    64-worker job at top priority wait behind a stream of small ones indefinitely). Without
+    it, every job that fits starts."""
     pending = list(
         session.scalars(
             select(Job)
@@ -386,12 +479,22 @@ def place_pending(session: Session, now: datetime) -> list[Job]:
     free = free_devices(session)
     speeds = Speeds(session)
     landscape: Landscape | None = None
+    held: Hold | None = None
     for job in pending:
         spec = job.job_spec
-        chosen = choose_devices(session, job, spec, free, speeds)
+        usable = held.rest(free) if held is not None else free
+        chosen = choose_devices(session, job, spec, usable, speeds)
         if chosen is None:
-            landscape = landscape or Landscape.read(session)
-            reason = explain(spec, landscape, tried=True)
+            if held is not None and _enough(spec, free) and not _enough(spec, usable):
+                reason = held.blocks(spec, len(free))
+            else:
+                landscape = landscape or Landscape.read(session)
+                reason = explain(spec, landscape, tried=True)
+                if held is None and hold:
+                    held = Hold.of(session, job, spec, free)
+                    if held is not None and held.device_ids:
+                        reason = held.keeps(reason)
+            reason = reason[:PENDING_REASON_LENGTH]
             if job.pending_reason != reason:
                 job.pending_reason = reason
             continue

@@ -3,8 +3,11 @@ measured speeds over priors, explicit devices."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
+import pytest
+from fastapi.testclient import TestClient
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from sqlalchemy import select
@@ -12,11 +15,12 @@ from sqlalchemy import select
 from contract.base import PROTOCOL_VERSION
 from contract.enums import HostStatus, Role
 from contract.spec import JobSpec
+from server.app import create_app
 from server.context import context_of
 from server.db import transaction
 from server.models import PENDING_REASON_LENGTH, Host
 from server.services import scheduler
-from tests.harness import Api
+from tests.harness import Api, driven, make_settings
 
 
 def _host(api: Api, name: str, models: list[str], kind: str = "cuda") -> dict[str, Any]:
@@ -131,6 +135,7 @@ def test_explicit_devices_wait_until_all_are_free(api: Api) -> None:
     wants = api.submit(workers=None, devices=[d0, d1])
     assert wants["status"] == "pending"
     assert wants["pending_reason"] == (
+        "first in the queue: the free device it can use is kept for it until 2 are; "
         f"needs devices {[d0, d1]}, 1 of them free, 1 busy with job {blocker['id']}"
     )
     api.client.post(f"/api/v1/jobs/{blocker['id']}/cancel", headers=api.headers())
@@ -217,3 +222,70 @@ def test_a_submissions_pending_reason_is_what_the_device_list_would_say(api: Api
                 )
                 said = scheduler.explain_submitted(s, spec)
                 assert said == scheduler.explain(spec, landscape, tried=False), more
+
+
+# ------------------------------------------------------------ the head of the queue keeps devices
+
+
+def _job(api: Api, job: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = api.client.get(f"/api/v1/jobs/{job['id']}", headers=api.headers()).json()
+    return out
+
+
+def test_the_first_job_short_of_devices_keeps_them_as_they_free_up(api: Api) -> None:
+    """A 4-worker job at top priority used to wait while each device that freed went to the
+    next small job that fit: it keeps the free devices it can use, and starts once its
+    neighbour's job ends, before the small job submitted after it."""
+    host = _host(api, "h", ["NVIDIA A100-SXM4-80GB"] * 4)
+    running = api.submit(workers=3)
+    big = api.submit(workers=4, priority=10)
+    small = api.submit(workers=1)
+    assert (_job(api, big)["status"], _job(api, small)["status"]) == ("pending", "pending")
+    assert _job(api, big)["pending_reason"].startswith(
+        "first in the queue: the free device it can use is kept for it until 4 are; "
+        "needs 4 devices, 1 free, 3 busy with job"
+    )
+    assert _job(api, small)["pending_reason"] == (
+        f"needs 1 device, 1 free but 1 of them kept for job {big['id']} (priority 10), "
+        "first in the queue and waiting for 4"
+    )
+    api.client.post(f"/api/v1/jobs/{running['id']}/cancel", headers=api.headers())
+    api.place()
+    assert _job(api, big)["status"] == "starting"
+    assert _devices_of(api, big) == _ids(host, 0, 1, 2, 3)
+    assert _job(api, small)["status"] == "pending"
+
+
+def test_jobs_start_beside_what_the_head_keeps(api: Api) -> None:
+    """The hold keeps only what the first job can use: devices of another kind, and free
+    devices an explicit job does not name, still go to the jobs after it."""
+    gpus = _host(api, "g", ["NVIDIA A100-SXM4-80GB"] * 3)
+    cpu = api.register("c", devices=2, kind="cpu")
+    d0, d1, d2 = sorted(_ids(gpus, 0, 1, 2))
+    api.submit(workers=None, devices=[d2])
+    named = api.submit(workers=None, devices=[d1, d2], priority=5)
+    assert _job(api, named)["status"] == "pending"
+    beside = api.submit(workers=1)  # d0 is free and not named: it starts on a GPU
+    assert _job(api, beside)["status"] == "starting" and _devices_of(api, beside) == {d0}
+    wide = api.submit(workers=3, priority=5)  # after ``named``: short, but keeps nothing
+    one = api.submit(workers=1)  # would take the free A100 d1 but for the hold
+    assert _job(api, wide)["status"] == "pending"
+    assert _job(api, one)["status"] == "starting", "CPU slots are no one's to keep"
+    assert _devices_of(api, one) <= {d["id"] for d in cpu["devices"]}  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+def no_hold_api(db_url: str) -> Iterator[Api]:
+    with TestClient(create_app(make_settings(db_url, queue_hold=False))) as client:
+        yield driven(client)
+
+
+def test_without_the_hold_any_job_that_fits_starts(no_hold_api: Api) -> None:
+    api = no_hold_api
+    _host(api, "h", ["NVIDIA A100-SXM4-80GB"] * 4)
+    api.submit(workers=3)
+    big = api.submit(workers=4, priority=10)
+    small = api.submit(workers=1)
+    assert _job(api, big)["status"] == "pending"
+    assert not _job(api, big)["pending_reason"].startswith("first in the queue")
+    assert _job(api, small)["status"] == "starting"
