@@ -48,7 +48,7 @@ SIGMA_FLOOR = 0.01
 MAD_TO_SIGMA = 1.4826
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Observation:
     """One iteration of one worker."""
 

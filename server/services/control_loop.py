@@ -18,7 +18,7 @@ from server.models import IterationTelemetry, Job, StragglerEvent
 from server.services import memory, rebalancer, stragglers
 from server.services.audit import record
 from server.services.memory import OOM_EVENT
-from server.services.rebalancer import LastDecision, Progress, Tracker
+from server.services.rebalancer import FitWindow, LastDecision, Progress, Tracker
 from server.services.stragglers import Watch, watch_job
 
 
@@ -30,6 +30,9 @@ class LoopState:
     decisions: dict[int, LastDecision] = field(default_factory=dict)
     watches: dict[int, Watch] = field(default_factory=dict)
     trackers: dict[int, Tracker] = field(default_factory=dict)
+    windows: dict[int, FitWindow] = field(default_factory=dict)
+    """Each job's fit window between decisions (``rebalancer.FitWindow``), while the job has
+    decisions ahead (dropped once a ``static`` or ``adaptive`` job settles)."""
     decided_at: dict[int, float] = field(default_factory=dict)
     """Monotonic time of each job's last rebalancer decision."""
     telemetry_mark: int = 0
@@ -61,6 +64,7 @@ class LoopState:
             self.decisions,
             self.watches,
             self.trackers,
+            self.windows,
             self.decided_at,
             self.swept_at,
             self.attempts,
@@ -154,13 +158,13 @@ def sweep_job(
     tracker = state.trackers.setdefault(job.id, Tracker())
     progress = tracker.update(session, job)
     if tracker.ooms:
-        planned = _out_of_memory(session, job, tracker)
+        planned = _out_of_memory(session, job, tracker, state.windows.get(job.id))
         if planned is not None:
             return [(job.id, planned)]
     now = time.monotonic()
     if now - state.decided_at.get(job.id, -math.inf) >= state.min_decision_interval_s:
         before = state.decisions.get(job.id)
-        planned = _rebalance(session, job, state.decisions, progress)
+        planned = _rebalance(session, job, state, progress)
         if state.decisions.get(job.id) is not before:
             state.decided_at[job.id] = now
         if planned is not None:
@@ -174,7 +178,9 @@ def sweep_job(
     return [(job.id, version)] if version is not None else []
 
 
-def _out_of_memory(session: Session, job: Job, tracker: Tracker) -> int | None:
+def _out_of_memory(
+    session: Session, job: Job, tracker: Tracker, kept: FitWindow | None
+) -> int | None:
     """Record an ``oom`` event per report and re-plan at once under the lowered caps (every
     policy, ``equal`` included: the plan carries the caps the ranks accumulate under). A fresh
     tracker re-reads the whole history, so a report already recorded is not recorded again."""
@@ -205,7 +211,7 @@ def _out_of_memory(session: Session, job: Job, tracker: Tracker) -> int | None:
         )
     if not fresh or job.frozen:
         return None
-    decision = rebalancer.propose(session, job)
+    decision = rebalancer.propose(session, job, kept=kept)
     reason = "out of memory on rank(s) " + ", ".join(sorted({str(r[0]) for r in fresh}))
     version = rebalancer.apply(
         session,
@@ -226,17 +232,21 @@ def _out_of_memory(session: Session, job: Job, tracker: Tracker) -> int | None:
     return version
 
 
-def _rebalance(
-    session: Session, job: Job, memo: dict[int, LastDecision], progress: Progress
-) -> int | None:
+def _rebalance(session: Session, job: Job, state: LoopState, progress: Progress) -> int | None:
+    memo = state.decisions
     p = rebalancer.due(job, memo.get(job.id), progress)
     if p is None or p.complete_through is None:
         return None
     last = memo.get(job.id)
     decision = rebalancer.propose(
-        session, job, current_from_guesses=last is not None and last.exploring
+        session,
+        job,
+        current_from_guesses=last is not None and last.exploring,
+        kept=state.windows.setdefault(job.id, FitWindow()),
     )
     memo[job.id] = LastDecision(p.complete_through, decision.exploring)
+    if not decision.exploring and job.job_spec.policy.name in rebalancer.SETTLED_AFTER_WARMUP:
+        state.windows.pop(job.id, None)  # no decision ahead (``rebalancer.due``)
     version = rebalancer.apply(session, job, decision, PlanSource.AUTOMATIC, by="rebalancer")
     if version is not None:
         record(

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from contract.enums import Role
 from server.db import transaction
-from server.services import control_loop
+from server.models import Job
+from server.services import control_loop, rebalancer
 from tests.harness import Api
 
 PER_SAMPLE = [1.0, 1.0, 2.0, 4.0]
@@ -174,3 +178,77 @@ def test_impossible_overrides_are_422(api: Api) -> None:
         assert _override(api, sim.job, kind="exclude", rank=rank).status_code == 201
     r = _override(api, sim.job, kind="exclude", rank=3)
     assert r.status_code == 422 and "every worker" in r.json()["detail"]
+
+
+# A post: (iterations it adds, per rank the batch size, or 0 for a rank out of the group),
+# and whether it also re-sends an iteration a rank reported before (a late row).
+_POSTS = st.lists(
+    st.tuples(
+        st.integers(1, 6),
+        st.lists(st.integers(0, 40), min_size=3, max_size=3),
+        st.booleans(),
+    ),
+    min_size=1,
+    max_size=8,
+)
+
+
+@settings(
+    max_examples=20,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(posts=_POSTS, window=st.integers(3, 12))
+def test_a_kept_fit_window_reads_what_a_whole_read_does(
+    api: Api, posts: list[tuple[int, list[int], bool]], window: int
+) -> None:
+    """The control loop keeps each job's fit window between decisions and reads only the rows
+    added since; after every post it holds the same observations, in the same order, as the
+    window read whole (old iterations leave it, rows read again on PostgreSQL count once)."""
+    if not api.client.get("/api/v1/hosts", headers=api.headers()).json()["items"]:
+        api.register("fw", devices=3)
+    job_id = int(api.submit(workers=3, global_batch=60)["id"])  # type: ignore[call-overload]
+    try:
+        _kept_against_whole(api, job_id, posts, window)
+    finally:  # its devices for the next example's job
+        api.client.post(f"/api/v1/jobs/{job_id}/cancel", headers=api.headers())
+
+
+def _kept_against_whole(
+    api: Api, job_id: int, posts: list[tuple[int, list[int], bool]], window: int
+) -> None:
+    token = api.token(Role.AGENT, host="fw")
+    kept = rebalancer.FitWindow()
+    context = api.client.app.state.context  # type: ignore[attr-defined]
+    iteration = 0
+    for adds, batches, late in posts:
+        records = [
+            {
+                "rank": r,
+                "iteration": it,
+                "plan_version": 1,
+                "batch_size": b,
+                "data_ms": 0.5,
+                "compute_ms": 3.0 + (r + 1) * b + it % 3 if b else 0.0,
+                "sync_ms": 1.0,
+                "ts": 1.7e9 + it,
+            }
+            for it in range(iteration, iteration + adds)
+            for r, b in enumerate(batches)
+        ]
+        if late and iteration:
+            records.append({**records[0], "rank": 0, "iteration": iteration - 1})
+        r = api.client.post(
+            f"/api/v1/jobs/{job_id}/telemetry",
+            json={"records": records},
+            headers=api.headers(token),
+        )
+        assert r.status_code == 200, r.text
+        iteration += adds
+        with transaction(context.sessions) as s:
+            job = s.get(Job, job_id)
+            assert job is not None
+            incremental = kept.read(s, job, window)
+            whole = rebalancer.observed(s, job, window)
+        assert incremental == whole
+        assert all(o.iteration > iteration - 1 - window for obs in whole.values() for o in obs)
