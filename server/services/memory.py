@@ -83,60 +83,57 @@ def caps_by_version(session: Session, job_id: int) -> dict[int, list[int | None]
     return {int(v): list(c) for v, c in rows if c}
 
 
-def observations(session: Session, job: Job) -> dict[int, list[MemoryObservation]]:
-    """Per rank, (pass size, peak MB) of its recent iterations that measured their peak."""
-    T = IterationTelemetry
-    last = session.scalar(select(func.max(T.iteration)).where(T.job_id == job.id))
-    out: dict[int, list[MemoryObservation]] = defaultdict(list)
-    if last is None:
-        return out
-    caps = caps_by_version(session, job.id)
-    rows = session.execute(
-        select(T.rank, T.plan_version, T.batch_size, T.peak_memory_mb, T.probe, T.pass_size).where(
-            T.job_id == job.id,
-            T.iteration > last - WINDOW,
-            T.batch_size > 0,
-            T.peak_memory_mb.is_not(None),
-        )
-    ).all()
-    for rank, version, batch, peak, probe, pass_size in rows:
-        plan_caps = caps.get(int(version))
-        cap = plan_caps[rank] if plan_caps and rank < len(plan_caps) and not probe else None
-        if pass_size is not None:  # the rank says which pass the peak belongs to
-            size = int(pass_size)
-        else:
-            size = int(batch) if not cap else min(int(batch), int(cap))
-        out[int(rank)].append(MemoryObservation(size, float(peak or 0.0)))
-    return out
-
-
-def ooms(session: Session, job_id: int) -> dict[int, int]:
-    """Per rank, the smallest pass size that ran out of memory: from the ``oom`` events (kept
-    after old telemetry is rolled up) and the recent telemetry (reports not yet turned into
-    events by the control loop)."""
+def recent(session: Session, job: Job) -> tuple[dict[int, list[MemoryObservation]], dict[int, int]]:
+    """Per rank, from the recent window: (pass size, peak MB) of its iterations that measured
+    their peak; and the smallest pass size that ran out of memory, from the ``oom`` events
+    (kept after old telemetry is rolled up) and the recent telemetry (reports not yet turned
+    into events by the control loop). One read of the window for both: a decision reads them
+    every time, and most jobs report neither (CPU ranks measure no peak)."""
     T, E = IterationTelemetry, StragglerEvent
-    last = session.scalar(select(func.max(T.iteration)).where(T.job_id == job_id))
-    out: dict[int, int] = {}
+    last = session.scalar(select(func.max(T.iteration)).where(T.job_id == job.id))
+    seen: dict[int, list[MemoryObservation]] = defaultdict(list)
+    failed: dict[int, int] = {}
     if last is not None:
         rows = session.execute(
-            select(T.rank, func.min(T.oom_batch))
-            .where(T.job_id == job_id, T.iteration > last - WINDOW, T.oom_batch.is_not(None))
-            .group_by(T.rank)
+            select(
+                T.rank,
+                T.plan_version,
+                T.batch_size,
+                T.peak_memory_mb,
+                T.probe,
+                T.pass_size,
+                T.oom_batch,
+            ).where(
+                T.job_id == job.id,
+                T.iteration > last - WINDOW,
+                ((T.batch_size > 0) & T.peak_memory_mb.is_not(None)) | T.oom_batch.is_not(None),
+            )
         ).all()
-        out = {int(rank): int(b) for rank, b in rows if b is not None}
-    for event in session.scalars(select(E).where(E.job_id == job_id, E.kind == OOM_EVENT)):
-        size = event.detail.get("batch")
-        if event.rank is not None and isinstance(size, int):
-            out[event.rank] = min(out.get(event.rank, size), size)
-    return out
+        caps = caps_by_version(session, job.id) if rows else {}
+        for rank, version, batch, peak, probe, pass_size, oom in rows:
+            if oom is not None:
+                failed[int(rank)] = min(failed.get(int(rank), int(oom)), int(oom))
+            if batch <= 0 or peak is None:
+                continue
+            plan_caps = caps.get(int(version))
+            cap = plan_caps[rank] if plan_caps and rank < len(plan_caps) and not probe else None
+            if pass_size is not None:  # the rank says which pass the peak belongs to
+                size = int(pass_size)
+            else:
+                size = int(batch) if not cap else min(int(batch), int(cap))
+            seen[int(rank)].append(MemoryObservation(size, float(peak)))
+    for event in session.scalars(select(E).where(E.job_id == job.id, E.kind == OOM_EVENT)):
+        ran = event.detail.get("batch")
+        if event.rank is not None and isinstance(ran, int):
+            failed[event.rank] = min(failed.get(event.rank, ran), ran)
+    return seen, failed
 
 
 def ranks(session: Session, job: Job) -> list[RankMemory]:
     """Every rank's memory picture and cap (see the module docstring)."""
     headroom = job.job_spec.policy.memory_headroom
     devices = device_memory(session, job)
-    seen = observations(session, job)
-    failed = ooms(session, job.id)
+    seen, failed = recent(session, job)
     out = []
     for rank, device_mb in enumerate(devices):
         fit = fit_memory(seen[rank]) if seen.get(rank) else None
