@@ -215,29 +215,34 @@ class FitWindow:
 
     On PostgreSQL ids are handed out before commit, so a row can become visible after rows
     with larger ids: the last ``reread`` ids are read again, as ``Tracker`` does, and a row
-    read twice is kept once (by id)."""
+    read twice is taken once (``seen``)."""
 
     last_id: int = 0
     newest: int | None = None
     """The newest iteration of any row read (the window ends there)."""
     rows: dict[int, tuple[int, Observation]] = field(default_factory=dict)
     """Row id -> (rank, its observation), in id order."""
+    seen: set[int] = field(default_factory=set)
+    """Ids of the rows read within the ``reread`` margin: a row read again is not taken again
+    (rows without samples and rows already out of the window are not in ``rows``)."""
 
     def read(self, session: Session, job: Job, window: int) -> dict[int, list[Observation]]:
         """``observed(session, job, window)``, from the rows added since the last read."""
         T = IterationTelemetry
+        reread = 5000 if session.get_bind().dialect.name == "postgresql" else 0
         if self.last_id == 0:  # the first read: the window, not the job's whole history
             last = session.scalar(select(func.max(T.iteration)).where(T.job_id == job.id))
             if last is None:
                 return {}
             query = _ROWS.where(T.job_id == job.id, T.iteration > last - window)
         else:
-            reread = 5000 if session.get_bind().dialect.name == "postgresql" else 0
             query = _ROWS.where(T.job_id == job.id, T.id > self.last_id - reread)
-        fresh = [r for r in session.connection().execute(query).all() if r[0] not in self.rows]
+        fresh = [r for r in session.connection().execute(query).all() if r[0] not in self.seen]
         if fresh:
             late = min(r[0] for r in fresh) < self.last_id
             self.last_id = max(self.last_id, max(int(r[0]) for r in fresh))
+            self.seen.update(int(r[0]) for r in fresh)
+            self.seen = {i for i in self.seen if i > self.last_id - reread}
             newest = max(int(r[2]) for r in fresh)
             self.newest = newest if self.newest is None else max(self.newest, newest)
             self.rows.update((i, (rank, obs)) for i, rank, obs in _converted(session, job, fresh))
