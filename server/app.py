@@ -55,6 +55,7 @@ from server.locks import WriterLock, bootstrap_lock, writer_lock_for
 from server.metrics import Metrics, MetricsMiddleware
 from server.notify import PlanWaiters, open_bus, subscribe
 from server.services import tokens as token_service
+from server.telemetry_writer import TelemetryWriter
 from server.throttle import FailureLimit
 
 log = logging.getLogger("evenflow.server")
@@ -177,14 +178,16 @@ def _build_context(settings: Settings) -> AppContext:
     host_bus = open_bus(settings.database_url, "hosts")
     track(sessions, answers.invalidate, host_bus.publish)
     wake_bus = open_bus(settings.database_url, "wake")
+    # SQLite takes one writer at a time, across this process and the controller process.
+    write_lock = writer_lock_for(settings.database_url) or contextlib.nullcontext()
+    metrics = Metrics(sessions)
     return AppContext(
         settings=settings,
         engine=engine,
         sessions=sessions,
-        # SQLite takes one writer at a time, across this process and the controller process.
-        write_lock=writer_lock_for(settings.database_url) or contextlib.nullcontext(),
+        write_lock=write_lock,
         caches=caches,
-        metrics=Metrics(sessions),
+        metrics=metrics,
         plan_waiters=waiters,
         plan_bus=bus,
         host_answers=answers,
@@ -197,6 +200,7 @@ def _build_context(settings: Settings) -> AppContext:
         stream_slots=StreamSlots(settings.max_streams_per_token),
         db_slots=anyio.Semaphore(min(settings.db_concurrency, 3 * settings.db_pool_size)),
         auth_failures=FailureLimit(settings.auth_failures_max, settings.auth_failures_window_s),
+        telemetry_writer=TelemetryWriter(engine, write_lock, metrics.telemetry_group_posts.observe),
     )
 
 
@@ -271,6 +275,7 @@ def _flush_liveness(context: AppContext) -> None:
 
 
 def _close(context: AppContext) -> None:
+    context.telemetry_writer.close()
     context.plan_bus.close()
     context.host_bus.close()
     context.wake_bus.close()

@@ -22,6 +22,7 @@ from server.host_answers import HostAnswers, Liveness
 from server.live import StreamSlots, TelemetryNotifier
 from server.metrics import Metrics
 from server.notify import Bus, PlanWaiters
+from server.telemetry_writer import TelemetryWriter
 from server.throttle import FailureLimit
 
 
@@ -51,6 +52,8 @@ class AppContext:
     wake_controller: Callable[[int], None]
     """Runs the controller's next round for a job now (urgent telemetry)."""
     auth_failures: FailureLimit
+    telemetry_writer: TelemetryWriter
+    """Telemetry posts, stored in groups (one transaction for the posts that arrive together)."""
     """Bad credentials per client address (the API's gate and ``/login``)."""
     db_slots: anyio.Semaphore = field(default_factory=lambda: anyio.Semaphore(16))
     """Requests doing database work at once in this process (``create_app`` sets the bound,

@@ -66,6 +66,12 @@ class Metrics:
             "Telemetry records skipped as already stored",
             registry=self.registry,
         )
+        self.telemetry_group_posts = Histogram(
+            "evenflow_telemetry_group_posts",
+            "Telemetry posts stored together in one transaction (server.telemetry_writer)",
+            registry=self.registry,
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+        )
         self.heartbeat_answers = Counter(
             "evenflow_heartbeat_answers",
             "Heartbeat answers, by where they came from: memory (the host's last heartbeat "

@@ -14,6 +14,7 @@ the next failure fails the job with every reason listed. A rank that exits with
 from __future__ import annotations
 
 import signal
+from collections.abc import Collection
 from datetime import datetime
 
 from sqlalchemy import Connection, bindparam, func, select
@@ -433,11 +434,13 @@ def check_may_write_ranks(
     job_id: int,
     ranks: list[int],
     action: str = "post telemetry",
+    placed: Collection[int] | None = None,
 ) -> None:
     """Who may post timings, metrics or checkpoints (``action``, for the messages) of these ranks of a job
     (``db``: a session, or the Core connection of the telemetry ingest's hot path): an admin
     any; an agent only ranks placed on its own host; a worker credential only its own job and
-    rank; nobody else."""
+    rank; nobody else. ``placed``: the job's ranks on the agent's host, when the caller has
+    read them already (the telemetry ingest reads those of a whole group of posts at once)."""
     if principal.role is Role.ADMIN:
         return
     if principal.role is Role.WORKER:
@@ -457,7 +460,8 @@ def check_may_write_ranks(
             f"only an agent, worker or admin token may {action}; '{principal.name}' is "
             f"{principal.role.value}"
         )
-    placed = set(db.scalars(_RANKS_ON_HOST, {"job_id": job_id, "host": principal.host}))
+    if placed is None:
+        placed = set(db.scalars(_RANKS_ON_HOST, {"job_id": job_id, "host": principal.host}))
     other = next((r for r in ranks if r not in placed), None)
     if other is not None:
         raise Forbidden(

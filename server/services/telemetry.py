@@ -2,44 +2,102 @@
 
 from __future__ import annotations
 
-from itertools import repeat
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import Connection, bindparam, func, select, text
 from sqlalchemy.orm import Session
 
 from contract.agent import TELEMETRY_FIELDS, TelemetryBatch
-from contract.enums import JobStatus
-from server.errors import Conflict, Invalid, NotFound
-from server.models import IterationTelemetry, Job, Worker
+from contract.enums import JobStatus, Role
+from server.errors import Conflict, EvenflowError, Invalid, NotFound
+from server.models import Host, IterationTelemetry, Job, Worker
 from server.services.jobs import check_may_write_ranks
 from server.services.paging import Paging, page
 from server.services.tokens import Principal
 
-Row = tuple[
-    int, int, int, int, int, float, float, float, float, bool, float | None, int | None, int | None
-]
-"""A telemetry row as inserted: the job id, then ``COLUMNS``."""
+
+@dataclass(frozen=True)
+class Post:
+    """One telemetry post: a batch of a job's timings and who sent it."""
+
+    job_id: int
+    batch: TelemetryBatch
+    principal: Principal
+
+    @property
+    def rows(self) -> int:
+        return len(self.batch.arrays()[0])
 
 
-def ingest(
-    conn: Connection, job_id: int, batch: TelemetryBatch, principal: Principal
-) -> tuple[int, int]:
-    """Store a batch; rows already stored for (job, rank, iteration) are skipped, so a retried
-    batch never duplicates. Returns (accepted, duplicates).
+Outcome = tuple[int, int] | EvenflowError
+"""What became of a post: (accepted, duplicates), or why it was refused."""
 
-    The hot write path (bench/ingest.py), so it works on a Core connection, not an ORM session:
-    one query for the job's status and size (and one for an agent's rights over the ranks),
-    then one bulk
-    insert straight from the batch's per-field arrays (``TelemetryBatch.arrays``; a columnar
-    batch hands over the lists it was parsed into)."""
-    found = conn.execute(_JOB_STATE, {"job_id": job_id}).first()
+
+def ingest_many(conn: Connection, posts: Sequence[Post]) -> list[Outcome]:
+    """Store the posts that may be stored, in one transaction (the caller's), and say for each
+    what became of it. Rows already stored for (job, rank, iteration), or earlier in the group,
+    are skipped, so a retried batch never duplicates; each post is judged exactly as it would be
+    alone (``server.ingest.TelemetryWriter`` groups the posts that arrive together).
+
+    The hot write path (bench/ingest.py), so it works on a Core connection, not an ORM session,
+    and its statements do not grow with the posts: one read of the jobs' states and sizes, one
+    of the agents' ranks on their hosts, one bulk insert straight from the batches' per-field
+    arrays (``TelemetryBatch.arrays``; a columnar batch hands over the lists it was parsed into)."""
+    jobs = {
+        job_id: (status, world)
+        for job_id, status, world in conn.execute(
+            _JOB_STATES, {"ids": sorted({p.job_id for p in posts})}
+        )
+    }
+    placed = _placed_ranks(conn, [p for p in posts if p.principal.role is Role.AGENT])
+    outcomes: list[Outcome] = []
+    arrays: list[tuple[list[Any], ...] | None] = []
+    for post in posts:
+        try:
+            arrays.append(_admitted(conn, post, jobs, placed))
+            outcomes.append((0, 0))
+        except EvenflowError as refused:
+            arrays.append(None)
+            outcomes.append(refused)
+    rows: list[tuple[int, tuple[Any, ...]]] = []
+    """(post, row after its job id) of each row to insert: the first in the group of its key."""
+    seen: set[tuple[int, int, int]] = set()
+    for i, post_arrays in enumerate(arrays):
+        if post_arrays is not None:
+            job_id = posts[i].job_id
+            for row in zip(*post_arrays, strict=True):
+                key = (job_id, row[0], row[1])
+                if key not in seen:
+                    seen.add(key)
+                    rows.append((i, row))
+    insert = _insert_postgresql if conn.dialect.name == "postgresql" else _insert_sqlite
+    accepted = insert(conn, posts, rows) if rows else {}
+    for i, post_arrays in enumerate(arrays):
+        if post_arrays is not None:
+            outcomes[i] = (accepted.get(i, 0), len(post_arrays[0]) - accepted.get(i, 0))
+    return outcomes
+
+
+def _admitted(
+    conn: Connection,
+    post: Post,
+    jobs: dict[int, tuple[str, int]],
+    placed: dict[tuple[int, str], set[int]],
+) -> tuple[list[Any], ...]:
+    """The post's rows, one list per field, if it may be stored; else why not."""
+    job_id, batch, principal = post.job_id, post.batch, post.principal
+    found = jobs.get(job_id)
     if found is None:
         raise NotFound(f"job {job_id} not found")
     status, world = found
     arrays = batch.arrays()  # one list per field, in COLUMNS order
     ranks = arrays[0]
-    check_may_write_ranks(conn, principal, job_id, ranks)
+    check_may_write_ranks(
+        conn, principal, job_id, ranks, placed=placed.get((job_id, principal.host or ""), set())
+    )
     if status == JobStatus.PENDING.value:
         raise Conflict(
             f"job {job_id} is pending; it has no workers to report timings", field="status"
@@ -56,21 +114,40 @@ def ingest(
             else (f"columns.rank.{i}", f"columns.rank[{i}]")
         )
         raise Invalid(f"{shown} is {ranks[i]}; job {job_id} has {world} workers", field=where)
-    if conn.dialect.name == "postgresql":
-        accepted = _insert_postgresql(conn, job_id, arrays)
-    else:
-        accepted = _insert_sqlite(conn, list(zip(repeat(job_id), *arrays)))
-    return accepted, len(ranks) - accepted
+    return arrays
 
 
-_JOB_STATE = select(
+def _placed_ranks(conn: Connection, posts: Sequence[Post]) -> dict[tuple[int, str], set[int]]:
+    """The ranks of the posts' jobs placed on their agents' hosts, by (job, host name)."""
+    placed: dict[tuple[int, str], set[int]] = {}
+    if posts:
+        params = {
+            "ids": sorted({p.job_id for p in posts}),
+            "hosts": sorted({p.principal.host or "" for p in posts}),
+        }
+        for job_id, host, rank in conn.execute(_RANKS_ON_HOSTS, params):
+            placed.setdefault((job_id, host), set()).add(rank)
+    return placed
+
+
+_JOB_STATES = select(
+    Job.id,
     Job.status,
     select(func.count(Worker.id)).where(Worker.job_id == Job.id).scalar_subquery(),
-).where(Job.id == bindparam("job_id"))
+).where(Job.id.in_(bindparam("ids", expanding=True)))
+
+_RANKS_ON_HOSTS = (
+    select(Worker.job_id, Host.name, Worker.rank)
+    .join(Host, Worker.host_id == Host.id)
+    .where(
+        Worker.job_id.in_(bindparam("ids", expanding=True)),
+        Host.name.in_(bindparam("hosts", expanding=True)),
+    )
+)
 
 # Bulk inserts, measured (bench/ingest.py): on PostgreSQL one INSERT ... SELECT FROM unnest()
 # of per-column arrays is ~3x faster than a multi-row VALUES insert; on SQLite a plain
-# executemany is fastest. Both skip existing keys and report how many rows they inserted.
+# executemany is fastest. Both skip existing keys.
 COLUMNS = TELEMETRY_FIELDS  # a row's values, after its job id
 _PG_TYPES = (  # of COLUMNS, in order
     "integer",
@@ -89,8 +166,9 @@ _PG_TYPES = (  # of COLUMNS, in order
 _PG_ARRAYS = ", ".join(f"CAST(:{c} AS {t}[])" for c, t in zip(COLUMNS, _PG_TYPES, strict=True))
 _PG_INSERT = text(
     f"INSERT INTO iteration_telemetry (job_id, {', '.join(COLUMNS)}) "
-    f"SELECT :job_id, * FROM unnest({_PG_ARRAYS}) "
-    "ON CONFLICT (job_id, rank, iteration) DO NOTHING"
+    f"SELECT * FROM unnest(CAST(:job_id AS integer[]), {_PG_ARRAYS}) "
+    "ON CONFLICT (job_id, rank, iteration) DO NOTHING "
+    "RETURNING job_id, rank, iteration"
 )
 _SQLITE_INSERT = (
     f"INSERT INTO iteration_telemetry (job_id, {', '.join(COLUMNS)}) "
@@ -99,14 +177,32 @@ _SQLITE_INSERT = (
 )
 
 
-def _insert_postgresql(conn: Connection, job_id: int, arrays: tuple[list[Any], ...]) -> int:
-    params: dict[str, Any] = dict(zip(COLUMNS, arrays, strict=True))
-    params["job_id"] = job_id
-    return int(conn.execute(_PG_INSERT, params).rowcount)
+def _insert_postgresql(
+    conn: Connection, posts: Sequence[Post], rows: list[tuple[int, tuple[Any, ...]]]
+) -> dict[int, int]:
+    """One statement for the group; the keys it inserted say which post each row was."""
+    columns: list[list[Any]] = [[] for _ in COLUMNS]
+    post_of: dict[tuple[int, int, int], int] = {}
+    for i, row in rows:
+        post_of[(posts[i].job_id, row[0], row[1])] = i
+        for column, value in zip(columns, row, strict=True):
+            column.append(value)
+    params: dict[str, Any] = dict(zip(COLUMNS, columns, strict=True))
+    params["job_id"] = [posts[i].job_id for i, _ in rows]
+    return Counter(post_of[(j, r, it)] for j, r, it in conn.execute(_PG_INSERT, params))
 
 
-def _insert_sqlite(conn: Connection, rows: list[Row]) -> int:
-    return int(conn.exec_driver_sql(_SQLITE_INSERT, rows).rowcount)
+def _insert_sqlite(
+    conn: Connection, posts: Sequence[Post], rows: list[tuple[int, tuple[Any, ...]]]
+) -> dict[int, int]:
+    """A statement per post (SQLite's executemany counts the rows it inserted, not which)."""
+    by_post: dict[int, list[tuple[Any, ...]]] = {}
+    for i, row in rows:
+        by_post.setdefault(i, []).append((posts[i].job_id, *row))
+    return {
+        i: int(conn.exec_driver_sql(_SQLITE_INSERT, post_rows).rowcount)
+        for i, post_rows in by_post.items()
+    }
 
 
 def window(

@@ -5,7 +5,7 @@ What a route can return is found here from the route itself, not from the docume
 derivation (``server.api.statuses``): its success code; the gate's 413 on any path and 401,
 429 and 403 before an authenticated one; 404 and 422 for an id in its path, 422 for any other
 input; and, read from the source of the route and of every ``server`` function it calls
-(transitively), each ``raise`` of a domain error (``server.errors``: 404, 403, 409, 422,
+(transitively, methods of the app context's parts included), each ``raise`` of a domain error (``server.errors``: 404, 403, 409, 422,
 429 ...), each ``HTTPException`` and each explicit ``status_code=``.
 """
 
@@ -16,6 +16,7 @@ import inspect
 import sys
 import textwrap
 import types
+import typing
 from collections.abc import Iterator
 from functools import cache
 from typing import Any
@@ -92,10 +93,41 @@ def _direct(function: types.FunctionType) -> tuple[frozenset[int], tuple[types.F
                 if isinstance(target, ast.Attribute) and target.attr == "status_code":
                     codes.add(int(node.value.value))
         if isinstance(node, ast.Name | ast.Attribute):
-            found = _function_of(_resolve(node, scope))
+            found = _named(node, function, scope)
             if found is not None and found is not function:
                 named.append(found)
     return frozenset(codes), tuple(named)
+
+
+def _named(
+    node: ast.Name | ast.Attribute, function: types.FunctionType, scope: dict[str, Any]
+) -> types.FunctionType | None:
+    """The ``server`` function a name or attribute in ``function`` stands for, if any."""
+    found = _function_of(_resolve(node, scope))
+    if found is None and isinstance(node, ast.Attribute):
+        found = _function_of(_method(node, function, scope))
+    return found
+
+
+def _method(node: ast.Attribute, function: types.FunctionType, scope: dict[str, Any]) -> object:
+    """A method ``function`` names on an object whose class is known without running it:
+    ``self.x`` in a method of a module-level class, and ``context.part.x`` where ``context`` is
+    a parameter annotated with a class whose ``part`` is annotated with a class (the app
+    context's parts, such as its telemetry writer)."""
+    owner: object = None
+    if isinstance(node.value, ast.Name) and node.value.id == "self":
+        owner = scope.get(function.__qualname__.split(".")[0])
+    elif isinstance(node.value, ast.Attribute) and isinstance(node.value.value, ast.Name):
+        holder = _hints(function).get(node.value.value.id)
+        owner = _hints(holder).get(node.value.attr) if isinstance(holder, type) else None
+    return getattr(owner, node.attr, None) if isinstance(owner, type) else None
+
+
+def _hints(obj: object) -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(obj)
+    except Exception:  # a name only imported for type checking: not followed
+        return {}
 
 
 def _status_of_raise(exc: ast.Call, scope: dict[str, Any]) -> set[int]:

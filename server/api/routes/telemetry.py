@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Query, Request
-from fastapi.concurrency import run_in_threadpool
 
 from contract.agent import TelemetryAck, TelemetryBatch
 from contract.api import Page, TelemetryOut
@@ -11,10 +10,8 @@ from contract.enums import Role
 from server.api import bodies
 from server.api.deps import Authenticated, Context, PagingDep, PathId, SessionDep, Viewer
 from server.api.statuses import declare
-from server.context import AppContext
 from server.live import telemetry_stored
 from server.services import jobs, telemetry
-from server.services.tokens import Principal
 
 router = APIRouter(prefix="/jobs", tags=["telemetry"], route_class=bodies.JSONRoute)
 
@@ -34,8 +31,10 @@ async def ingest(
     if principal.role not in (Role.AGENT, Role.WORKER):
         principal.require(Role.ADMIN)
     batch = bodies.parse(TelemetryBatch, await request.body())
-    async with context.db_slots:
-        accepted, duplicates = await run_in_threadpool(_store, context, principal, job_id, batch)
+    # Stored with the other posts that arrive together, in one transaction (no database slot
+    # or worker thread of this request's own: the writer's thread does the work).
+    post = telemetry.Post(job_id, batch, principal)
+    accepted, duplicates = await context.telemetry_writer.store(post)
     # wake the job's live dashboard streams
     telemetry_stored(context.telemetry_notifier, job_id, accepted)
     if batch.urgent:
@@ -44,15 +43,6 @@ async def ingest(
     metrics.telemetry_records.inc(accepted)
     metrics.telemetry_duplicates.inc(duplicates)
     return TelemetryAck(accepted=accepted, duplicates=duplicates)
-
-
-def _store(
-    context: AppContext, principal: Principal, job_id: int, batch: TelemetryBatch
-) -> tuple[int, int]:
-    # The writer lock is held for the database work only, not while the body is parsed; a Core
-    # connection, not an ORM session: nothing here needs one.
-    with context.write_lock, context.engine.begin() as conn:
-        return telemetry.ingest(conn, job_id, batch, principal)
 
 
 @router.get("/{job_id}/telemetry")
