@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 from sqlalchemy import Connection, bindparam, func, select, text
@@ -40,7 +41,7 @@ def ingest_many(conn: Connection, posts: Sequence[Post]) -> list[Outcome]:
     """Store the posts that may be stored, in one transaction (the caller's), and say for each
     what became of it. Rows already stored for (job, rank, iteration), or earlier in the group,
     are skipped, so a retried batch never duplicates; each post is judged exactly as it would be
-    alone (``server.ingest.TelemetryWriter`` groups the posts that arrive together).
+    alone (``server.telemetry_writer.TelemetryWriter`` groups the posts that arrive together).
 
     The hot write path (bench/ingest.py), so it works on a Core connection, not an ORM session,
     and its statements do not grow with the posts: one read of the jobs' states and sizes, one
@@ -62,23 +63,58 @@ def ingest_many(conn: Connection, posts: Sequence[Post]) -> list[Outcome]:
         except EvenflowError as refused:
             arrays.append(None)
             outcomes.append(refused)
-    rows: list[tuple[int, tuple[Any, ...]]] = []
-    """(post, row after its job id) of each row to insert: the first in the group of its key."""
-    seen: set[tuple[int, int, int]] = set()
+    rows = _Rows.of(posts, arrays)
+    accepted: dict[int, int] = {}
+    if rows.job_ids:
+        insert = _insert_postgresql if conn.dialect.name == "postgresql" else _insert_sqlite
+        accepted = insert(conn, rows)
     for i, post_arrays in enumerate(arrays):
         if post_arrays is not None:
-            job_id = posts[i].job_id
-            for row in zip(*post_arrays, strict=True):
-                key = (job_id, row[0], row[1])
-                if key not in seen:
-                    seen.add(key)
-                    rows.append((i, row))
-    insert = _insert_postgresql if conn.dialect.name == "postgresql" else _insert_sqlite
-    accepted = insert(conn, posts, rows) if rows else {}
-    for i, post_arrays in enumerate(arrays):
-        if post_arrays is not None:
-            outcomes[i] = (accepted.get(i, 0), len(post_arrays[0]) - accepted.get(i, 0))
+            stored = accepted.get(i, 0)
+            outcomes[i] = (stored, len(post_arrays[0]) - stored)
     return outcomes
+
+
+@dataclass
+class _Rows:
+    """A group's rows to insert, column by column: the first of each (job, rank, iteration)
+    in the group. Each post's rows are one span of them."""
+
+    job_ids: list[int]
+    columns: list[list[Any]]
+    spans: dict[int, tuple[int, int]]
+    """Post index -> (first, end) of its rows."""
+
+    @classmethod
+    def of(cls, posts: Sequence[Post], arrays: list[tuple[list[Any], ...] | None]) -> _Rows:
+        admitted = [(i, a) for i, a in enumerate(arrays) if a is not None]
+        keys: set[tuple[int, int, int]] = set()
+        for i, a in admitted:
+            keys.update(zip(repeat(posts[i].job_id), a[0], a[1]))
+        rows = cls([], [[] for _ in COLUMNS], {})
+        if len(keys) == sum(len(a[0]) for _, a in admitted):  # no key twice: whole arrays
+            for i, a in admitted:
+                rows._add(i, posts[i].job_id, a)
+            return rows
+        keys.clear()
+        for i, a in admitted:  # the first of a repeated key only (rare: a retry beside its post)
+            job_id = posts[i].job_id
+            first = []
+            for row in zip(*a, strict=True):
+                key = (job_id, row[0], row[1])
+                if key not in keys:
+                    keys.add(key)
+                    first.append(row)
+            if first:
+                rows._add(i, job_id, tuple(list(c) for c in zip(*first, strict=True)))
+        return rows
+
+    def _add(self, i: int, job_id: int, arrays: tuple[list[Any], ...]) -> None:
+        start = len(self.job_ids)
+        self.job_ids.extend(repeat(job_id, len(arrays[0])))
+        for column, values in zip(self.columns, arrays, strict=True):
+            column.extend(values)
+        self.spans[i] = (start, len(self.job_ids))
 
 
 def _admitted(
@@ -177,31 +213,35 @@ _SQLITE_INSERT = (
 )
 
 
-def _insert_postgresql(
-    conn: Connection, posts: Sequence[Post], rows: list[tuple[int, tuple[Any, ...]]]
-) -> dict[int, int]:
-    """One statement for the group; the keys it inserted say which post each row was."""
-    columns: list[list[Any]] = [[] for _ in COLUMNS]
-    post_of: dict[tuple[int, int, int], int] = {}
-    for i, row in rows:
-        post_of[(posts[i].job_id, row[0], row[1])] = i
-        for column, value in zip(columns, row, strict=True):
-            column.append(value)
-    params: dict[str, Any] = dict(zip(COLUMNS, columns, strict=True))
-    params["job_id"] = [posts[i].job_id for i, _ in rows]
-    return Counter(post_of[(j, r, it)] for j, r, it in conn.execute(_PG_INSERT, params))
+def _insert_postgresql(conn: Connection, rows: _Rows) -> dict[int, int]:
+    """One statement for the group. Every row inserted (the usual case) credits each post with
+    its span; else the keys it returns say which post each stored row was."""
+    params: dict[str, Any] = dict(zip(COLUMNS, rows.columns, strict=True))
+    params["job_id"] = rows.job_ids
+    stored = conn.execute(_PG_INSERT, params).all()
+    spans = rows.spans.items()
+    if len(stored) == len(rows.job_ids):
+        return {i: end - start for i, (start, end) in spans}
+    post_of = {
+        (rows.job_ids[r], rows.columns[0][r], rows.columns[1][r]): i
+        for i, (start, end) in spans
+        for r in range(start, end)
+    }
+    return Counter(post_of[(j, r, it)] for j, r, it in stored)
 
 
-def _insert_sqlite(
-    conn: Connection, posts: Sequence[Post], rows: list[tuple[int, tuple[Any, ...]]]
-) -> dict[int, int]:
+def _insert_sqlite(conn: Connection, rows: _Rows) -> dict[int, int]:
     """A statement per post (SQLite's executemany counts the rows it inserted, not which)."""
-    by_post: dict[int, list[tuple[Any, ...]]] = {}
-    for i, row in rows:
-        by_post.setdefault(i, []).append((posts[i].job_id, *row))
     return {
-        i: int(conn.exec_driver_sql(_SQLITE_INSERT, post_rows).rowcount)
-        for i, post_rows in by_post.items()
+        i: int(
+            conn.exec_driver_sql(
+                _SQLITE_INSERT,
+                list(
+                    zip(rows.job_ids[start:end], *(c[start:end] for c in rows.columns), strict=True)
+                ),
+            ).rowcount
+        )
+        for i, (start, end) in rows.spans.items()
     }
 
 
