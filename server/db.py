@@ -11,11 +11,24 @@ from typing import Any
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 import migrations
 
 MIGRATIONS_DIR = Path(migrations.__file__).parent
+
+
+RETRYABLE_SQLSTATES = frozenset({"40P01", "40001"})
+"""PostgreSQL aborted the transaction to break a deadlock, or to keep transactions
+serializable: the same work again, from the start, may well succeed."""
+
+
+def retryable(exc: BaseException) -> bool:
+    """A transaction the database aborted for another's sake (``RETRYABLE_SQLSTATES``)."""
+    return isinstance(exc, DBAPIError) and (
+        getattr(exc.orig, "sqlstate", None) in RETRYABLE_SQLSTATES
+    )
 
 
 WAL_AUTOCHECKPOINT_PAGES = 16_384

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from datetime import UTC, datetime
@@ -10,6 +11,7 @@ from typing import Annotated, TypeVar
 from fastapi import Depends, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from contract.base import MAX_ID
@@ -17,12 +19,14 @@ from contract.enums import Role
 from server.api.gate import PRINCIPAL_STATE, SESSION_COOKIE, authenticate
 from server.config import Settings
 from server.context import AppContext, context_of
+from server.db import retryable
 from server.notify import PLACEMENT
 from server.services import tokens
 from server.services.paging import DEFAULT_LIMIT, MAX_LIMIT, MAX_OFFSET, Paging
 from server.services.tokens import Principal
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 _bearer = HTTPBearer(
     auto_error=False, description="An Evenflow API token (`evenflow tokens create`)."
@@ -70,14 +74,29 @@ def _session(request: Request, context: Context, _slot: DbSlot) -> Iterator[Sess
         yield session
 
 
+TRANSACTION_ATTEMPTS = 3
+"""Tries of ``in_transaction``'s work that the database aborts to break a deadlock."""
+
+
 async def in_transaction(context: AppContext, work: Callable[[Session], T]) -> T:
     """``work`` in one write transaction in one worker-thread hop, inside a database slot: for
     the hottest routes (heartbeats), which a ``SessionDep`` would take through three hops
-    (open, route, commit), each queueing for a thread anew."""
+    (open, route, commit), each queueing for a thread anew. A transaction PostgreSQL aborts to
+    break a deadlock (a heartbeat's ranks against the controller's restart of their job, say)
+    is run again from the start, up to ``TRANSACTION_ATTEMPTS`` times, instead of answering
+    500: ``work`` changes nothing but the database."""
 
     def run() -> T:
-        with transaction(context, write=True) as session:
-            return work(session)
+        attempt = 1
+        while True:
+            try:
+                with transaction(context, write=True) as session:
+                    return work(session)
+            except DBAPIError as exc:
+                if attempt == TRANSACTION_ATTEMPTS or not retryable(exc):
+                    raise
+                log.info("transaction aborted (%s); trying again", exc.orig)
+                attempt += 1
 
     async with context.db_slots:
         return await run_in_threadpool(run)
