@@ -140,9 +140,10 @@ class Gate:
             more = message.get("more_body", False)
         raw = b"".join(chunks)
         state = scope["state"]
-        body = self.context.host_answers.get_raw(host_id, raw, state[PRINCIPAL_STATE])
+        principal = state[PRINCIPAL_STATE]
+        self.context.liveness.arrived(host_id, principal.token_id, datetime.now(UTC))
+        body = self.context.host_answers.get_raw(host_id, raw, principal)
         if body is not None:
-            self.context.liveness.seen(host_id, datetime.now(UTC))
             self.context.metrics.heartbeat_answers.labels("memory").inc()
             headers = [
                 (b"content-type", b"application/json"),

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -304,3 +305,48 @@ def test_liveness_not_written_is_written_by_the_next_flush(api: Api) -> None:
     _flush_liveness(context)
     with transaction(context.sessions) as s:
         assert s.scalars(select(Host.last_heartbeat)).one() == later
+
+
+def _last_heartbeat(context: AppContext, host_id: int) -> datetime:
+    with context.sessions() as s:
+        host = s.get(Host, host_id)
+        assert host is not None
+        return host.last_heartbeat.replace(tzinfo=UTC)
+
+
+def test_a_heartbeat_waiting_for_the_database_keeps_its_host_alive_meanwhile(
+    sqlite_api: Api,
+) -> None:
+    """Its liveness is noted when it arrives, not when its transaction commits: a host whose
+    heartbeats queue behind a busy server is not marked lost for it."""
+    api, context = sqlite_api, _context(sqlite_api)
+    host = api.register("h", devices=1)
+    host_id = int(host["id"])
+    assert _beat(api, host, []).status_code == 200  # answered by the database: its credential
+    _flush_liveness(context)
+    context.host_answers.invalidate([host_id])  # the next one goes to the database again
+    answered: list[int] = []
+    with context.write_lock:  # the database is busy: the heartbeat's transaction waits
+        sent = datetime.now(UTC)
+        beat = threading.Thread(target=lambda: answered.append(_beat(api, host, []).status_code))
+        beat.start()
+        deadline = time.monotonic() + 10
+        while not context.liveness.pending() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with context.sessions() as s, s.begin():  # the API's next liveness flush
+            assert context.liveness.flush(s) == 1
+        assert _last_heartbeat(context, host_id) >= sent
+        assert not answered  # still waiting
+    beat.join(10)
+    assert answered == [200]
+
+
+def test_a_heartbeat_with_another_hosts_credential_keeps_nothing_alive(api: Api) -> None:
+    context = _context(api)
+    host, other = api.register("h", devices=1), api.register("h2", devices=1)
+    assert _beat(api, host, []).status_code == 200
+    _flush_liveness(context)
+    assert _beat(api, host, [], token=other["_token"]).status_code == 403
+    assert context.liveness.pending() == 0
+    assert _beat(api, host, []).status_code == 200  # its own: noted (and from memory)
+    assert context.liveness.pending() == 1

@@ -63,6 +63,7 @@ async def heartbeat(
     ack = await in_transaction(
         context, lambda session: hosts.heartbeat(session, host_id, req, principal, now)
     )
+    context.liveness.owned(host_id, principal.token_id)  # its next heartbeats noted on arrival
     body = ack.model_dump_json().encode()
     # an answer that minted launch credentials is never repeated: each one retires the last
     if ack.status is HostStatus.ACTIVE and not any(a.worker_token for a in ack.assignments):
