@@ -13,6 +13,7 @@ from alembic.config import Config
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm.exc import StaleDataError
 
 import migrations
 
@@ -25,7 +26,11 @@ serializable: the same work again, from the start, may well succeed."""
 
 
 def retryable(exc: BaseException) -> bool:
-    """A transaction the database aborted for another's sake (``RETRYABLE_SQLSTATES``)."""
+    """A transaction the database aborted for another's sake (``RETRYABLE_SQLSTATES``), or
+    whose rows another transaction deleted or changed between its read and its write (the
+    ORM's ``StaleDataError``: a job's restart deleting the ranks a heartbeat was reporting)."""
+    if isinstance(exc, StaleDataError):
+        return True
     return isinstance(exc, DBAPIError) and (
         getattr(exc.orig, "sqlstate", None) in RETRYABLE_SQLSTATES
     )

@@ -13,6 +13,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
+from sqlalchemy.orm.exc import StaleDataError
 
 from contract.base import MAX_ID
 from contract.enums import Role
@@ -75,14 +76,15 @@ def _session(request: Request, context: Context, _slot: DbSlot) -> Iterator[Sess
 
 
 TRANSACTION_ATTEMPTS = 3
-"""Tries of ``in_transaction``'s work that the database aborts to break a deadlock."""
+"""Tries of ``in_transaction``'s work when another transaction is in its way (``retryable``)."""
 
 
 async def in_transaction(context: AppContext, work: Callable[[Session], T]) -> T:
     """``work`` in one write transaction in one worker-thread hop, inside a database slot: for
     the hottest routes (heartbeats), which a ``SessionDep`` would take through three hops
     (open, route, commit), each queueing for a thread anew. A transaction PostgreSQL aborts to
-    break a deadlock (a heartbeat's ranks against the controller's restart of their job, say)
+    break a deadlock, or whose rows another deleted between its read and its write (a
+    heartbeat's rank reports against the controller's restart of their job: ``db.retryable``),
     is run again from the start, up to ``TRANSACTION_ATTEMPTS`` times, instead of answering
     500: ``work`` changes nothing but the database."""
 
@@ -92,10 +94,10 @@ async def in_transaction(context: AppContext, work: Callable[[Session], T]) -> T
             try:
                 with transaction(context, write=True) as session:
                     return work(session)
-            except DBAPIError as exc:
+            except (DBAPIError, StaleDataError) as exc:
                 if attempt == TRANSACTION_ATTEMPTS or not retryable(exc):
                     raise
-                log.info("transaction aborted (%s); trying again", exc.orig)
+                log.info("transaction aborted (%s); trying again", exc)
                 attempt += 1
 
     async with context.db_slots:

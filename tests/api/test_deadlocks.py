@@ -1,5 +1,5 @@
-"""A heartbeat's transaction that PostgreSQL aborts to break a deadlock is run again, not
-answered 500 (bench/fleet.py at 1,250 hosts: a heartbeat's rank reports against the
+"""A heartbeat's transaction that PostgreSQL aborts to break a deadlock, or whose rows another
+transaction deleted meanwhile, is run again, not answered 500 (bench/fleet.py at 1,250 hosts: a heartbeat's rank reports against the
 controller's restart of their job, each holding rows the other wanted)."""
 
 from __future__ import annotations
@@ -9,13 +9,14 @@ import threading
 from typing import Any
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import delete, select, text
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
 from server.api import deps
 from server.context import AppContext, context_of
 from server.db import retryable
+from server.models import Worker
 from tests.harness import Api
 
 pytestmark = [
@@ -93,3 +94,27 @@ def test_without_another_try_the_deadlock_is_what_the_caller_gets(
     assert type(result.orig).__name__ == "DeadlockDetected"
     assert attempts == [1]
     assert theirs == ["committed"]
+
+
+def test_work_whose_rows_another_transaction_deleted_runs_again(api: Api) -> None:
+    """A heartbeat's rank reports against a restart that deleted the job's ranks between the
+    heartbeat's read and its write: the ORM's ``StaleDataError``, then a second try that finds
+    them gone."""
+    api.register("h0", devices=2)
+    job_id = int(api.submit(workers=2, global_batch=16)["id"])  # type: ignore[call-overload]
+    context = context_of(api.client.app)  # type: ignore[arg-type]
+    attempts: list[int] = []
+
+    def work(session: Session) -> int:
+        attempts.append(len(attempts) + 1)
+        ranks = list(session.scalars(select(Worker).where(Worker.job_id == job_id)))
+        if len(attempts) == 1:
+            with context.engine.begin() as conn:  # the restart, committed meanwhile
+                conn.execute(delete(Worker).where(Worker.job_id == job_id))
+        for worker in ranks:
+            worker.exit_code = 0
+        session.flush()
+        return len(ranks)
+
+    assert asyncio.run(deps.in_transaction(context, work)) == 0
+    assert attempts == [1, 2]
