@@ -34,7 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import bindparam, event, inspect, select, union, update
@@ -285,8 +285,9 @@ class Liveness:
 
     A heartbeat is noted on arrival (``arrived``, in the gate), before it waits for anything,
     when it comes with the credential that the host's last heartbeat answered by the database
-    here came with (``owned``): a host is alive when it talks to us, however long its heartbeat
-    then waits for a database slot. Noted only at its commit, a heartbeat that waited more than
+    here came with (``owned``), and again at every flush until it is answered (``answered``):
+    a host is alive while it talks to us or waits for our answer, however long its heartbeat
+    waits for a database slot. Noted only at its commit, a heartbeat that waited more than
     about half of ``host_lost_after_s`` let its host be marked lost while it was heartbeating,
     and the restarts that followed loaded the server further (bench/fleet.py at 1,250 hosts:
     thousands of hosts lost in a minute)."""
@@ -296,6 +297,8 @@ class Liveness:
         self._flushing: dict[int, datetime] = {}
         self._owners: dict[int, int] = {}
         """Host id -> the token id of its last heartbeat answered by the database here."""
+        self._waiting: dict[int, int] = {}
+        """Host id -> its heartbeats noted on arrival and not answered yet."""
         self._lock = threading.Lock()
 
     def seen(self, host_id: int, now: datetime) -> None:
@@ -306,20 +309,35 @@ class Liveness:
         """The host's heartbeat with this credential was authorised and answered."""
         self._owners[host_id] = token_id
 
-    def arrived(self, host_id: int, token_id: int, now: datetime) -> None:
-        """A heartbeat for the host arrived with this credential: noted if it is the owner's."""
-        if self._owners.get(host_id) == token_id:
-            self.seen(host_id, now)
+    def arrived(self, host_id: int, token_id: int, now: datetime) -> bool:
+        """A heartbeat for the host arrived with this credential: noted, and kept noted until
+        :meth:`answered`, if it is the owner's (returns whether it was)."""
+        if self._owners.get(host_id) != token_id:
+            return False
+        with self._lock:
+            self._seen[host_id] = now
+            self._waiting[host_id] = self._waiting.get(host_id, 0) + 1
+        return True
+
+    def answered(self, host_id: int) -> None:
+        """A heartbeat ``arrived`` noted has its answer (or failed)."""
+        with self._lock:
+            left = self._waiting.pop(host_id, 1) - 1
+            if left:
+                self._waiting[host_id] = left
 
     def pending(self) -> int:
-        return len(self._seen)
+        return len(self._seen.keys() | self._waiting.keys())
 
     def flush(self, session: Session) -> int:
-        """Write what was seen since the last flush in ``session``, which the caller commits;
-        returns how many hosts. Should the write or its commit fail, :meth:`restore` puts the
-        times back for the next flush."""
+        """Write what was seen since the last flush in ``session``, which the caller commits,
+        and now for the hosts whose heartbeats are waiting for their answers; returns how many
+        hosts. Should the write or its commit fail, :meth:`restore` puts the times back for the
+        next flush."""
+        now = datetime.now(UTC)
         with self._lock:
             seen, self._seen = self._seen, {}
+            seen.update(dict.fromkeys(self._waiting, now))
             self._flushing = seen
         if seen:
             rows = [{"host_id": h, "seen": t} for h, t in sorted(seen.items())]

@@ -141,8 +141,19 @@ class Gate:
         raw = b"".join(chunks)
         state = scope["state"]
         principal = state[PRINCIPAL_STATE]
-        self.context.liveness.arrived(host_id, principal.token_id, datetime.now(UTC))
-        body = self.context.host_answers.get_raw(host_id, raw, principal)
+        liveness = self.context.liveness
+        alive = liveness.arrived(host_id, principal.token_id, datetime.now(UTC))
+        try:
+            await self._answer_heartbeat(scope, receive, send, host_id, raw)
+        finally:
+            if alive:
+                liveness.answered(host_id)
+
+    async def _answer_heartbeat(
+        self, scope: Scope, receive: Receive, send: Send, host_id: int, raw: bytes
+    ) -> None:
+        state = scope["state"]
+        body = self.context.host_answers.get_raw(host_id, raw, state[PRINCIPAL_STATE])
         if body is not None:
             self.context.metrics.heartbeat_answers.labels("memory").inc()
             headers = [

@@ -317,8 +317,9 @@ def _last_heartbeat(context: AppContext, host_id: int) -> datetime:
 def test_a_heartbeat_waiting_for_the_database_keeps_its_host_alive_meanwhile(
     sqlite_api: Api,
 ) -> None:
-    """Its liveness is noted when it arrives, not when its transaction commits: a host whose
-    heartbeats queue behind a busy server is not marked lost for it."""
+    """Its liveness is noted when it arrives, not when its transaction commits, and again at
+    each flush while it waits for its answer: a host whose heartbeats queue behind a busy
+    server is not marked lost for it, however long they wait."""
     api, context = sqlite_api, _context(sqlite_api)
     host = api.register("h", devices=1)
     host_id = int(host["id"])
@@ -335,10 +336,17 @@ def test_a_heartbeat_waiting_for_the_database_keeps_its_host_alive_meanwhile(
             time.sleep(0.01)
         with context.sessions() as s, s.begin():  # the API's next liveness flush
             assert context.liveness.flush(s) == 1
-        assert _last_heartbeat(context, host_id) >= sent
+        first = _last_heartbeat(context, host_id)
+        assert first >= sent
+        time.sleep(0.05)
+        with context.sessions() as s, s.begin():  # and the one after: still waiting, alive
+            assert context.liveness.flush(s) == 1
+        assert _last_heartbeat(context, host_id) > first
         assert not answered  # still waiting
     beat.join(10)
     assert answered == [200]
+    _flush_liveness(context)
+    assert context.liveness.pending() == 0  # answered: nothing more to note until the next
 
 
 def test_a_heartbeat_with_another_hosts_credential_keeps_nothing_alive(api: Api) -> None:
