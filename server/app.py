@@ -254,13 +254,15 @@ def _lifespan(context: AppContext) -> Callable[[FastAPI], AbstractAsyncContextMa
 
 
 async def _write_liveness(context: AppContext) -> None:
-    """Every ``LIVENESS_FLUSH_S``, the last heartbeat of each host answered from memory."""
+    """Every ``LIVENESS_FLUSH_S``, the hosts' heartbeats noted (``host_answers.Liveness``).
+    Outside the database slots: behind the heartbeats queued for them, a flush would come late
+    exactly when the server is busy, and hosts waiting for it look silent to the reaper. One
+    statement a second, one flush at a time, on the loop's own executor."""
     while True:
         await asyncio.sleep(LIVENESS_FLUSH_S)
         if context.liveness.pending():
             try:
-                async with context.db_slots:
-                    await asyncio.to_thread(_flush_liveness, context)
+                await asyncio.to_thread(_flush_liveness, context)
             except Exception:  # the database is away: the times are written at the next try
                 log.warning("could not write the hosts' liveness", exc_info=True)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -13,6 +14,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
@@ -21,7 +23,7 @@ from sqlalchemy import select
 
 from contract.agent import Heartbeat
 from contract.enums import Role
-from server.app import _flush_liveness, create_app
+from server.app import _flush_liveness, _write_liveness, create_app
 from server.context import AppContext, context_of
 from server.db import transaction
 from server.models import Host
@@ -358,3 +360,26 @@ def test_a_heartbeat_with_another_hosts_credential_keeps_nothing_alive(api: Api)
     assert context.liveness.pending() == 0
     assert _beat(api, host, []).status_code == 200  # its own: noted (and from memory)
     assert context.liveness.pending() == 1
+
+
+def test_liveness_is_written_while_every_database_slot_is_taken(sqlite_api: Api) -> None:
+    """The flush does not queue behind the heartbeats waiting for slots: a busy server is
+    exactly when hosts would otherwise look silent to the reaper."""
+    api, context = sqlite_api, _context(sqlite_api)
+    host_id = int(api.register("h", devices=1)["id"])  # type: ignore[call-overload]
+    _flush_liveness(context)
+    later = _last_heartbeat(context, host_id) + timedelta(seconds=5)
+
+    async def busy() -> None:
+        slots = anyio.Semaphore(1)
+        context.db_slots = slots
+        async with slots:  # every slot taken
+            context.liveness.seen(host_id, later)
+            writer = asyncio.ensure_future(_write_liveness(context))
+            deadline = time.monotonic() + 10
+            while context.liveness.pending() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            writer.cancel()
+
+    asyncio.run(busy())
+    assert _last_heartbeat(context, host_id) == later
