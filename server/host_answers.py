@@ -327,7 +327,8 @@ class Liveness:
                 self._waiting[host_id] = left
 
     def pending(self) -> int:
-        return len(self._seen.keys() | self._waiting.keys())
+        with self._lock:
+            return len(self._seen.keys() | self._waiting.keys())
 
     def flush(self, session: Session) -> int:
         """Write what was seen since the last flush in ``session``, which the caller commits,
