@@ -49,7 +49,8 @@ class _Waiting:
 
 class TelemetryWriter:
     """One writer thread for a server process's telemetry posts; ``store`` awaits a post's
-    answer. The thread starts with the first post and stops at ``close``."""
+    answer. The thread starts with the first post and stops at ``close``, having written
+    what was queued before it."""
 
     def __init__(
         self,
@@ -61,44 +62,44 @@ class TelemetryWriter:
         self.write_lock = write_lock
         self.on_group = on_group
         """Called with the number of posts of each group written (a metric)."""
-        self._queue: queue.SimpleQueue[_Waiting | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
+        self._running: tuple[threading.Thread, queue.SimpleQueue[_Waiting | None]] | None = None
+        """The writer thread and its queue, from the first post until ``close``."""
         self._lock = threading.Lock()
-        self._closed = False
 
     async def store(self, post: Post) -> tuple[int, int]:
         """(accepted, duplicates) once the post's rows are committed; its refusal raised."""
         loop = asyncio.get_running_loop()
         waiting = _Waiting(post, loop, loop.create_future())
-        with self._lock:  # never queued behind the stop: it would wait for ever
-            if self._closed:
-                raise RuntimeError("the telemetry writer is closed")
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="evenflow-telemetry-writer", daemon=True
+        with self._lock:  # queued before any stop, or to a thread started after it
+            if self._running is None:
+                posts: queue.SimpleQueue[_Waiting | None] = queue.SimpleQueue()
+                thread = threading.Thread(
+                    target=self._run, args=(posts,), name="evenflow-telemetry-writer", daemon=True
                 )
-                self._thread.start()
-            self._queue.put(waiting)
+                thread.start()
+                self._running = (thread, posts)
+            self._running[1].put(waiting)
         return await waiting.answer
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Write what is queued, then stop the thread."""
+        """Write what is queued, then stop the thread (a later post starts another: an app's
+        lifespan may run again, as a test client's does)."""
         with self._lock:
-            self._closed = True
-            thread = self._thread
-            self._queue.put(None)
-        if thread is not None:
+            running, self._running = self._running, None
+        if running is not None:
+            thread, posts = running
+            posts.put(None)
             thread.join(timeout_s)
 
-    def _run(self) -> None:
+    def _run(self, posts: queue.SimpleQueue[_Waiting | None]) -> None:
         while True:
-            first = self._queue.get()
+            first = posts.get()
             if first is None:
                 return
             group, rows, stop = [first], first.post.rows, False
             while rows < MAX_GROUP_ROWS:
                 try:
-                    more = self._queue.get_nowait()
+                    more = posts.get_nowait()
                 except queue.Empty:
                     break
                 if more is None:

@@ -272,7 +272,9 @@ def test_a_group_that_fails_is_written_post_by_post(
     assert _rows(engine, jobs.running) == 3
 
 
-def test_closing_the_writer_writes_what_is_queued_first(api: Api, jobs: Jobs) -> None:
+def test_closing_the_writer_writes_what_is_queued_first_and_a_later_post_reopens_it(
+    api: Api, jobs: Jobs
+) -> None:
     engine = context_of(api.client.app).engine  # type: ignore[arg-type]
     held = Held()
     writer = TelemetryWriter(engine, held)
@@ -290,5 +292,8 @@ def test_closing_the_writer_writes_what_is_queued_first(api: Api, jobs: Jobs) ->
     held.lock.acquire()
     assert asyncio.run(post_all()) == [(1, 0)] * 4
     assert _rows(engine, jobs.running) == 4
-    with pytest.raises(RuntimeError, match="closed"):
-        asyncio.run(writer.store(posts[0]))
+    # the app's next lifespan (a test client's): a post after the close starts a new thread
+    later = Post(jobs.running, _batch([(0, 9)], 1.0, True), ADMIN)
+    assert asyncio.run(writer.store(later)) == (1, 0)
+    writer.close()
+    assert _rows(engine, jobs.running) == 5
