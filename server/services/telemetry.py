@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import repeat
 from typing import Any
 
@@ -28,9 +29,15 @@ class Post:
     batch: TelemetryBatch
     principal: Principal
 
+    @cached_property
+    def arrays(self) -> tuple[list[Any], ...]:
+        """The batch's values, one list per field in ``COLUMNS`` order (built once: the writer
+        counts a post's rows and the ingest judges and inserts them)."""
+        return self.batch.arrays()
+
     @property
     def rows(self) -> int:
-        return len(self.batch.arrays()[0])
+        return len(self.arrays[0])
 
 
 Outcome = tuple[int, int] | EvenflowError
@@ -129,7 +136,7 @@ def _admitted(
     if found is None:
         raise NotFound(f"job {job_id} not found")
     status, world = found
-    arrays = batch.arrays()  # one list per field, in COLUMNS order
+    arrays = post.arrays
     ranks = arrays[0]
     check_may_write_ranks(
         conn, principal, job_id, ranks, placed=placed.get((job_id, principal.host or ""), set())
