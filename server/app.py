@@ -178,6 +178,8 @@ def _build_context(settings: Settings) -> AppContext:
     host_bus = open_bus(settings.database_url, "hosts")
     track(sessions, answers.invalidate, host_bus.publish)
     wake_bus = open_bus(settings.database_url, "wake")
+    token_bus = open_bus(settings.database_url, "tokens")
+    caches.credential_listeners.append(token_bus.publish)
     # SQLite takes one writer at a time, across this process and the controller process.
     write_lock = writer_lock_for(settings.database_url) or contextlib.nullcontext()
     metrics = Metrics(sessions)
@@ -194,6 +196,7 @@ def _build_context(settings: Settings) -> AppContext:
         liveness=Liveness(),
         host_bus=host_bus,
         wake_bus=wake_bus,
+        token_bus=token_bus,
         # Urgent telemetry (a worker's iteration time jumped) runs the controller's next round
         # now: over the wake bus to a controller process, or directly when it is a thread here.
         wake_controller=lambda job_id: wake_bus.publish([job_id]),
@@ -219,6 +222,11 @@ def _lifespan(context: AppContext) -> Callable[[FastAPI], AbstractAsyncContextMa
             # another process committed a change to these hosts: their answers are stale
             subscribe(
                 context.host_bus, context.host_answers.invalidate, context.host_answers.clear
+            ),
+            # another process changed credentials: their cached principals go (all of them
+            # when the LISTEN starts again: what was sent while it was down is lost)
+            subscribe(
+                context.token_bus, context.caches.on_credential_ids, context.caches.tokens.clear
             ),
         ]
         liveness = asyncio.ensure_future(_write_liveness(context))
@@ -281,6 +289,8 @@ def _close(context: AppContext) -> None:
     context.plan_bus.close()
     context.host_bus.close()
     context.wake_bus.close()
+    context.token_bus.close()
+    context.caches.close()
     if isinstance(context.write_lock, WriterLock):
         context.write_lock.close()
     context.engine.dispose()

@@ -49,6 +49,8 @@ class AppContext:
     """Hosts whose heartbeat answer a commit changed, here and in the other processes."""
     wake_bus: Bus
     """Jobs whose telemetry is urgent, announced to a controller process."""
+    token_bus: Bus
+    """Credentials a commit changed (``server.cache.CredentialChange``), for every process."""
     wake_controller: Callable[[int], None]
     """Runs the controller's next round for a job now (urgent telemetry)."""
     auth_failures: FailureLimit

@@ -358,14 +358,17 @@ def connect(
 ) -> tuple[Engine, sessionmaker[Session], list[Bus]]:
     """An engine and sessions for a process other than an API one (the controller): the job
     ids of the plans its sessions commit go out on the plan bus to the API processes, and the
-    ids of the hosts whose heartbeat answer they change on the hosts bus. Returns the buses,
-    to close."""
+    ids of the hosts whose heartbeat answer they change on the hosts bus, and the credentials
+    they change (a job ended or restarted) on the tokens bus. Returns the buses, to close."""
     engine = make_engine(database_url, pool_size=pool_size)
     sessions = session_factory(engine)
     bus, hosts = open_bus(database_url), open_bus(database_url, "hosts")
-    Caches(sessions).plan_listeners.append(bus.publish)
+    credentials = open_bus(database_url, "tokens")
+    caches = Caches(sessions)
+    caches.plan_listeners.append(bus.publish)
+    caches.credential_listeners.append(credentials.publish)
     track(sessions, hosts.publish)
-    return engine, sessions, [bus, hosts]
+    return engine, sessions, [bus, hosts, credentials]
 
 
 def run_process(settings: Settings, stop: threading.Event | None = None) -> None:

@@ -220,7 +220,12 @@ class PlanBus:
 PlanListener = Callable[[set[int]], None]
 
 
-PG_CHANNELS = {"": "evenflow_plans", "wake": "evenflow_wake", "hosts": "evenflow_hosts"}
+PG_CHANNELS = {
+    "": "evenflow_plans",
+    "wake": "evenflow_wake",
+    "hosts": "evenflow_hosts",
+    "tokens": "evenflow_tokens",
+}
 """The NOTIFY channel of each bus; NOTIFY is scoped to one database, so the names need no hash."""
 
 PG_PAYLOAD_BYTES = 7_900

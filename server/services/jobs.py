@@ -127,7 +127,7 @@ def finish(
     job.finished_at = now
     job.error = error
     events.close_open(session, job.id)  # the straggler watch stops with the job
-    mark_tokens_changed(session)  # its workers' credentials die with it (cached ones too)
+    mark_tokens_changed(session, job_ids=[job.id])  # its workers' credentials die with it
     on_device = {w.device_id: w for w in job.workers}
     for dev in session.scalars(select(Device).where(Device.job_id == job.id)):
         if not may_still_run(on_device.get(dev.id)):
@@ -197,7 +197,7 @@ def restart(session: Session, job: Job, reason: str, now: datetime) -> None:
     job.restart_history = [*(job.restart_history or []), entry.model_dump(mode="json")]
     job.attempt += 1
     transition(job, JobStatus.PENDING)
-    mark_tokens_changed(session)  # the old attempt's credentials die with its workers
+    mark_tokens_changed(session, job_ids=[job.id])  # the old attempt's die with its workers
     on_device = {w.device_id: w for w in job.workers}
     for dev in session.scalars(select(Device).where(Device.job_id == job.id)):
         if not may_still_run(on_device.get(dev.id)):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import select
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session, object_session, sessionmaker
 
 from contract.api import TokenCreate
 from contract.enums import JobStatus, Role
@@ -170,6 +170,9 @@ def mint_worker_token(worker: Worker) -> str:
     """A new credential for one rank; only its hash is kept (on the worker), and the one it
     replaces stops working."""
     secret = WORKER_PREFIX + secrets.token_urlsafe(32)
+    session = object_session(worker)
+    if worker.token_hash is not None and session is not None:  # a cached one must go too
+        mark_tokens_changed(session, job_ids=[worker.job_id])
     worker.token_hash = hash_token(secret)
     return secret
 
@@ -217,7 +220,7 @@ def revoke(session: Session, token_id: int, *, by: str) -> ApiToken:
         raise NotFound(f"token {token_id} not found")
     if row.revoked_at is None:
         row.revoked_at = utcnow()
-        mark_tokens_changed(session)
+        mark_tokens_changed(session, token_ids=[row.id])
         record(session, by, "token.revoke", f"token:{row.id}", {"name": row.name})
     return row
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from pathlib import Path
 
@@ -179,3 +180,27 @@ def test_setting_an_admin_token_revokes_a_generated_one(tmp_path: Path) -> None:
         r = client.get("/api/v1/tokens", headers={"Authorization": f"Bearer {generated}"})
         assert r.status_code == 401 and "revoked" in r.json()["detail"]
         assert client.get("/api/v1/tokens", headers=Api(client).headers()).status_code == 200
+
+
+def test_a_revocation_through_one_server_reaches_another_at_once(db_url: str) -> None:
+    """Another process caches principals for 10 s; the tokens bus (Unix sockets on SQLite,
+    LISTEN/NOTIFY on PostgreSQL) drops a revoked one there within moments, not a TTL later."""
+    with (
+        TestClient(create_app(make_settings(db_url))) as a,
+        TestClient(create_app(make_settings(db_url))) as b,
+    ):
+        api_a, api_b = Api(a), Api(b)
+        tok, keep = api_a.token(Role.VIEWER, name="leaving"), api_a.token(Role.VIEWER)
+        for t in (tok, keep):  # cached by b
+            assert b.get("/api/v1/jobs", headers=api_b.headers(t)).status_code == 200
+        cached = context_of(b.app).caches.tokens
+        assert len(cached._data) >= 2
+        listed = a.get("/api/v1/tokens", headers=api_a.headers()).json()["items"]
+        tid = next(t["id"] for t in listed if t["name"] == "leaving")
+        revoked_at = time.monotonic()
+        assert a.delete(f"/api/v1/tokens/{tid}", headers=api_a.headers()).status_code == 200
+        while (r := b.get("/api/v1/jobs", headers=api_b.headers(tok))).status_code == 200:
+            assert time.monotonic() - revoked_at < 3.0, "b still takes the revoked token"
+            time.sleep(0.02)
+        assert r.status_code == 401 and "revoked" in r.json()["detail"]
+        assert b.get("/api/v1/jobs", headers=api_b.headers(keep)).status_code == 200

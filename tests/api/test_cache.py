@@ -5,9 +5,15 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import anyio
+import anyio.to_thread
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from server.cache import TTLCache
+from contract.enums import Role
+from server.cache import CredentialChange, TTLCache
+from server.services.tokens import Principal
 
 
 class Loader:
@@ -149,3 +155,123 @@ def test_a_failed_batch_load_reaches_every_waiter() -> None:
         assert cache.get("a") is None
 
     asyncio.run(main())
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_an_entry_past_its_refresh_age_is_answered_at_once_and_read_again_behind() -> None:
+    async def main() -> None:
+        clock = Clock()
+        cache: TTLCache[str, str] = TTLCache(10.0, clock=clock, refresh_after_s=4.0)
+        load = ManyLoader()
+        load.release.set()
+        assert await cache.get_or_load_batched("k", load) == "v-k"
+        clock.now += 3.9  # young: answered, not read again
+        assert await cache.get_or_load_batched("k", load) == "v-k"
+        await _settle()
+        assert load.calls == [["k"]]
+        load.release.clear()  # the refresh will hang: the caller must not wait for it
+        clock.now += 0.2
+        answer = await asyncio.wait_for(cache.get_or_load_batched("k", load), 1.0)
+        assert answer == "v-k"
+        await _settle()
+        assert load.calls == [["k"], ["k"]]  # one refresh, however often it is asked for
+        assert await cache.get_or_load_batched("k", load) == "v-k"
+        await _settle()
+        assert load.calls == [["k"], ["k"]]
+        load.release.set()
+        await _settle()
+        clock.now += 9.0  # 9.1 s after the first read: alive only because it was read again
+        assert cache.get("k") == "v-k"
+        clock.now += 1.1  # 10 s after the refresh
+        assert cache.get("k") is None
+
+    asyncio.run(main())
+
+
+def test_a_refresh_that_finds_the_key_refused_drops_it() -> None:
+    async def main() -> None:
+        clock = Clock()
+        cache: TTLCache[str, str] = TTLCache(10.0, clock=clock, refresh_after_s=4.0)
+        refused: set[str] = set()
+
+        def load(keys: list[str]) -> dict[str, str | Exception]:
+            return {k: PermissionError("revoked") if k in refused else f"v-{k}" for k in keys}
+
+        assert await cache.get_or_load_batched("k", load) == "v-k"
+        refused.add("k")  # revoked where no notification reached this process
+        clock.now += 5.0
+        assert await cache.get_or_load_batched("k", load) == "v-k"  # still within its TTL
+        await _settle()
+        assert cache.get("k") is None
+        with pytest.raises(PermissionError):
+            await cache.get_or_load_batched("k", load)
+
+    asyncio.run(main())
+
+
+def test_drop_takes_only_matching_entries_and_loads_in_flight_do_not_store() -> None:
+    async def main() -> None:
+        cache: TTLCache[str, str] = TTLCache(60.0)
+        for k in ("a1", "a2", "b1"):
+            cache.put(k, f"v-{k}")
+        load = ManyLoader()
+        flight = asyncio.ensure_future(cache.get_or_load_batched("a3", load))
+        await _settle()
+        assert cache.drop(lambda v: v.startswith("v-a")) == 2
+        assert cache.get("a1") is None and cache.get("a2") is None and cache.get("b1") == "v-b1"
+        load.release.set()
+        assert await flight == "v-a3"  # its caller gets what was read ...
+        assert cache.get("a3") is None  # ... but it may predate the change: not kept
+
+    asyncio.run(main())
+
+
+def test_batched_loads_do_not_wait_for_the_shared_worker_threads() -> None:
+    """A busy server's routes may hold every worker thread while they wait for database slots;
+    a credential's read must not queue behind them."""
+
+    async def main() -> None:
+        limiter = anyio.to_thread.current_default_thread_limiter()
+        limiter.total_tokens = 1
+        held = threading.Event()
+        try:
+            busy = asyncio.ensure_future(anyio.to_thread.run_sync(held.wait, 5))
+            await _settle()
+            cache: TTLCache[str, str] = TTLCache(60.0)
+            load = ManyLoader()
+            load.release.set()
+            assert await asyncio.wait_for(cache.get_or_load_batched("k", load), 2.0) == "v-k"
+            cache.close()
+        finally:
+            held.set()
+            await busy
+            limiter.total_tokens = 40
+
+    asyncio.run(main())
+
+
+@given(
+    tokens=st.sets(st.integers(1, 2**40)),
+    jobs=st.sets(st.integers(1, 2**40)),
+)
+def test_a_credential_change_travels_the_bus_unchanged(tokens: set[int], jobs: set[int]) -> None:
+    change = CredentialChange(set(tokens), set(jobs))
+    ids = change.encode()
+    assert all(i >= 0 for i in ids)
+    assert CredentialChange.decode(set(ids)) == change
+
+
+def test_a_credential_change_matches_its_tokens_and_its_jobs_worker_credentials_only() -> None:
+    change = CredentialChange(token_ids={7}, job_ids={3})
+    assert change.matches(Principal(token_id=7, name="t", role=Role.VIEWER))
+    assert not change.matches(Principal(token_id=3, name="t", role=Role.AGENT, host="h"))
+    worker = Principal(token_id=-12, name="job-3-rank-0", role=Role.WORKER, job_id=3, rank=0)
+    other = Principal(token_id=-13, name="job-4-rank-0", role=Role.WORKER, job_id=4, rank=0)
+    assert change.matches(worker) and not change.matches(other)
