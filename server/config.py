@@ -29,7 +29,22 @@ class Settings(BaseSettings):
     changes here replaces the one set before for that host. Never the admin token."""
 
     host_lost_after_s: float = Field(default=30.0, gt=0)
-    """A host that has not sent a heartbeat for this long is marked lost."""
+    """A host that has not sent a heartbeat for this long is marked lost: counted from its last
+    heartbeat, or from when this database's controller became active if that is later (while no
+    controller ran, no server may have been there to hear it)."""
+
+    host_loss_pause_share: float = Field(default=0.5, gt=0, le=1)
+    """When more than this share of the active hosts, and at least
+    ``host_loss_pause_min_hosts`` of them, are silent at once, the reaper marks none of them
+    lost and says so in the log and the audit log, until the share falls back (as Kubernetes'
+    node controller stops evicting in a zone whose nodes all went unready). Half a fleet
+    falling silent together is far likelier the control plane's own trouble (a server behind,
+    a network partition on its side) than half the cluster dying; restarting every job would
+    turn it into an outage. 1 turns the guard off."""
+
+    host_loss_pause_min_hosts: int = Field(default=3, ge=1)
+    """The fewest silent hosts that can pause the reaper (``host_loss_pause_share``): a cluster
+    of one or two hosts that loses them is not taken for the server's fault."""
 
     heartbeat_answer_ttl_s: float = Field(default=60.0, ge=0)
     """A heartbeat that repeats the host's last one is answered from memory while nothing its

@@ -28,16 +28,19 @@ from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import Engine
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm.exc import StaleDataError
 
 from server.cache import Caches
 from server.config import Settings
-from server.db import checkpoint, make_engine, session_factory, transaction
+from server.db import checkpoint, make_engine, retryable, session_factory, transaction
 from server.host_answers import track
 from server.locks import ControllerLock, writer_lock_for
 from server.notify import PLACEMENT, Bus, PgNotifyBus, open_bus
 from server.services import control_loop, retention, scheduler
 from server.services import hosts as host_service
+from server.services.audit import record
 
 log = logging.getLogger("evenflow.controller")
 
@@ -66,6 +69,10 @@ made a round of 67 jobs take 20 s (``bench/fleet.py``, 250 hosts)."""
 
 WAKE_SLICE_S = 0.1
 """Between rounds the controller waits for a poke in slices this long, to notice ``stop``."""
+
+REAP_ATTEMPTS = 3
+"""The lost-host sweep's transaction is run again this many times at most when the database
+aborts it for another's sake (``db.retryable``)."""
 
 
 class Controller:
@@ -104,6 +111,11 @@ class Controller:
         self._placed_at = -math.inf
         """Monotonic time placement last ran."""
         self.round_stats = RoundStats(settings.controller_report_s)
+        self.active_since: datetime | None = None
+        """When this controller last took the controller lock: no host's silence before it
+        counts (no server may have been there to hear it)."""
+        self.loss_paused = False
+        """Whether the last lost-host sweep was paused by the loss guard."""
         self.retention = retention.Retention(
             retention.Window(settings.telemetry_keep_iterations, settings.telemetry_keep_running_s)
         )
@@ -161,6 +173,7 @@ class Controller:
                 stop.wait(STANDBY_POLL_S)
                 continue
             log.info("controller active on %s", self.engine.url.render_as_string())
+            self.active_since = datetime.now(UTC)
             try:
                 self._rounds(stop, lock)
             except Exception:  # lost the lock (its connection broke): try to take it again
@@ -309,14 +322,53 @@ class Controller:
             log.info("rolled up %d telemetry rows", removed)
         return removed
 
-    def reap(self) -> None:
+    def reap(self) -> host_service.LostSweep:
+        """Mark silent hosts lost (``hosts.mark_lost``) and release the devices of those silent
+        for good. A transaction PostgreSQL aborts (a deadlock with a heartbeat, a restart's
+        rows changed under it: ``db.retryable``) runs again, up to ``REAP_ATTEMPTS`` times. A
+        pause of the loss guard is logged, and audited once per episode."""
         s = self.settings
-        with self.write_lock, transaction(self.sessions) as session:
-            now = datetime.now(UTC)
-            for host in host_service.mark_lost(session, now, s.host_lost_after_s):
-                log.warning("host %s marked lost", host.name)
-            for dev in host_service.release_silent(session, now, s.host_lost_after_s):
-                log.info("device %d of silent host %d released", dev.id, dev.host_id)
+        guard = host_service.LossGuard(s.host_loss_pause_share, s.host_loss_pause_min_hosts)
+        for attempt in range(1, REAP_ATTEMPTS + 1):
+            try:
+                with self.write_lock, transaction(self.sessions) as session:
+                    now = datetime.now(UTC)
+                    sweep = host_service.mark_lost(
+                        session,
+                        now,
+                        s.host_lost_after_s,
+                        guard=guard,
+                        heard_since=self.active_since,
+                    )
+                    self._note_pause(session, sweep)
+                    released = host_service.release_silent(session, now, s.host_lost_after_s)
+                    lost = [(h.name, h.id) for h in sweep.lost]
+                    freed = [(d.id, d.host_id) for d in released]
+                break
+            except (DBAPIError, StaleDataError) as exc:
+                if attempt == REAP_ATTEMPTS or not retryable(exc):
+                    raise
+                log.info("lost-host sweep aborted (%s); trying again", exc)
+        for name, host_id in lost:
+            log.warning("host %s (%d) marked lost", name, host_id)
+        for dev_id, host_id in freed:
+            log.info("device %d of silent host %d released", dev_id, host_id)
+        return sweep
+
+    def _note_pause(self, session: Session, sweep: host_service.LostSweep) -> None:
+        if sweep.paused:
+            log.warning(
+                "%d of %d active hosts are silent: none marked lost while more than %.0f%% are "
+                "(is this server behind, or cut off from them?)",
+                sweep.silent,
+                sweep.active,
+                100 * self.settings.host_loss_pause_share,
+            )
+        if sweep.paused != self.loss_paused:
+            action = "hosts.loss_paused" if sweep.paused else "hosts.loss_resumed"
+            detail = {"silent": sweep.silent, "active": sweep.active}
+            record(session, "system", action, "hosts", detail)
+        self.loss_paused = sweep.paused
 
 
 class RoundStats:

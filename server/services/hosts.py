@@ -11,6 +11,7 @@ its workers), they are busy again until its agent reports those ranks ended.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
@@ -326,42 +327,97 @@ def _job_shapes(session: Session, job_ids: set[int]) -> dict[int, Row[Any]]:
     return {row.id: row for row in rows}
 
 
-def mark_lost(session: Session, now: datetime, after_s: float) -> list[Host]:
+@dataclass(frozen=True)
+class LossGuard:
+    """When silence is taken for the control plane's trouble rather than the hosts'
+    (``Settings.host_loss_pause_share``): more than ``share`` of the active hosts, and at least
+    ``min_hosts`` of them, silent at once."""
+
+    share: float = 1.0
+    min_hosts: int = 1
+
+    def pauses(self, silent: int, active: int) -> bool:
+        return self.share < 1.0 and silent >= self.min_hosts and silent > self.share * active
+
+
+@dataclass
+class LostSweep:
+    """What :func:`mark_lost` did: the hosts it marked lost, or none because the guard paused
+    it with ``silent`` of the ``active`` hosts silent."""
+
+    lost: list[Host]
+    silent: int
+    active: int
+    paused: bool = False
+
+
+def mark_lost(
+    session: Session,
+    now: datetime,
+    after_s: float,
+    *,
+    guard: LossGuard = LossGuard(),
+    heard_since: datetime | None = None,
+) -> LostSweep:
     """Hosts silent for longer than ``after_s`` become lost; their devices go offline and the
     jobs running there restart elsewhere while their ``max_restarts`` allows, else fail (a
-    synchronous job cannot go on without a rank)."""
+    synchronous job cannot go on without a rank). Silence counts from ``heard_since`` (when the
+    controller became active) for a host last heard before it. None is marked when ``guard``
+    pauses the sweep.
+
+    On PostgreSQL the silent hosts' rows are locked as they are read, skipping those locked
+    already: a host whose heartbeat is being written right now is not silent, and waiting for
+    it (or deadlocking with it) would hold the sweep up."""
     cutoff = now - timedelta(seconds=after_s)
-    lost = list(
+    if heard_since is not None and heard_since > cutoff:
+        return LostSweep([], 0, 0)  # no host has been silent that long under this controller
+    silent = list(
         session.scalars(
-            select(Host).where(Host.status == HostStatus.ACTIVE.value, Host.last_heartbeat < cutoff)
+            select(Host)
+            .where(Host.status == HostStatus.ACTIVE.value, Host.last_heartbeat < cutoff)
+            .order_by(Host.id)
+            .with_for_update(skip_locked=True)
         )
     )
-    for host in lost:
-        host.status = HostStatus.LOST
-        record(
-            session,
-            "system",
-            "host.lost",
-            f"host:{host.id}",
-            {"last_heartbeat": host.last_heartbeat.isoformat()},
-        )
-        job_ids = set()
-        for dev in host.devices:
-            if dev.job_id is not None:
-                job_ids.add(dev.job_id)
-            dev.status = DeviceStatus.OFFLINE
-        for job_id in sorted(job_ids):
-            job = session.get(Job, job_id)
-            # only a live attempt with a rank here loses it (a restarting job's old attempt
-            # may still hold devices here: they just go offline; a rank that left the job
-            # for good is no loss)
-            if (
-                job is not None
-                and any(w.host_id == host.id and w.rank not in job.departed for w in job.workers)
-                and JobStatus(job.status) in (JobStatus.STARTING, JobStatus.RUNNING)
-            ):
-                jobs.fail_or_restart(session, job, f"host '{host.name}' was lost", now)
-    return lost
+    if not silent:
+        return LostSweep([], 0, 0)
+    active = session.scalar(
+        select(func.count()).select_from(Host).where(Host.status == HostStatus.ACTIVE.value)
+    )
+    sweep = LostSweep(silent, len(silent), int(active or 0))
+    if guard.pauses(sweep.silent, sweep.active):
+        sweep.lost, sweep.paused = [], True
+        return sweep
+    for host in silent:
+        _lose(session, host, now)
+    return sweep
+
+
+def _lose(session: Session, host: Host, now: datetime) -> None:
+    host.status = HostStatus.LOST
+    record(
+        session,
+        "system",
+        "host.lost",
+        f"host:{host.id}",
+        {"last_heartbeat": host.last_heartbeat.isoformat()},
+    )
+    job_ids = set()
+    for dev in host.devices:
+        if dev.job_id is not None:
+            job_ids.add(dev.job_id)
+        dev.status = DeviceStatus.OFFLINE
+    for job_id in sorted(job_ids):
+        job = session.get(Job, job_id)
+        # only a live attempt with a rank here loses it (a restarting job's old attempt
+        # may still hold devices here: they just go offline; a rank that left the job
+        # for good is no loss)
+        if (
+            job is not None
+            and any(w.host_id == host.id and w.rank not in job.departed for w in job.workers)
+            and JobStatus(job.status) in (JobStatus.STARTING, JobStatus.RUNNING)
+        ):
+            jobs.fail_or_restart(session, job, f"host '{host.name}' was lost", now)
 
 
 def release_silent(session: Session, now: datetime, after_s: float) -> list[Device]:

@@ -198,7 +198,7 @@ from server.services import hosts
 
 engine, sessions, buses = connect(sys.argv[1])
 with transaction(sessions) as s:
-    lost = hosts.mark_lost(s, datetime.now(UTC) + timedelta(seconds=600), after_s=30)
+    lost = hosts.mark_lost(s, datetime.now(UTC) + timedelta(seconds=600), after_s=30).lost
     assert [h.name for h in lost] == ["h"], lost
 for bus in buses:
     bus.close()

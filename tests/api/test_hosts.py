@@ -57,7 +57,7 @@ def test_silent_host_is_lost_and_its_job_fails_then_recovers(api: Api) -> None:
     sessions = api.client.app.state.context.sessions  # type: ignore[attr-defined]
     later = datetime.now(UTC) + timedelta(seconds=120)
     with transaction(sessions) as s:
-        assert [h.name for h in hosts.mark_lost(s, later, after_s=30)] == ["h"]
+        assert [h.name for h in hosts.mark_lost(s, later, after_s=30).lost] == ["h"]
     got = api.client.get(f"/api/v1/hosts/{host['id']}", headers=api.headers()).json()
     assert got["status"] == "lost"
     assert all(d["status"] == "offline" for d in got["devices"])
@@ -105,7 +105,7 @@ def test_recent_heartbeat_is_not_lost(api: Api) -> None:
     api.register("h", devices=1)
     sessions = api.client.app.state.context.sessions  # type: ignore[attr-defined]
     with transaction(sessions) as s:
-        assert hosts.mark_lost(s, datetime.now(UTC) + timedelta(seconds=5), after_s=30) == []
+        assert hosts.mark_lost(s, datetime.now(UTC) + timedelta(seconds=5), after_s=30).lost == []
 
 
 def test_heartbeat_returns_assignments_and_unknown_host_is_404(api: Api) -> None:
@@ -173,7 +173,7 @@ def test_a_silent_hosts_devices_are_released_only_once_its_workers_have_surely_e
     sessions = api.client.app.state.context.sessions  # type: ignore[attr-defined]
     with transaction(sessions) as s:
         last = hosts.get(s, int(host["id"])).last_heartbeat  # type: ignore[call-overload]
-        assert [h.name for h in hosts.mark_lost(s, last + timedelta(seconds=31), after_s=30)]
+        assert [h.name for h in hosts.mark_lost(s, last + timedelta(seconds=31), after_s=30).lost]
     assert _devices(api) == [("offline", job["id"]), ("offline", job["id"])]
     # The agent is taken for dead after 30 s; its workers exit within 10 s of its death.
     with transaction(sessions) as s:

@@ -208,7 +208,7 @@ def test_a_lost_host_restarts_the_job_on_fewer_devices_when_the_spec_allows(api:
         for h in hosts.list_hosts(session)[0]:
             if h.name == "host-a":
                 h.last_heartbeat = later
-        lost = hosts.mark_lost(session, later, after_s=60)
+        lost = hosts.mark_lost(session, later, after_s=60).lost
     assert [h.name for h in lost] == ["host-b"]
     out = api.client.get(f"/api/v1/jobs/{job['id']}", headers=api.headers()).json()
     assert out["status"] == "pending" and out["attempt"] == 1  # rank 0 may still run on host-a
