@@ -36,6 +36,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -216,7 +217,10 @@ class Job:
     batch_sizes: list[int] = field(default_factory=list)
     version: int = 0
     sent: int = -1
-    """Newest iteration posted."""
+    """Newest iteration posted and answered."""
+    in_flight: int = -1
+    """Newest iteration posted, answered or not: ingest lag is what is stored behind it (behind
+    ``sent`` it was 0 by construction, since a post is answered once its rows are stored)."""
     submitted_at: float = 0.0
     started: bool = False
     finished: bool = False
@@ -309,6 +313,9 @@ class Fleet:
                 assert status == 201, body
                 host.id = body["id"]
             self.hosts.append(host)
+            # heartbeating from its registration on, as an agent does: hosts waiting for the
+            # whole fleet to register (38 s at 1,250 hosts on a slow day) were marked lost
+            self.loop_task(self.heartbeat_loop(host))
 
         await asyncio.gather(*(one(i) for i in range(self.args.hosts)))
 
@@ -424,6 +431,7 @@ class Fleet:
             if done <= job.sent:
                 continue
             urgent = urgent_at is not None and job.sent < urgent_at <= done
+            job.in_flight = done
             await self.post_iterations(job, job.sent + 1, done, urgent)
             job.sent = done
         job.finished = True
@@ -517,8 +525,8 @@ class Fleet:
                 rows = await asyncio.to_thread(self._stored, engine)
                 for job_id, stored in rows:
                     job = self.jobs.get(job_id)
-                    if job is not None and not job.finished and job.sent >= 0:
-                        self.stats.lag_s.append(max(0, job.sent - stored) / job.rate)
+                    if job is not None and not job.finished and job.in_flight >= 0:
+                        self.stats.lag_s.append(max(0, job.in_flight - stored) / job.rate)
         finally:
             engine.dispose()
 
@@ -559,6 +567,30 @@ def db_size(db_url: str) -> int:
             return int(c.execute(text("SELECT pg_database_size(current_database())")).scalar())
     finally:
         engine.dispose()
+
+
+def hosts_lost(db_url: str, since: datetime) -> dict[str, int]:
+    """Hosts the reaper marked lost before the measured window and in it (every generated host
+    heartbeats throughout, so each is the server's doing), and its pauses (``hosts.LossGuard``)."""
+    engine = create_engine(db_url)
+    try:
+        with engine.connect() as c:
+            rows = c.execute(
+                text(
+                    "SELECT action, at >= :since AS measured, count(*) FROM audit_log "
+                    "WHERE action IN ('host.lost', 'hosts.loss_paused') GROUP BY 1, 2"
+                ),
+                {"since": since},
+            ).all()
+    finally:
+        engine.dispose()
+    counts = {(a, bool(m)): int(n) for a, m, n in rows}
+    return {
+        "before_measuring": counts.get(("host.lost", False), 0),
+        "while_measuring": counts.get(("host.lost", True), 0),
+        "reaper_pauses": counts.get(("hosts.loss_paused", False), 0)
+        + counts.get(("hosts.loss_paused", True), 0),
+    }
 
 
 def quantiles(values: list[float]) -> dict[str, float]:
@@ -604,8 +636,6 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
         t0 = time.monotonic()
         await fleet.register()
         out: dict[str, Any] = {"setup_s": round(time.monotonic() - t0, 1)}
-        for host in fleet.hosts:
-            fleet.loop_task(fleet.heartbeat_loop(host))
         # The straggler job alone (only heartbeats besides it) gives the baseline delay.
         alone = await fleet.submit(size=8, straggler=True)
         if alone is None:
@@ -628,6 +658,7 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
         answers0 = await fleet.heartbeat_sources()
         started = time.monotonic()
         out["measured_from_unix"] = round(time.time(), 1)
+        measured_from = datetime.now(UTC)
         fleet.loop_task(fleet.keep_jobs())
         fleet.loop_task(fleet.sample_lag())
         await asyncio.sleep(args.seconds * 0.3)
@@ -641,6 +672,7 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
         elapsed = time.monotonic() - started
         out["cores_used"] = cpu.cores_used()
         answers1 = await fleet.heartbeat_sources()
+        lost = hosts_lost(db_url, measured_from)
         await fleet.shut_down()
         size1 = db_size(db_url)
     s = fleet.stats
@@ -667,6 +699,7 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
                 "p50": round(statistics.median(s.lag_s), 2) if s.lag_s else None,
                 "max": round(max(s.lag_s), 2) if s.lag_s else None,
             },
+            "hosts_lost": lost,
             "jobs_submitted": s.jobs_submitted,
             "jobs_finished": s.jobs_finished,
             "workers_running_at_end": workers,
