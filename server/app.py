@@ -358,4 +358,8 @@ def _listen_for_plans(context: AppContext) -> Callable[[], None]:
             caches.plans.invalidate(job_id)
         waiters.notify(ids)
 
-    return subscribe(context.plan_bus, on_ids)
+    def on_connect() -> None:  # (again): what was sent while the LISTEN was down is lost
+        caches.plans.clear()
+        waiters.notify_all()
+
+    return subscribe(context.plan_bus, on_ids, on_connect)

@@ -289,6 +289,14 @@ TOKEN_REFRESH_AFTER_S = 4.0
 heartbeating every 2 s never waits for its token's read."""
 
 
+PLAN_TTL_S = 5.0
+"""How long a job's current plan is cached. Every commit of a plan drops it here and, over the
+plan bus, everywhere else; this bounds how late a lost notification is noticed. Waiting
+long-polls re-check the plan every second (``notify.RECHECK_S``), which at 1 s read each
+job's plan from the database every second (bench/fleet.py: a tenth of the API process's time
+at 200 jobs)."""
+
+
 class Caches:
     """The app's caches, wired to invalidate on commit of the sessions that change them."""
 
@@ -297,7 +305,7 @@ class Caches:
         sessions: sessionmaker[Session],
         *,
         token_ttl_s: float = TOKEN_TTL_S,
-        plan_ttl_s: float = 1.0,
+        plan_ttl_s: float = PLAN_TTL_S,
     ) -> None:
         self.tokens: TTLCache[str, Any] = TTLCache(
             token_ttl_s, refresh_after_s=min(TOKEN_REFRESH_AFTER_S, token_ttl_s)

@@ -85,6 +85,14 @@ class PlanWaiters:
             if ev is not None:
                 ev.set()
 
+    def notify_all(self) -> None:
+        """Wake every long-poll to read its plan again (from any thread): notifications may
+        have been lost (the plan bus's LISTEN connection was down)."""
+        loop = self._loop
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits
+                loop.call_soon_threadsafe(lambda: self._fire(list(self._events)))
+
     def notify(self, job_ids: Iterable[int]) -> None:
         loop, ids = self._loop, list(job_ids)
         if loop is None or not ids:

@@ -11,7 +11,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import httpx
 import pytest
+from sqlalchemy import create_engine, text
 
+from contract.enums import PlanSource
+from server.db import session_factory, transaction
+from server.models import Job
+from server.services import plans
 from tests.harness import ROOT, Api
 
 # A plan made in a process of its own, wired the way the controller process is.
@@ -168,3 +173,37 @@ def test_concurrent_misses_all_get_the_plan(api: Api) -> None:
     for t in threads:
         t.join()
     assert answers == [1] * 16
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+def test_a_plan_whose_notification_was_lost_is_seen_when_the_listen_comes_back(
+    api: Api, db_url: str
+) -> None:
+    """Notifications sent while the plan bus's LISTEN connection was down are lost; when it
+    listens again, every cached plan goes and every long-poll reads its plan again, well
+    before the cache's TTL (``PLAN_TTL_S``) would have let it."""
+    job = _live_job(api)
+    context = api.client.app.state.context  # type: ignore[attr-defined]
+    cached_at = time.monotonic()
+    assert api.client.get(f"/api/v1/jobs/{job}/plan", headers=api.headers()).status_code == 200
+    waiting = _long_poll(api, job, known=1, wait_s=30)
+    _until_waiting(api, job)
+    silent = session_factory(context.engine)  # no cache hooks, no bus: nobody is told
+    with transaction(silent) as s:
+        plans.create(s, s.get(Job, job), [10, 20, 30], PlanSource.MANUAL, "unannounced", by="t")
+    admin = create_engine(db_url)
+    try:
+        with admin.connect() as c:
+            killed = c.execute(
+                text(
+                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                    "WHERE datname = current_database() AND query = 'LISTEN evenflow_plans'"
+                )
+            ).scalar()
+        assert killed == 1
+    finally:
+        admin.dispose()
+    answer = waiting.result(timeout=10)
+    assert answer.status_code == 200 and answer.json()["reason"] == "unannounced"
+    assert time.monotonic() - cached_at < 4.0, "seen only when the cached plan expired"
