@@ -349,6 +349,7 @@ class Controller:
                 if attempt == REAP_ATTEMPTS or not retryable(exc):
                     raise
                 log.info("lost-host sweep aborted (%s); trying again", exc)
+        self.loss_paused = sweep.paused  # once committed: a retried sweep audits it again
         for name, host_id in lost:
             log.warning("host %s (%d) marked lost", name, host_id)
         for dev_id, host_id in freed:
@@ -368,7 +369,6 @@ class Controller:
             action = "hosts.loss_paused" if sweep.paused else "hosts.loss_resumed"
             detail = {"silent": sweep.silent, "active": sweep.active}
             record(session, "system", action, "hosts", detail)
-        self.loss_paused = sweep.paused
 
 
 class RoundStats:
