@@ -19,7 +19,10 @@ const KINDS = {
     label: "Exclude a worker from compute",
     help: "The worker gets 0 samples (it stays in the all-reduce); the others take its share.",
   },
-  readmit: { label: "Readmit a worker", help: "Give an excluded worker samples again." },
+  readmit: {
+    label: "Readmit a worker",
+    help: "Give an excluded or pinned worker samples again, or bring back into the all-reduce one the straggler ladder took out.",
+  },
   freeze: {
     label: "Freeze automatic rebalancing",
     help: "The current plan stays in force until someone unfreezes or sets a plan by hand.",

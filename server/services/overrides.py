@@ -9,17 +9,24 @@ set_batches     a plan by hand (sums to B, caps respected); freezes automatic re
                 planner does not undo it (unfreeze to hand control back)
 pin             one rank's batch is fixed; the planner solves the rest, now and later
 exclude         a rank gets 0 samples (it still joins the all-reduce); the others take its share
-readmit         undo exclude (and any pin) for a rank
+readmit         undo exclude (and any pin) for a rank, or bring back into the all-reduce group a
+                rank the straggler ladder took out of it
 freeze/unfreeze suspend / resume automatic rebalancing
 rebalance_now   re-plan from the current models at once, whatever the gain
 =============== ================================================================================
 
 Pins and exclusions are standing controls (``Job.controls``): the rebalancer treats them as
 constraints, so an operator's decision always wins over the automatic loop.
+
+A rank the straggler ladder took out of the all-reduce group (``Plan.excluded``) stays out of
+an override's plan, with no samples, unless the override brings it back: a readmit or a pin
+above 0 of that rank, an operator's exclusion of it (which keeps it in the group at 0 samples,
+as the ladder reads it), or a hand-made plan that gives it samples.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Any
 
 from sqlalchemy import select
@@ -57,7 +64,11 @@ def _rank(job: Job, req: OverrideCreate) -> int:
     return req.rank
 
 
-def _new_controls(job: Job, req: OverrideCreate) -> tuple[dict[int, int], frozenset[int]]:
+def _new_controls(
+    job: Job, req: OverrideCreate, out: frozenset[int]
+) -> tuple[dict[int, int], frozenset[int]]:
+    """The job's pins and operator exclusions once ``req`` applies; ``out``: the ranks out of
+    the all-reduce group under the plan in force."""
     pins, excluded = rebalancer.controls(job)
     pins, excl = dict(pins), set(excluded)
     if req.kind is OverrideKind.PIN:
@@ -85,8 +96,11 @@ def _new_controls(job: Job, req: OverrideCreate) -> tuple[dict[int, int], frozen
             raise Invalid("cannot exclude every worker", field="rank")
     elif req.kind is OverrideKind.READMIT:
         rank = _rank(job, req)
-        if rank not in excl and rank not in pins:
-            raise Invalid(f"rank {rank} is neither excluded nor pinned", field="rank")
+        if rank not in excl and rank not in pins and rank not in out:
+            raise Invalid(
+                f"rank {rank} is neither excluded, pinned nor out of the all-reduce group",
+                field="rank",
+            )
         excl.discard(rank)
         pins.pop(rank, None)
     return pins, frozenset(excl)
@@ -126,10 +140,32 @@ def _cap_reason(m: memory.RankMemory) -> str:
     return "; ".join(parts)
 
 
-def _decide(
-    session: Session, job: Job, req: OverrideCreate
-) -> tuple[RebalanceDecision, dict[int, int], frozenset[int]]:
-    pins, excluded = _new_controls(job, req)
+@dataclass(frozen=True)
+class _Outcome:
+    """What an override that re-plans decides: its plan, the job's controls after it, and the
+    ranks its plan keeps out of the all-reduce group (``held_out``)."""
+
+    decision: RebalanceDecision
+    pins: dict[int, int]
+    excluded: frozenset[int]
+    held_out: frozenset[int]
+
+
+def _held_out(
+    req: OverrideCreate, out: frozenset[int], pins: dict[int, int], excluded: frozenset[int]
+) -> frozenset[int]:
+    """The ranks out of the all-reduce group now that stay out under the override's plan."""
+    if req.kind is OverrideKind.SET_BATCHES:
+        sizes = req.batch_sizes or []
+        return frozenset(r for r in out if r < len(sizes) and sizes[r] == 0)
+    back = {req.rank} if req.kind is OverrideKind.READMIT else set()
+    return frozenset(r for r in out if pins.get(r, 0) == 0 and r not in excluded | back)
+
+
+def _decide(session: Session, job: Job, req: OverrideCreate, current: Plan) -> _Outcome:
+    out = plans.out_of_group(job, current)
+    pins, excluded = _new_controls(job, req, out)
+    held = _held_out(req, out, pins, excluded)
     _check_memory(session, job, req)
     try:
         if req.kind is OverrideKind.SET_BATCHES:
@@ -147,27 +183,34 @@ def _decide(
                 base.models,
                 base.memory_caps,
             )
-            return manual, pins, excluded
-        decision = rebalancer.propose(session, job, force=True, pins=pins, excluded=excluded)
+            return _Outcome(manual, pins, excluded, held)
+        decision = rebalancer.propose(session, job, force=True, pins=pins, excluded=excluded | held)
+        if decision.batch_sizes is None and held != out:
+            # The same split, but a rank back in the all-reduce group: still a new plan.
+            back = ", ".join(str(r) for r in sorted(out - held))
+            decision = replace(
+                decision,
+                batch_sizes=tuple(current.batch_sizes),
+                reason=f"rank(s) {back} back in the all-reduce group; {decision.reason}",
+            )
     except Infeasible as exc:
         raise Invalid(
             f"{req.kind.value} cannot hold: {exc}", field="rank" if req.rank is not None else "kind"
         ) from exc
-    return decision, pins, excluded
+    return _Outcome(decision, pins, excluded, held)
 
 
 def submit(session: Session, job: Job, req: OverrideCreate, principal: Principal) -> OverrideOut:
     """Preview (``req.preview``) or apply an override of a live, placed job."""
     _require_live(job)
     payload = req.model_dump(mode="json", exclude={"kind", "reason", "preview"}, exclude_none=True)
-    decision: RebalanceDecision | None = None
-    pins, excluded = rebalancer.controls(job)
-    if req.kind is OverrideKind.SET_BATCHES or req.kind in REPLANS:
-        decision, pins, excluded = _decide(session, job, req)
     current = plans.current(session, job.id)
-    current_ms = decision.current_predicted_ms if decision else current.predicted_ms
+    outcome: _Outcome | None = None
+    if req.kind is OverrideKind.SET_BATCHES or req.kind in REPLANS:
+        outcome = _decide(session, job, req, current)
+    current_ms = outcome.decision.current_predicted_ms if outcome else current.predicted_ms
     if req.preview:
-        plan = _preview_plan(job, current, decision, principal)
+        plan = _preview_plan(job, current, outcome, principal)
         return OverrideOut(
             id=None,
             job_id=job.id,
@@ -180,7 +223,7 @@ def submit(session: Session, job: Job, req: OverrideCreate, principal: Principal
             plan=plan,
             current_predicted_ms=current_ms,
         )
-    row, new_plan = _apply(session, job, req, payload, decision, (pins, excluded), principal)
+    row, new_plan = _apply(session, job, req, payload, outcome, principal)
     return OverrideOut(
         id=row.id,
         job_id=job.id,
@@ -207,15 +250,18 @@ def _require_live(job: Job) -> None:
 
 
 def _preview_plan(
-    job: Job, current: Plan, decision: RebalanceDecision | None, principal: Principal
+    job: Job, current: Plan, outcome: _Outcome | None, principal: Principal
 ) -> PlanOut | None:
     """The plan an override would make (nothing stored), or None when it makes none."""
-    if decision is None or decision.batch_sizes is None:
+    if outcome is None or outcome.decision.batch_sizes is None:
         return None
+    decision, sizes = outcome.decision, outcome.decision.batch_sizes
     return PlanOut(
         job_id=job.id,
         version=current.version + 1,
-        batch_sizes=list(decision.batch_sizes),
+        batch_sizes=list(sizes),
+        excluded=sorted(outcome.held_out | job.departed),
+        departed=sorted(job.departed),
         global_batch=current.global_batch,
         source=PlanSource.MANUAL,
         reason=decision.reason,
@@ -231,8 +277,7 @@ def _apply(
     job: Job,
     req: OverrideCreate,
     payload: dict[str, Any],
-    decision: RebalanceDecision | None,
-    controls: tuple[dict[int, int], frozenset[int]],
+    outcome: _Outcome | None,
     principal: Principal,
 ) -> tuple[Override, Plan | None]:
     """Store the override, update the job's flags and controls, commit its plan (if it makes
@@ -245,9 +290,10 @@ def _apply(
         created_by=principal.name,
         applied=True,
     )
-    _update_job_controls(job, req.kind, *controls)
+    _update_job_controls(job, req.kind, outcome)
     new_plan = None
-    if decision is not None and decision.batch_sizes is not None:
+    if outcome is not None and outcome.decision.batch_sizes is not None:
+        decision, sizes = outcome.decision, outcome.decision.batch_sizes
         reason = (
             decision.reason
             if req.kind is OverrideKind.SET_BATCHES
@@ -256,11 +302,12 @@ def _apply(
         new_plan = plans.create(
             session,
             job,
-            list(decision.batch_sizes),
+            list(sizes),
             PlanSource.MANUAL,
             reason,
             by=principal.name,
             predicted_ms=decision.predicted_ms,
+            excluded=sorted(outcome.held_out),
             memory_caps=list(decision.memory_caps) or None,
         )
         row.plan_version = new_plan.version
@@ -276,19 +323,21 @@ def _apply(
     return row, new_plan
 
 
-def _update_job_controls(
-    job: Job, kind: OverrideKind, pins: dict[int, int], excluded: frozenset[int]
-) -> None:
+def _update_job_controls(job: Job, kind: OverrideKind, outcome: _Outcome | None) -> None:
     if kind is OverrideKind.FREEZE:
         job.frozen = True
     elif kind is OverrideKind.UNFREEZE:
         job.frozen = False
     elif kind is OverrideKind.SET_BATCHES:
         job.frozen = True  # otherwise the next automatic round would undo the operator's plan
-    if kind in (OverrideKind.PIN, OverrideKind.EXCLUDE, OverrideKind.READMIT):
+    if outcome is not None and kind in (
+        OverrideKind.PIN,
+        OverrideKind.EXCLUDE,
+        OverrideKind.READMIT,
+    ):
         job.controls = {
-            "pins": {str(r): b for r, b in sorted(pins.items())},
-            "excluded": sorted(excluded),
+            "pins": {str(r): b for r, b in sorted(outcome.pins.items())},
+            "excluded": sorted(outcome.excluded),
         }
 
 

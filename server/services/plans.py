@@ -82,6 +82,15 @@ def create(
     return plan
 
 
+def out_of_group(job: Job, plan: Plan) -> frozenset[int]:
+    """Ranks ``plan`` keeps out of the all-reduce group for a while (the straggler ladder's
+    partial all-reduce), not counting those that left the job for good. A plan made by anyone
+    else (the rebalancer, an operator's override) keeps them out, with no samples, unless it
+    brings one back on purpose: without that, an override readmitted a rank the ladder had
+    taken out, and the ladder took it out again at its next round."""
+    return frozenset(plan.excluded or []) - job.departed
+
+
 def current(session: Session, job_id: int) -> Plan:
     version = session.scalar(select(Job.plan_version).where(Job.id == job_id))
     if version is None:

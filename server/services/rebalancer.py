@@ -286,11 +286,15 @@ def propose(
     kept: FitWindow | None = None,
 ) -> RebalanceDecision:
     """What the rebalancer would do now (nothing is stored). ``pins``/``excluded`` replace the
-    job's standing controls, for previews of an override; ``kept``: the job's fit window as
-    the control loop keeps it (``fits``)."""
+    job's standing controls, for previews of an override (which then says which ranks stay
+    out of the all-reduce group); without them, ranks out of the group under the plan in
+    force stay out (``plans.out_of_group``). ``kept``: the job's fit window as the control
+    loop keeps it (``fits``)."""
     spec = job.job_spec
     current = plans.current(session, job.id)
     standing_pins, standing_excluded = controls(job)
+    if excluded is None:
+        standing_excluded |= plans.out_of_group(job, current)
     policy = SOLVER[spec.policy.name]
     return decide(
         RebalanceInput(
@@ -331,17 +335,21 @@ def apply(
     by: str,
     reason: str | None = None,
 ) -> int | None:
-    """Store the decision's plan, if it has one; returns the new version."""
+    """Store the decision's plan, if it has one; returns the new version. Ranks out of the
+    all-reduce group under the plan in force stay out (``propose`` gave them no samples)."""
     if decision.batch_sizes is None:
         return None
+    sizes = list(decision.batch_sizes)
+    out = plans.out_of_group(job, plans.current(session, job.id))
     plan = plans.create(
         session,
         job,
-        list(decision.batch_sizes),
+        sizes,
         source,
         reason or decision.reason,
         by=by,
         predicted_ms=decision.predicted_ms,
+        excluded=[r for r in sorted(out) if r < len(sizes) and sizes[r] == 0],
         memory_caps=list(decision.memory_caps) or None,
     )
     return plan.version

@@ -342,6 +342,12 @@ def _mitigate(
     if len(watch.normal) < len(job.workers):
         return None  # models not identified yet: the rebalancer is still exploring
     current = plans.current(session, job.id)
+    out = plans.out_of_group(job, current)
+    if not out.issuperset(watch.ladder.excluded):
+        # An operator's override brought back a rank the ladder had taken out (or it left the
+        # job for good): the ladder follows the plan in force rather than re-plan "back".
+        kept = tuple(r for r in watch.ladder.excluded if r in out)
+        watch.ladder = replace(watch.ladder, excluded=kept)
     pins, excluded = rebalancer.controls(job)
     batches = dict(enumerate(current.batch_sizes))
     cap = spec.max_batch_per_worker

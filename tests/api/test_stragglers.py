@@ -12,9 +12,10 @@ from typing import Any
 
 import pytest
 
+from contract.enums import PlanSource
 from server.db import transaction
 from server.models import Job
-from server.services import control_loop, stragglers
+from server.services import control_loop, rebalancer, stragglers
 from server.stragglers import LadderConfig
 from tests.harness import Api
 
@@ -348,3 +349,68 @@ def test_a_steady_job_refits_its_normal_models_less_often_until_something_happen
     assert event["detail"]["confirmed_iteration"] - 200 <= 5
     during = [i for i in refits if i >= 200]
     assert len(during) >= 60 // stragglers.REFRESH_EVERY - 1, refits
+
+
+def _override(c: Cluster, **body: Any) -> dict[str, Any]:
+    r = c.api.client.post(
+        f"/api/v1/jobs/{c.job}/overrides",
+        json={"reason": "operator", **body},
+        headers=c.api.headers(),
+    )
+    assert r.status_code in (200, 201), r.text
+    data: dict[str, Any] = r.json()
+    return data
+
+
+def test_other_plans_keep_the_ladders_exclusion_until_one_brings_the_rank_back(api: Api) -> None:
+    # Rank 1 stays 10x slow: the ladder takes it out of the group and keeps it out.
+    c = Cluster(api, "adaptive", slow={1: (60, 10_000, 10.0)}, sync_ms=40.0)
+    c.run(120)
+    assert c.plan()["excluded"] == [1]
+    churn = "breaks an operator's override"
+
+    # An operator's pin of another rank: rank 1 stays out, and the ladder does not churn.
+    preview = _override(c, kind="rebalance_now", preview=True)["plan"]
+    assert preview["excluded"] == [1] and preview["batch_sizes"][1] == 0
+    pinned = _override(c, kind="pin", rank=0, batch_size=64)["plan"]
+    assert pinned["excluded"] == [1] and pinned["batch_sizes"][:2] == [64, 0]
+    c.run(10)
+    assert not any(churn in p["reason"] for p in c.plans())
+    assert all(p["excluded"] == [1] for p in c.plans() if p["version"] >= pinned["version"])
+
+    # A hand-made plan that gives it nothing keeps it out, and so does the rebalancer's.
+    left_out = _override(c, kind="set_batches", batch_sizes=[64, 0, 96, 96])["plan"]
+    assert left_out["excluded"] == [1]
+    _override(c, kind="unfreeze")
+    sessions = api.client.app.state.context.sessions  # type: ignore[attr-defined]
+    with transaction(sessions) as s:
+        job = s.get(Job, c.job)
+        assert job is not None
+        decision = rebalancer.propose(s, job, force=True)
+        version = rebalancer.apply(s, job, decision, PlanSource.AUTOMATIC, by="test")
+    assert version == left_out["version"] + 1, "96/96 is far from the best split of 2 and 3"
+    assert c.plan()["excluded"] == [1] and c.plan()["batch_sizes"][:2] == [64, 0]
+
+    # An operator's readmit brings it back; frozen, the ladder follows and holds.
+    _override(c, kind="freeze")
+    back = _override(c, kind="readmit", rank=1)["plan"]
+    assert back is not None and back["excluded"] == [], "back in the group, with or without samples"
+    assert "rank(s) 1 back in the all-reduce group" in back["reason"] or back["batch_sizes"][1] > 0
+    c.run(5)
+    assert c.state.watches[c.job].ladder.excluded == ()
+    assert c.plan()["version"] == back["version"]
+    _override(c, kind="unfreeze")  # the ladder's own again: it may take rank 1 out, for its reasons
+    c.run(10)
+    assert not any(churn in p["reason"] for p in c.plans())
+
+
+def test_readmit_names_what_it_can_undo(api: Api) -> None:
+    c = Cluster(api, "adaptive", slow={})
+    c.run(3)
+    r = c.api.client.post(
+        f"/api/v1/jobs/{c.job}/overrides",
+        json={"kind": "readmit", "rank": 1, "reason": "x"},
+        headers=c.api.headers(),
+    )
+    assert r.status_code == 422 and r.json()["field"] == "rank"
+    assert "neither excluded, pinned nor out of the all-reduce group" in r.json()["detail"]
