@@ -135,6 +135,8 @@ def _nudge(inp: RebalanceInput, sizes: list[int], stuck: list[int]) -> list[int]
     """Move each stuck rank ~20% off its only observed size, keeping the sum and all bounds."""
     g = inp.granularity
     out = list(sizes)
+    held = set(stuck)
+    free = [r for r in range(len(out)) if r not in held]  # in rank order: ties go to the lowest
     for rank in stuck:
         lo, hi = _nudge_bounds(inp, rank)
         if lo == hi:
@@ -144,9 +146,7 @@ def _nudge(inp: RebalanceInput, sizes: list[int], stuck: list[int]) -> list[int]
         delta = step if out[rank] + step <= hi else -min(step, out[rank] - lo)
         if delta == 0:
             continue
-        others = sorted(
-            (r for r in range(len(out)) if r != rank and r not in stuck), key=lambda r: -out[r]
-        )
+        others = sorted(free, key=lambda r: -out[r])
         remaining = delta
         for other in others:
             olo, ohi = _nudge_bounds(inp, other)
