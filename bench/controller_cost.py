@@ -1,14 +1,15 @@
 """What the controller's per-job sweep costs in CPU, by phase, for steady jobs of fleet sizes.
 
     python bench/controller_cost.py [--sizes 8,16,32,64,128,256] [--rounds 20] [--warmup 12]
-                                    [--policy adaptive] [--profile out.pstats] [--json]
+                                    [--policy adaptive] [--round-s 2] [--profile out.pstats]
+                                    [--json]
 
 An in-process app on a throw-away PostgreSQL database (``bench.ingest.database``; its
 controller does not run on its own), hosts of 8 CPU devices, one job per ``--sizes`` entry
 placed on them (jobs of ``--policy``, the fleet's default ``adaptive``), each at 1-5
-iterations/s (by job). Every round posts each job's 2 s of iterations through the telemetry
-API (what the agents' relay posts), with per-rank speeds that differ and a little noise, the
-batch sizes following the job's current plan, then runs one controller round
+iterations/s (by job). Every round posts each job's ``--round-s`` (2 s) of iterations through
+the telemetry API (what the agents' relay posts), with per-rank speeds that differ and a little
+noise, the batch sizes following the job's current plan, then runs one controller round
 (``Controller.sweep``: every job has new data, so every job is swept). After ``--warmup``
 rounds (exploration, the first plans: jobs are settled), ``--rounds`` rounds are measured:
 
@@ -50,7 +51,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
 from bench.ingest import database
-from contract.base import PROTOCOL_VERSION
+from contract.base import MAX_TELEMETRY_RECORDS, PROTOCOL_VERSION
 from server.app import create_app
 from server.config import Settings
 from server.context import context_of
@@ -62,7 +63,9 @@ from server.services import control_loop, plans, rebalancer, scheduler, straggle
 TOKEN = "ef_bench-admin-token-0123456789"
 H = {"Authorization": f"Bearer {TOKEN}"}
 GPUS = 8
-FLUSH_S = 2.0
+ROUND_S = 2.0
+"""Seconds of training a round covers by default: the relay's flush. At fleet scale a round
+over every job takes longer, and each sweep sees that much more (``--round-s``)."""
 RATES = [1.0, 2.0, 3.0, 4.0, 5.0]
 
 # ------------------------------------------------------------------ phase timers
@@ -107,8 +110,11 @@ def instrument() -> None:
 
 
 class Sim:
-    def __init__(self, client: TestClient, sizes: list[int], policy: str, seed: int) -> None:
+    def __init__(
+        self, client: TestClient, sizes: list[int], policy: str, seed: int, round_s: float
+    ) -> None:
         self.client = client
+        self.round_s = round_s
         self.rng = random.Random(seed)
         self.jobs: dict[int, dict[str, Any]] = {}
         hosts = -(-sum(sizes) // GPUS)
@@ -149,7 +155,8 @@ class Sim:
             scheduler.place_pending(s, datetime.now(UTC))
 
     def post_round(self) -> int:
-        """Each job's 2 s of iterations, its batch sizes from its current plan. Returns rows."""
+        """Each job's ``round_s`` of iterations, its batch sizes from its current plan. Returns
+        rows."""
         ctx = context_of(self.client.app)  # type: ignore[arg-type]
         rows = 0
         with transaction(ctx.sessions) as s:
@@ -157,31 +164,37 @@ class Sim:
             snapshot = {j: (p.version, list(p.batch_sizes)) for j, p in current.items()}
         for job_id, job in self.jobs.items():
             version, sizes = snapshot[job_id]
-            job["carry"] += job["rate"] * FLUSH_S
+            job["carry"] += job["rate"] * self.round_s
             n = int(job["carry"])
             job["carry"] -= n
             first = job["next"]
-            cols: dict[str, list[Any]] = defaultdict(list)
-            now = time.time()
-            for rank in range(job["size"]):
-                b = sizes[rank]
-                for it in range(first, first + n):
-                    compute = (2.0 + job["speed"][rank] * b) * self.rng.uniform(0.98, 1.02)
-                    cols["rank"].append(rank)
-                    cols["iteration"].append(it)
-                    cols["plan_version"].append(version)
-                    cols["batch_size"].append(b)
-                    cols["data_ms"].append(1.0)
-                    cols["compute_ms"].append(round(compute, 3))
-                    cols["sync_ms"].append(5.0)
-                    cols["ts"].append(now)
+            step = max(1, MAX_TELEMETRY_RECORDS // job["size"])  # iterations per post
+            for start in range(first, first + n, step):
+                rows += self._post(job_id, job, version, sizes, start, min(first + n, start + step))
             job["next"] = first + n
-            r = self.client.post(
-                f"/api/v1/jobs/{job_id}/telemetry", json={"columns": cols}, headers=H
-            )
-            r.raise_for_status()
-            rows += len(cols["rank"])
         return rows
+
+    def _post(
+        self, job_id: int, job: dict[str, Any], version: int, sizes: list[int], lo: int, hi: int
+    ) -> int:
+        """Iterations [lo, hi) of every rank of the job, in one post."""
+        cols: dict[str, list[Any]] = defaultdict(list)
+        now = time.time()
+        for rank in range(job["size"]):
+            b = sizes[rank]
+            for it in range(lo, hi):
+                compute = (2.0 + job["speed"][rank] * b) * self.rng.uniform(0.98, 1.02)
+                cols["rank"].append(rank)
+                cols["iteration"].append(it)
+                cols["plan_version"].append(version)
+                cols["batch_size"].append(b)
+                cols["data_ms"].append(1.0)
+                cols["compute_ms"].append(round(compute, 3))
+                cols["sync_ms"].append(5.0)
+                cols["ts"].append(now)
+        r = self.client.post(f"/api/v1/jobs/{job_id}/telemetry", json={"columns": cols}, headers=H)
+        r.raise_for_status()
+        return len(cols["rank"])
 
 
 class PgCpu:
@@ -223,7 +236,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     instrument()
     with database("postgresql") as url, app_on(url) as client:
         ctx = context_of(client.app)  # type: ignore[arg-type]
-        sim = Sim(client, sizes, args.policy, args.seed)
+        sim = Sim(client, sizes, args.policy, args.seed, args.round_s)
         controller = Controller(ctx.settings, engine=ctx.engine, sessions=ctx.sessions)
         controller.state.min_decision_interval_s = 0.0  # rounds stand for 2 s apart
         pg = PgCpu(url.rsplit("/", 1)[1])
@@ -295,6 +308,12 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=12)
     ap.add_argument("--policy", default="adaptive")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument(
+        "--round-s",
+        type=float,
+        default=ROUND_S,
+        help="seconds of training each round posts per job (a fleet's rounds take 10-20 s)",
+    )
     ap.add_argument("--profile", default=None, help="write a cProfile of the measured rounds")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
