@@ -28,13 +28,11 @@ from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import Engine
-from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
-from sqlalchemy.orm.exc import StaleDataError
 
 from server.cache import Caches
 from server.config import Settings
-from server.db import checkpoint, make_engine, retryable, session_factory, transaction
+from server.db import checkpoint, make_engine, run_retrying, session_factory, transaction
 from server.host_answers import track
 from server.locks import ControllerLock, writer_lock_for
 from server.notify import PLACEMENT, Bus, PgNotifyBus, open_bus
@@ -329,26 +327,19 @@ class Controller:
         pause of the loss guard is logged, and audited once per episode."""
         s = self.settings
         guard = host_service.LossGuard(s.host_loss_pause_share, s.host_loss_pause_min_hosts)
-        for attempt in range(1, REAP_ATTEMPTS + 1):
-            try:
-                with self.write_lock, transaction(self.sessions) as session:
-                    now = datetime.now(UTC)
-                    sweep = host_service.mark_lost(
-                        session,
-                        now,
-                        s.host_lost_after_s,
-                        guard=guard,
-                        heard_since=self.active_since,
-                    )
-                    self._note_pause(session, sweep)
-                    released = host_service.release_silent(session, now, s.host_lost_after_s)
-                    lost = [(h.name, h.id) for h in sweep.lost]
-                    freed = [(d.id, d.host_id) for d in released]
-                break
-            except (DBAPIError, StaleDataError) as exc:
-                if attempt == REAP_ATTEMPTS or not retryable(exc):
-                    raise
-                log.info("lost-host sweep aborted (%s); trying again", exc)
+
+        def once() -> tuple[host_service.LostSweep, list[tuple[str, int]], list[tuple[int, int]]]:
+            with self.write_lock, transaction(self.sessions) as session:
+                now = datetime.now(UTC)
+                sweep = host_service.mark_lost(
+                    session, now, s.host_lost_after_s, guard=guard, heard_since=self.active_since
+                )
+                self._note_pause(session, sweep)
+                released = host_service.release_silent(session, now, s.host_lost_after_s)
+                lost = [(h.name, h.id) for h in sweep.lost]
+                return sweep, lost, [(d.id, d.host_id) for d in released]
+
+        sweep, lost, freed = run_retrying(once, REAP_ATTEMPTS, "lost-host sweep")
         self.loss_paused = sweep.paused  # once committed: a retried sweep audits it again
         for name, host_id in lost:
             log.warning("host %s (%d) marked lost", name, host_id)

@@ -3,10 +3,11 @@ an engine from its settings, so tests build their own."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import logging
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from alembic import command
 from alembic.config import Config
@@ -18,6 +19,9 @@ from sqlalchemy.orm.exc import StaleDataError
 import migrations
 
 MIGRATIONS_DIR = Path(migrations.__file__).parent
+
+log = logging.getLogger("evenflow.db")
+T = TypeVar("T")
 
 
 RETRYABLE_SQLSTATES = frozenset({"40P01", "40001"})
@@ -34,6 +38,21 @@ def retryable(exc: BaseException) -> bool:
     return isinstance(exc, DBAPIError) and (
         getattr(exc.orig, "sqlstate", None) in RETRYABLE_SQLSTATES
     )
+
+
+def run_retrying(work: Callable[[], T], attempts: int, what: str) -> T:
+    """``work()`` (a whole transaction: it changes nothing but the database), run again from
+    the start when the database aborted it for another's sake (``retryable``), up to
+    ``attempts`` times in all; any other error, or the last attempt's, is raised."""
+    attempt = 1
+    while True:
+        try:
+            return work()
+        except (DBAPIError, StaleDataError) as exc:
+            if attempt >= attempts or not retryable(exc):
+                raise
+            log.info("%s aborted (%s); trying again", what, exc)
+            attempt += 1
 
 
 WAL_AUTOCHECKPOINT_PAGES = 16_384

@@ -11,16 +11,14 @@ from typing import Annotated, TypeVar
 from fastapi import Depends, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
-from sqlalchemy.orm.exc import StaleDataError
 
 from contract.base import MAX_ID
 from contract.enums import Role
 from server.api.gate import PRINCIPAL_STATE, SESSION_COOKIE, authenticate
 from server.config import Settings
 from server.context import AppContext, context_of
-from server.db import retryable
+from server.db import run_retrying
 from server.notify import PLACEMENT
 from server.services import tokens
 from server.services.paging import DEFAULT_LIMIT, MAX_LIMIT, MAX_OFFSET, Paging
@@ -88,20 +86,12 @@ async def in_transaction(context: AppContext, work: Callable[[Session], T]) -> T
     is run again from the start, up to ``TRANSACTION_ATTEMPTS`` times, instead of answering
     500: ``work`` changes nothing but the database."""
 
-    def run() -> T:
-        attempt = 1
-        while True:
-            try:
-                with transaction(context, write=True) as session:
-                    return work(session)
-            except (DBAPIError, StaleDataError) as exc:
-                if attempt == TRANSACTION_ATTEMPTS or not retryable(exc):
-                    raise
-                log.info("transaction aborted (%s); trying again", exc)
-                attempt += 1
+    def once() -> T:
+        with transaction(context, write=True) as session:
+            return work(session)
 
     async with context.db_slots:
-        return await run_in_threadpool(run)
+        return await run_in_threadpool(run_retrying, once, TRANSACTION_ATTEMPTS, "transaction")
 
 
 SessionDep = Annotated[Session, Depends(_session, scope="function")]
