@@ -89,6 +89,9 @@ class Watch:
     rested: tuple[tuple[object, ...], int] | None = None
     """``(inputs, iteration)`` of the ladder's last decision when it held with nothing of its
     own under way (``_ladder_rests``); None when it acted, or has something to follow up."""
+    plan_sizes: dict[int, list[int]] = field(default_factory=dict)
+    """Plan version -> its batch sizes, for the versions the last timings read ran under
+    (plans never change once made: a sweep reads only versions it has not seen)."""
     gloo: tuple[tuple[int, ...], bool] | None = None
     """``(device ids, every one a CPU)`` of the job's workers: what ``ladder_config`` needs to
     know about the devices, read once per set of devices rather than a device a round."""
@@ -114,10 +117,12 @@ def prefetch(session: Session, job: Job, watch: Watch, progress: Progress) -> No
     if progress.complete_through is None:
         return
     after = _feed_from(session, job, watch)
-    watch.prefetched = (after, _timings(session, job, after, progress.complete_through))
+    watch.prefetched = (after, _timings(session, job, watch, after, progress.complete_through))
 
 
-def _timings(session: Session, job: Job, after: int, through: int) -> list[ComputeTiming]:
+def _timings(
+    session: Session, job: Job, watch: Watch, after: int, through: int
+) -> list[ComputeTiming]:
     """Timings of iterations (after, through], at most ``MAX_TIMINGS_PER_ROUND`` of them and
     only whole iterations: under a flood the watch catches up over rounds instead of holding
     the interpreter (and the API's event loop) for one long round. Each carries the rank's batch
@@ -134,7 +139,11 @@ def _timings(session: Session, job: Job, after: int, through: int) -> list[Compu
         last = rows[-1][1]
         whole = [r for r in rows if r[1] < last]
         rows = whole or rows  # one iteration wider than the cap still goes through whole
-    planned = _planned(session, job, {int(r[4]) for r in rows})
+    versions = {int(r[4]) for r in rows}
+    known = watch.plan_sizes
+    planned = {v: known[v] for v in versions if v in known}
+    planned |= _planned(session, job, versions - set(known))
+    watch.plan_sizes = planned
     return [
         ComputeTiming(int(r), int(i), int(b), float(c), int(v), _at(planned.get(int(v)), int(r)))
         for r, i, b, c, v in rows
@@ -470,7 +479,7 @@ def watch_job(
     if ahead is not None and ahead[1]:
         timings = ahead[1]  # read by ``prefetch``; what came since is next round's
     else:
-        timings = _timings(session, job, after, progress.complete_through)
+        timings = _timings(session, job, watch, after, progress.complete_through)
     if not timings:
         return None
     complete = timings[-1].iteration

@@ -414,3 +414,34 @@ def test_readmit_names_what_it_can_undo(api: Api) -> None:
     )
     assert r.status_code == 422 and r.json()["field"] == "rank"
     assert "neither excluded, pinned nor out of the all-reduce group" in r.json()["detail"]
+
+
+def test_the_watch_reads_a_plans_batch_sizes_once(api: Api) -> None:
+    """Each timing carries its rank's batch in its plan; a plan version's sizes are read when
+    the watch first meets it, not every round (plans never change once made)."""
+    from sqlalchemy import event as sa_event
+
+    c = Cluster(api, "adaptive", slow={})
+    context = api.client.app.state.context  # type: ignore[attr-defined]
+    reads: list[str] = []
+
+    def count(*args: Any) -> None:
+        query = str(args[2])
+        if "FROM plans" in query and "batch_sizes" in query and "plans.version IN" in query:
+            reads.append(query)
+
+    sa_event.listen(context.engine, "before_cursor_execute", count)
+    try:
+        c.run(30)  # exploring: a few plans
+    finally:
+        sa_event.remove(context.engine, "before_cursor_execute", count)
+    versions = c.plan()["version"]
+    assert 1 <= len(reads) <= versions, (len(reads), versions)  # not one per round (30)
+    timings = stragglers._timings  # what the cache keeps matches the plans
+    with transaction(context.sessions) as s:
+        job = s.get(Job, c.job)
+        assert job is not None
+        watch = stragglers.Watch()
+        fresh = timings(s, job, watch, 0, 29)
+        cached = timings(s, job, watch, 0, 29)
+    assert fresh == cached and all(t.planned_batch is not None for t in fresh)
