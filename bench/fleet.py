@@ -569,6 +569,68 @@ def db_size(db_url: str) -> int:
         engine.dispose()
 
 
+def storage(db_url: str, iterations_per_s: float, mean_ranks: float) -> dict[str, Any]:
+    """What the fleet's telemetry costs on disk, raw and retained. The 90 s run is far younger
+    than the retention window, so its growth is all raw rows; this measures a raw row of the
+    fleet's own telemetry, then rolls the fleet's rows up with the controller's own code
+    (``server.services.retention``, with no window: every whole bucket of iterations) and
+    measures a rollup row. Per worker-day at the fleet's mean iteration rate per worker:
+    raw (every row kept), and retained (one rollup row per rank and bucket, and one per job and
+    bucket), besides the raw window each worker keeps while it runs (``raw_window_mb``: its last
+    ``telemetry_keep_iterations`` iterations or ``telemetry_keep_running_s`` seconds, whichever
+    holds more; a finished job keeps the iterations)."""
+    from server.config import Settings
+    from server.db import make_engine, session_factory, transaction
+    from server.services import retention
+
+    fields = Settings.model_fields
+    keep_iterations = int(fields["telemetry_keep_iterations"].default)
+    keep_running_s = float(fields["telemetry_keep_running_s"].default)
+    engine = make_engine(db_url, pool_size=1)
+    try:
+        raw = _table_bytes_per_row(engine, "iteration_telemetry")
+        rolling = retention.Retention(retention.Window(0, 0.0))
+        sessions = session_factory(engine)
+        started, moved = time.monotonic(), 0
+        with transaction(sessions) as session:
+            jobs = rolling.candidates(session)
+        for job_id in jobs:
+            while True:
+                with transaction(sessions) as session:
+                    n = rolling.roll_up(session, job_id)
+                moved += n
+                if not n:
+                    break
+        roll_up_s = time.monotonic() - started
+        rollup = _table_bytes_per_row(engine, "telemetry_rollups") if moved else None
+    finally:
+        engine.dispose()
+    per_day = iterations_per_s * 86_400
+    rollup_rows = per_day / retention.BUCKET * (1 + 1 / max(1.0, mean_ranks))
+    window = max(keep_iterations, iterations_per_s * keep_running_s)
+    return {
+        "raw_bytes_per_row": round(raw, 1),
+        "rollup_bytes_per_row": round(rollup, 1) if rollup else None,
+        "iterations_per_s_per_worker": round(iterations_per_s, 2),
+        "rows_rolled_up": moved,
+        "roll_up_rows_per_s": round(moved / roll_up_s) if roll_up_s > 0 else None,
+        "mb_per_worker_day_raw": round(per_day * raw / 2**20, 2),
+        "mb_per_worker_day_retained": (
+            round(rollup_rows * rollup / 2**20, 3) if rollup else None  # no whole bucket yet
+        ),
+        "raw_window_mb_per_worker": round(window * raw / 2**20, 2),
+    }
+
+
+def _table_bytes_per_row(engine: Any, table: str) -> float:
+    """A row's share of the table with its indexes, dead rows compacted away first."""
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as c:
+        c.execute(text(f"VACUUM FULL {table}"))
+        size = c.execute(text(f"SELECT pg_total_relation_size('{table}')")).scalar()
+        rows = c.execute(text(f"SELECT count(*) FROM {table}")).scalar()
+    return int(size or 0) / max(1, int(rows or 0))
+
+
 def hosts_lost(db_url: str, since: datetime) -> dict[str, int]:
     """Hosts the reaper marked lost before the measured window and in it (every generated host
     heartbeats throughout, so each is the server's doing), and its pauses (``hosts.LossGuard``)."""
@@ -679,7 +741,8 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
     delays = [
         j.detected_at_iteration - STRAGGLER_ONSET for j in stragglers if j.detected_at_iteration
     ]
-    workers = sum(j.size for j in fleet.jobs.values() if j.started and not j.finished)
+    live = [j for j in fleet.jobs.values() if j.started and not j.finished]
+    workers = sum(j.size for j in live)
     out.update(
         {
             "seconds": round(elapsed, 1),
@@ -708,6 +771,9 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
             "db_growth_mb_per_hour": round((size1 - size0) / 2**20 * 3600 / elapsed, 1),
             "db_mb_per_worker_day": round(
                 (size1 - size0) / 2**20 * 86_400 / elapsed / max(1, workers), 2
+            ),
+            "storage": storage(
+                db_url, s.records / elapsed / max(1, workers), workers / max(1, len(live))
             ),
         }
     )
@@ -742,9 +808,11 @@ def main() -> None:
         with server(db_url, args.workers, log) as srv:
             out = asyncio.run(run(srv, db_url, args))
         out["controller_rounds"] = controller_rounds(log)
-        kept = Path(__file__).resolve().parent / "results" / "fleet-server.log"
+        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
+        kept = Path(__file__).resolve().parent / "results" / f"fleet-{args.hosts}h-{stamp}.log"
         kept.parent.mkdir(exist_ok=True)
         kept.write_text(log.read_text(errors="replace"))
+        out["server_log"] = str(kept)  # every run's, not only the last
     print(json.dumps(out, indent=2))
 
 
