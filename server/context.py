@@ -54,9 +54,9 @@ class AppContext:
     wake_controller: Callable[[int], None]
     """Runs the controller's next round for a job now (urgent telemetry)."""
     auth_failures: FailureLimit
+    """Bad credentials per client address (the API's gate and ``/login``)."""
     telemetry_writer: TelemetryWriter
     """Telemetry posts, stored in groups (one transaction for the posts that arrive together)."""
-    """Bad credentials per client address (the API's gate and ``/login``)."""
     db_slots: anyio.Semaphore = field(default_factory=lambda: anyio.Semaphore(16))
     """Requests doing database work at once in this process (``create_app`` sets the bound,
     ``Settings.db_concurrency``). A request holds its slot from before its session opens until
@@ -70,6 +70,15 @@ class AppContext:
     """Live streams open per token in this process (``create_app`` sets the cap)."""
     generated_admin_token: str | None = None
     """The admin token generated at start-up when none was configured (shown once)."""
+    stopping: bool = False
+    """The server is stopping (``begin_stop``): held requests answer now rather than wait."""
+
+    def begin_stop(self) -> None:
+        """The server is about to stop: plan long-polls answer at once (304) and dashboard
+        streams end with an ``end`` event, so they finish within the server's graceful wait
+        instead of being cancelled at its end with an error per request. Any thread."""
+        self.stopping = True
+        self.plan_waiters.close()
 
 
 def context_of(app: Starlette) -> AppContext:

@@ -6,10 +6,14 @@
    the API process's GIL.
 3. uvicorn serving ``create_app`` with ``controller="none"``: one process, or ``workers``
    processes sharing the port (each gets plan notifications over the plan bus).
+
+On SIGTERM or SIGINT each API process answers the requests it holds open (plan long-polls,
+dashboard streams) at once, then lets uvicorn stop as usual (``answer_held_requests_on_stop``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -18,6 +22,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import AsyncIterator, Callable
+from types import FrameType
+from typing import Any
 
 from fastapi import FastAPI
 
@@ -33,9 +40,50 @@ def worker_app() -> FastAPI:
     environment, no controller of its own, migrations already applied by the parent."""
     from server.app import create_app
 
-    app = create_app(Settings(controller="none", run_migrations=False))
+    app = answer_held_requests_on_stop(
+        create_app(Settings(controller="none", run_migrations=False))
+    )
     settle_heap()
     return app
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def answer_held_requests_on_stop(app: FastAPI) -> FastAPI:
+    """Once ``app`` has started under uvicorn, a stop signal first ends the requests it holds
+    open (``AppContext.begin_stop``), then reaches uvicorn's own handler. uvicorn waits for open
+    requests for its graceful timeout and then cancels them, logging an error and a traceback
+    per request: a server holding an agent's plan long-poll or a dashboard stream did so on
+    every stop, and those clients saw their connection cut instead of an answer. uvicorn offers
+    no hook before that wait (with ``workers`` it builds its servers itself), so the handler
+    is chained in at start-up, after uvicorn installed its own (in the main thread only)."""
+    from server.context import context_of
+
+    inner = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(a: FastAPI) -> AsyncIterator[Any]:
+        async with inner(a) as state:
+            if threading.current_thread() is threading.main_thread():
+                for sig in STOP_SIGNALS:
+                    _chain(sig, context_of(a).begin_stop)
+            yield state
+
+    app.router.lifespan_context = lifespan
+    return app
+
+
+def _chain(sig: signal.Signals, first: Callable[[], None]) -> None:
+    previous = signal.getsignal(sig)
+    if not callable(previous):
+        return  # uvicorn did not take this signal: leave it alone
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        first()
+        previous(signum, frame)
+
+    signal.signal(sig, handler)
 
 
 def settle_heap() -> None:
@@ -137,6 +185,7 @@ def serve(
             uvicorn.run("server.serve:worker_app", factory=True, workers=workers, **common)  # type: ignore[arg-type]
         else:
             app = create_app(Settings(controller="none", run_migrations=False))
+            answer_held_requests_on_stop(app)
             settle_heap()
             uvicorn.run(app, **common)  # type: ignore[arg-type]
     finally:

@@ -152,7 +152,9 @@ async def _events(
             if done:
                 yield _message("end", {"reason": "job ended"}, cursor.token())
                 return
-            if now >= deadline or await request.is_disconnected():
+            # At its deadline, or when this server stops, the stream closes and the browser
+            # reconnects after ``retry`` (to another server, or this one back).
+            if now >= deadline or context.stopping or await request.is_disconnected():
                 return
             if now - last_ping >= PING_S:
                 yield ": ping\n\n"
