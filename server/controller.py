@@ -1,5 +1,6 @@
 """The controller: the control loop (``server.services.control_loop``), placement of pending
-jobs (``server.services.scheduler``), the lost-host reaper and SQLite's WAL checkpoints (``server.db.checkpoint``), exactly one per database.
+jobs (``server.services.scheduler``, on a thread of its own), the lost-host reaper and SQLite's
+WAL checkpoints (``server.db.checkpoint``), exactly one per database.
 
 ``evenflow server`` runs it in a process of its own (``python -m server.controller``), so its
 database reads and model fits never compete with request handling for the API process's GIL;
@@ -59,11 +60,21 @@ with their next regular batch, which at fleet scale would otherwise wait for the
 HOT_CHECK_S = 0.5
 """How often a round looks for new telemetry of hot jobs (one query over the newest rows)."""
 
-PLACE_GAP_S = 1.0
-"""A round under way places pending jobs between two jobs' sweeps at most this often. A fleet
-asks for placement several times a second (each submission, each job that ends) and a
-placement pass reads every pending job and the free devices: run between every two sweeps it
-made a round of 67 jobs take 20 s (``bench/fleet.py``, 250 hosts)."""
+PLACE_REST = 2.0
+"""After a placement pass the next one waits at least this many times as long as the pass took
+(and ``PLACE_MIN_GAP_S``): placement takes at most a third of its thread's time. A fleet asks
+for placement several times a second (each submission, each job that ends), and a pass reads
+every pending job and the free devices and may solve an ILP for each
+(``scheduler.place_pending``): a second at 10,000 devices, milliseconds on a small cluster."""
+
+PLACE_MIN_GAP_S = 0.01
+
+PLACE_JOIN_S = 30.0
+"""How long a controller that lost its turn waits for a placement pass under way to end."""
+
+PLACE_ATTEMPTS = 3
+"""A placement transaction PostgreSQL aborts for another's sake runs again (``db.retryable``)
+this many times at most: it runs beside the rounds' transactions (the reaper's, a sweep's)."""
 
 WAKE_SLICE_S = 0.1
 """Between rounds the controller waits for a poke in slices this long, to notice ``stop``."""
@@ -103,11 +114,12 @@ class Controller:
         """Job -> until when it is hot (``HOT_S``) for having been poked."""
         self._hot_seen: dict[int, int] = {}
         """Hot job -> its newest telemetry row id when a round last looked."""
-        self._place_now = False
-        """A job was submitted or devices freed since placement last ran: a round under way
-        places between two jobs' sweeps rather than after its last (``PLACE_GAP_S``)."""
+        self._place_wake = threading.Event()
+        """A job was submitted or devices freed since placement last ran (``placements``)."""
         self._placed_at = -math.inf
-        """Monotonic time placement last ran."""
+        """Monotonic time the last placement pass ended."""
+        self._place_took = 0.0
+        """How long the last placement pass took, in seconds."""
         self.round_stats = RoundStats(settings.controller_report_s)
         self.active_since: datetime | None = None
         """When this controller last took the controller lock: no host's silence before it
@@ -127,17 +139,20 @@ class Controller:
         next: at fleet scale a round over every job with new data takes seconds, which a
         straggler would otherwise wait out.
 
-        The id ``PLACEMENT`` alone asks for placement only (a job was submitted, devices were
-        added or freed): pending jobs are placed now, and the sweep keeps its cadence."""
+        The id ``PLACEMENT`` asks for placement (a job was submitted, devices were added or
+        freed): the placement thread places pending jobs now (``placements``); alone, it leaves
+        the rounds to their cadence."""
         ids = set(job_ids)
         if PLACEMENT in ids:
-            self._place_now = True
-        if ids != {PLACEMENT}:
-            until = time.monotonic() + HOT_S
-            with self._urgent_lock:
-                self._urgent |= ids - {PLACEMENT}
-                self._hot.update(dict.fromkeys(ids - {PLACEMENT}, until))
-            self._sweep_now = True
+            self._place_wake.set()
+            ids.discard(PLACEMENT)
+            if not ids:
+                return
+        until = time.monotonic() + HOT_S
+        with self._urgent_lock:
+            self._urgent |= ids
+            self._hot.update(dict.fromkeys(ids, until))
+        self._sweep_now = True
         self._wake.set()
 
     def _take_urgent(self) -> list[int]:
@@ -146,8 +161,8 @@ class Controller:
         return ids
 
     def _pause(self, stop: threading.Event, seconds: float) -> bool:
-        """Wait ``seconds`` or until poked; True when stopping. Clears ``_sweep_now`` when the
-        wait ended on a poke for placement only (``poke``)."""
+        """Wait ``seconds`` or until poked; True when stopping. A wait that runs its course asks
+        for a sweep (``_sweep_now``)."""
         deadline = time.monotonic() + seconds
         while not stop.is_set():
             left = deadline - time.monotonic()
@@ -180,6 +195,19 @@ class Controller:
                 lock.release()
 
     def _rounds(self, stop: threading.Event, lock: ControllerLock) -> None:
+        done = threading.Event()  # this controller's turn is over: the placement thread ends
+        placer = threading.Thread(
+            target=self.placements, args=(stop, done), name="placement", daemon=True
+        )
+        placer.start()
+        try:
+            self._round_loop(stop, lock)
+        finally:
+            done.set()
+            self._place_wake.set()
+            placer.join(PLACE_JOIN_S)
+
+    def _round_loop(self, stop: threading.Event, lock: ControllerLock) -> None:
         s = self.settings
         next_reap = time.monotonic() + s.reaper_interval_s
         next_roll_up = time.monotonic() + s.retention_interval_s
@@ -191,10 +219,6 @@ class Controller:
                     self.sweep()
             except Exception:  # a failed round must not stop the loop
                 log.exception("rebalance sweep failed")
-            try:
-                self.place()
-            except Exception:
-                log.exception("placement failed")
             try:
                 checkpoint(self.engine)
             except Exception:
@@ -232,12 +256,6 @@ class Controller:
             for j in [*self._take_urgent(), *news]:
                 if j in live_ids and j not in urgent:
                     urgent.append(j)
-            if (
-                self._place_now
-                and (urgent or queue)
-                and time.monotonic() - self._placed_at >= PLACE_GAP_S
-            ):
-                self._place_between_sweeps()
             if urgent:  # again if swept already: its ranks' urgent posts arrive one by one
                 job_id = urgent.popleft()
             elif queue:
@@ -278,23 +296,47 @@ class Controller:
             for job, version in control_loop.sweep_job(s, self.state, job_id):
                 log.info("job %d: plan v%d", job, version)
 
-    def _place_between_sweeps(self) -> None:
-        try:
-            self.place()
-        except Exception:
-            log.exception("placement failed")
+    def placements(self, stop: threading.Event, done: threading.Event) -> None:
+        """Place pending jobs whenever asked (``poke`` with ``PLACEMENT``) and at least every
+        round interval, resting between passes (``PLACE_REST``), until ``stop`` or ``done``. A
+        thread of its own: a pass may take a second or more at fleet scale (an ILP per job,
+        solved by CBC in a process of its own), during which the rounds go on sweeping. In the
+        rounds' thread it took 18% of the controller's time at 1,250 hosts, waiting for CBC,
+        and a submission waited for the job being swept to finish."""
+        interval = self.settings.rebalance_interval_s
+        while not (stop.is_set() or done.is_set()):
+            self._place_wake.wait(interval)
+            rest = max(PLACE_MIN_GAP_S, PLACE_REST * self._place_took)
+            gap = rest - (time.monotonic() - self._placed_at)
+            if gap > 0 and (stop.wait(gap) or done.is_set()):
+                break
+            if stop.is_set() or done.is_set():
+                break
+            self._place_wake.clear()
+            try:
+                self.place()
+            except Exception:  # a failed pass must not stop placement
+                log.exception("placement failed")
 
     def place(self) -> list[int]:
         """Place pending jobs on free devices (``scheduler.place_pending``) and bring the
-        reasons of those still waiting up to date; after the sweep, so a job placed now is
-        first swept next round, and between two jobs' sweeps when asked for during a round (at
-        fleet scale a round takes seconds, which a submitted job would wait out). Submissions
-        never wait for this (it may take seconds: the placement solver). Returns the jobs
-        placed."""
-        self._place_now, self._placed_at = False, time.monotonic()
-        with self.write_lock, transaction(self.sessions) as s:
-            placed = scheduler.place_pending(s, datetime.now(UTC), hold=self.settings.queue_hold)
-            placed_ids = [job.id for job in placed]
+        reasons of those still waiting up to date. Submissions never wait for this (it may
+        take seconds: the placement solver); the placement thread runs it (``placements``).
+        A transaction aborted for another's sake runs again (``PLACE_ATTEMPTS``). Returns the
+        jobs placed."""
+
+        def once() -> list[int]:
+            with self.write_lock, transaction(self.sessions) as s:
+                now = datetime.now(UTC)
+                placed = scheduler.place_pending(s, now, hold=self.settings.queue_hold)
+                return [job.id for job in placed]
+
+        started = time.monotonic()
+        try:
+            placed_ids = run_retrying(once, PLACE_ATTEMPTS, "placement")
+        finally:
+            self._placed_at = time.monotonic()
+            self._place_took = self._placed_at - started
         for job_id in placed_ids:
             log.info("job %d placed", job_id)
         return placed_ids

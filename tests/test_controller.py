@@ -94,6 +94,8 @@ def test_evenflow_server_runs_the_controller_in_its_own_process(tmp_path: Path) 
         httpx.post(base + "/hosts/register", headers=h, json=host).raise_for_status()
         spec = {"name": "j", "workload": {"builtin": "mlp"}, "global_batch": 64, "workers": 2}
         job = httpx.post(base + "/jobs", headers=h, json={**spec, "iterations": 1000}).json()["id"]
+        with httpx.Client(headers=h) as http:  # the controller places it on its own thread
+            wait_placed(http, f"{base}/jobs/{job}", job)
         records = [
             {"rank": r, "iteration": i, "plan_version": 1, "batch_size": 32, "data_ms": 1.0,
              "compute_ms": 10.0 * (r + 1), "sync_ms": 1.0, "ts": 1.7e9 + i}

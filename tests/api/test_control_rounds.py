@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import threading
 import time
 from typing import Any
 
@@ -12,7 +14,7 @@ from server.context import context_of
 from server.controller import Controller
 from server.db import transaction
 from server.notify import PLACEMENT
-from server.services import control_loop
+from server.services import control_loop, scheduler
 from tests.harness import Api, statements
 
 
@@ -114,34 +116,71 @@ def test_urgent_jobs_are_swept_first_even_when_poked_mid_round(
     assert order == [jobs[1]]
 
 
-def test_a_job_submitted_during_a_round_is_placed_before_the_round_ends(
+def _until(check: Any, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_placement_and_the_rounds_do_not_wait_for_each_other(
     api: Api, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    jobs = _jobs_on_hosts(api, "abc")
-    api.register("d", devices=2)
+    """Placement runs on a thread of its own (``Controller.placements``): a job submitted while
+    a sweep is under way is placed before the sweep ends, and a round sweeps every job while a
+    placement pass is under way (at fleet scale one takes a second or more: CBC solving)."""
+    jobs = _jobs_on_hosts(api, "ab")
+    api.register("c", devices=2)
     controller = _controller(api)
-    controller.place()  # nothing pending: the jobs above were placed as they were submitted
-    monkeypatch.setattr(controller_module, "PLACE_GAP_S", 0.0)  # (it ran just now)
-    steps: list[str] = []
-    submitted: list[int] = []
-    place = controller.place
+    stop, done = threading.Event(), threading.Event()
+    placer = threading.Thread(target=controller.placements, args=(stop, done), daemon=True)
+    placer.start()
+    try:
+        release, sweeping = threading.Event(), threading.Event()
+        real_sweep = controller._sweep_job
 
-    def sweep_job(job_id: int) -> None:
-        steps.append(f"sweep {job_id}")
-        if not submitted:  # the wake bus pokes the controller for placement
-            submitted.append(int(api.submit(workers=2, global_batch=32, place=False)["id"]))  # type: ignore[call-overload]
-            controller.poke([PLACEMENT])
+        def held(job_id: int) -> None:
+            sweeping.set()
+            release.wait(20)
+            real_sweep(job_id)
 
-    def placing() -> list[int]:
-        placed = place()
-        steps.append(f"placed {placed}")
-        return placed
+        monkeypatch.setattr(controller, "_sweep_job", held)
+        sweeper = threading.Thread(target=controller.sweep, daemon=True)
+        sweeper.start()
+        assert sweeping.wait(10)
+        job = int(api.submit(workers=2, global_batch=32, place=False)["id"])  # type: ignore[call-overload]
+        controller.poke([PLACEMENT])
+        _until(
+            lambda: (
+                api.client.get(f"/api/v1/jobs/{job}", headers=api.headers()).json()["status"]
+                != "pending"
+            )
+        )
+        assert sweeper.is_alive(), "placed while the sweep was still held"
+        release.set()
+        sweeper.join(20)
 
-    monkeypatch.setattr(controller, "_sweep_job", sweep_job)
-    monkeypatch.setattr(controller, "place", placing)
-    controller.sweep()
-    assert steps[:2] == [f"sweep {jobs[0]}", f"placed {submitted}"]
-    assert len(steps) == 1 + 1 + 2  # the other two jobs swept after it, placement not again
+        monkeypatch.setattr(controller, "_sweep_job", real_sweep)
+        placing, unblock = threading.Event(), threading.Event()
+        real_place = controller.place
+
+        def slow_place() -> list[int]:
+            placing.set()
+            unblock.wait(20)
+            return real_place()
+
+        monkeypatch.setattr(controller, "place", slow_place)
+        controller.poke([PLACEMENT])
+        assert placing.wait(10)
+        swept_before = controller.rounds
+        controller.sweep()  # returns while the placement pass is still held
+        assert controller.rounds == swept_before + 1 and not unblock.is_set()
+        assert set(jobs) <= set(controller.state.swept_at)
+        unblock.set()
+    finally:
+        done.set()
+        controller._place_wake.set()
+        placer.join(20)
 
 
 def test_an_urgent_job_poked_again_is_swept_again_in_the_same_round(
@@ -216,27 +255,33 @@ def test_a_sweep_counts_a_jobs_ranks_once_not_every_round(api: Api) -> None:
             assert worker_reads == []
 
 
-def test_a_round_places_between_sweeps_at_most_once_per_gap(
+def test_placement_passes_rest_between_them_however_often_asked(
     api: Api, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Asked for placement before every job's sweep (a fleet's submissions and ends), a round
-    places once per ``PLACE_GAP_S``, not between every two sweeps."""
-    _jobs_on_hosts(api, "abcd")
+    """Asked for placement all the time (a fleet's submissions and ends), the next pass waits
+    twice as long as the last one took (``PLACE_REST``): placement keeps to a third of its
+    thread's time, not all of it."""
     controller = _controller(api)
-    monkeypatch.setattr(controller_module, "PLACE_GAP_S", 3600.0, raising=False)
-    steps: list[str] = []
-    place = controller.place
+    starts: list[float] = []
 
-    def sweep_job(job_id: int) -> None:
-        steps.append("sweep")
-        controller.poke([PLACEMENT])
+    def slow_pass(*_: Any, **__: Any) -> list[Any]:
+        starts.append(time.monotonic())
+        time.sleep(0.1)
+        return []
 
-    def placing() -> list[int]:
-        steps.append("place")
-        return place()
-
-    monkeypatch.setattr(controller, "_sweep_job", sweep_job)
-    monkeypatch.setattr(controller, "place", placing)
-    controller.sweep()
-    assert steps == ["sweep", "place", "sweep", "sweep", "sweep"]
-    assert controller._place_now  # the rest waits for the gap, or the round's end
+    monkeypatch.setattr(scheduler, "place_pending", slow_pass)
+    stop, done = threading.Event(), threading.Event()
+    placer = threading.Thread(target=controller.placements, args=(stop, done), daemon=True)
+    placer.start()
+    try:
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            controller.poke([PLACEMENT])
+            time.sleep(0.01)
+    finally:
+        done.set()
+        controller._place_wake.set()
+        placer.join(20)
+    gaps = [b - a for a, b in itertools.pairwise(starts)]
+    assert len(starts) >= 2 and all(g >= 0.29 for g in gaps), gaps  # 0.1 s + 2 x 0.1 s rest
+    assert len(starts) <= 6  # 1.5 s / 0.3 s, and the first at once
