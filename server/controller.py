@@ -60,14 +60,14 @@ with their next regular batch, which at fleet scale would otherwise wait for the
 HOT_CHECK_S = 0.5
 """How often a round looks for new telemetry of hot jobs (one query over the newest rows)."""
 
-PLACE_REST = 2.0
-"""After a placement pass the next one waits at least this many times as long as the pass took
-(and ``PLACE_MIN_GAP_S``): placement takes at most a third of its thread's time. A fleet asks
-for placement several times a second (each submission, each job that ends), and a pass reads
-every pending job and the free devices and may solve an ILP for each
-(``scheduler.place_pending``): a second at 10,000 devices, milliseconds on a small cluster."""
+PLACE_GAP_S = 1.0
+"""Placement passes start at most this often. A fleet asks for placement several times a
+second (each submission, each job that ends), and a pass reads every pending job and the free
+devices (``scheduler.place_pending``); one asked for after a quiet second starts at once."""
 
-PLACE_MIN_GAP_S = 0.01
+PLACE_EVERY_S = 5.0
+"""...and at least this often, asked or not: the reasons of the jobs still waiting are brought
+up to date."""
 
 PLACE_JOIN_S = 30.0
 """How long a controller that lost its turn waits for a placement pass under way to end."""
@@ -117,9 +117,7 @@ class Controller:
         self._place_wake = threading.Event()
         """A job was submitted or devices freed since placement last ran (``placements``)."""
         self._placed_at = -math.inf
-        """Monotonic time the last placement pass ended."""
-        self._place_took = 0.0
-        """How long the last placement pass took, in seconds."""
+        """Monotonic time the last placement pass started."""
         self.round_stats = RoundStats(settings.controller_report_s)
         self.active_since: datetime | None = None
         """When this controller last took the controller lock: no host's silence before it
@@ -297,17 +295,15 @@ class Controller:
                 log.info("job %d: plan v%d", job, version)
 
     def placements(self, stop: threading.Event, done: threading.Event) -> None:
-        """Place pending jobs whenever asked (``poke`` with ``PLACEMENT``) and at least every
-        round interval, resting between passes (``PLACE_REST``), until ``stop`` or ``done``. A
-        thread of its own: a pass may take a second or more at fleet scale (an ILP per job,
-        solved by CBC in a process of its own), during which the rounds go on sweeping. In the
-        rounds' thread it took 18% of the controller's time at 1,250 hosts, waiting for CBC,
-        and a submission waited for the job being swept to finish."""
-        interval = self.settings.rebalance_interval_s
+        """Place pending jobs whenever asked (``poke`` with ``PLACEMENT``, or the reaper freed
+        devices) and every ``PLACE_EVERY_S``, a pass starting at most every ``PLACE_GAP_S``,
+        until ``stop`` or ``done``. A thread of its own: a pass may take seconds at fleet scale
+        (an ILP per job, solved by CBC in a process of its own), during which the rounds go on
+        sweeping. In the rounds' thread it took 18% of the controller's time at 1,250 hosts,
+        waiting for CBC, and a submission waited for the job being swept to finish."""
         while not (stop.is_set() or done.is_set()):
-            self._place_wake.wait(interval)
-            rest = max(PLACE_MIN_GAP_S, PLACE_REST * self._place_took)
-            gap = rest - (time.monotonic() - self._placed_at)
+            self._place_wake.wait(PLACE_EVERY_S)
+            gap = PLACE_GAP_S - (time.monotonic() - self._placed_at)
             if gap > 0 and (stop.wait(gap) or done.is_set()):
                 break
             if stop.is_set() or done.is_set():
@@ -331,12 +327,8 @@ class Controller:
                 placed = scheduler.place_pending(s, now, hold=self.settings.queue_hold)
                 return [job.id for job in placed]
 
-        started = time.monotonic()
-        try:
-            placed_ids = run_retrying(once, PLACE_ATTEMPTS, "placement")
-        finally:
-            self._placed_at = time.monotonic()
-            self._place_took = self._placed_at - started
+        self._placed_at = time.monotonic()
+        placed_ids = run_retrying(once, PLACE_ATTEMPTS, "placement")
         for job_id in placed_ids:
             log.info("job %d placed", job_id)
         return placed_ids
@@ -382,6 +374,8 @@ class Controller:
                 return sweep, lost, [(d.id, d.host_id) for d in released]
 
         sweep, lost, freed = run_retrying(once, REAP_ATTEMPTS, "lost-host sweep")
+        if lost or freed:  # jobs to place again, or devices to place them on
+            self._place_wake.set()
         self.loss_paused = sweep.paused  # once committed: a retried sweep audits it again
         for name, host_id in lost:
             log.warning("host %s (%d) marked lost", name, host_id)
