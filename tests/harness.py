@@ -233,3 +233,39 @@ def statements(engine: Engine) -> Iterator[list[str]]:
         yield seen
     finally:
         event.remove(engine, "before_cursor_execute", note)
+
+
+def job_with_plan(base: str) -> int:
+    """A 2-rank job on a new CPU host ``h`` of the real server at ``base`` (its root URL),
+    once it has its first plan."""
+    auth = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    token = httpx.post(
+        f"{base}/api/v1/tokens",
+        json={"name": "agent-h", "role": "agent", "host": "h"},
+        headers=auth,
+    ).json()["token"]
+    host = {
+        "protocol_version": PROTOCOL_VERSION,
+        "name": "h",
+        "address": "127.0.0.1",
+        "devices": [{"index": i, "kind": "cpu", "model": "CPU", "memory_mb": 1024} for i in (0, 1)],
+    }
+    r = httpx.post(
+        f"{base}/api/v1/hosts/register", json=host, headers={"Authorization": f"Bearer {token}"}
+    )
+    assert r.status_code == 201, r.text
+    spec = {
+        "name": "shared",
+        "workload": {"builtin": "mlp"},
+        "global_batch": 64,
+        "iterations": 100,
+        "workers": 2,
+    }
+    r = httpx.post(f"{base}/api/v1/jobs", json=spec, headers=auth)
+    assert r.status_code == 201, r.text
+    job = int(r.json()["id"])
+    deadline = time.monotonic() + 20
+    while httpx.get(f"{base}/api/v1/jobs/{job}/plan", headers=auth).status_code != 200:
+        assert time.monotonic() < deadline, "the job never got its first plan"
+        time.sleep(0.1)
+    return job

@@ -16,11 +16,10 @@ import httpx
 import pytest
 from sqlalchemy import create_engine, text
 
-from contract.base import PROTOCOL_VERSION
 from evenflow.local_cluster import server_process
 from server.locks import CONTROLLER_LOCK_KEY
 from server.notify import PG_PAYLOAD_BYTES, PgNotifyBus, open_bus
-from tests.harness import ADMIN_TOKEN, ROOT
+from tests.harness import ADMIN_TOKEN, ROOT, job_with_plan
 
 POSTGRES_ONLY = pytest.mark.parametrize(
     "db_url", [pytest.param("postgresql", marks=pytest.mark.postgres)], indirect=True
@@ -177,47 +176,13 @@ def _until_controller(db_url: str, name: str, timeout: float = 20.0) -> float:
     return time.monotonic() - t0
 
 
-def _job_with_plan(base: str) -> int:
-    auth = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-    token = httpx.post(
-        f"{base}/api/v1/tokens",
-        json={"name": "agent-h", "role": "agent", "host": "h"},
-        headers=auth,
-    ).json()["token"]
-    host = {
-        "protocol_version": PROTOCOL_VERSION,
-        "name": "h",
-        "address": "127.0.0.1",
-        "devices": [{"index": i, "kind": "cpu", "model": "CPU", "memory_mb": 1024} for i in (0, 1)],
-    }
-    r = httpx.post(
-        f"{base}/api/v1/hosts/register", json=host, headers={"Authorization": f"Bearer {token}"}
-    )
-    assert r.status_code == 201, r.text
-    spec = {
-        "name": "shared",
-        "workload": {"builtin": "mlp"},
-        "global_batch": 64,
-        "iterations": 100,
-        "workers": 2,
-    }
-    r = httpx.post(f"{base}/api/v1/jobs", json=spec, headers=auth)
-    assert r.status_code == 201, r.text
-    job = int(r.json()["id"])
-    deadline = time.monotonic() + 20
-    while httpx.get(f"{base}/api/v1/jobs/{job}/plan", headers=auth).status_code != 200:
-        assert time.monotonic() < deadline, "the job never got its first plan"
-        time.sleep(0.1)
-    return job
-
-
 @POSTGRES_ONLY
 def test_an_override_through_one_server_answers_a_long_poll_held_by_the_other(
     two_servers: tuple[str, str, list[object]],
 ) -> None:
     a, b, _ = two_servers
     auth = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-    job = _job_with_plan(a)
+    job = job_with_plan(a)
     known = httpx.get(f"{b}/api/v1/jobs/{job}/plan", headers=auth).json()["version"]
     with ThreadPoolExecutor(1) as pool:
         waiting = pool.submit(

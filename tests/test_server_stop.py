@@ -14,9 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
-from contract.base import PROTOCOL_VERSION
 from evenflow.local_cluster import free_port
-from tests.harness import ADMIN_TOKEN, ROOT
+from tests.harness import ADMIN_TOKEN, ROOT, job_with_plan
 
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
@@ -48,31 +47,6 @@ def _start(tmp_path: Path, workers: int) -> tuple[str, subprocess.Popen[str]]:
         time.sleep(0.1)
 
 
-def _job_with_plan(base: str) -> tuple[int, int]:
-    token = httpx.post(
-        base + "/tokens", json={"name": "agent-h", "role": "agent", "host": "h"}, headers=AUTH
-    ).json()["token"]
-    host = {
-        "protocol_version": PROTOCOL_VERSION,
-        "name": "h",
-        "address": "127.0.0.1",
-        "devices": [{"index": i, "kind": "cpu", "model": "CPU", "memory_mb": 1024} for i in (0, 1)],
-    }
-    r = httpx.post(
-        base + "/hosts/register", json=host, headers={"Authorization": f"Bearer {token}"}
-    )
-    assert r.status_code == 201, r.text
-    spec = {"name": "j", "workload": {"builtin": "mlp"}, "global_batch": 64, "workers": 2}
-    r = httpx.post(base + "/jobs", json={**spec, "iterations": 100}, headers=AUTH)
-    assert r.status_code == 201, r.text
-    job = int(r.json()["id"])
-    deadline = time.monotonic() + 20
-    while (r := httpx.get(f"{base}/jobs/{job}/plan", headers=AUTH)).status_code != 200:
-        assert time.monotonic() < deadline, "the job never got its first plan"
-        time.sleep(0.1)
-    return job, int(r.json()["version"])
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_stopping_server_answers_its_long_polls_and_ends_its_streams(
@@ -81,7 +55,8 @@ def test_a_stopping_server_answers_its_long_polls_and_ends_its_streams(
     base, proc = _start(tmp_path, workers)
     out: dict[str, Any] = {}
     try:
-        job, version = _job_with_plan(base)
+        job = job_with_plan(base.removesuffix("/api/v1"))
+        version = int(httpx.get(f"{base}/jobs/{job}/plan", headers=AUTH).json()["version"])
 
         def long_poll() -> None:
             try:
