@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import select
 import signal
@@ -61,9 +60,13 @@ HOT_CHECK_S = 0.5
 """How often a round looks for new telemetry of hot jobs (one query over the newest rows)."""
 
 PLACE_GAP_S = 1.0
-"""Placement passes start at most this often. A fleet asks for placement several times a
-second (each submission, each job that ends), and a pass reads every pending job and the free
-devices (``scheduler.place_pending``); one asked for after a quiet second starts at once."""
+"""Placement passes start once per this many seconds when asked for all the time, after a
+burst of ``PLACE_BURST`` at once (a token bucket: ``PassBudget``). A fleet asks for placement
+several times a second (each submission, each job that ends), and a pass reads every pending
+job and the free devices (``scheduler.place_pending``); a small cluster's few requests (a host
+registered, a job submitted) are each answered at once."""
+
+PLACE_BURST = 4
 
 PLACE_EVERY_S = 5.0
 """...and at least this often, asked or not: the reasons of the jobs still waiting are brought
@@ -116,8 +119,6 @@ class Controller:
         """Hot job -> its newest telemetry row id when a round last looked."""
         self._place_wake = threading.Event()
         """A job was submitted or devices freed since placement last ran (``placements``)."""
-        self._placed_at = -math.inf
-        """Monotonic time the last placement pass started."""
         self.round_stats = RoundStats(settings.controller_report_s)
         self.active_since: datetime | None = None
         """When this controller last took the controller lock: no host's silence before it
@@ -296,19 +297,21 @@ class Controller:
 
     def placements(self, stop: threading.Event, done: threading.Event) -> None:
         """Place pending jobs whenever asked (``poke`` with ``PLACEMENT``, or the reaper freed
-        devices) and every ``PLACE_EVERY_S``, a pass starting at most every ``PLACE_GAP_S``,
-        until ``stop`` or ``done``. A thread of its own: a pass may take seconds at fleet scale
+        devices) and every ``PLACE_EVERY_S``, passes paced by ``PassBudget``, until ``stop``
+        or ``done``. A thread of its own: a pass may take seconds at fleet scale
         (an ILP per job, solved by CBC in a process of its own), during which the rounds go on
         sweeping. In the rounds' thread it took 18% of the controller's time at 1,250 hosts,
         waiting for CBC, and a submission waited for the job being swept to finish."""
+        budget = PassBudget(PLACE_GAP_S, PLACE_BURST)
         while not (stop.is_set() or done.is_set()):
             self._place_wake.wait(PLACE_EVERY_S)
-            gap = PLACE_GAP_S - (time.monotonic() - self._placed_at)
-            if gap > 0 and (stop.wait(gap) or done.is_set()):
+            wait = budget.wait_s(time.monotonic())
+            if wait > 0 and (stop.wait(wait) or done.is_set()):
                 break
             if stop.is_set() or done.is_set():
                 break
             self._place_wake.clear()
+            budget.take(time.monotonic())
             try:
                 self.place()
             except Exception:  # a failed pass must not stop placement
@@ -327,7 +330,6 @@ class Controller:
                 placed = scheduler.place_pending(s, now, hold=self.settings.queue_hold)
                 return [job.id for job in placed]
 
-        self._placed_at = time.monotonic()
         placed_ids = run_retrying(once, PLACE_ATTEMPTS, "placement")
         for job_id in placed_ids:
             log.info("job %d placed", job_id)
@@ -396,6 +398,29 @@ class Controller:
             action = "hosts.loss_paused" if sweep.paused else "hosts.loss_resumed"
             detail = {"silent": sweep.silent, "active": sweep.active}
             record(session, "system", action, "hosts", detail)
+
+
+class PassBudget:
+    """A token bucket for placement passes: up to ``burst`` may start at once, then one per
+    ``every_s``."""
+
+    def __init__(self, every_s: float, burst: int) -> None:
+        self.every_s, self.burst = every_s, burst
+        self._tokens = float(burst)
+        self._at = time.monotonic()
+
+    def _refill(self, now: float) -> None:
+        self._tokens = min(float(self.burst), self._tokens + (now - self._at) / self.every_s)
+        self._at = now
+
+    def wait_s(self, now: float) -> float:
+        """How long until a pass may start."""
+        self._refill(now)
+        return 0.0 if self._tokens >= 1 else (1 - self._tokens) * self.every_s
+
+    def take(self, now: float) -> None:
+        self._refill(now)
+        self._tokens -= 1
 
 
 class RoundStats:
