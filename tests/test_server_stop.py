@@ -21,6 +21,7 @@ AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 
 def _start(tmp_path: Path, workers: int) -> tuple[str, subprocess.Popen[str]]:
+    """``evenflow server`` with its output captured; its root URL and process."""
     env = {
         **os.environ,
         "PYTHONPATH": str(ROOT),
@@ -33,12 +34,12 @@ def _start(tmp_path: Path, workers: int) -> tuple[str, subprocess.Popen[str]]:
     proc = subprocess.Popen(
         cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    base = f"http://127.0.0.1:{port}/api/v1"
+    root = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while True:
         try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return base, proc
+            if httpx.get(root + "/api/v1/health", timeout=1).status_code == 200:
+                return root, proc
         except httpx.TransportError:
             pass
         if time.monotonic() > deadline or proc.poll() is not None:
@@ -52,10 +53,11 @@ def _start(tmp_path: Path, workers: int) -> tuple[str, subprocess.Popen[str]]:
 def test_a_stopping_server_answers_its_long_polls_and_ends_its_streams(
     tmp_path: Path, workers: int
 ) -> None:
-    base, proc = _start(tmp_path, workers)
+    root, proc = _start(tmp_path, workers)
+    base = root + "/api/v1"
     out: dict[str, Any] = {}
     try:
-        job = job_with_plan(base.removesuffix("/api/v1"))
+        job = job_with_plan(root)
         version = int(httpx.get(f"{base}/jobs/{job}/plan", headers=AUTH).json()["version"])
 
         def long_poll() -> None:
