@@ -85,6 +85,7 @@ serialised, stored and rebuilt.
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, insort
 from dataclasses import dataclass, field
 from statistics import median
 from typing import Any
@@ -178,6 +179,10 @@ class RankState:
     base_its: list[int] = field(default_factory=list)
     base: list[float] = field(default_factory=list)
     """Log-ratios of the latest normal samples (and their iterations)."""
+    base_sorted: list[float] = field(default_factory=list)
+    """``base`` in ascending order, kept up to date as samples come and go (``baseline`` runs
+    for every sample of every rank; sorting the window each time was most of its cost). A
+    length that differs from ``base``'s (state from before this field) is sorted afresh."""
     up: float = 0.0
     up_from: int | None = None
     run: list[float] = field(default_factory=list)
@@ -209,15 +214,18 @@ def _trim(values: list[Any], keep: int) -> None:
 
 
 def baseline(state: RankState, config: DetectorConfig) -> tuple[float, float]:
-    """``(mu, sigma)``: the rank's normal log-ratio level and noise scale (see module doc)."""
+    """``(mu, sigma)``: the rank's normal level and noise scale (see the module doc)."""
     if len(state.base) < config.min_samples:
         return 0.0, config.sigma_prior
+    if len(state.base_sorted) != len(state.base):
+        state.base_sorted = sorted(state.base)
     bound = math.log(config.max_bias)
-    # Called for every sample of every rank: the median once, and the deviations as a list
-    # (``statistics.median``'s own arithmetic, so the same values to the last bit).
-    center = _median_of_sorted(sorted(state.base))
+    # Called for every sample of every rank: from the kept sorted window, the median and the
+    # median deviation from it without building the deviations (``statistics.median``'s own
+    # arithmetic on the same values, so the same result to the last bit).
+    center = _median_of_sorted(state.base_sorted)
     mu = min(bound, max(-bound, center))
-    sigma = MAD_TO_SIGMA * _median_of_sorted(sorted([abs(b - center) for b in state.base]))
+    sigma = MAD_TO_SIGMA * median_deviation(state.base_sorted, center)
     return mu, max(config.sigma_floor, sigma)
 
 
@@ -226,6 +234,43 @@ def _median_of_sorted(data: list[float]) -> float:
     n = len(data)
     i = n // 2
     return data[i] if n % 2 == 1 else (data[i - 1] + data[i]) / 2
+
+
+def median_deviation(data: list[float], center: float) -> float:
+    """``statistics.median(abs(v - center) for v in data)`` of a sorted, non-empty ``data``, in
+    O(log n) steps: deviations fall then rise along sorted data, so the ``m`` smallest are those
+    of a run of ``m`` neighbouring values, and the largest of a run is at one of its ends. The
+    run of the ``n // 2 + 1`` nearest values is found by bisection (the "k closest elements"
+    search); its largest deviation is the median's upper middle, and for an even ``n`` the run
+    less that end holds the lower middle."""
+    n = len(data)
+    m = n // 2 + 1
+    lo, hi = 0, n - m
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if center - data[mid] > data[mid + m] - center:
+            lo = mid + 1
+        else:
+            hi = mid
+    first, last = abs(data[lo] - center), abs(data[lo + m - 1] - center)
+    upper = max(first, last)
+    if n % 2 == 1:
+        return upper
+    if first >= last:  # the run without its first value
+        lower = max(abs(data[lo + 1] - center), last)
+    else:  # the run without its last value
+        lower = max(first, abs(data[lo + m - 2] - center))
+    return (lower + upper) / 2
+
+
+def _keep_base(state: RankState, config: DetectorConfig) -> None:
+    """Trim the baseline to its window after samples were added, and the sorted copy with it."""
+    excess = len(state.base) - config.baseline_window
+    if excess > 0:
+        for old in state.base[:excess]:
+            del state.base_sorted[bisect_left(state.base_sorted, old)]
+        del state.base[:excess]
+    _trim(state.base_its, config.baseline_window)
 
 
 def current_level(state: RankState, config: DetectorConfig) -> float:
@@ -339,14 +384,18 @@ def _normal(
             return []  # one-sided evidence never enters the baseline
         state.base_its.append(iteration)
         state.base.append(x)
-        _trim(state.base_its, config.baseline_window)
-        _trim(state.base, config.baseline_window)
+        if len(state.base_sorted) == len(state.base) - 1:
+            insort(state.base_sorted, x)
+        else:  # state from before ``base_sorted``
+            state.base_sorted = sorted(state.base)
+        _keep_base(state, config)
         return []
     # Open: the samples of the run belong to the event, not to the normal baseline.
     start = state.up_from
     keep = [i for i, it in enumerate(state.base_its) if it < start]
     state.base_its = [state.base_its[i] for i in keep]
     state.base = [state.base[i] for i in keep]
+    state.base_sorted = sorted(state.base)
     state.start, state.detected, state.confirmed = start, iteration, None
     state.kind = StragglerKind.TRANSIENT.value
     state.mu, state.k, state.h = mu, k, h
@@ -444,6 +493,7 @@ def _close(state: RankState, iteration: int, config: DetectorConfig) -> EventUpd
     state.base.extend(state.down_logs)
     _trim(state.base_its, config.baseline_window)
     _trim(state.base, config.baseline_window)
+    state.base_sorted = sorted(state.base)
     state.start, state.confirmed, state.kind, state.logs = None, None, "", []
     state.down, state.down_from, state.down_its, state.down_logs = 0.0, None, [], []
     return EventUpdate(Change.CLOSED, event, iteration)

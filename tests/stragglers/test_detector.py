@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -20,6 +21,7 @@ from server.stragglers import (
     detect,
     iteration_stats,
 )
+from server.stragglers.changepoint import MAD_TO_SIGMA, baseline, median_deviation
 
 from .synthetic import MODELS, series
 
@@ -351,3 +353,85 @@ def test_a_severe_slowdown_is_actionable_once_detected_and_still_unconfirmed(
     else:  # open or not yet: either way not acted on before confirmation
         assert not health.straggling and not health.actionable and first is None
     assert not any(h.straggling for r, h in detector.health().items() if r != rank)
+
+
+# ---------------------------------------------------------------- the baseline's sorted window
+
+
+def _reference_baseline(base: list[float], config: DetectorConfig) -> tuple[float, float]:
+    """``baseline`` as first written: the window sorted afresh, deviations built as a list."""
+    if len(base) < config.min_samples:
+        return 0.0, config.sigma_prior
+    bound = math.log(config.max_bias)
+    center = statistics.median(base)
+    sigma = MAD_TO_SIGMA * statistics.median([abs(b - center) for b in base])
+    return min(bound, max(-bound, center)), max(config.sigma_floor, sigma)
+
+
+_VALUES = st.one_of(
+    st.floats(-5.0, 5.0, allow_nan=False),
+    st.sampled_from([-0.5, 0.0, 0.1, 0.1, 0.25, 1.0]),  # ties, and ties across the center
+)
+
+
+@settings(max_examples=400, deadline=None, derandomize=True)
+@given(
+    data=st.lists(_VALUES, min_size=1, max_size=70),
+    center=st.one_of(st.none(), st.floats(-6.0, 6.0, allow_nan=False)),
+)
+def test_median_deviation_is_the_median_of_the_deviations_to_the_last_bit(
+    data: list[float], center: float | None
+) -> None:
+    ordered = sorted(data)
+    c = statistics.median(data) if center is None else center
+    assert median_deviation(ordered, c) == statistics.median([abs(v - c) for v in data])
+
+
+@FAST
+@given(
+    rank=st.integers(0, 2),
+    onset=st.integers(10, 120),
+    length=st.integers(1, 60),
+    factor=st.floats(1.2, 10.0),
+    noise=st.floats(0.0, 0.15),
+    with_models=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_the_kept_sorted_window_gives_the_baseline_of_a_fresh_sort(
+    rank: int,
+    onset: int,
+    length: int,
+    factor: float,
+    noise: float,
+    with_models: bool,
+    seed: int,
+) -> None:
+    """Samples enter, leave at the window's end, are dropped when an event opens and come back
+    when it closes: after every iteration each rank's baseline is what sorting gives."""
+    models, batches = fleet(3)
+    slow = [RankSlowdown(rank, onset, onset + length, factor)]
+    window = series(models, batches, 220, slow, noise=noise, seed=seed, kind="gaussian")
+    detector = Detector()
+    config = detector.config
+    for it in range(220):
+        detector.observe(
+            [t for t in window if t.iteration == it],
+            dict(enumerate(models)) if with_models else None,
+        )
+        for state in detector.state.ranks:
+            assert state.base_sorted == sorted(state.base)
+            assert baseline(state, config) == _reference_baseline(state.base, config)
+
+
+def test_state_stored_before_the_sorted_window_restores_the_same_detector() -> None:
+    models, batches = fleet(3)
+    window = series(models, batches, 200, [RankSlowdown(1, 90, 150, 2.0)], noise=0.08, seed=3)
+    ms = dict(enumerate(models))
+    expected = Detector().observe(window, ms)
+    first = Detector()
+    got = first.observe([t for t in window if t.iteration < 120], ms)
+    old = first.to_dict()
+    for r in old["ranks"]:
+        del r["base_sorted"]  # as stored before the field existed
+    got += Detector.from_dict(old).observe([t for t in window if t.iteration >= 120], ms)
+    assert got == expected
