@@ -14,7 +14,8 @@ noise, the batch sizes following the job's current plan, then runs one controlle
 rounds (exploration, the first plans: jobs are settled), ``--rounds`` rounds are measured:
 
   - controller CPU ms per swept job (``time.thread_time`` of the sweeping thread), split by
-    phase: tracker (``Tracker.update``: new rows, progress), rebalance (``_rebalance``:
+    phase: rows (``control_loop.take_in``: the job's new telemetry rows, read once and taken
+    in by the tracker, the fit window and the watch), rebalance (``_rebalance``:
     due/propose/apply), watch (``watch_job``: the straggler watch, with its normal-model
     refresh and the ladder as sub-phases) and the rest (the job's load, transactions);
   - PostgreSQL CPU ms per swept job: the CPU time of this database's backends across the
@@ -91,14 +92,17 @@ def _timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def instrument() -> None:
     """Wrap the phases where the control loop looks them up (module globals, at call time)."""
-    control_loop.Tracker.update = _timed("tracker", control_loop.Tracker.update)  # type: ignore[method-assign]
-    for name, label in (("_rebalance", "rebalance"), ("watch_job", "watch")):
+    for name, label in (
+        ("take_in", "rows"),  # one read of the new rows for the three below
+        ("_rebalance", "rebalance"),
+        ("watch_job", "watch"),
+    ):
         if hasattr(control_loop, name):
             setattr(control_loop, name, _timed(label, getattr(control_loop, name)))
     for name, label in (
         ("_refresh_normal", "watch.refresh_normal"),
         ("_mitigate", "watch.ladder"),
-        ("_timings", "watch.timings"),
+        ("_take", "watch.timings"),
     ):
         if hasattr(stragglers, name):
             setattr(stragglers, name, _timed(label, getattr(stragglers, name)))
@@ -281,7 +285,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             }
     ms = lambda seconds: round(1000 * seconds / swept, 2)  # noqa: E731
     phases = {name: ms(t) for name, t in sorted(_spent.items())}
-    top = sum(_spent[k] for k in ("tracker", "rebalance", "watch"))
+    top = sum(_spent[k] for k in ("rows", "rebalance", "watch"))
     phases["rest"] = ms(cpu - top)
     return {
         "sizes": sizes,

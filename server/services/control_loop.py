@@ -15,10 +15,17 @@ from sqlalchemy.orm import Session
 
 from contract.enums import JobStatus, PlanSource
 from server.models import IterationTelemetry, Job, StragglerEvent
-from server.services import memory, rebalancer, stragglers
+from server.services import memory, rebalancer
 from server.services.audit import record
 from server.services.memory import OOM_EVENT
-from server.services.rebalancer import FitWindow, LastDecision, Progress, Tracker
+from server.services.rebalancer import (
+    REREAD_IDS,
+    FitWindow,
+    LastDecision,
+    NewRows,
+    Progress,
+    Tracker,
+)
 from server.services.stragglers import Watch, watch_job
 
 
@@ -28,11 +35,13 @@ class LoopState:
     restart it is rebuilt from the database, costing one early decision)."""
 
     decisions: dict[int, LastDecision] = field(default_factory=dict)
+    readers: dict[int, NewRows] = field(default_factory=dict)
+    """Each job's reader of new telemetry rows: read once per sweep for the three below."""
     watches: dict[int, Watch] = field(default_factory=dict)
     trackers: dict[int, Tracker] = field(default_factory=dict)
     windows: dict[int, FitWindow] = field(default_factory=dict)
-    """Each job's fit window between decisions (``rebalancer.FitWindow``), while the job has
-    decisions ahead (dropped once a ``static`` or ``adaptive`` job settles)."""
+    """Each job's fit window (``rebalancer.FitWindow``), for the rebalancer's decisions and the
+    straggler watch's normal models."""
     decided_at: dict[int, float] = field(default_factory=dict)
     """Monotonic time of each job's last rebalancer decision."""
     telemetry_mark: int = 0
@@ -62,6 +71,7 @@ class LoopState:
     def _tables(self) -> tuple[dict[int, Any], ...]:
         return (
             self.decisions,
+            self.readers,
             self.watches,
             self.trackers,
             self.windows,
@@ -106,9 +116,6 @@ def jobs_to_sweep(session: Session, state: LoopState, live: list[int]) -> list[i
     ]
 
 
-REREAD_IDS = 5000
-
-
 def newest_telemetry(session: Session, state: LoopState, job_ids: list[int]) -> dict[int, int]:
     """The newest telemetry row id of each of ``job_ids`` among the rows added since the round
     began (``jobs_to_sweep``'s mark, less ``REREAD_IDS`` on PostgreSQL): one range scan of the
@@ -136,16 +143,25 @@ def sweep(session: Session, state: LoopState, *, watch: bool = True) -> list[tup
     return made
 
 
+def take_in(session: Session, state: LoopState, job: Job) -> Progress:
+    """Read the job's new telemetry rows once (``NewRows``) and hand them to its tracker, fit
+    window and straggler watch; the job's progress."""
+    rows = state.readers.setdefault(job.id, NewRows()).read(session, job)
+    progress = state.trackers.setdefault(job.id, Tracker()).absorb(session, job, rows)
+    state.windows.setdefault(job.id, FitWindow()).add(session, job, rows, rebalancer.FIT_WINDOW)
+    state.watches.setdefault(job.id, Watch()).add(rows)
+    return progress
+
+
 def prefetch(session: Session, state: LoopState, job_id: int) -> None:
-    """The reading part of ``sweep_job``'s next call: the job's new telemetry rows (progress,
-    and the straggler watch's timings). The server runs it in a transaction of its own before
-    taking SQLite's writer lock for ``sweep_job``, which then reads only what came since."""
+    """The reading part of ``sweep_job``'s next call: the job's new telemetry rows
+    (``take_in``). The server runs it in a transaction of its own before taking SQLite's writer
+    lock for ``sweep_job``, which then reads only what came since."""
     job = session.get(Job, job_id)
     if job is None or JobStatus(job.status).terminal:
         return
     state.follow(job)
-    progress = state.trackers.setdefault(job.id, Tracker()).update(session, job)
-    stragglers.prefetch(session, job, state.watches.setdefault(job.id, Watch()), progress)
+    take_in(session, state, job)
 
 
 def sweep_job(
@@ -155,8 +171,8 @@ def sweep_job(
     if job is None or JobStatus(job.status).terminal:
         return []
     state.follow(job)
-    tracker = state.trackers.setdefault(job.id, Tracker())
-    progress = tracker.update(session, job)
+    progress = take_in(session, state, job)
+    tracker = state.trackers[job.id]
     if tracker.ooms:
         planned = _out_of_memory(session, job, tracker, state.windows.get(job.id))
         if planned is not None:
@@ -173,8 +189,10 @@ def sweep_job(
         return []
     last = state.decisions.get(job.id)
     settled = last is not None and not last.exploring
-    w = state.watches.setdefault(job.id, Watch())
-    version = watch_job(session, job, w, progress, mitigate=settled)
+    w = state.watches[job.id]
+    version = watch_job(
+        session, job, w, progress, mitigate=settled, window=state.windows.get(job.id)
+    )
     return [(job.id, version)] if version is not None else []
 
 
@@ -242,11 +260,9 @@ def _rebalance(session: Session, job: Job, state: LoopState, progress: Progress)
         session,
         job,
         current_from_guesses=last is not None and last.exploring,
-        kept=state.windows.setdefault(job.id, FitWindow()),
+        kept=state.windows.get(job.id),
     )
     memo[job.id] = LastDecision(p.complete_through, decision.exploring)
-    if not decision.exploring and job.job_spec.policy.name in rebalancer.SETTLED_AFTER_WARMUP:
-        state.windows.pop(job.id, None)  # no decision ahead (``rebalancer.due``)
     version = rebalancer.apply(session, job, decision, PlanSource.AUTOMATIC, by="rebalancer")
     if version is not None:
         record(

@@ -15,9 +15,12 @@ Frozen jobs and the ``equal`` policy are never re-planned automatically.
 
 from __future__ import annotations
 
+from bisect import bisect_right, insort
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
+from typing import Any
 
 from sqlalchemy import Row, bindparam, func, select
 from sqlalchemy.orm import Session
@@ -62,16 +65,63 @@ class Progress:
     """Last iteration every rank has reported."""
 
 
+REREAD_IDS = 5000
+"""On PostgreSQL ids are handed out before commit, so a row can become visible after rows with
+larger ids: readers by id look this many ids back again (``NewRows``)."""
+
+_NEW = select(
+    IterationTelemetry.id,
+    IterationTelemetry.rank,
+    IterationTelemetry.iteration,
+    IterationTelemetry.plan_version,
+    IterationTelemetry.probe,
+    IterationTelemetry.oom_batch,
+    IterationTelemetry.batch_size,
+    IterationTelemetry.compute_ms,
+    IterationTelemetry.pass_size,
+)
+"""A new row as the control loop's readers take it (Core rows: no ORM loading per row)."""
+NewRow = Row[int, int, int, int, bool, int | None, int, float, int | None]
+
+
+@dataclass
+class NewRows:
+    """A job's telemetry rows added since the last look, by id. The control loop reads them
+    once per sweep and hands them to the tracker, the fit window and the straggler watch, which
+    each read them on their own before (the same rows three times, a third of a fleet
+    controller's sweep). The first read is the job's whole raw history.
+
+    On PostgreSQL the last ``REREAD_IDS`` ids are read again (``REREAD_IDS``), and a row read
+    again is not handed out again (``seen``)."""
+
+    last_id: int = 0
+    seen: set[int] = field(default_factory=set)
+    """Ids handed out within the re-read margin."""
+
+    def read(self, session: Session, job: Job) -> list[NewRow]:
+        T = IterationTelemetry
+        reread = REREAD_IDS if session.get_bind().dialect.name == "postgresql" else 0
+        query = _NEW.where(T.job_id == job.id, T.id > self.last_id - reread)
+        rows = session.connection().execute(query).all()
+        if reread:
+            rows = [r for r in rows if r[0] not in self.seen]
+        if rows:
+            self.last_id = max(self.last_id, max(int(r[0]) for r in rows))
+            if reread:
+                floor = self.last_id - reread
+                self.seen = {i for i in self.seen if i > floor}
+                self.seen.update(int(r[0]) for r in rows if r[0] > floor)
+        return rows  # type: ignore[return-value]
+
+
 @dataclass
 class Tracker:
     """A job's progress, kept up to date from the telemetry rows added since the last look
-    (by id), so a control-loop round costs what is new, not the job's whole history.
+    (``NewRows``), so a control-loop round costs what is new, not the job's whole history."""
 
-    On PostgreSQL ids are handed out before commit, so a row can become visible after rows with
-    larger ids: the last ``reread`` ids are read again (max and min are idempotent)."""
-
-    last_id: int = 0
-    reread: int = 0
+    started: bool = False
+    """Whether the tracker has taken in rows (the first time it also learns when the job's plans
+    took effect from its rolled-up history)."""
     max_iteration: dict[int, int] = field(default_factory=dict)
     """rank -> newest iteration reported outside probes."""
     first_of_version: dict[int, int] = field(default_factory=dict)
@@ -86,21 +136,21 @@ class Tracker:
     """The job's number of ranks, counted once: an attempt keeps its ranks (one that leaves
     stays listed, ``departed``), and a restart starts a new tracker. Loading the workers to
     count them was a tenth of a steady sweep (256 entities per round for a 256-rank job)."""
+    reader: NewRows = field(default_factory=NewRows)
+    """The tracker's own reader, for ``update`` (the control loop shares one: ``absorb``)."""
 
     def update(self, session: Session, job: Job) -> Progress:
-        T = IterationTelemetry
-        if session.get_bind().dialect.name == "postgresql":
-            self.reread = 5000
-        new = select(T.id, T.rank, T.iteration, T.plan_version, T.probe, T.oom_batch).where(
-            T.job_id == job.id, T.id > self.last_id - self.reread
-        )
-        if self.last_id == 0:  # a fresh tracker: history older than the window is rolled up
+        """Read the job's new rows and take them in."""
+        return self.absorb(session, job, self.reader.read(session, job))
+
+    def absorb(self, session: Session, job: Job, rows: Sequence[NewRow]) -> Progress:
+        """Take in rows not taken before (``NewRows``); the job's progress."""
+        if not self.started:  # history older than the raw window is rolled up
             self.first_of_version.update(retention.first_iteration_of_versions(session, job.id))
-        rows = session.connection().execute(new).all()  # Core rows: no ORM loading per row
-        for row_id, rank, iteration, version, probe, oom in rows:
-            self.last_id = max(self.last_id, int(row_id))
+            self.started = True
+        for _, rank, iteration, version, probe, oom, *_ in rows:
             if oom is not None and (rank, iteration) not in self.oom_seen:
-                self.oom_seen.add((rank, iteration))  # re-read rows are not reported twice
+                self.oom_seen.add((rank, iteration))
                 self.ooms.append((int(rank), int(iteration), int(oom)))
             if not probe:
                 self.max_iteration[rank] = max(self.max_iteration.get(rank, -1), int(iteration))
@@ -137,11 +187,9 @@ def fits(
     session: Session, job: Job, *, window: int = FIT_WINDOW, kept: FitWindow | None = None
 ) -> list[ModelFit | None]:
     """A fitted model per rank from the recent window (None for a rank never seen with samples).
-    ``kept``: the job's window as the last decision left it, brought up to date with the rows
-    added since (the control loop's); without it the window is read whole."""
-    by_rank = (
-        kept.read(session, job, window) if kept is not None else observed(session, job, window)
-    )
+    ``kept``: the job's window as the control loop keeps it up to date (``FitWindow.add``);
+    without it the window is read whole."""
+    by_rank = kept.observations() if kept is not None else observed(session, job, window)
     spec = job.job_spec
     return [
         fit_model(
@@ -168,91 +216,94 @@ def observed(session: Session, job: Job, window: int = FIT_WINDOW) -> dict[int, 
             .execute(_ROWS.where(T.job_id == job.id, T.iteration > last - window))
             .all()
         )
-        for _, rank, obs in _converted(session, job, rows):
+        caps = memory.caps_by_version(session, job.id) if rows else {}
+        for rank, obs in _converted(rows, caps):
             by_rank[rank].append(obs)
     return by_rank
 
 
 _ROWS = select(
-    IterationTelemetry.id,
     IterationTelemetry.rank,
     IterationTelemetry.iteration,
-    IterationTelemetry.batch_size,
-    IterationTelemetry.compute_ms,
     IterationTelemetry.plan_version,
     IterationTelemetry.probe,
+    IterationTelemetry.batch_size,
+    IterationTelemetry.compute_ms,
     IterationTelemetry.pass_size,
 )
 """What an observation is made of (Core rows: no ORM loading per row)."""
-_Row = Row[int, int, int, int, float, int, bool, int | None]
 
 
 def _converted(
-    session: Session, job: Job, rows: Sequence[_Row]
-) -> Iterator[tuple[int, int, Observation]]:
-    """(row id, rank, observation as the single-pass model sees it) of rows with samples."""
-    caps = memory.caps_by_version(session, job.id) if rows else {}
-    for row_id, rank, iteration, batch, compute, version, probe, pass_size in rows:
+    rows: Iterable[Sequence[Any]], caps: dict[int, list[int | None]]
+) -> Iterator[tuple[int, Observation]]:
+    """(rank, observation as the single-pass model sees it) of rows with samples; ``rows`` are
+    ``_ROWS`` rows, ``caps`` the memory caps of the plans they ran under, by version."""
+    for rank, iteration, version, probe, batch, compute, pass_size in rows:
         if batch <= 0:
             continue
         cap = pass_size or (
             None if probe or not caps else _cap_in(caps.get(int(version)), int(rank))
         )
         if not cap or batch <= cap:  # ``_one_pass``'s own case, without the call per row
-            yield int(row_id), int(rank), Observation(int(batch), float(compute), int(iteration))
+            yield int(rank), Observation(int(batch), float(compute), int(iteration))
         else:
-            yield int(row_id), int(rank), _one_pass(int(batch), float(compute), int(iteration), cap)
+            yield int(rank), _one_pass(int(batch), float(compute), int(iteration), cap)
+
+
+_BY_ITERATION = attrgetter("iteration")
 
 
 @dataclass
 class FitWindow:
     """The observations of a job's recent window (``FIT_WINDOW`` iterations back from the
-    newest reported), kept between its decisions so that each reads only the rows added since
-    the last. An exploring job decides every ``explore_iterations`` (10) iterations, a
-    ``minmax`` one every ``rebalance_every`` (20), and each decision read its whole window
-    again: 200 iterations x ranks rows, the controller's largest cost in the fleet bench (38%
-    of its samples).
+    newest reported), kept up to date from the rows the control loop reads each sweep
+    (``NewRows``), for the rebalancer's decisions and the straggler watch's normal models.
+    Read whole for each decision and each refresh of the normal models, the window was the
+    controller's largest cost in the fleet bench; kept, each row is read and converted once.
 
-    On PostgreSQL ids are handed out before commit, so a row can become visible after rows
-    with larger ids: the last ``reread`` ids are read again, as ``Tracker`` does, and a row
-    read twice is taken once (``seen``)."""
+    Per rank, in iteration order (a row that turns up late, on PostgreSQL, takes its place),
+    as ``observed`` reads them."""
 
-    last_id: int = 0
     newest: int | None = None
-    """The newest iteration of any row read (the window ends there)."""
-    rows: dict[int, tuple[int, Observation]] = field(default_factory=dict)
-    """Row id -> (rank, its observation), in id order."""
-    seen: set[int] = field(default_factory=set)
-    """Ids of the rows read within the ``reread`` margin: a row read again is not taken again
-    (rows without samples and rows already out of the window are not in ``rows``)."""
+    """The newest iteration of any row taken (the window ends there)."""
+    by_rank: dict[int, list[Observation]] = field(default_factory=dict)
+    caps: dict[int, list[int | None] | None] = field(default_factory=dict)
+    """The memory caps of the plan versions met so far (None: none); plans never change."""
+    reader: NewRows = field(default_factory=NewRows)
+    """The window's own reader, for ``read`` (the control loop feeds it: ``add``)."""
 
     def read(self, session: Session, job: Job, window: int) -> dict[int, list[Observation]]:
         """``observed(session, job, window)``, from the rows added since the last read."""
-        T = IterationTelemetry
-        reread = 5000 if session.get_bind().dialect.name == "postgresql" else 0
-        if self.last_id == 0:  # the first read: the window, not the job's whole history
-            last = session.scalar(select(func.max(T.iteration)).where(T.job_id == job.id))
-            if last is None:
-                return {}
-            query = _ROWS.where(T.job_id == job.id, T.iteration > last - window)
-        else:
-            query = _ROWS.where(T.job_id == job.id, T.id > self.last_id - reread)
-        fresh = [r for r in session.connection().execute(query).all() if r[0] not in self.seen]
-        if fresh:
-            late = min(r[0] for r in fresh) < self.last_id
-            self.last_id = max(self.last_id, max(int(r[0]) for r in fresh))
-            self.seen.update(int(r[0]) for r in fresh)
-            self.seen = {i for i in self.seen if i > self.last_id - reread}
-            newest = max(int(r[2]) for r in fresh)
-            self.newest = newest if self.newest is None else max(self.newest, newest)
-            self.rows.update((i, (rank, obs)) for i, rank, obs in _converted(session, job, fresh))
-            cutoff = self.newest - window
-            ordered = sorted(self.rows.items()) if late else self.rows.items()
-            self.rows = {i: ro for i, ro in ordered if ro[1].iteration > cutoff}
-        by_rank: dict[int, list[Observation]] = defaultdict(list)
-        for rank, obs in self.rows.values():
-            by_rank[rank].append(obs)
-        return by_rank
+        self.add(session, job, self.reader.read(session, job), window)
+        return self.observations()
+
+    def add(self, session: Session, job: Job, rows: Sequence[NewRow], window: int) -> None:
+        """Take in rows not taken before (``NewRows``) and let the oldest leave."""
+        if not rows:
+            return
+        newest = max(int(r[2]) for r in rows)
+        self.newest = newest if self.newest is None else max(self.newest, newest)
+        cutoff = self.newest - window
+        versions = {int(r[3]) for r in rows} - set(self.caps)
+        if versions:
+            known = memory.caps_by_version(session, job.id)
+            self.caps.update({v: known.get(v) for v in versions})
+        caps = {v: c for v, c in self.caps.items() if c}
+        fresh = ((r[1], r[2], r[3], r[4], r[6], r[7], r[8]) for r in rows if r[2] > cutoff)
+        for rank, obs in _converted(fresh, caps):
+            kept = self.by_rank.setdefault(rank, [])
+            if kept and kept[-1].iteration > obs.iteration:
+                insort(kept, obs, key=_BY_ITERATION)
+            else:
+                kept.append(obs)
+        for kept in self.by_rank.values():
+            if kept and kept[0].iteration <= cutoff:
+                del kept[: bisect_right(kept, cutoff, key=_BY_ITERATION)]
+
+    def observations(self) -> dict[int, list[Observation]]:
+        """Per rank, the window's observations (ranks with some)."""
+        return {rank: list(kept) for rank, kept in self.by_rank.items() if kept}
 
 
 def _cap_in(caps: list[int | None] | None, rank: int) -> int | None:

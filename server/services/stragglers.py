@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from sqlalchemy import bindparam, func, select
@@ -28,7 +29,7 @@ from server.models import StragglerEvent as EventRow
 from server.planner import PerfModel
 from server.services import plans, rebalancer
 from server.services.audit import record
-from server.services.rebalancer import Progress
+from server.services.rebalancer import FitWindow, NewRow, Progress
 from server.stragglers import (
     Change,
     ComputeTiming,
@@ -82,8 +83,11 @@ class Watch:
     quiet_since: dict[int, int] = field(default_factory=dict)
     """rank -> the iteration its last event ended: its fits mix slow and normal timings until a
     whole fit window has passed after that."""
-    prefetched: tuple[int, list[ComputeTiming]] | None = None
-    """``(after, timings)`` read by ``prefetch`` for the next round, outside its transaction."""
+    pending: dict[int, list[tuple[int, int, float, int]]] = field(default_factory=dict)
+    """iteration -> ``(rank, batch, compute ms, plan version)`` of the rows with samples not fed
+    to the detector yet (``add``): an iteration is fed once every rank has reported it."""
+    newest: int = -1
+    """The newest iteration of any row added."""
     normal_version: int = 0
     """Counts the changes to ``normal``: part of what the ladder last decided on."""
     rested: tuple[tuple[object, ...], int] | None = None
@@ -96,58 +100,51 @@ class Watch:
     """``(device ids, every one a CPU)`` of the job's workers: what ``ladder_config`` needs to
     know about the devices, read once per set of devices rather than a device a round."""
 
+    def add(self, rows: Sequence[NewRow]) -> None:
+        """Keep the new rows (``NewRows``, read once per sweep by the control loop) with samples
+        of iterations not fed yet; a fresh watch starts ``REPLAY`` iterations back."""
+        if not rows:
+            return
+        self.newest = max(self.newest, max(int(r[2]) for r in rows))
+        after = self.after()
+        pending = self.pending
+        for _, rank, iteration, version, _, _, batch, compute, _ in rows:
+            if batch > 0 and iteration > after:
+                group = pending.get(iteration)
+                if group is None:
+                    group = pending[int(iteration)] = []
+                group.append((int(rank), int(batch), float(compute), int(version)))
+        if self.fed_through < 0:  # the replay's start moves with the newest iteration
+            for iteration in [i for i in pending if i <= after]:
+                del pending[iteration]
 
-def _feed_from(session: Session, job: Job, watch: Watch) -> int:
-    """The last iteration already fed to the detector (on a fresh watch: ``REPLAY`` back)."""
-    if watch.fed_through >= 0:
-        return watch.fed_through
-    last = session.scalar(
-        select(IterationTelemetry.iteration)
-        .where(IterationTelemetry.job_id == job.id)
-        .order_by(IterationTelemetry.iteration.desc())
-        .limit(1)
-    )
-    return -1 if last is None else max(-1, int(last) - REPLAY)
+    def after(self) -> int:
+        """The last iteration already fed to the detector (on a fresh watch: ``REPLAY`` back)."""
+        return self.fed_through if self.fed_through >= 0 else max(-1, self.newest - REPLAY)
 
 
-def prefetch(session: Session, job: Job, watch: Watch, progress: Progress) -> None:
-    """Read the timings the next ``watch_job`` round will feed, ahead of it. Telemetry rows are
-    never changed once stored, so the server reads them before it takes SQLite's writer lock
-    for the round (a flood's worth of rows took that lock from ingest for 100s of ms)."""
-    if progress.complete_through is None:
-        return
-    after = _feed_from(session, job, watch)
-    watch.prefetched = (after, _timings(session, job, watch, after, progress.complete_through))
-
-
-def _timings(
-    session: Session, job: Job, watch: Watch, after: int, through: int
-) -> list[ComputeTiming]:
-    """Timings of iterations (after, through], at most ``MAX_TIMINGS_PER_ROUND`` of them and
-    only whole iterations: under a flood the watch catches up over rounds instead of holding
-    the interpreter (and the API's event loop) for one long round. Each carries the rank's batch
-    in its plan, so the detector judges an epoch's final partial batch at its size."""
-    T = IterationTelemetry
-    window = (
-        select(T.rank, T.iteration, T.batch_size, T.compute_ms, T.plan_version)
-        .where(T.job_id == job.id, T.iteration > after, T.iteration <= through, T.batch_size > 0)
-        .order_by(T.iteration, T.rank)
-        .limit(MAX_TIMINGS_PER_ROUND + 1)
-    )
-    rows = session.connection().execute(window).all()  # Core rows: no ORM loading per row
-    if len(rows) > MAX_TIMINGS_PER_ROUND:
-        last = rows[-1][1]
-        whole = [r for r in rows if r[1] < last]
-        rows = whole or rows  # one iteration wider than the cap still goes through whole
-    versions = {int(r[4]) for r in rows}
+def _take(session: Session, job: Job, watch: Watch, through: int) -> list[ComputeTiming]:
+    """The kept timings of iterations up to ``through`` (``Watch.add``), by iteration then rank,
+    at most ``MAX_TIMINGS_PER_ROUND`` of them and only whole iterations: under a flood the watch
+    catches up over rounds instead of holding the interpreter for one long round. Each carries
+    the rank's batch in its plan, so the detector judges an epoch's final partial batch at its
+    size."""
+    after = watch.after()
+    rows: list[tuple[int, int, int, float, int]] = []
+    for iteration in sorted(i for i in watch.pending if i <= through):
+        group = watch.pending[iteration]
+        if iteration > after:
+            if rows and len(rows) + len(group) > MAX_TIMINGS_PER_ROUND:
+                break  # one iteration wider than the cap still goes through whole
+            group.sort()
+            rows += [(r, iteration, b, c, v) for r, b, c, v in group]
+        del watch.pending[iteration]
+    versions = {r[4] for r in rows}
     known = watch.plan_sizes
     planned = {v: known[v] for v in versions if v in known}
     planned |= _planned(session, job, versions - set(known))
     watch.plan_sizes = planned
-    return [
-        ComputeTiming(int(r), int(i), int(b), float(c), int(v), _at(planned.get(int(v)), int(r)))
-        for r, i, b, c, v in rows
-    ]
+    return [ComputeTiming(r, i, b, c, v, _at(planned.get(v), r)) for r, i, b, c, v in rows]
 
 
 def _planned(session: Session, job: Job, versions: set[int]) -> dict[int, list[int]]:
@@ -166,13 +163,16 @@ def _at(sizes: list[int] | None, rank: int) -> int | None:
     return sizes[rank] if sizes is not None and 0 <= rank < len(sizes) else None
 
 
-def _refresh_normal(session: Session, job: Job, watch: Watch, through: int) -> None:
+def _refresh_normal(
+    session: Session, job: Job, watch: Watch, through: int, window: FitWindow | None
+) -> None:
     """Take the rebalancer's fits as the normal models of ranks that have been quiet (no open
-    event, none ended within a fit window): a fit spanning a slowdown would absorb it."""
+    event, none ended within a fit window): a fit spanning a slowdown would absorb it. From the
+    control loop's kept ``window`` when given (else read whole)."""
     straggling = {e.rank for e in watch.detector.open_events()}
     for rank in straggling:
         watch.quiet_since[rank] = through
-    for rank, fit in enumerate(rebalancer.fits(session, job)):
+    for rank, fit in enumerate(rebalancer.fits(session, job, kept=window)):
         if rank in straggling or fit is None or not fit.identifiable or fit.model is None:
             continue
         if (
@@ -465,21 +465,23 @@ def _ladder_rests(job: Job, watch: Watch, iteration: int) -> bool:
 
 
 def watch_job(
-    session: Session, job: Job, watch: Watch, progress: Progress, *, mitigate: bool
+    session: Session,
+    job: Job,
+    watch: Watch,
+    progress: Progress,
+    *,
+    mitigate: bool,
+    window: FitWindow | None = None,
 ) -> int | None:
-    """One round for one job: detect and store events; with ``mitigate`` (an ``adaptive`` job
-    whose models the rebalancer has identified) ask the ladder too."""
+    """One round for one job: feed the detector the iterations every rank has reported since
+    (``Watch.add`` kept them) and store its events; with ``mitigate`` (an ``adaptive`` job whose
+    models the rebalancer has identified) ask the ladder too. ``window``: the job's fit window
+    as the control loop keeps it, for the normal models."""
     spec = job.job_spec
-    # Only ``watch_job`` moves ``fed_through``, so a prefetch always starts where this would.
-    ahead, watch.prefetched = watch.prefetched, None
-    after = ahead[0] if ahead is not None else _feed_from(session, job, watch)
-    # Feed only iterations every rank has reported: later rows come next round.
+    # Feed only iterations every rank has reported: later rows wait in ``watch.pending``.
     if progress.complete_through is None:
         return None
-    if ahead is not None and ahead[1]:
-        timings = ahead[1]  # read by ``prefetch``; what came since is next round's
-    else:
-        timings = _timings(session, job, watch, after, progress.complete_through)
+    timings = _take(session, job, watch, progress.complete_through)
     if not timings:
         return None
     complete = timings[-1].iteration
@@ -494,7 +496,7 @@ def watch_job(
         and since >= REFRESH_EVERY
         and (since >= REFRESH_STEADY or not _steady(job, watch))
     ):
-        _refresh_normal(session, job, watch, complete)
+        _refresh_normal(session, job, watch, complete, window)
         watch.refreshed_through = complete
         seen = progress.effective_from is not None and (
             complete - progress.effective_from >= rebalancer.HALF_LIFE

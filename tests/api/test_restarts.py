@@ -278,10 +278,10 @@ def test_the_control_loop_forgets_what_it_learnt_about_an_earlier_attempt() -> N
     first, other = Job(id=1, attempt=0), Job(id=2, attempt=0)
     for job in (first, other):
         state.follow(job)
-        state.trackers[job.id] = Tracker(last_id=99)
+        state.trackers[job.id] = Tracker(world=99)
         state.decided_at[job.id] = 1.0
     state.follow(first)  # the same attempt: nothing forgotten
-    assert state.trackers[1].last_id == 99
+    assert state.trackers[1].world == 99
     state.follow(Job(id=1, attempt=1))
     assert 1 not in state.trackers and 1 not in state.decided_at
-    assert state.attempts == {1: 1, 2: 0} and state.trackers[2].last_id == 99
+    assert state.attempts == {1: 1, 2: 0} and state.trackers[2].world == 99

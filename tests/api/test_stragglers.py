@@ -334,9 +334,9 @@ def test_a_steady_job_refits_its_normal_models_less_often_until_something_happen
     refits: list[int] = []
     refresh = stragglers._refresh_normal
 
-    def counting(session: Any, job: Any, watch: Any, through: int) -> None:
+    def counting(session: Any, job: Any, watch: Any, through: int, window: Any) -> None:
         refits.append(through)
-        refresh(session, job, watch, through)
+        refresh(session, job, watch, through, window)
 
     monkeypatch.setattr(stragglers, "_refresh_normal", counting)
     c = Cluster(api, "adaptive", slow={2: (200, 300, 3.0)})
@@ -437,11 +437,14 @@ def test_the_watch_reads_a_plans_batch_sizes_once(api: Api) -> None:
         sa_event.remove(context.engine, "before_cursor_execute", count)
     versions = c.plan()["version"]
     assert 1 <= len(reads) <= versions, (len(reads), versions)  # not one per round (30)
-    timings = stragglers._timings  # what the cache keeps matches the plans
-    with transaction(context.sessions) as s:
+    with transaction(context.sessions) as s:  # what the cache keeps matches the plans
         job = s.get(Job, c.job)
         assert job is not None
-        watch = stragglers.Watch()
-        fresh = timings(s, job, watch, 0, 29)
-        cached = timings(s, job, watch, 0, 29)
+        rows = rebalancer.NewRows().read(s, job)
+        first = stragglers.Watch()
+        first.add(rows)
+        fresh = stragglers._take(s, job, first, 29)
+        again = stragglers.Watch(plan_sizes=dict(first.plan_sizes))
+        again.add(rows)
+        cached = stragglers._take(s, job, again, 29)
     assert fresh == cached and all(t.planned_batch is not None for t in fresh)
