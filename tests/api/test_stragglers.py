@@ -448,3 +448,41 @@ def test_the_watch_reads_a_plans_batch_sizes_once(api: Api) -> None:
         again.add(rows)
         cached = stragglers._take(s, job, again, 29)
     assert fresh == cached and all(t.planned_batch is not None for t in fresh)
+
+
+def test_a_sweep_reads_the_jobs_new_telemetry_once(api: Api) -> None:
+    """The tracker, the fit window (the rebalancer's decisions, the watch's normal models) and
+    the straggler watch take the same new rows: one read of them per sweep, and never the
+    window again, through refreshes of the normal models and decisions alike."""
+    from sqlalchemy import event as sa_event
+
+    c = Cluster(api, "minmax", slow={2: (150, 170, 3.0)})
+    c.run(120)  # explored and settled; the rebalancer decides every 10 iterations
+    context = api.client.app.state.context  # type: ignore[attr-defined]
+    reads: list[str] = []
+    sweep = control_loop.sweep
+    sweeping = False
+
+    def count(*args: Any) -> None:
+        query = str(args[2])
+        if sweeping and "FROM iteration_telemetry" in query and "compute_ms" in query:
+            reads.append(query)
+
+    def counted(*a: Any, **kw: Any) -> Any:
+        nonlocal sweeping
+        sweeping = True
+        try:
+            return sweep(*a, **kw)
+        finally:
+            sweeping = False
+
+    sa_event.listen(context.engine, "before_cursor_execute", count)
+    control_loop.sweep = counted  # type: ignore[assignment]
+    try:
+        c.run(100)  # decisions, normal-model refreshes, an event opened and closed
+    finally:
+        control_loop.sweep = sweep  # type: ignore[assignment]
+        sa_event.remove(context.engine, "before_cursor_execute", count)
+    assert len(reads) == 100, len(reads)
+    assert [e["rank"] for e in c.events()] == [2]
+    assert len(c.plans()) > 3  # the rebalancer went on deciding from the kept window
