@@ -89,6 +89,8 @@ class CpuMeter:
         self.t0 = time.monotonic()
         self.seen: dict[tuple[int, float], tuple[str, float, float]] = {}
         """(pid, start time) -> (kind, CPU seconds when first seen, when last seen)."""
+        self.peak_mb: dict[str, float] = defaultdict(float)
+        """Per kind, the most resident memory its processes held together at one sample."""
         self.sample(first=True)
 
     def _ours(self) -> list[tuple[psutil.Process, str]]:
@@ -98,6 +100,7 @@ class CpuMeter:
         return [*kinds, (psutil.Process(), "generator")]
 
     def sample(self, first: bool = False) -> None:
+        held: dict[str, float] = defaultdict(float)
         for p, kind in self._ours():
             with contextlib.suppress(psutil.Error):
                 key = (p.pid, p.create_time())
@@ -106,6 +109,9 @@ class CpuMeter:
                 was = self.seen.get(key)
                 start = was[1] if was is not None else (used if first else 0.0)
                 self.seen[key] = (kind, start, used)
+                held[kind] += p.memory_info().rss / 2**20
+        for kind, mb in held.items():
+            self.peak_mb[kind] = max(self.peak_mb[kind], mb)
 
     async def sample_every(self, seconds: float, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -733,6 +739,7 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
         await asyncio.sleep(max(0.0, args.seconds - (time.monotonic() - started)))
         elapsed = time.monotonic() - started
         out["cores_used"] = cpu.cores_used()
+        out["peak_resident_mb"] = {k: round(v) for k, v in sorted(cpu.peak_mb.items())}
         answers1 = await fleet.heartbeat_sources()
         lost = hosts_lost(db_url, measured_from)
         await fleet.shut_down()
