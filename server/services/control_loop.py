@@ -203,7 +203,11 @@ def _out_of_memory(
     policy, ``equal`` included: the plan carries the caps the ranks accumulate under). A fresh
     tracker re-reads the whole history, so a report already recorded is not recorded again."""
     reports, tracker.ooms = tracker.ooms, []
-    caps = memory.caps(session, job)
+    caps = (
+        memory.caps(session, job)
+        if kept is None
+        else memory.caps(session, job, kept.memory, kept.plan_caps())
+    )
     known = {
         (e.rank, e.start_iteration)
         for e in session.scalars(

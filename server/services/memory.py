@@ -17,7 +17,7 @@ peak memory). Reading only; the rebalancer plans with the caps and stores them w
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -83,45 +83,94 @@ def caps_by_version(session: Session, job_id: int) -> dict[int, list[int | None]
     return {int(v): list(c) for v, c in rows if c}
 
 
-def recent(session: Session, job: Job) -> tuple[dict[int, list[MemoryObservation]], dict[int, int]]:
+MemoryRow = tuple[int, int, int, float | None, bool, int | None, int | None]
+"""``(rank, plan version, batch, peak MB, probe, pass size, oom batch)`` of a telemetry row."""
+
+
+@dataclass
+class KeptMemory:
+    """The rows of a job's recent window that measured a peak or ran out of memory, kept up to
+    date by the control loop from the rows it reads each sweep (``rebalancer.FitWindow``), so
+    a decision's caps need no read of the window. Most jobs keep none (CPU ranks measure no
+    peak): their caps come from out-of-memory events alone, with no read of the devices."""
+
+    rows: list[tuple[int, MemoryRow]] = field(default_factory=list)
+    """``(iteration, row)``, oldest first (but for rows that turned up late)."""
+    newest: int | None = None
+
+    def add(self, rows: list[tuple[int, MemoryRow]], newest: int | None) -> None:
+        self.newest = newest
+        if newest is None:
+            return
+        cutoff = newest - WINDOW
+        self.rows += [r for r in rows if r[0] > cutoff]
+        old = 0
+        while old < len(self.rows) and self.rows[old][0] <= cutoff:
+            old += 1
+        del self.rows[:old]
+
+    def window(self) -> list[MemoryRow]:
+        """The kept rows within ``WINDOW`` iterations of the newest."""
+        if self.newest is None:
+            return []
+        cutoff = self.newest - WINDOW
+        return [row for iteration, row in self.rows if iteration > cutoff]
+
+
+def recent(
+    session: Session,
+    job: Job,
+    kept: KeptMemory | None = None,
+    plan_caps: dict[int, list[int | None]] | None = None,
+) -> tuple[dict[int, list[MemoryObservation]], dict[int, int]]:
     """Per rank, from the recent window: (pass size, peak MB) of its iterations that measured
     their peak; and the smallest pass size that ran out of memory, from the ``oom`` events
     (kept after old telemetry is rolled up) and the recent telemetry (reports not yet turned
     into events by the control loop). One read of the window for both: a decision reads them
-    every time, and most jobs report neither (CPU ranks measure no peak)."""
+    every time, and most jobs report neither (CPU ranks measure no peak). With ``kept`` (and
+    its plans' caps, ``plan_caps``) the window is the control loop's, not read."""
     T, E = IterationTelemetry, StragglerEvent
-    last = session.scalar(select(func.max(T.iteration)).where(T.job_id == job.id))
+    rows: list[MemoryRow] = []
+    if kept is not None:
+        rows = kept.window()
+        caps = plan_caps or {}
+    else:
+        last = session.scalar(select(func.max(T.iteration)).where(T.job_id == job.id))
+        if last is not None:
+            rows = [
+                tuple(r)  # type: ignore[misc]
+                for r in session.execute(
+                    select(
+                        T.rank,
+                        T.plan_version,
+                        T.batch_size,
+                        T.peak_memory_mb,
+                        T.probe,
+                        T.pass_size,
+                        T.oom_batch,
+                    ).where(
+                        T.job_id == job.id,
+                        T.iteration > last - WINDOW,
+                        ((T.batch_size > 0) & T.peak_memory_mb.is_not(None))
+                        | T.oom_batch.is_not(None),
+                    )
+                )
+            ]
+        caps = caps_by_version(session, job.id) if rows else {}
     seen: dict[int, list[MemoryObservation]] = defaultdict(list)
     failed: dict[int, int] = {}
-    if last is not None:
-        rows = session.execute(
-            select(
-                T.rank,
-                T.plan_version,
-                T.batch_size,
-                T.peak_memory_mb,
-                T.probe,
-                T.pass_size,
-                T.oom_batch,
-            ).where(
-                T.job_id == job.id,
-                T.iteration > last - WINDOW,
-                ((T.batch_size > 0) & T.peak_memory_mb.is_not(None)) | T.oom_batch.is_not(None),
-            )
-        ).all()
-        caps = caps_by_version(session, job.id) if rows else {}
-        for rank, version, batch, peak, probe, pass_size, oom in rows:
-            if oom is not None:
-                failed[int(rank)] = min(failed.get(int(rank), int(oom)), int(oom))
-            if batch <= 0 or peak is None:
-                continue
-            plan_caps = caps.get(int(version))
-            cap = plan_caps[rank] if plan_caps and rank < len(plan_caps) and not probe else None
-            if pass_size is not None:  # the rank says which pass the peak belongs to
-                size = int(pass_size)
-            else:
-                size = int(batch) if not cap else min(int(batch), int(cap))
-            seen[int(rank)].append(MemoryObservation(size, float(peak)))
+    for rank, version, batch, peak, probe, pass_size, oom in rows:
+        if oom is not None:
+            failed[int(rank)] = min(failed.get(int(rank), int(oom)), int(oom))
+        if batch <= 0 or peak is None:
+            continue
+        plan_caps_v = caps.get(int(version))
+        cap = plan_caps_v[rank] if plan_caps_v and rank < len(plan_caps_v) and not probe else None
+        if pass_size is not None:  # the rank says which pass the peak belongs to
+            size = int(pass_size)
+        else:
+            size = int(batch) if not cap else min(int(batch), int(cap))
+        seen[int(rank)].append(MemoryObservation(size, float(peak)))
     for event in session.scalars(select(E).where(E.job_id == job.id, E.kind == OOM_EVENT)):
         ran = event.detail.get("batch")
         if event.rank is not None and isinstance(ran, int):
@@ -131,9 +180,18 @@ def recent(session: Session, job: Job) -> tuple[dict[int, list[MemoryObservation
 
 def ranks(session: Session, job: Job) -> list[RankMemory]:
     """Every rank's memory picture and cap (see the module docstring)."""
+    seen, failed = recent(session, job)
+    return _ranks(session, job, seen, failed)
+
+
+def _ranks(
+    session: Session,
+    job: Job,
+    seen: dict[int, list[MemoryObservation]],
+    failed: dict[int, int],
+) -> list[RankMemory]:
     headroom = job.job_spec.policy.memory_headroom
     devices = device_memory(session, job)
-    seen, failed = recent(session, job)
     out = []
     for rank, device_mb in enumerate(devices):
         fit = fit_memory(seen[rank]) if seen.get(rank) else None
@@ -150,5 +208,16 @@ def ranks(session: Session, job: Job) -> list[RankMemory]:
     return out
 
 
-def caps(session: Session, job: Job) -> tuple[int | None, ...]:
-    return tuple(r.cap for r in ranks(session, job))
+def caps(
+    session: Session,
+    job: Job,
+    kept: KeptMemory | None = None,
+    plan_caps: dict[int, list[int | None]] | None = None,
+) -> tuple[int | None, ...]:
+    """Every rank's cap; with ``kept``, from the control loop's window (``recent``). A job
+    none of whose ranks measured a peak has caps from out-of-memory reports alone, and needs
+    no read of its devices."""
+    seen, failed = recent(session, job, kept, plan_caps)
+    if seen or kept is None:
+        return tuple(r.cap for r in _ranks(session, job, seen, failed))
+    return tuple(failed[r] - 1 if r in failed else None for r in range(len(job.workers)))

@@ -79,9 +79,10 @@ _NEW = select(
     IterationTelemetry.batch_size,
     IterationTelemetry.compute_ms,
     IterationTelemetry.pass_size,
+    IterationTelemetry.peak_memory_mb,
 )
 """A new row as the control loop's readers take it (Core rows: no ORM loading per row)."""
-NewRow = Row[int, int, int, int, bool, int | None, int, float, int | None]
+NewRow = Row[int, int, int, int, bool, int | None, int, float, int | None, float | None]
 
 
 @dataclass
@@ -270,6 +271,8 @@ class FitWindow:
     by_rank: dict[int, list[Observation]] = field(default_factory=dict)
     caps: dict[int, list[int | None] | None] = field(default_factory=dict)
     """The memory caps of the plan versions met so far (None: none); plans never change."""
+    memory: memory.KeptMemory = field(default_factory=memory.KeptMemory)
+    """The window's rows that measured a peak or ran out of memory (``memory.caps``)."""
     reader: NewRows = field(default_factory=NewRows)
     """The window's own reader, for ``read`` (the control loop feeds it: ``add``)."""
 
@@ -289,7 +292,7 @@ class FitWindow:
         if versions:
             known = memory.caps_by_version(session, job.id)
             self.caps.update({v: known.get(v) for v in versions})
-        caps = {v: c for v, c in self.caps.items() if c}
+        caps = self.plan_caps()
         fresh = ((r[1], r[2], r[3], r[4], r[6], r[7], r[8]) for r in rows if r[2] > cutoff)
         for rank, obs in _converted(fresh, caps):
             kept = self.by_rank.setdefault(rank, [])
@@ -300,6 +303,18 @@ class FitWindow:
         for kept in self.by_rank.values():
             if kept and kept[0].iteration <= cutoff:
                 del kept[: bisect_right(kept, cutoff, key=_BY_ITERATION)]
+        self.memory.add(
+            [
+                (int(r[2]), (int(r[1]), int(r[3]), int(r[6]), r[9], bool(r[4]), r[8], r[5]))
+                for r in rows
+                if r[5] is not None or (r[9] is not None and r[6] > 0)
+            ],
+            self.newest,
+        )
+
+    def plan_caps(self) -> dict[int, list[int | None]]:
+        """The memory caps of the plan versions met so far, by version (plans with caps)."""
+        return {v: c for v, c in self.caps.items() if c}
 
     def observations(self) -> dict[int, list[Observation]]:
         """Per rank, the window's observations (ranks with some)."""
@@ -362,7 +377,10 @@ def propose(
             force=force,
             current_from_guesses=current_from_guesses,
             memory_caps=_caps_or_empty(
-                memory.caps(session, job), standing_pins if pins is None else pins
+                memory.caps(session, job)
+                if kept is None
+                else memory.caps(session, job, kept.memory, kept.plan_caps()),
+                standing_pins if pins is None else pins,
             ),
             current_caps=tuple(current.memory_caps or ()),
         )

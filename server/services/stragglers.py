@@ -108,7 +108,7 @@ class Watch:
         self.newest = max(self.newest, max(int(r[2]) for r in rows))
         after = self.after()
         pending = self.pending
-        for _, rank, iteration, version, _, _, batch, compute, _ in rows:
+        for _, rank, iteration, version, _, _, batch, compute, *_ in rows:
             if batch > 0 and iteration > after:
                 group = pending.get(iteration)
                 if group is None:

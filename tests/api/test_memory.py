@@ -8,7 +8,8 @@ from typing import Any
 from contract.base import PROTOCOL_VERSION
 from contract.enums import Role
 from server.db import transaction
-from server.services import control_loop
+from server.models import Job
+from server.services import control_loop, memory
 from tests.harness import Api
 
 SMALL_MB, BIG_MB = 12_288, 81_920
@@ -188,3 +189,49 @@ def test_after_an_out_of_memory_error_the_cap_comes_from_the_pass_that_fitted(ap
     small = api.client.get(f"/api/v1/jobs/{job}/models", headers=api.headers()).json()["items"][0]
     assert small["memory_cap"] == 60 and small["oom_batch"] == 100
     assert not small["memory_identifiable"]  # one pass size seen: a labelled guess
+
+
+def test_the_control_loops_kept_window_gives_the_caps_a_read_of_the_window_does(
+    api: Api,
+) -> None:
+    """The loop keeps the rows that measured a peak or ran out of memory as it reads them
+    (``memory.KeptMemory``); through plans with caps, passes, an out-of-memory report and rows
+    leaving the window, its caps are those of the window read from the database."""
+    job = _job_with_telemetry(api)
+    sessions = api.client.app.state.context.sessions  # type: ignore[attr-defined]
+    state = control_loop.LoopState()
+
+    def same() -> tuple[int | None, ...]:
+        with transaction(sessions) as s:
+            control_loop.sweep(s, state, watch=False)
+        with transaction(sessions) as s:
+            j = s.get(Job, job)
+            assert j is not None
+            kept = state.windows[job]
+            assert memory.recent(s, j, kept.memory, kept.plan_caps()) == memory.recent(s, j)
+            caps = memory.caps(s, j, kept.memory, kept.plan_caps())
+            assert caps == memory.caps(s, j)
+            return caps
+
+    assert same() == (71, 762)
+    version = api.client.get(f"/api/v1/jobs/{job}/plan", headers=api.headers()).json()["version"]
+    it = 12
+    for chunk in range(6):  # 300 iterations: the first ones leave the 200-iteration window
+        records = []
+        for _ in range(50):
+            b0 = 100 if it % 2 else 60  # over the cap of 71 every other iteration: two passes
+            extra = {"oom_batch": 150, "pass_size": 75} if chunk == 3 and it % 50 == 0 else {}
+            records += [
+                _rec(0, it, b0, 10 + 1.0 * b0, plan_version=version),
+                _rec(1, it, 200 - b0, 5 + 3.0 * (200 - b0), plan_version=version, **extra),
+            ]
+            it += 1
+        r = api.client.post(
+            f"/api/v1/jobs/{job}/telemetry", json={"records": records}, headers=api.headers()
+        )
+        assert r.status_code == 200, r.text
+        caps = same()
+        version = api.client.get(f"/api/v1/jobs/{job}/plan", headers=api.headers()).json()[
+            "version"
+        ]
+    assert caps[1] == 149  # below the pass that ran out of memory, after it left the window
