@@ -137,12 +137,6 @@ class Tracker:
     """The job's number of ranks, counted once: an attempt keeps its ranks (one that leaves
     stays listed, ``departed``), and a restart starts a new tracker. Loading the workers to
     count them was a tenth of a steady sweep (256 entities per round for a 256-rank job)."""
-    reader: NewRows = field(default_factory=NewRows)
-    """The tracker's own reader, for ``update`` (the control loop shares one: ``absorb``)."""
-
-    def update(self, session: Session, job: Job) -> Progress:
-        """Read the job's new rows and take them in."""
-        return self.absorb(session, job, self.reader.read(session, job))
 
     def absorb(self, session: Session, job: Job, rows: Sequence[NewRow]) -> Progress:
         """Take in rows not taken before (``NewRows``); the job's progress."""
@@ -273,13 +267,6 @@ class FitWindow:
     """The memory caps of the plan versions met so far (None: none); plans never change."""
     memory: memory.KeptMemory = field(default_factory=memory.KeptMemory)
     """The window's rows that measured a peak or ran out of memory (``memory.caps``)."""
-    reader: NewRows = field(default_factory=NewRows)
-    """The window's own reader, for ``read`` (the control loop feeds it: ``add``)."""
-
-    def read(self, session: Session, job: Job, window: int) -> dict[int, list[Observation]]:
-        """``observed(session, job, window)``, from the rows added since the last read."""
-        self.add(session, job, self.reader.read(session, job), window)
-        return self.observations()
 
     def add(self, session: Session, job: Job, rows: Sequence[NewRow], window: int) -> None:
         """Take in rows not taken before (``NewRows``) and let the oldest leave."""

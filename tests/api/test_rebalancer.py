@@ -202,8 +202,8 @@ _POSTS = st.lists(
 def test_a_kept_fit_window_reads_what_a_whole_read_does(
     api: Api, posts: list[tuple[int, list[int], bool]], window: int
 ) -> None:
-    """The control loop keeps each job's fit window between decisions and reads only the rows
-    added since; after every post it holds the same observations, in the same order, as the
+    """The control loop keeps each job's fit window, fed the rows added since its last read
+    (``NewRows``); after every post it holds the same observations, in the same order, as the
     window read whole (old iterations leave it, rows read again on PostgreSQL count once)."""
     if not api.client.get("/api/v1/hosts", headers=api.headers()).json()["items"]:
         api.register("fw", devices=3)
@@ -218,7 +218,7 @@ def _kept_against_whole(
     api: Api, job_id: int, posts: list[tuple[int, list[int], bool]], window: int
 ) -> None:
     token = api.token(Role.AGENT, host="fw")
-    kept = rebalancer.FitWindow()
+    kept, reader = rebalancer.FitWindow(), rebalancer.NewRows()
     context = api.client.app.state.context  # type: ignore[attr-defined]
     iteration = 0
     for adds, batches, late in posts:
@@ -248,7 +248,8 @@ def _kept_against_whole(
         with transaction(context.sessions) as s:
             job = s.get(Job, job_id)
             assert job is not None
-            incremental = kept.read(s, job, window)
+            kept.add(s, job, reader.read(s, job), window)
+            incremental = kept.observations()
             whole = rebalancer.observed(s, job, window)
         assert incremental == whole
         assert all(o.iteration > iteration - 1 - window for obs in whole.values() for o in obs)

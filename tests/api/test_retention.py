@@ -17,7 +17,7 @@ from server.controller import Controller
 from server.db import transaction
 from server.models import JOB_RANK, IterationTelemetry, Job, TelemetryRollup
 from server.services import retention, scheduler
-from server.services.rebalancer import Tracker
+from server.services.rebalancer import NewRows, Tracker
 from tests.harness import Api, make_settings
 from tests.ui.simulated import emulated_iteration
 
@@ -143,8 +143,9 @@ def test_a_fresh_tracker_still_knows_when_the_plan_took_effect(api: Api) -> None
     _post(api, job, range(300, 1000), 2)
     _roll_up_all(api, job, retention.Window(keep_iterations=200, keep_running_s=0))
     with transaction(context_of(api.client.app).sessions) as s:  # type: ignore[arg-type]
-        tracker = Tracker()
-        tracker.update(s, s.get(Job, job))  # type: ignore[arg-type]
+        tracker, j = Tracker(), s.get(Job, job)
+        assert j is not None
+        tracker.absorb(s, j, NewRows().read(s, j))
     assert tracker.first_of_version[2] == 300 and tracker.first_of_version[1] == 0
 
 
