@@ -85,12 +85,20 @@ _NEW = select(
 NewRow = Row[int, int, int, int, bool, int | None, int, float, int | None, float | None]
 
 
+FIRST_READ_ITERATIONS = 300
+"""A job's first read (a controller starting, or taking over from another) covers its last this
+many iterations: the fit window (``FIT_WINDOW``), the memory window (``memory.WINDOW``) and the
+straggler watch's replay (``stragglers.REPLAY``), not the raw history a retention window keeps
+(20,000 iterations a job, by default: a fleet's controller taking over read every job's whole
+raw history)."""
+
+
 @dataclass
 class NewRows:
     """A job's telemetry rows added since the last look, by id. The control loop reads them
     once per sweep and hands them to the tracker, the fit window and the straggler watch, which
     each read them on their own before (the same rows three times, a third of a fleet
-    controller's sweep). The first read is the job's whole raw history.
+    controller's sweep). The first read is the job's last ``FIRST_READ_ITERATIONS``.
 
     On PostgreSQL the last ``REREAD_IDS`` ids are read again (``REREAD_IDS``), and a row read
     again is not handed out again (``seen``)."""
@@ -98,14 +106,24 @@ class NewRows:
     last_id: int = 0
     seen: set[int] = field(default_factory=set)
     """Ids handed out within the re-read margin."""
+    after: int = -1
+    """The iteration the first read started after: rows of older iterations that the re-read
+    margin meets later were not handed out then and are not now."""
 
     def read(self, session: Session, job: Job) -> list[NewRow]:
         T = IterationTelemetry
         reread = REREAD_IDS if session.get_bind().dialect.name == "postgresql" else 0
-        query = _NEW.where(T.job_id == job.id, T.id > self.last_id - reread)
+        if self.last_id == 0:
+            newest = session.scalar(select(func.max(T.iteration)).where(T.job_id == job.id))
+            if newest is None:
+                return []
+            self.after = newest - FIRST_READ_ITERATIONS
+            query = _NEW.where(T.job_id == job.id, T.iteration > self.after)
+        else:
+            query = _NEW.where(T.job_id == job.id, T.id > self.last_id - reread)
         rows = session.connection().execute(query).all()
         if reread:
-            rows = [r for r in rows if r[0] not in self.seen]
+            rows = [r for r in rows if r[0] not in self.seen and r[2] > self.after]
         if rows:
             self.last_id = max(self.last_id, max(int(r[0]) for r in rows))
             if reread:
@@ -126,7 +144,9 @@ class Tracker:
     max_iteration: dict[int, int] = field(default_factory=dict)
     """rank -> newest iteration reported outside probes."""
     first_of_version: dict[int, int] = field(default_factory=dict)
-    """plan version -> first iteration any rank reported with it."""
+    """plan version -> first iteration any rank reported with it (rolled-up history included;
+    a version in force since before a fresh tracker's first read, ``FIRST_READ_ITERATIONS``
+    back, counts from there: a fresh control loop decides after ``FIRST_LOOK`` in any case)."""
     ooms: list[tuple[int, int, int]] = field(default_factory=list)
     """(rank, iteration, pass size) of out-of-memory reports not handled yet."""
     oom_seen: set[tuple[int, int]] = field(default_factory=set)

@@ -58,7 +58,7 @@ for every rank. A refit then sees more of the same batch sizes, so it moves the 
 little while refitting every rank (the largest cost of a settled job's sweep); a new plan or an
 event brings ``REFRESH_EVERY`` back."""
 MAX_TIMINGS_PER_ROUND = 4096
-REPLAY = 300
+REPLAY = rebalancer.FIRST_READ_ITERATIONS
 """Iterations replayed into a fresh detector (after a restart or for a new job)."""
 
 

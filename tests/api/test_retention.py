@@ -16,7 +16,7 @@ from server.context import context_of
 from server.controller import Controller
 from server.db import transaction
 from server.models import JOB_RANK, IterationTelemetry, Job, TelemetryRollup
-from server.services import retention, scheduler
+from server.services import control_loop, rebalancer, retention, scheduler
 from server.services.rebalancer import NewRows, Tracker
 from tests.harness import Api, make_settings
 from tests.ui.simulated import emulated_iteration
@@ -237,3 +237,35 @@ def test_every_iteration_is_counted_exactly_once(
             )
             assert kept_from is not None and kept_from <= max(0, newest - keep + 1)
             assert kept_from % retention.BUCKET == 0
+
+
+def test_a_fresh_control_loop_reads_a_long_jobs_recent_iterations_not_its_history(
+    api: Api,
+) -> None:
+    """A controller starting (or taking over) reads each job's last ``FIRST_READ_ITERATIONS``,
+    not the raw history retention keeps; its fit window, progress and straggler watch start
+    from them, and later reads take only the new rows."""
+    job = _job(api)
+    _post(api, job, range(0, 700), 1)
+    _post(api, job, range(700, 1500), 2)
+    state = control_loop.LoopState()
+    with transaction(context_of(api.client.app).sessions) as s:  # type: ignore[arg-type]
+        j = s.get(Job, job)
+        assert j is not None
+        j.plan_version = 2  # as if the controller had planned it (the tests' apps do not)
+        progress = control_loop.take_in(s, state, j)
+    recent = rebalancer.FIRST_READ_ITERATIONS
+    assert state.readers[job].last_id > 0
+    assert progress.complete_through == 1499
+    assert state.trackers[job].first_of_version == {2: 1500 - recent}  # from the window on
+    window = state.windows[job].observations()
+    assert {o.iteration for obs in window.values() for o in obs} == set(
+        range(1500 - rebalancer.FIT_WINDOW, 1500)
+    )
+    assert min(state.watches[job].pending) == 1500 - recent
+    _post(api, job, range(1500, 1510), 2)
+    with transaction(context_of(api.client.app).sessions) as s:  # type: ignore[arg-type]
+        j = s.get(Job, job)
+        assert j is not None
+        rows = state.readers[job].read(s, j)
+    assert sorted({r.iteration for r in rows}) == list(range(1500, 1510))
