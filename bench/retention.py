@@ -72,7 +72,9 @@ def _setup(client: TestClient, ranks: int) -> int:
     return int(r.json()["id"])
 
 
-def _fill(client: TestClient, job: int, ranks: int, iterations: int) -> None:
+def _fill(
+    client: TestClient, job: int, ranks: int, iterations: int, status: str = "succeeded"
+) -> None:
     ctx = context_of(client.app)  # type: ignore[arg-type]
     with ctx.engine.begin() as c:
         c.execute(
@@ -86,7 +88,9 @@ def _fill(client: TestClient, job: int, ranks: int, iterations: int) -> None:
             ),
             {"job": job, "its": iterations, "ranks": ranks},
         )
-        c.execute(text("UPDATE jobs SET status = 'succeeded' WHERE id = :job"), {"job": job})
+        c.execute(
+            text("UPDATE jobs SET status = :status WHERE id = :job"), {"job": job, "status": status}
+        )
 
 
 def _series_s(client: TestClient, job: int, repeat: int = 5) -> tuple[float, int]:
