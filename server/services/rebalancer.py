@@ -149,7 +149,6 @@ class Tracker:
     back, counts from there: a fresh control loop decides after ``FIRST_LOOK`` in any case)."""
     ooms: list[tuple[int, int, int]] = field(default_factory=list)
     """(rank, iteration, pass size) of out-of-memory reports not handled yet."""
-    oom_seen: set[tuple[int, int]] = field(default_factory=set)
     excluded: tuple[int | None, frozenset[int]] = (None, frozenset())
     """``(plan version, its ranks out of the all-reduce group)``: plans never change once
     made, so a round reads them only when the job has a new one."""
@@ -164,8 +163,7 @@ class Tracker:
             self.first_of_version.update(retention.first_iteration_of_versions(session, job.id))
             self.started = True
         for _, rank, iteration, version, probe, oom, *_ in rows:
-            if oom is not None and (rank, iteration) not in self.oom_seen:
-                self.oom_seen.add((rank, iteration))
+            if oom is not None:  # (job, rank, iteration) is unique; NewRows hands a row out once
                 self.ooms.append((int(rank), int(iteration), int(oom)))
             if not probe:
                 self.max_iteration[rank] = max(self.max_iteration.get(rank, -1), int(iteration))
