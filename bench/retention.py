@@ -72,6 +72,17 @@ def _setup(client: TestClient, ranks: int) -> int:
     return int(r.json()["id"])
 
 
+def quiet_settings(url: str) -> Settings:
+    """A bench app on ``url`` whose controller and reaper do not run on their own (the bench
+    drives them)."""
+    return Settings(
+        database_url=url,
+        admin_token=TOKEN,  # type: ignore[arg-type]
+        controller="none",
+        reaper_interval_s=3600,
+    )
+
+
 def _fill(
     client: TestClient, job: int, ranks: int, iterations: int, status: str = "succeeded"
 ) -> None:
@@ -125,12 +136,7 @@ def _sizes(client: TestClient) -> dict[str, int]:
 
 def run(iterations: int, ranks: int) -> dict[str, Any]:
     with database("postgresql") as url:
-        settings = Settings(
-            database_url=url,
-            admin_token=TOKEN,  # type: ignore[arg-type]
-            controller="none",
-            reaper_interval_s=3600,
-        )
+        settings = quiet_settings(url)
         with TestClient(create_app(settings)) as client:
             job = _setup(client, ranks)
             t0 = time.perf_counter()

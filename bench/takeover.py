@@ -31,10 +31,8 @@ from sqlalchemy import event
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.ingest import database
-from bench.retention import _fill, _setup
-from bench.stack import TOKEN
+from bench.retention import _fill, _setup, quiet_settings
 from server.app import create_app
-from server.config import Settings
 from server.context import context_of
 from server.db import transaction
 from server.services import control_loop, scheduler
@@ -50,12 +48,7 @@ _rows_read.count = 0  # type: ignore[attr-defined]
 
 def run(iterations: int, ranks: int, repeat: int) -> dict[str, Any]:
     with database("postgresql") as url:
-        settings = Settings(
-            database_url=url,
-            admin_token=TOKEN,  # type: ignore[arg-type]
-            controller="none",
-            reaper_interval_s=3600,
-        )
+        settings = quiet_settings(url)
         with TestClient(create_app(settings)) as client:
             ctx = context_of(client.app)  # type: ignore[arg-type]
             job = _setup(client, ranks)
