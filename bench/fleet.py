@@ -1,7 +1,7 @@
 """A simulated GPU fleet against a real `evenflow server` on PostgreSQL.
 
     python bench/fleet.py [--hosts 1250] [--gpus 8] [--jobs 200 per 1,250 hosts] [--seconds 120]
-                          [--telemetry-per host|rank] [--workers 1]
+                          [--ramp-max-s 300] [--telemetry-per host|rank] [--workers 1]
 
 Lightweight asyncio clients, no torch: every host registers its GPUs through the agent API and
 heartbeats every 2 s, reporting its workers' states; every running job's workers post their
@@ -12,7 +12,13 @@ long-polls its plan and trains at the batch sizes it says; jobs finish and new o
 submitted throughout; 10 jobs get a scripted 3x straggler. Bounded in time and count, loopback
 only.
 
-Reported: heartbeat and telemetry latency (p50/p99) and errors, ingest lag (newest iteration
+The fleet's start comes first and is reported on its own (``ramp``): all ``--jobs`` submitted
+at once, until they have all started (every rank placed, launched with a fresh credential and
+reported running), with the time it took and the heartbeat and telemetry latency meanwhile.
+That is a cold start, or a control plane back from an outage, not the running fleet's load:
+the ``--seconds`` measured after it are.
+
+Reported for the running fleet: heartbeat and telemetry latency (p50/p99) and errors, ingest lag (newest iteration
 stored behind newest sent, in seconds of training), controller round time against live jobs
 (from the controller's own log summary), straggler detection delay at load against the same
 job alone, placement time of a 64-worker job on the whole inventory (before the load, and at load
@@ -74,8 +80,9 @@ class Server:
 
 
 class CpuMeter:
-    """CPU seconds used by the server's API processes, its controller, PostgreSQL's backends and
-    this generator: which one saturates the machine first.
+    """CPU seconds used by the server's API processes, its controller (and the CBC solver it
+    runs for placement), PostgreSQL's backends and this generator: which one saturates the
+    machine first.
 
     Processes come and go (the pools close overflow connections, and their backends exit), so
     the meter samples every process's CPU time (``sample``, about once a second) and adds up
@@ -95,7 +102,7 @@ class CpuMeter:
 
     def _ours(self) -> list[tuple[psutil.Process, str]]:
         procs = [self.server, *self.server.children(recursive=True)]
-        kinds = [(p, "controller" if self._is_controller(p) else "api") for p in procs]
+        kinds = [(p, self._kind(p)) for p in procs]
         kinds += [(p, "postgres") for p in psutil.process_iter() if self._is_ours(p)]
         return [*kinds, (psutil.Process(), "generator")]
 
@@ -119,10 +126,15 @@ class CpuMeter:
             await asyncio.to_thread(self.sample)
 
     @staticmethod
-    def _is_controller(p: psutil.Process) -> bool:
+    def _kind(p: psutil.Process) -> str:
+        """``controller``, ``solver`` (a CBC process of the controller's placement, which a
+        pass over a fragmented inventory runs for seconds), or ``api``."""
         with contextlib.suppress(psutil.Error):
-            return "server.controller" in p.cmdline()
-        return False
+            if "server.controller" in p.cmdline():
+                return "controller"
+            if p.name().lower().startswith("cbc"):
+                return "solver"
+        return "api"
 
     def _is_ours(self, p: psutil.Process) -> bool:
         """A backend serving this database ("postgres: 15/main: user DB host(port) ...")."""
@@ -231,6 +243,11 @@ class Job:
     started: bool = False
     finished: bool = False
     detected_at_iteration: int | None = None
+    """Newest iteration sent when the straggler's event was first seen (end to end)."""
+    detector_iteration: int | None = None
+    """The iteration at which the server's detector raised it (the event's
+    ``detail.detected_iteration``): the detector's own delay, without the posting cadence, the
+    controller's round or this poll."""
 
 
 @dataclass
@@ -399,6 +416,28 @@ class Fleet:
         self.stats.jobs_submitted += 1
         return job
 
+    async def ramp(self, max_s: float) -> dict[str, Any]:
+        """Wait until the jobs submitted first have all started (or ended), at most ``max_s``;
+        what the start cost the fleet's requests."""
+        t0 = time.monotonic()
+        while not self.jobs:
+            await asyncio.sleep(0.2)
+        first = list(self.jobs.values())
+        while time.monotonic() - t0 < max_s:
+            if all(j.started or j.finished for j in first):
+                break
+            await asyncio.sleep(0.5)
+        s = self.stats
+        return {
+            "seconds": round(time.monotonic() - t0, 1),
+            "jobs": len(first),
+            "jobs_started": sum(1 for j in first if j.started),
+            "ranks_started": sum(j.size for j in first if j.started),
+            "heartbeat": quantiles(s.latency["heartbeat"]),
+            "telemetry": quantiles(s.latency["telemetry"]),
+            "errors": dict(s.errors),
+        }
+
     async def keep_jobs(self) -> None:
         """Keep ``--jobs`` jobs live: submit one whenever one finishes."""
         while not self.stop.is_set():
@@ -495,8 +534,10 @@ class Fleet:
                 continue
             status, body = await self.request("events", "GET", f"/api/v1/jobs/{job.id}/events")
             events = body.get("items", body) if isinstance(body, dict) else body
-            if status == 200 and any(e.get("rank") == 1 for e in events or []):
+            hits = [e for e in events or [] if e.get("rank") == 1] if status == 200 else []
+            if hits:
                 job.detected_at_iteration = job.sent
+                job.detector_iteration = (hits[0].get("detail") or {}).get("detected_iteration")
 
     def loop_task(self, coro: Any) -> None:
         self.tasks.append(asyncio.get_running_loop().create_task(coro))
@@ -695,6 +736,11 @@ def share_from_memory(before: dict[str, float], after: dict[str, float]) -> floa
     return round(delta.get("memory", 0.0) / total, 3) if total else None
 
 
+def after_onset(iteration: int | None) -> int | None:
+    """Iterations from the scripted slowdown's onset to ``iteration``."""
+    return None if iteration is None else iteration - STRAGGLER_ONSET
+
+
 async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, Any]:
     fleet = Fleet(srv.base, args, db_url)
     limit = args.connections or args.hosts + 2 * args.jobs + 64
@@ -711,23 +757,27 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
             raise RuntimeError(f"could not submit a job: {fleet.last_error.get('submit')}")
         while alone.detected_at_iteration is None and not alone.finished:
             await asyncio.sleep(0.5)
-        out["detection_alone_iterations"] = (
-            None
-            if alone.detected_at_iteration is None
-            else alone.detected_at_iteration - STRAGGLER_ONSET
-        )
+        out["detection_alone_iterations"] = after_onset(alone.detected_at_iteration)
+        out["detector_alone_iterations"] = after_onset(alone.detector_iteration)
         # Placement on the whole inventory with room for it, before the load starts.
         out["placement_s_64_workers_idle"] = await fleet.placement_time(64)
+        # The fleet's start: --jobs submitted at once and started, reported on its own (a cold
+        # start, or a control plane back after an outage, not the running fleet's load).
+        fleet.stats = Stats()
+        fleet.loop_task(fleet.sample_loop_lag())
+        ramp_from = time.monotonic()
+        fleet.loop_task(fleet.keep_jobs())
+        out["ramp"] = await fleet.ramp(args.ramp_max_s)
+        out["ramp"]["heartbeat_p99_ms_by_10s"] = by_window(fleet.stats, "heartbeat", ramp_from, 10)
+        # The running fleet: jobs finish and new ones start throughout.
         fleet.stats = Stats()
         size0 = db_size(db_url)
         cpu = CpuMeter(srv.pid, make_url(db_url).database or "")
         fleet.loop_task(cpu.sample_every(1.0, fleet.stop))
-        fleet.loop_task(fleet.sample_loop_lag())
         answers0 = await fleet.heartbeat_sources()
         started = time.monotonic()
         out["measured_from_unix"] = round(time.time(), 1)
         measured_from = datetime.now(UTC)
-        fleet.loop_task(fleet.keep_jobs())
         fleet.loop_task(fleet.sample_lag())
         await asyncio.sleep(args.seconds * 0.3)
         stragglers = [
@@ -745,9 +795,8 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
         await fleet.shut_down()
         size1 = db_size(db_url)
     s = fleet.stats
-    delays = [
-        j.detected_at_iteration - STRAGGLER_ONSET for j in stragglers if j.detected_at_iteration
-    ]
+    delays = [after_onset(j.detected_at_iteration) for j in stragglers if j.detected_at_iteration]
+    detector = [after_onset(j.detector_iteration) for j in stragglers if j.detector_iteration]
     live = [j for j in fleet.jobs.values() if j.started and not j.finished]
     workers = sum(j.size for j in live)
     out.update(
@@ -774,6 +823,7 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
             "jobs_finished": s.jobs_finished,
             "workers_running_at_end": workers,
             "detection_at_load_iterations": delays,
+            "detector_at_load_iterations": detector,
             "stragglers_undetected": sum(1 for j in stragglers if j.detected_at_iteration is None),
             "db_growth_mb_per_hour": round((size1 - size0) / 2**20 * 3600 / elapsed, 1),
             "db_mb_per_worker_day": round(
@@ -797,7 +847,14 @@ def main() -> None:
         default=None,
         help="jobs kept live (default: 200 per 1,250 hosts, the issue's fleet, in proportion)",
     )
-    ap.add_argument("--seconds", type=float, default=120.0)
+    ap.add_argument("--seconds", type=float, default=120.0, help="the running fleet's")
+    ap.add_argument(
+        "--ramp-max-s",
+        type=float,
+        default=300.0,
+        help="the fleet's start (every job submitted at once) is measured apart, until all of "
+        "them have started or this many seconds",
+    )
     ap.add_argument("--telemetry-per", choices=["host", "rank"], default="host")
     ap.add_argument("--workers", type=int, default=1, help="API processes of the server")
     ap.add_argument(
