@@ -13,16 +13,19 @@ submitted throughout; 10 jobs get a scripted 3x straggler. Bounded in time and c
 only.
 
 The fleet's start comes first and is reported on its own (``ramp``): all ``--jobs`` submitted
-at once, until they have all started (every rank placed, launched with a fresh credential and
-reported running), with the time it took and the heartbeat and telemetry latency meanwhile.
-That is a cold start, or a control plane back from an outage, not the running fleet's load:
-the ``--seconds`` measured after it are.
+at once, until they have all started (every rank placed and launched with a fresh credential)
+and as long again (up to 60 s: the ranks' running reports, the jobs' first iterations), with
+the time it took and the heartbeat and telemetry latency meanwhile. That is a cold start, or a
+control plane back from an outage, not the running fleet's load: the ``--seconds`` measured
+after it are.
 
-Reported for the running fleet: heartbeat and telemetry latency (p50/p99) and errors, ingest lag (newest iteration
-stored behind newest sent, in seconds of training), controller round time against live jobs
-(from the controller's own log summary), straggler detection delay at load against the same
-job alone, placement time of a 64-worker job on the whole inventory (before the load, and at load
-first in the queue, given up after 30 s), and database growth.
+Reported for the running fleet: heartbeat and telemetry latency (p50/p99) and errors, ingest
+lag (newest iteration stored behind newest sent, in seconds of training), controller round
+time against live jobs (from the controller's own log summary), straggler detection delay at
+load against the same job alone (end to end: the newest iteration sent when the event shows;
+and the detector's own, the event's ``detected_iteration``), placement time of a 64-worker job
+on the whole inventory (before the load, and at load first in the queue, given up after 30 s),
+the cores used by each kind of process, and database growth.
 """
 
 from __future__ import annotations
@@ -67,6 +70,10 @@ GPU_MODELS = [("NVIDIA H100 80GB HBM3", 0.5), ("NVIDIA A100-SXM4-80GB", 1.0), ("
 STRAGGLER_ONSET = 30
 STRAGGLER_FACTOR = 3.0
 JUMP_RECORDS = 3
+RAMP_SETTLE_S = 2 * HEARTBEAT_S
+RAMP_SETTLE_MAX_S = 60.0
+"""After the fleet's jobs have all started, the start is measured as long again as that took,
+at least ``RAMP_SETTLE_S`` and at most ``RAMP_SETTLE_MAX_S`` (``Fleet.ramp``)."""
 """Iterations into a slowdown at which the runtime posts at once, marked urgent."""
 
 
@@ -275,6 +282,9 @@ class Fleet:
         self.jobs: dict[int, Job] = {}
         self.stats = Stats()
         self.stop = asyncio.Event()
+        self.filled = asyncio.Event()
+        """Set once ``keep_jobs`` has submitted its first ``--jobs`` (from ``filled_from``)."""
+        self.filled_from = 0.0
         self.tasks: list[asyncio.Task[Any]] = []
         self.last_error: dict[str, str] = {}
         self.http: aiohttp.ClientSession
@@ -420,13 +430,15 @@ class Fleet:
         """Wait until the jobs submitted first have all started (or ended), at most ``max_s``;
         what the start cost the fleet's requests."""
         t0 = time.monotonic()
-        while not self.jobs:
-            await asyncio.sleep(0.2)
-        first = list(self.jobs.values())
+        await self.filled.wait()
+        first = [j for j in self.jobs.values() if j.submitted_at >= self.filled_from]
         while time.monotonic() - t0 < max_s:
             if all(j.started or j.finished for j in first):
                 break
             await asyncio.sleep(0.5)
+        # Then every host reports its ranks running (the heartbeat after its assignments) and
+        # the jobs' first iterations come in: part of the start, as long again as that took.
+        await asyncio.sleep(min(RAMP_SETTLE_MAX_S, max(RAMP_SETTLE_S, time.monotonic() - t0)))
         s = self.stats
         return {
             "seconds": round(time.monotonic() - t0, 1),
@@ -440,10 +452,12 @@ class Fleet:
 
     async def keep_jobs(self) -> None:
         """Keep ``--jobs`` jobs live: submit one whenever one finishes."""
+        self.filled_from = time.monotonic()
         while not self.stop.is_set():
             live = sum(1 for j in self.jobs.values() if not j.finished)
             for _ in range(self.args.jobs - live):
                 await self.submit()
+            self.filled.set()
             await asyncio.sleep(1.0)
 
     def timings(self, job: Job, rank: int, iteration: int) -> tuple[float, float]:
@@ -736,6 +750,11 @@ def share_from_memory(before: dict[str, float], after: dict[str, float]) -> floa
     return round(delta.get("memory", 0.0) / total, 3) if total else None
 
 
+def progress(line: str) -> None:
+    """Where the run is, on stderr (the result is printed on stdout at the end)."""
+    print(f"{datetime.now(UTC):%H:%M:%S} {line}", file=sys.stderr, flush=True)
+
+
 def after_onset(iteration: int | None) -> int | None:
     """Iterations from the scripted slowdown's onset to ``iteration``."""
     return None if iteration is None else iteration - STRAGGLER_ONSET
@@ -750,6 +769,7 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
         t0 = time.monotonic()
         await fleet.register()
         out: dict[str, Any] = {"setup_s": round(time.monotonic() - t0, 1)}
+        progress(f"{args.hosts} hosts registered in {out['setup_s']} s")
         # The straggler job alone (only heartbeats besides it) gives the baseline delay.
         alone = await fleet.submit(size=8, straggler=True)
         if alone is None:
@@ -768,6 +788,7 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
         ramp_from = time.monotonic()
         fleet.loop_task(fleet.keep_jobs())
         out["ramp"] = await fleet.ramp(args.ramp_max_s)
+        progress(f"fleet started in {out['ramp']['seconds']} s; measuring {args.seconds} s")
         out["ramp"]["heartbeat_p99_ms_by_10s"] = by_window(fleet.stats, "heartbeat", ramp_from, 10)
         # The running fleet: jobs finish and new ones start throughout.
         fleet.stats = Stats()
