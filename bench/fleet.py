@@ -22,8 +22,9 @@ after it are.
 Reported for the running fleet: heartbeat and telemetry latency (p50/p99) and errors, ingest
 lag (newest iteration stored behind newest sent, in seconds of training), controller round
 time against live jobs (from the controller's own log summary), straggler detection delay at
-load against the same job alone (end to end: the newest iteration sent when the event shows;
-and the detector's own, the event's ``detected_iteration``), placement time of a 64-worker job
+load against the same job alone (end to end: the newest iteration sent when the event shows,
+and the iterations the job had run by then on its own clock; and the detector's own, the
+event's ``detected_iteration``), placement time of a 64-worker job
 on the whole inventory (before the load, and at load first in the queue, given up after 30 s),
 the cores used by each kind of process, and database growth.
 """
@@ -70,6 +71,9 @@ GPU_MODELS = [("NVIDIA H100 80GB HBM3", 0.5), ("NVIDIA A100-SXM4-80GB", 1.0), ("
 STRAGGLER_ONSET = 30
 STRAGGLER_FACTOR = 3.0
 JUMP_RECORDS = 3
+EVENTS_POLL_S = 0.1
+"""How often a straggler job's events are polled (10 jobs: a tenth of a second adds at most half
+an iteration to the end-to-end delay at 5 iterations/s)."""
 RAMP_SETTLE_S = 2 * HEARTBEAT_S
 RAMP_SETTLE_MAX_S = 60.0
 """After the fleet's jobs have all started, the start is measured as long again as that took,
@@ -251,6 +255,12 @@ class Job:
     finished: bool = False
     detected_at_iteration: int | None = None
     """Newest iteration sent when the straggler's event was first seen (end to end)."""
+    trained_from: float = 0.0
+    """When its iteration 0 began (monotonic): its iterations run on this clock at ``rate``."""
+    run_until_seen: float | None = None
+    """Iterations the job had run past the slowdown's first slow iteration when the event was
+    first seen: the end-to-end delay on the job's own clock (``detected_at_iteration`` counts
+    the iterations *posted*, which move in steps of up to ten, every ``FLUSH_S``)."""
     detector_iteration: int | None = None
     """The iteration at which the server's detector raised it (the event's
     ``detail.detected_iteration``): the detector's own delay, without the posting cadence, the
@@ -475,7 +485,7 @@ class Fleet:
         self.loop_task(self.leader(job))
         if job.straggler:
             self.loop_task(self.watch_events(job))
-        t0 = time.monotonic()
+        t0 = job.trained_from = time.monotonic()
         next_flush = t0 + FLUSH_S
         urgent_at = STRAGGLER_ONSET + JUMP_RECORDS - 1 if job.straggler else None
         while not self.stop.is_set() and job.sent < job.iterations - 1:
@@ -543,7 +553,7 @@ class Fleet:
 
     async def watch_events(self, job: Job) -> None:
         while not self.stop.is_set() and job.detected_at_iteration is None:
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(EVENTS_POLL_S)
             if job.sent < STRAGGLER_ONSET:
                 continue
             status, body = await self.request("events", "GET", f"/api/v1/jobs/{job.id}/events")
@@ -551,6 +561,8 @@ class Fleet:
             hits = [e for e in events or [] if e.get("rank") == 1] if status == 200 else []
             if hits:
                 job.detected_at_iteration = job.sent
+                onset = job.trained_from + (STRAGGLER_ONSET + 1) / job.rate  # the slow one done
+                job.run_until_seen = round((time.monotonic() - onset) * job.rate, 1)
                 job.detector_iteration = (hits[0].get("detail") or {}).get("detected_iteration")
 
     def loop_task(self, coro: Any) -> None:
@@ -779,6 +791,7 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
             await asyncio.sleep(0.5)
         out["detection_alone_iterations"] = after_onset(alone.detected_at_iteration)
         out["detector_alone_iterations"] = after_onset(alone.detector_iteration)
+        out["run_until_seen_alone_iterations"] = alone.run_until_seen
         # Placement on the whole inventory with room for it, before the load starts.
         out["placement_s_64_workers_idle"] = await fleet.placement_time(64)
         # The fleet's start: --jobs submitted at once and started, reported on its own (a cold
@@ -845,6 +858,9 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
             "workers_running_at_end": workers,
             "detection_at_load_iterations": delays,
             "detector_at_load_iterations": detector,
+            "run_until_seen_at_load_iterations": [
+                j.run_until_seen for j in stragglers if j.run_until_seen is not None
+            ],
             "stragglers_undetected": sum(1 for j in stragglers if j.detected_at_iteration is None),
             "db_growth_mb_per_hour": round((size1 - size0) / 2**20 * 3600 / elapsed, 1),
             "db_mb_per_worker_day": round(
