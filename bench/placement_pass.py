@@ -11,7 +11,8 @@ controller back after an outage. Measured, median of ``--repeat``:
   - **burst**: one pass over all of them (the controller's placement thread runs it), its wall
     time and CPU time (``time.thread_time``), how many jobs it placed, and where the CPU went
     (building each job's candidates, choosing among them, the flush of workers and devices);
-  - a digest of every rank's device, the same in two runs when the placements are;
+  - a digest of every rank's device, the same in two runs when the placements are, and what
+    the placements are worth: their predicted samples/s and hosts, summed over the jobs;
   - **then**: with the burst placed and committed, ``--then`` more jobs pending (a fleet's
     submissions between two passes): the same figures.
 
@@ -113,6 +114,7 @@ def measure(client: TestClient, repeat: int) -> dict[str, Any]:
     ctx = context_of(client.app)  # type: ignore[arg-type]
     walls, cpus, placed = [], [], []
     digests: set[str] = set()
+    quality: set[tuple[int, int]] = set()
     phases: list[dict[str, float]] = []
     for _ in range(repeat):
         _spent.clear()
@@ -129,6 +131,13 @@ def measure(client: TestClient, repeat: int) -> dict[str, Any]:
                 )
             ).all()
             digests.add(hashlib.sha256(repr([tuple(r) for r in ranks]).encode()).hexdigest()[:12])
+            chosen = s.info.get("placements", {}).values()
+            quality.add(
+                (
+                    round(sum(c["predicted_samples_per_s"] for c in chosen)),
+                    sum(c["hosts"] for c in chosen),
+                )
+            )
             s.rollback()
         phases.append(dict(_spent))
     return {
@@ -136,6 +145,7 @@ def measure(client: TestClient, repeat: int) -> dict[str, Any]:
         "cpu_s": round(statistics.median(cpus), 3),
         "jobs_placed": statistics.median(placed),
         "placement_digest": ",".join(sorted(digests)),
+        "predicted_samples_per_s_and_hosts": sorted(quality),
         "cpu_s_by_phase": {
             k: round(statistics.median(p.get(k, 0.0) for p in phases), 3)
             for k in sorted({k for p in phases for k in p})
@@ -179,7 +189,8 @@ def main() -> None:
         print(
             f"  {key:5s} {r['jobs']:4d} pending: placed {r['jobs_placed']:.0f} in "
             f"{r['wall_s']:.2f} s wall, {r['cpu_s']:.2f} s CPU ({phases}); "
-            f"placements {r['placement_digest']}"
+            f"placements {r['placement_digest']}; predicted samples/s and hosts used, all jobs "
+            f"{r['predicted_samples_per_s_and_hosts']}"
         )
 
 

@@ -21,7 +21,8 @@ Performance models from measurements::
              distinct_batch_sizes, r2, relative_rmse, explore, notes, guess)
     explore_batches(batch, max_batch=None, granularity=1) -> tuple[int, ...]
 
-Placement of pending jobs onto free devices (PuLP/CBC, warm-started from a greedy)::
+Placement of pending jobs onto free devices (a greedy placement proven by a bound, else an
+exact search over hosts, PuLP/CBC past its size)::
 
     FreeDevice(id, host, model="", memory_gb=0.0, samples_per_s=1.0)
     JobRequest(id, min_workers, max_workers=None, priority=0, host_penalty=None, min_memory_gb=0)

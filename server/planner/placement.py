@@ -1,4 +1,4 @@
-"""Which free devices a job gets: an integer program over devices and hosts, solved by CBC.
+"""Which free devices a job gets: an integer program over devices and hosts.
 
 With min-max batch balancing, a synchronous job's throughput is close to the *sum* of its devices'
 speeds (every device is kept busy; that is the point of balancing), so a job prefers many fast
@@ -10,15 +10,24 @@ in samples/s per extra host. With ``x_d`` = "device d is used" and ``y_h`` = "ho
                 min_workers <= sum_d x_d <= max_workers
                 x_d = 0 for devices with less memory than the job needs
 
-CBC starts from a greedy placement (``warmStart``): hosts in order of their best devices' total
-speed, devices fastest first, a new host only while it pays for its penalty. CBC is not run at
-all when the greedy placement already meets an upper bound on every placement (``upper_bound``:
-for each size k, the k fastest devices less the penalty of the fewest hosts that could hold k):
-it is then optimal, proven, which on a fleet of uniform hosts is the common case (measured:
-seconds of CBC per job at 10,000 devices, against milliseconds). The status says what
-was established: ``optimal`` (proven), ``feasible`` (time limit hit, best found so far) or
-``infeasible`` (fewer eligible devices than ``min_workers``). A job that does not fit is not an
-error here, it waits, so ``infeasible`` is a status and not an exception.
+It is solved in the cheapest way that proves the answer optimal:
+
+1. A greedy placement: hosts in order of their best devices' total speed, devices fastest
+   first, a new host only while it pays for its penalty. When it meets an upper bound on every
+   placement (``upper_bound``: for each size k, the k fastest devices less the penalty of the
+   fewest hosts that could hold k), it is optimal, proven: on a fleet of uniform, whole hosts,
+   the common case.
+2. Otherwise (hosts partly taken, models mixed: the fleet's inventory once jobs come and go),
+   ``by_hosts``: the program's structure makes it a knapsack over hosts (a placement is how
+   many of each host's fastest devices it takes), solved exactly by dynamic programming in
+   milliseconds at 10,000 devices. CBC took seconds of a core per such job (``bench/
+   placement_pass.py``), up to its time limit.
+3. CBC, warm-started from the greedy placement (``warmStart``), only where the dynamic
+   program's table would pass ``DP_MAX_CELLS`` (thousands of workers on a large inventory).
+
+The status says what was established: ``optimal`` (proven), ``feasible`` (CBC's time limit hit,
+best found so far) or ``infeasible`` (fewer eligible devices than ``min_workers``). A job that
+does not fit is not an error here, it waits, so ``infeasible`` is a status and not an exception.
 
 Several pending jobs are placed one at a time, higher priority first (ties in submission order),
 each from the devices the earlier ones left.
@@ -32,10 +41,12 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import pulp
 
 from server.planner.errors import InvalidInput
 from server.planner.ilp import SolveStatus, run_cbc
+from server.planner.problem import IntArray
 
 DeviceId = int | str
 
@@ -133,6 +144,58 @@ def greedy(job: JobRequest, devices: Sequence[FreeDevice], penalty: float) -> li
     return chosen
 
 
+DP_MAX_CELLS = 20_000_000
+"""``by_hosts`` runs while its table (a row of ``max_workers + 1`` per device it may take, host by
+host) stays under this many cells; a bigger job on a bigger inventory goes to CBC. The issue's
+fleet is well under it: 10,000 devices and 256 workers make 2.6 million."""
+
+
+def by_hosts(job: JobRequest, devices: Sequence[FreeDevice], penalty: float) -> list[FreeDevice]:
+    """The best placement, exactly, by dynamic programming over hosts; [] if none exists.
+
+    Given how many devices a placement takes from each host, its best devices there are the
+    host's fastest, so a placement is a count per host: ``best[c]``, the most value of ``c``
+    devices on the hosts seen so far, each host used costing ``penalty``, takes host h's ``n``
+    fastest or none (``best[c] = max(best[c], best[c - n] + top_h(n) - penalty)``). The answer
+    is the best ``c`` between ``min_workers`` and ``max_workers`` (plus the first host's
+    penalty, which the objective does not charge), and the counts are read back host by host.
+    Among equal values it keeps fewer devices and leaves later hosts out."""
+    most = min(job.most, len(devices))
+    if most < job.min_workers:
+        return []
+    by_host: dict[str, list[FreeDevice]] = {}
+    for d in sorted(devices, key=lambda d: -d.samples_per_s):
+        by_host.setdefault(d.host, []).append(d)
+    best = np.full(most + 1, -np.inf)
+    best[0] = 0.0
+    taken: list[tuple[str, IntArray]] = []
+    for host, ds in by_host.items():
+        gains = np.cumsum([d.samples_per_s for d in ds[:most]]) - penalty
+        new = best.copy()
+        count = np.zeros(most + 1, dtype=np.int64)
+        for n, gain in enumerate(gains.tolist(), start=1):
+            candidate = best[: most + 1 - n] + gain
+            better = candidate > new[n:]
+            new[n:][better] = candidate[better]
+            count[n:][better] = n
+        best = new
+        taken.append((host, count))
+    c = job.min_workers + int(np.argmax(best[job.min_workers :]))
+    if not math.isfinite(float(best[c])):
+        return []
+    chosen: list[FreeDevice] = []
+    for host, count in reversed(taken):
+        n = int(count[c])
+        chosen.extend(by_host[host][:n])
+        c -= n
+    return chosen
+
+
+def _by_hosts_cells(job: JobRequest, devices: Sequence[FreeDevice]) -> int:
+    per_host = Counter(d.host for d in devices)
+    return sum(min(n, job.most) for n in per_host.values()) * (job.most + 1)
+
+
 def upper_bound(job: JobRequest, devices: Sequence[FreeDevice], penalty: float) -> float:
     """No placement of ``job`` on ``devices`` is worth more than this: over each allowed size k,
     the k fastest devices' speeds less the penalty of the fewest hosts that can hold k devices
@@ -175,16 +238,41 @@ def place(
     value = _value(start, penalty)
     bound = upper_bound(job, eligible, penalty)
     if value >= bound - 1e-9 * max(1.0, abs(bound)):
-        return Placement(
-            job_id=job.id,
-            device_ids=tuple(d.id for d in start),
-            hosts_used=tuple(sorted({d.host for d in start})),
-            predicted_samples_per_s=sum(d.samples_per_s for d in start),
-            status=SolveStatus.OPTIMAL,
-            objective=value,
-            reason="the greedy placement meets the upper bound",
+        return _placement(
+            job, start, penalty, SolveStatus.OPTIMAL, "the greedy placement meets the upper bound"
         )
+    if _by_hosts_cells(job, eligible) <= DP_MAX_CELLS:
+        exact = by_hosts(job, eligible, penalty)
+        chosen = exact if _value(exact, penalty) > value else start
+        reason = "exact over hosts (by_hosts); the greedy placement did not meet the bound"
+        return _placement(job, chosen, penalty, SolveStatus.OPTIMAL, reason)
+    return _by_cbc(job, eligible, start, penalty, time_limit_s=time_limit_s, threads=threads)
 
+
+def _placement(
+    job: JobRequest, chosen: Sequence[FreeDevice], penalty: float, status: SolveStatus, reason: str
+) -> Placement:
+    return Placement(
+        job_id=job.id,
+        device_ids=tuple(d.id for d in chosen),
+        hosts_used=tuple(sorted({d.host for d in chosen})),
+        predicted_samples_per_s=sum(d.samples_per_s for d in chosen),
+        status=status,
+        objective=_value(chosen, penalty),
+        reason=reason,
+    )
+
+
+def _by_cbc(
+    job: JobRequest,
+    eligible: list[FreeDevice],
+    start: list[FreeDevice],
+    penalty: float,
+    *,
+    time_limit_s: float,
+    threads: int,
+) -> Placement:
+    """The integer program, solved by CBC from the greedy ``start``."""
     # Stated as a minimisation of the negated value: PuLP 3.3's CBC warm start of a
     # maximisation returned the start itself as "optimal" (4 where 30 was possible; found by
     # test_the_bound_never_undercuts_a_placement_and_what_it_proves_is_optimal).
@@ -218,15 +306,7 @@ def place(
         raise AssertionError(f"CBC called a feasible placement infeasible for job {job.id}")
     if _value(start, penalty) > _value(chosen, penalty):  # never worse than the warm start
         chosen = start
-    return Placement(
-        job_id=job.id,
-        device_ids=tuple(d.id for d in chosen),
-        hosts_used=tuple(sorted({d.host for d in chosen})),
-        predicted_samples_per_s=sum(d.samples_per_s for d in chosen),
-        status=status,
-        objective=_value(chosen, penalty),
-        reason=reason,
-    )
+    return _placement(job, chosen, penalty, status, reason)
 
 
 def place_jobs(

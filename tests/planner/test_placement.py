@@ -10,7 +10,14 @@ from hypothesis import strategies as st
 
 from server.planner.errors import InvalidInput
 from server.planner.ilp import SolveStatus
-from server.planner.placement import FreeDevice, JobRequest, place, place_jobs, upper_bound
+from server.planner.placement import (
+    FreeDevice,
+    JobRequest,
+    by_hosts,
+    place,
+    place_jobs,
+    upper_bound,
+)
 
 
 def cluster() -> list[FreeDevice]:
@@ -86,7 +93,14 @@ def test_not_enough_devices_is_an_infeasible_status() -> None:
     assert "12 are free" in p.reason
 
 
-def test_ilp_matches_brute_force_on_small_clusters() -> None:
+@pytest.mark.parametrize("solver", ["by_hosts", "cbc"])
+def test_ilp_matches_brute_force_on_small_clusters(
+    solver: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import server.planner.placement as placement
+
+    if solver == "cbc":  # the program for CBC, as for a job too big for the exact search
+        monkeypatch.setattr(placement, "DP_MAX_CELLS", 0)
     devices = [
         FreeDevice("d0", "h0", samples_per_s=300.0),
         FreeDevice("d1", "h0", samples_per_s=80.0),
@@ -151,6 +165,7 @@ def test_greedy_stands_in_when_cbc_finds_nothing(monkeypatch: pytest.MonkeyPatch
     import server.planner.placement as placement
 
     monkeypatch.setattr(placement, "run_cbc", lambda *a, **k: SolveStatus.NO_SOLUTION)
+    monkeypatch.setattr(placement, "DP_MAX_CELLS", 0)  # a job too big for the exact search
     # The bound (550: the two fastest, on one host's worth) does not prove the greedy's 490.
     devices = [
         FreeDevice("d0", "h0", samples_per_s=300.0),
@@ -196,9 +211,61 @@ def test_the_bound_never_undercuts_a_placement_and_what_it_proves_is_optimal(
     best = _brute_force(job, devices, penalty)
     assert upper_bound(job, devices, penalty) >= best - 1e-9
     p = place(job, devices)
-    assert p.objective == pytest.approx(best)  # proven by the bound, or by CBC
-    if p.reason == "the greedy placement meets the upper bound":
-        assert p.status is SolveStatus.OPTIMAL
+    assert p.objective == pytest.approx(best)  # proven by the bound, or found exactly
+    assert p.status is SolveStatus.OPTIMAL
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    speeds=st.lists(
+        st.lists(st.sampled_from([0.0, 10.0, 44.0, 125.0, 500.0, 1000.0]), min_size=1, max_size=4),
+        min_size=1,
+        max_size=5,
+    ),
+    lo=st.integers(1, 5),
+    extra=st.integers(0, 4),
+    penalty=st.sampled_from([0.0, 5.0, 60.0, 300.0, 5000.0]),
+)
+def test_the_search_over_hosts_finds_the_brute_force_optimum(
+    speeds: list[list[float]], lo: int, extra: int, penalty: float
+) -> None:
+    """``by_hosts`` alone (not only where the greedy placement falls short): a placement within
+    the counts, each device once, worth exactly the best of every subset of the devices."""
+    devices = [
+        FreeDevice(f"h{h}d{i}", f"h{h}", samples_per_s=v)
+        for h, host in enumerate(speeds)
+        for i, v in enumerate(host)
+    ]
+    assume(lo <= len(devices))
+    job = JobRequest("j", lo, min(lo + extra, len(devices)), host_penalty=penalty)
+    chosen = by_hosts(job, devices, penalty)
+    assert job.min_workers <= len(chosen) <= job.most
+    assert len({d.id for d in chosen}) == len(chosen)
+    value = sum(d.samples_per_s for d in chosen) - penalty * (len({d.host for d in chosen}) - 1)
+    assert value == pytest.approx(_brute_force(job, devices, penalty))
+
+
+def test_the_search_over_hosts_finds_what_the_greedy_placement_misses(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Hosts partly taken: the greedy placement fills whole hosts in order of their best
+    devices' total (b's two, then c's two) and misses a's one fast device. Solved exactly,
+    without CBC."""
+    import server.planner.placement as placement
+
+    def no_cbc(*_a: object, **_k: object) -> SolveStatus:
+        raise AssertionError("CBC was run although the search over hosts is exact")
+
+    monkeypatch.setattr(placement, "run_cbc", no_cbc)
+    devices = [FreeDevice("a0", "a", samples_per_s=1000.0)]
+    devices += [FreeDevice(f"a{i}", "a", samples_per_s=10.0) for i in range(1, 4)]
+    devices += [FreeDevice(f"{h}{i}", h, samples_per_s=600.0) for h in "bc" for i in range(2)]
+    job = JobRequest("j", 4, host_penalty=5.0)
+    assert placement._value(placement.greedy(job, devices, 5.0), 5.0) == 2400.0 - 5.0
+    p = placement.place(job, devices)
+    assert p.status is SolveStatus.OPTIMAL and "by_hosts" in p.reason
+    assert p.objective == _brute_force(job, devices, 5.0) == 2800.0 - 10.0
+    assert "a0" in p.device_ids and len(p.hosts_used) == 3
 
 
 def test_a_fleet_of_uniform_hosts_is_placed_without_cbc(monkeypatch: pytest.MonkeyPatch) -> None:
