@@ -156,11 +156,10 @@ class Pool:
 
     def candidates(self, spec: JobSpec, usable: list[Device]) -> list[FreeDevice]:
         """The ``usable`` devices for ``spec``'s workload, in their order."""
-        made = self._made.get(self.speeds.key(spec))
+        key = self.speeds.key(spec)
+        made = self._made.get(key)
         if made is None:
-            made = self._made[self.speeds.key(spec)] = candidate_map(
-                self.by_id.values(), self.speeds.of(spec)
-            )
+            made = self._made[key] = candidate_map(self.by_id.values(), self.speeds.of(spec))
         return [made[d.id] for d in usable]
 
 
