@@ -52,6 +52,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
 from bench.ingest import database
+from bench.stack import job_spec
 from contract.base import MAX_TELEMETRY_RECORDS, PROTOCOL_VERSION
 from server.app import create_app
 from server.config import Settings
@@ -135,14 +136,7 @@ class Sim:
             r = client.post("/api/v1/hosts/register", json=body, headers=H)
             r.raise_for_status()
         for n, size in enumerate(sizes):
-            spec = {
-                "name": f"bench-{size}",
-                "workload": {"builtin": "mlp"},
-                "global_batch": 64 * size,
-                "iterations": 10**6,
-                "workers": size,
-                "policy": {"name": policy},
-            }
+            spec = job_spec(size, policy={"name": policy})
             r = client.post("/api/v1/jobs", json=spec, headers=H)
             r.raise_for_status()
             job_id = int(r.json()["id"])

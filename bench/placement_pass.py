@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.fleet import GPU_MODELS, SIZE_WEIGHTS, SIZES
 from bench.ingest import database
 from bench.retention import quiet_settings
-from bench.stack import TOKEN
+from bench.stack import TOKEN, job_spec
 from contract.base import PROTOCOL_VERSION
 from server.app import create_app
 from server.context import context_of
@@ -97,14 +97,7 @@ def submit(client: TestClient, rng: random.Random, n: int) -> int:
     workers = 0
     for _ in range(n):
         size = rng.choices(SIZES, SIZE_WEIGHTS)[0]
-        spec = {
-            "name": f"bench-{size}",
-            "workload": {"builtin": "mlp"},
-            "global_batch": 64 * size,
-            "iterations": 10**6,
-            "workers": size,
-        }
-        client.post("/api/v1/jobs", json=spec, headers=AUTH).raise_for_status()
+        client.post("/api/v1/jobs", json=job_spec(size), headers=AUTH).raise_for_status()
         workers += size
     return workers
 

@@ -11,6 +11,18 @@ from evenflow.local_cluster import server_process
 TOKEN = "ef_bench-admin-token-0123456789"
 
 
+def job_spec(size: int, **more: object) -> dict[str, object]:
+    """A long-running job of ``size`` workers of the built-in MLP, 64 samples each."""
+    return {
+        "name": f"bench-{size}",
+        "workload": {"builtin": "mlp"},
+        "global_batch": 64 * size,
+        "iterations": 10**6,
+        "workers": size,
+        **more,
+    }
+
+
 @contextmanager
 def server(
     db_url: str, extra_env: Mapping[str, str] | None = None, args: Sequence[str] = ()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from server.planner.errors import InvalidInput
@@ -187,27 +187,35 @@ def _brute_force(job: JobRequest, devices: list[FreeDevice], penalty: float) -> 
     )
 
 
-@settings(max_examples=150, deadline=None)
-@given(
-    speeds=st.lists(
-        st.lists(st.sampled_from([0.0, 10.0, 44.0, 125.0, 500.0, 1000.0]), min_size=1, max_size=3),
-        min_size=1,
-        max_size=4,
-    ),
-    lo=st.integers(1, 4),
-    extra=st.integers(0, 3),
-    penalty=st.sampled_from([0.0, 5.0, 60.0, 300.0, 5000.0]),
-)
-def test_the_bound_never_undercuts_a_placement_and_what_it_proves_is_optimal(
-    speeds: list[list[float]], lo: int, extra: int, penalty: float
-) -> None:
+SPEEDS = st.sampled_from([0.0, 10.0, 44.0, 125.0, 500.0, 1000.0])
+PENALTIES = st.sampled_from([0.0, 5.0, 60.0, 300.0, 5000.0])
+
+
+@st.composite
+def cases(
+    draw: st.DrawFn, hosts: int, per_host: int, most_lo: int, most_extra: int
+) -> tuple[JobRequest, list[FreeDevice], float]:
+    """A job, the devices of up to ``hosts`` hosts (speeds often equal) and a host penalty."""
+    speeds = draw(
+        st.lists(st.lists(SPEEDS, min_size=1, max_size=per_host), min_size=1, max_size=hosts)
+    )
     devices = [
         FreeDevice(f"h{h}d{i}", f"h{h}", samples_per_s=v)
         for h, host in enumerate(speeds)
         for i, v in enumerate(host)
     ]
-    assume(lo <= len(devices))
-    job = JobRequest("j", lo, min(lo + extra, len(devices)), host_penalty=penalty)
+    lo = draw(st.integers(1, min(most_lo, len(devices))))
+    hi = min(lo + draw(st.integers(0, most_extra)), len(devices))
+    penalty = draw(PENALTIES)
+    return JobRequest("j", lo, hi, host_penalty=penalty), devices, penalty
+
+
+@settings(max_examples=150, deadline=None)
+@given(case=cases(hosts=4, per_host=3, most_lo=4, most_extra=3))
+def test_the_bound_never_undercuts_a_placement_and_what_it_proves_is_optimal(
+    case: tuple[JobRequest, list[FreeDevice], float],
+) -> None:
+    job, devices, penalty = case
     best = _brute_force(job, devices, penalty)
     assert upper_bound(job, devices, penalty) >= best - 1e-9
     p = place(job, devices)
@@ -216,28 +224,13 @@ def test_the_bound_never_undercuts_a_placement_and_what_it_proves_is_optimal(
 
 
 @settings(max_examples=300, deadline=None)
-@given(
-    speeds=st.lists(
-        st.lists(st.sampled_from([0.0, 10.0, 44.0, 125.0, 500.0, 1000.0]), min_size=1, max_size=4),
-        min_size=1,
-        max_size=5,
-    ),
-    lo=st.integers(1, 5),
-    extra=st.integers(0, 4),
-    penalty=st.sampled_from([0.0, 5.0, 60.0, 300.0, 5000.0]),
-)
+@given(case=cases(hosts=5, per_host=4, most_lo=5, most_extra=4))
 def test_the_search_over_hosts_finds_the_brute_force_optimum(
-    speeds: list[list[float]], lo: int, extra: int, penalty: float
+    case: tuple[JobRequest, list[FreeDevice], float],
 ) -> None:
     """``by_hosts`` alone (not only where the greedy placement falls short): a placement within
     the counts, each device once, worth exactly the best of every subset of the devices."""
-    devices = [
-        FreeDevice(f"h{h}d{i}", f"h{h}", samples_per_s=v)
-        for h, host in enumerate(speeds)
-        for i, v in enumerate(host)
-    ]
-    assume(lo <= len(devices))
-    job = JobRequest("j", lo, min(lo + extra, len(devices)), host_penalty=penalty)
+    job, devices, penalty = case
     chosen = by_hosts(job, devices, penalty)
     assert job.min_workers <= len(chosen) <= job.most
     assert len({d.id for d in chosen}) == len(chosen)
