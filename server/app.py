@@ -52,7 +52,7 @@ from server.errors import EvenflowError
 from server.host_answers import LIVENESS_FLUSH_S, HostAnswers, Liveness, track
 from server.live import StreamSlots
 from server.locks import WriterLock, bootstrap_lock, writer_lock_for
-from server.metrics import Metrics, MetricsMiddleware
+from server.metrics import Metrics, MetricsMiddleware, measure_loop_lag
 from server.notify import PlanWaiters, open_bus, subscribe
 from server.services import tokens as token_service
 from server.telemetry_writer import TelemetryWriter
@@ -230,6 +230,7 @@ def _lifespan(context: AppContext) -> Callable[[FastAPI], AbstractAsyncContextMa
             ),
         ]
         liveness = asyncio.ensure_future(_write_liveness(context))
+        lag = asyncio.ensure_future(measure_loop_lag(context.metrics.loop_lag))
         stop = threading.Event()
         controller: threading.Thread | None = None
         if settings.controller == "thread":
@@ -244,9 +245,10 @@ def _lifespan(context: AppContext) -> Callable[[FastAPI], AbstractAsyncContextMa
         try:
             yield
         finally:
-            liveness.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await liveness
+            for task in (liveness, lag):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             try:
                 await asyncio.to_thread(_flush_liveness, context)
             except Exception:  # the database is away: the reaper will not run either

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 from collections.abc import Iterator
@@ -16,6 +17,19 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from contract.enums import HostStatus, JobStatus
 from server.models import Host, Job
+
+LOOP_LAG_EVERY_S = 0.1
+
+
+async def measure_loop_lag(histogram: Histogram, every_s: float = LOOP_LAG_EVERY_S) -> None:
+    """Observe, until cancelled, how much later than asked the running event loop wakes a
+    sleep of ``every_s``: the time anything ready to run (a request read off its socket, an
+    answer to send) waits for the loop. Runs on that loop."""
+    loop = asyncio.get_running_loop()
+    while True:
+        asked = loop.time() + every_s
+        await asyncio.sleep(every_s)
+        histogram.observe(max(0.0, loop.time() - asked))
 
 
 class _StateCollector(Collector):
@@ -78,6 +92,15 @@ class Metrics:
             "repeated, nothing changed) or the database",
             ["source"],
             registry=self.registry,
+        )
+        self.loop_lag = Histogram(
+            "evenflow_event_loop_lag_seconds",
+            "How late this API process's event loop ran a timer (one every "
+            f"{LOOP_LAG_EVERY_S} s): what a request arriving then waited before the server could "
+            "even read it. Seconds here mean the process needs more CPU than it gets (another "
+            "API process, or another server, takes part of its load).",
+            registry=self.registry,
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
         )
         self.registry.register(_StateCollector(sessions))
         self._templates: list[tuple[re.Pattern[str], str]] = []
