@@ -26,7 +26,8 @@ load against the same job alone (end to end: the newest iteration sent when the 
 and the iterations the job had run by then on its own clock; and the detector's own, the
 event's ``detected_iteration``), placement time of a 64-worker job
 on the whole inventory (before the load, and at load first in the queue, given up after 30 s),
-the cores used by each kind of process, and database growth.
+the cores used by each kind of process, the API process's event-loop lag (its ``/metrics``:
+how long a request waited before the server could read it), and database growth.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from typing import Any
 import aiohttp
 import httpx
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import create_engine, make_url, text
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -590,6 +592,19 @@ class Fleet:
         found = re.findall(r'evenflow_heartbeat_answers_total\{source="(\w+)"\} ([\d.e+]+)', body)
         return {source: float(n) for source, n in found}
 
+    async def loop_lag(self) -> dict[float, float]:
+        """The API process's event-loop lag so far (``/metrics``): observations at most each
+        bucket's bound, by bound."""
+        async with self.http.get(self.base + "/metrics") as r:
+            body = await r.text()
+        out: dict[float, float] = {}
+        for family in text_string_to_metric_families(body):
+            if family.name == "evenflow_event_loop_lag_seconds":
+                for sample in family.samples:
+                    if sample.name.endswith("_bucket"):
+                        out[float(sample.labels["le"])] = sample.value
+        return out
+
     async def sample_lag(self) -> None:
         engine = create_engine(self.db_url)
         try:
@@ -755,6 +770,25 @@ def quantiles_ms(values: list[float]) -> dict[str, float]:
     return out
 
 
+def lag_between(before: dict[float, float], after: dict[float, float]) -> dict[str, Any]:
+    """The API's event-loop lag in the window between two ``Fleet.loop_lag`` reads: the bound
+    of the bucket holding its median and its 99th percentile, and its share over 1 s."""
+    delta = sorted((le, after[le] - before.get(le, 0.0)) for le in after)
+    total = delta[-1][1] if delta else 0.0
+    if not total:
+        return {}
+
+    def at_most(q: float) -> float:
+        return next(le for le, n in delta if n >= q * total)
+
+    over_1s = total - next(n for le, n in delta if le >= 1.0)
+    return {
+        "p50_s_at_most": at_most(0.5),
+        "p99_s_at_most": at_most(0.99),
+        "over_1s": round(over_1s / total, 3),
+    }
+
+
 def share_from_memory(before: dict[str, float], after: dict[str, float]) -> float | None:
     """The share of the window's heartbeats answered from memory (``server.host_answers``)."""
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
@@ -809,6 +843,7 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
         cpu = CpuMeter(srv.pid, make_url(db_url).database or "")
         fleet.loop_task(cpu.sample_every(1.0, fleet.stop))
         answers0 = await fleet.heartbeat_sources()
+        lag0 = await fleet.loop_lag()
         started = time.monotonic()
         out["measured_from_unix"] = round(time.time(), 1)
         measured_from = datetime.now(UTC)
@@ -825,6 +860,7 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
         out["cores_used"] = cpu.cores_used()
         out["peak_resident_mb"] = {k: round(v) for k, v in sorted(cpu.peak_mb.items())}
         answers1 = await fleet.heartbeat_sources()
+        lag1 = await fleet.loop_lag()
         lost = hosts_lost(db_url, measured_from)
         await fleet.shut_down()
         size1 = db_size(db_url)
@@ -843,6 +879,7 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
             "heartbeat_p99_ms_by_10s": by_window(s, "heartbeat", started, 10.0),
             "heartbeats_answered_from_memory": share_from_memory(answers0, answers1),
             "generator_loop_lag_ms": quantiles_ms(s.loop_lag_ms),
+            "api_loop_lag": lag_between(lag0, lag1),
             "telemetry": quantiles(s.latency["telemetry"]),
             "plan_poll": quantiles(s.latency["plan-poll"]),
             "errors": dict(s.errors),
