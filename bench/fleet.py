@@ -926,8 +926,8 @@ def main() -> None:
         "--ramp-max-s",
         type=float,
         default=300.0,
-        help="the fleet's start (every job submitted at once) is measured apart, until all of "
-        "them have started or this many seconds",
+        help="the fleet's start (every job submitted at once) is measured apart: until all of "
+        "them have started or this many seconds, then as long again (4 to 60 s)",
     )
     ap.add_argument("--telemetry-per", choices=["host", "rank"], default="host")
     ap.add_argument("--workers", type=int, default=1, help="API processes of the server")
