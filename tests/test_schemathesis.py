@@ -25,8 +25,9 @@ HEADERS = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 FUZZ = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
 TIMEOUT_S = 120
 """How long a fuzzed request may take. This checks errors and schemas, not speed (benchmarks
-measure that, in bench/): schemathesis's default of 10 s failed the run when a 5,000-record
-post or a model fit met a 2-core machine busy with two suites at once."""
+measure that, in bench/): schemathesis's default of 10 s failed runs on a slow day of the 2-core
+machine, once on a 5,000-record telemetry post, once on a model fit (while a second suite ran
+beside it)."""
 
 sqlite_app = create_app(
     make_settings(f"sqlite:///{Path(tempfile.mkdtemp(prefix='evenflow-fuzz-')) / 'f.db'}")
