@@ -192,8 +192,11 @@ def by_hosts(job: JobRequest, devices: Sequence[FreeDevice], penalty: float) -> 
 
 
 def _by_hosts_cells(job: JobRequest, devices: Sequence[FreeDevice]) -> int:
+    """The cells ``by_hosts``'s table holds: its rows are at most as long as there are devices
+    to take (a job asking for 10,000 workers among 4,000 free devices needs 4,001 a row)."""
+    most = min(job.most, len(devices))
     per_host = Counter(d.host for d in devices)
-    return sum(min(n, job.most) for n in per_host.values()) * (job.most + 1)
+    return sum(min(n, most) for n in per_host.values()) * (most + 1)
 
 
 def upper_bound(job: JobRequest, devices: Sequence[FreeDevice], penalty: float) -> float:

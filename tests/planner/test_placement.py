@@ -278,3 +278,28 @@ def test_a_fleet_of_uniform_hosts_is_placed_without_cbc(monkeypatch: pytest.Monk
     assert p.status is SolveStatus.OPTIMAL
     assert len(p.device_ids) == 64 and len(p.hosts_used) == 8
     assert p.predicted_samples_per_s == 64 * 2000.0
+
+
+def test_a_job_asking_for_more_than_is_free_is_searched_exactly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # 4 free devices, a job taking up to 10,000: the exact search's rows are 5 cells long, not
+    # 10,001, so its table (20 cells) fits under a limit of 1,000 and CBC never runs.
+    import server.planner.placement as placement
+
+    def no_cbc(*_a: object, **_k: object) -> SolveStatus:
+        raise AssertionError("CBC ran for a job the exact search holds")
+
+    monkeypatch.setattr(placement, "run_cbc", no_cbc)
+    monkeypatch.setattr(placement, "DP_MAX_CELLS", 1_000)
+    # the greedy placement (d0, d1, d2: 0) does not meet the bound; the best is d0, d2, d3 (120)
+    devices = [
+        FreeDevice("d0", "h0", samples_per_s=10.0),
+        FreeDevice("d1", "h0", samples_per_s=10.0),
+        FreeDevice("d2", "h1", samples_per_s=80.0),
+        FreeDevice("d3", "h2", samples_per_s=300.0),
+    ]
+    job = JobRequest("j", 3, 10_000, host_penalty=200.0)
+    p = placement.place(job, devices)
+    assert p.status is SolveStatus.OPTIMAL and "by_hosts" in p.reason, p.reason
+    assert p.objective == pytest.approx(_brute_force(job, devices, 200.0)) == 120.0
