@@ -247,8 +247,11 @@ class PgNotifyBus:
     use and again after it breaks); :meth:`subscribe` runs a thread that holds a ``LISTEN``
     connection and hands each notification's ids to a callback, reconnecting when the
     connection is lost. Like :class:`PlanBus` it never raises into the committing code: a lost
-    notification only means the waiter notices at its next re-check.
-    """
+    notification only means the waiter notices at its next re-check. Like :class:`PlanBus`, its
+    listeners are not sent what it published itself (PostgreSQL tells every listener, the
+    sender's own connection included: a notification from this bus's publishing connection is
+    skipped), since the publisher has acted on it already: a heartbeat's own commit, echoed
+    back, dropped the answer that heartbeat had just kept (``server.host_answers``)."""
 
     def __init__(self, conninfo: str, channel: str = "") -> None:
         self.conninfo = conninfo
@@ -257,6 +260,8 @@ class PgNotifyBus:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._own_pid: int | None = None
+        """The server process id of this bus's publishing connection, while it has one."""
 
     @classmethod
     def for_database(cls, database_url: str, channel: str = "") -> PgNotifyBus:
@@ -264,7 +269,7 @@ class PgNotifyBus:
         return cls(url.render_as_string(hide_password=False), channel)
 
     def publish(self, job_ids: Iterable[int]) -> None:
-        """Notify every listener of the database (this process's own included); never raises."""
+        """Notify every other listener of the database; never raises."""
         ids = sorted(set(job_ids))
         if not ids:
             return
@@ -273,6 +278,7 @@ class PgNotifyBus:
                 try:
                     if self._out is None or self._out.closed:
                         self._out = psycopg.connect(self.conninfo, autocommit=True)
+                        self._own_pid = self._out.info.backend_pid
                     for payload in _payloads(ids):
                         self._out.execute("SELECT pg_notify(%s, %s)", (self.channel, payload))
                     return
@@ -308,6 +314,8 @@ class PgNotifyBus:
                         on_connect()
                     while not self._stop.is_set():
                         for note in conn.notifies(timeout=RECHECK_S / 2):
+                            if note.pid == self._own_pid:
+                                continue  # this bus published it: acted on already
                             ids = {int(p) for p in note.payload.split(",") if p.isdigit()}
                             if ids:
                                 on_ids(ids)
@@ -318,6 +326,7 @@ class PgNotifyBus:
                 log.exception("plan bus: a listener of %s failed", self.channel)
 
     def _drop_out(self) -> None:
+        self._own_pid = None
         if self._out is not None:
             with contextlib.suppress(Exception):
                 self._out.close()

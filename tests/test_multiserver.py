@@ -75,6 +75,26 @@ def test_notify_reaches_a_listener_of_another_connection(db_url: str) -> None:
 
 
 @POSTGRES_ONLY
+def test_a_bus_does_not_hear_what_it_published_itself(db_url: str) -> None:
+    """As the socket bus skips its own socket: the publisher acted on its ids already (an echo
+    dropped the heartbeat answer its own commit had just kept, ``server.host_answers``)."""
+    one, other = open_bus(db_url, "hosts"), open_bus(db_url, "hosts")
+    heard_by_one, heard_by_other = Inbox(), Inbox()
+    try:
+        one.subscribe(heard_by_one)
+        other.subscribe(heard_by_other)
+        _until_listening(db_url, 2)
+        one.publish([7])
+        other.publish([8])
+        heard_by_other.wait_for({7})
+        heard_by_one.wait_for({8})  # sent after 7, on the same server: 7 was not for it
+        assert heard_by_one.ids == {8} and heard_by_other.ids == {7}
+    finally:
+        one.close()
+        other.close()
+
+
+@POSTGRES_ONLY
 def test_a_listener_reconnects_after_its_connection_is_killed(db_url: str) -> None:
     listener, publisher = open_bus(db_url), open_bus(db_url)
     inbox = Inbox()
