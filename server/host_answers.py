@@ -22,8 +22,10 @@ A flush that changes any of these notes the hosts concerned (a job's hosts: one 
 ranks and devices); when the transaction commits, they are dropped from this process's answers
 and published on the ``hosts`` bus (``server.notify``), so every other API process, on this
 machine or (PostgreSQL) another, drops them within milliseconds. A heartbeat that changes
-anything is never answered from memory: its report differs, or its own commit invalidated the
-answer it built. An answer also expires after ``ttl_s`` whatever happens, so a lost
+anything is worked out in the database (its report differs from the last); the answer it gets
+is kept if nothing but its own commit changed the host meanwhile, since that answer was built
+after its own changes (``HostAnswers.put``'s ``own``), so the next heartbeat like it is answered
+from memory. An answer also expires after ``ttl_s`` whatever happens, so a lost
 notification (the bus is best effort) delays a change reaching an agent by at most that long.
 """
 
@@ -42,6 +44,7 @@ from sqlalchemy.orm import Session, object_session, sessionmaker
 from sqlalchemy.sql.selectable import CompoundSelect
 
 from contract.agent import Heartbeat
+from contract.enums import JobStatus
 from server.models import Device, Host, Job, Worker
 
 log = logging.getLogger("evenflow.host_answers")
@@ -72,7 +75,22 @@ _HOSTS_OF_JOBS: CompoundSelect[Any] = union(
 
 def _changed(obj: Any, names: frozenset[str]) -> set[str]:
     state = inspect(obj)
-    return {name for name in names if state.attrs[name].history.has_changes()}
+    changed = {name for name in names if state.attrs[name].history.has_changes()}
+    if isinstance(obj, Job) and "status" in changed and not _ends_or_resumes(obj):
+        changed.discard("status")
+    return changed
+
+
+def _ends_or_resumes(job: Job) -> bool:
+    """Whether a job's status change crossed between live and ended: an answer says ``run`` or
+    ``stop`` (and launches a rank only while its job is live), nothing more of the status, so
+    a job going from ``starting`` to ``running`` (when its last rank reports running: every
+    one of its hosts at once) leaves every answer as it was."""
+    history = inspect(job).attrs["status"].history
+    before = [*history.deleted, *history.unchanged][:1]
+    if not before or not history.added:
+        return True
+    return JobStatus(before[0]).terminal != JobStatus(history.added[0]).terminal
 
 
 def _old_and_new(obj: Any, name: str) -> set[Any]:
@@ -136,6 +154,12 @@ def _after_flush(session: Session, _context: Any) -> None:
         hosts |= {row[0] for row in rows if row[0] is not None}
     if hosts:
         session.info.setdefault(_CHANGED, set()).update(hosts)
+
+
+def changed_so_far(session: Session) -> frozenset[int]:
+    """The hosts (:data:`EVERY_HOST` for all) whose answers the changes ``session`` has flushed
+    so far concern: what its commit will invalidate, if nothing more is flushed before it."""
+    return frozenset(session.info.get(_CHANGED, ()))
 
 
 def track(sessions: sessionmaker[Session], *listeners: Callable[[set[int]], None]) -> None:
@@ -236,13 +260,24 @@ class HostAnswers:
         body: bytes,
         generation: tuple[int, int],
         raw: bytes | None = None,
+        own: frozenset[int] = frozenset(),
     ) -> None:
         """Keep an answer, unless the host was invalidated since ``generation`` was taken;
-        ``raw``: the request body the heartbeat was read from."""
-        if self.ttl_s <= 0:
+        ``raw``: the request body the heartbeat was read from.
+
+        ``own``: the hosts that the heartbeat's own transaction invalidated when it committed
+        (``changed_so_far`` once it had flushed everything), for an answer built after those
+        changes, in the same transaction. Its own invalidation of the host is then no reason
+        to refuse the answer (it reflects that change): a heartbeat reporting a rank running
+        is kept, and the next one like it answered from memory, not worked out once more.
+        Any other invalidation since ``generation`` (another transaction's commit, here or in
+        another process) still refuses it."""
+        if self.ttl_s <= 0 or EVERY_HOST in own:
             return
+        epoch, gen = generation
+        expected = (epoch, gen + 1 if host_id in own else gen)
         with self._lock:
-            if generation != (self._epoch, self._generations.get(host_id, 0)):
+            if expected != (self._epoch, self._generations.get(host_id, 0)):
                 return
             if len(self._answers) >= self.maxsize:
                 self._answers.clear()

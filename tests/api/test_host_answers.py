@@ -118,6 +118,46 @@ def test_a_byte_for_byte_repeat_is_answered_before_the_route(
     assert answers.hits == hits + 1  # another credential: worked out again
 
 
+def test_the_heartbeat_that_reports_a_change_keeps_its_answer(api: Api) -> None:
+    """A heartbeat reporting its ranks running changes them (worked out in the database); the
+    answer it gets already says what follows from that, so it is kept and the next heartbeat
+    like it is answered from memory, with what the database would answer."""
+    host = api.register("h", devices=2)
+    api.submit(workers=2)
+    answers = _context(api).host_answers
+    launch = _beat(api, host, []).json()  # the launch credentials: never kept
+    assert answers._answers.get(int(host["id"])) is None
+    report = _running(launch)
+    changed = _beat(api, host, report)
+    assert changed.status_code == 200, changed.text
+    assert answers._answers.get(int(host["id"])) is not None
+    hits = answers.hits
+    with statements(_context(api).engine) as sql:
+        again = _beat(api, host, report)
+    assert answers.hits == hits + 1 and sql == []
+    assert again.json() == changed.json() == _worked_out(api, int(host["id"]), report)
+
+
+def test_a_job_starting_to_run_leaves_its_hosts_answers_kept(api: Api) -> None:
+    """A job's status going from starting to running (its last rank reports running) changes
+    no answer: its other hosts keep theirs. Its end changes every one."""
+    a, b = api.register("a", devices=1), api.register("b", devices=1)
+    job = api.submit(workers=2)
+    answers = _context(api).host_answers
+    report_a = _running(_beat(api, a, []).json())
+    _beat(api, a, report_a)  # kept: its rank runs, the job still starts (b's has not)
+    assert answers._answers.get(int(a["id"])) is not None
+    _beat(api, b, _running(_beat(api, b, []).json()))
+    status = api.client.get(f"/api/v1/jobs/{job['id']}", headers=api.headers()).json()["status"]
+    assert status == "running"
+    assert answers._answers.get(int(a["id"])) is not None
+    assert _beat(api, a, report_a).json() == _worked_out(api, int(a["id"]), report_a)
+    api.client.post(f"/api/v1/jobs/{job['id']}/cancel", headers=api.headers())
+    assert answers._answers.get(int(a["id"])) is None
+    stop = _beat(api, a, report_a).json()
+    assert [x["desired"] for x in stop["assignments"]] == ["stop"]
+
+
 def test_liveness_is_written_in_a_batch_and_never_moves_back(api: Api) -> None:
     host = api.register("h", devices=1)
     report = _steady(api, host)

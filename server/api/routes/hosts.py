@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
+from sqlalchemy.orm import Session
 
 from contract.agent import Heartbeat, HeartbeatAck, HostRegister
 from contract.api import HostOut, Page
@@ -21,6 +22,7 @@ from server.api.deps import (
 )
 from server.api.gate import RAW_BODY_STATE
 from server.api.statuses import declare
+from server.host_answers import changed_so_far
 from server.services import hosts
 
 router = APIRouter(prefix="/hosts", tags=["hosts"], route_class=JSONRoute)
@@ -60,15 +62,19 @@ async def heartbeat(
         return Response(body, media_type="application/json")
     context.metrics.heartbeat_answers.labels("database").inc()
     generation = answers.generation(host_id)
-    ack = await in_transaction(
-        context, lambda session: hosts.heartbeat(session, host_id, req, principal, now)
-    )
+
+    def work(session: Session) -> tuple[HeartbeatAck, frozenset[int]]:
+        ack = hosts.heartbeat(session, host_id, req, principal, now)
+        session.flush()  # all of it: what the commit invalidates is known before it
+        return ack, changed_so_far(session)
+
+    ack, own = await in_transaction(context, work)
     context.liveness.owned(host_id, principal.token_id)  # its next heartbeats noted on arrival
     body = ack.model_dump_json().encode()
     # an answer that minted launch credentials is never repeated: each one retires the last
     if ack.status is HostStatus.ACTIVE and not any(a.worker_token for a in ack.assignments):
         raw = request.scope.get("state", {}).get(RAW_BODY_STATE)  # a repeat is answered there
-        answers.put(host_id, req, principal, body, generation, raw=raw)
+        answers.put(host_id, req, principal, body, generation, raw=raw, own=own)
     return Response(body, media_type="application/json")
 
 
