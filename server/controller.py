@@ -119,6 +119,8 @@ class Controller:
         """Hot job -> its newest telemetry row id when a round last looked."""
         self._place_wake = threading.Event()
         """A job was submitted or devices freed since placement last ran (``placements``)."""
+        self.speed_history = scheduler.SpeedHistory()
+        """Recent jobs' measured speeds, brought up to date by each placement pass."""
         self.round_stats = RoundStats(settings.controller_report_s)
         self.active_since: datetime | None = None
         """When this controller last took the controller lock: no host's silence before it
@@ -327,7 +329,9 @@ class Controller:
         def once() -> list[int]:
             with self.write_lock, transaction(self.sessions) as s:
                 now = datetime.now(UTC)
-                placed = scheduler.place_pending(s, now, hold=self.settings.queue_hold)
+                placed = scheduler.place_pending(
+                    s, now, hold=self.settings.queue_hold, history=self.speed_history
+                )
                 return [job.id for job in placed]
 
         placed_ids = run_retrying(once, PLACE_ATTEMPTS, "placement")

@@ -28,6 +28,7 @@ published-figures prior (``server/planner/gpu_profiles.csv``), and a CPU a nomin
 from __future__ import annotations
 
 import json
+import threading
 from collections import defaultdict
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
@@ -84,37 +85,125 @@ def free_devices(session: Session) -> list[Device]:
     )
 
 
+def _workload_jobs(session: Session, workload: dict[str, Any]) -> list[int]:
+    """The recent (``HISTORY_JOBS``) non-emulated jobs of ``workload``, newest first."""
+    recent = session.execute(
+        select(Job.id, Job.emulated, Job.spec).order_by(Job.id.desc()).limit(HISTORY_JOBS)
+    )
+    return [i for i, emulated, spec in recent if not emulated and spec.get("workload") == workload]
+
+
 def measured_speeds(session: Session, workload: dict[str, Any]) -> dict[int, float]:
-    """Samples/s per device for this workload, from earlier non-emulated jobs' telemetry."""
-    recent = session.scalars(select(Job).order_by(Job.id.desc()).limit(HISTORY_JOBS))
-    job_ids = [j.id for j in recent if not j.emulated and j.spec.get("workload") == workload]
+    """Samples/s per device for this workload, from earlier non-emulated jobs' telemetry, summed
+    from their whole history (``SpeedHistory`` keeps the same sums up to date instead)."""
+    job_ids = _workload_jobs(session, workload)
     if not job_ids:
         return {}
-    T = IterationTelemetry
-    R = TelemetryRollup  # history older than the retention window, weighted by its count
+    sums = _rank_sums(session, job_ids)
+    return _per_device(session, job_ids, sums)
+
+
+_T = IterationTelemetry
+_R = TelemetryRollup
+
+
+def _rank_sums(
+    session: Session, job_ids: Collection[int], up_to_id: int | None = None
+) -> dict[tuple[int, int], tuple[float, float]]:
+    """(samples, compute ms) per (job, rank) of ``job_ids``: raw rows (those of ids up to
+    ``up_to_id``) and the rolled-up history older than the retention window, weighted by its
+    count."""
     raw = (
-        select(Worker.device_id, func.sum(T.batch_size), func.sum(T.compute_ms))
-        .join(T, (T.job_id == Worker.job_id) & (T.rank == Worker.rank))
-        .where(Worker.job_id.in_(job_ids), T.batch_size > 0, T.probe.is_(False))
-        .group_by(Worker.device_id)
+        select(_T.job_id, _T.rank, func.sum(_T.batch_size), func.sum(_T.compute_ms))
+        .where(_T.job_id.in_(job_ids), _T.batch_size > 0, _T.probe.is_(False))
+        .group_by(_T.job_id, _T.rank)
     )
+    if up_to_id is not None:
+        raw = raw.where(_T.id <= up_to_id)
     rolled = (
         select(
-            Worker.device_id,
-            func.sum(R.batch_size * R.count),
-            func.sum(R.compute_ms * R.count),
+            _R.job_id,
+            _R.rank,
+            func.sum(_R.batch_size * _R.count),
+            func.sum(_R.compute_ms * _R.count),
         )
-        .join(R, (R.job_id == Worker.job_id) & (R.rank == Worker.rank))
-        .where(Worker.job_id.in_(job_ids), R.batch_size > 0)
-        .group_by(Worker.device_id)
+        .where(_R.job_id.in_(job_ids), _R.batch_size > 0)
+        .group_by(_R.job_id, _R.rank)
+    )
+    sums: dict[tuple[int, int], tuple[float, float]] = {}
+    for job_id, rank, b, ms in [*session.execute(raw), *session.execute(rolled)]:
+        was = sums.get((job_id, rank), (0.0, 0.0))
+        sums[(job_id, rank)] = (was[0] + float(b or 0), was[1] + float(ms or 0))
+    return sums
+
+
+def _per_device(
+    session: Session, job_ids: Collection[int], sums: dict[tuple[int, int], tuple[float, float]]
+) -> dict[int, float]:
+    """Samples/s per device: each (job, rank)'s sums counted for the device its rank holds."""
+    places = session.execute(
+        select(Worker.job_id, Worker.rank, Worker.device_id).where(Worker.job_id.in_(job_ids))
     )
     samples: dict[int, float] = defaultdict(float)
     millis: dict[int, float] = defaultdict(float)
-    for d, b, ms in [*session.execute(raw), *session.execute(rolled)]:
-        if d is not None and ms:
-            samples[int(d)] += float(b)
-            millis[int(d)] += float(ms)
+    for job_id, rank, device_id in places:
+        got = sums.get((job_id, rank))
+        if device_id is not None and got is not None and got[1]:
+            samples[device_id] += got[0]
+            millis[device_id] += got[1]
     return {d: 1000.0 * samples[d] / millis[d] for d in samples if millis[d] > 0}
+
+
+class SpeedHistory:
+    """``measured_speeds``' sums per (job, rank), kept from one placement pass to the next and
+    brought up to date from the telemetry rows added since (by id), instead of summed again from
+    every recent job's whole history each pass. That sum was a growing share of the database's
+    time in a fleet (``bench/fleet.py``: the busiest statement at 500 hosts, spilling to disk,
+    and it grows with the history kept: up to 20,000 iterations a rank for 200 jobs).
+
+    The first use sums the recent jobs' history once (raw rows and roll-ups); each later one
+    adds the rows of ids past the last it read, for every job (new rows are few), and drops the
+    jobs that left the recent window. A row whose transaction commits after a later id was read
+    (PostgreSQL, several API processes writing at once) is not counted: a few samples of the
+    many an estimate has. Used by one placement thread (``Controller.place``); thread-safe."""
+
+    def __init__(self) -> None:
+        self.sums: dict[tuple[int, int], tuple[float, float]] = {}
+        self.last_id: int | None = None
+        """The newest telemetry id read; None before the first use."""
+        self._lock = threading.Lock()
+
+    def speeds(self, session: Session, workload: dict[str, Any]) -> dict[int, float]:
+        job_ids = _workload_jobs(session, workload)
+        if not job_ids:
+            return {}
+        with self._lock:
+            self._catch_up(session)
+            return _per_device(session, job_ids, self.sums)
+
+    def _catch_up(self, session: Session) -> None:
+        newest = session.scalar(select(func.max(_T.id))) or 0
+        recent = list(session.scalars(select(Job.id).order_by(Job.id.desc()).limit(HISTORY_JOBS)))
+        if self.last_id is None:
+            self.sums = _rank_sums(session, recent, up_to_id=newest)
+        elif newest > self.last_id:
+            new = (
+                select(_T.job_id, _T.rank, func.sum(_T.batch_size), func.sum(_T.compute_ms))
+                .where(
+                    _T.id > self.last_id,
+                    _T.id <= newest,
+                    _T.batch_size > 0,
+                    _T.probe.is_(False),
+                )
+                .group_by(_T.job_id, _T.rank)
+            )
+            for job_id, rank, b, ms in session.execute(new):
+                was = self.sums.get((job_id, rank), (0.0, 0.0))
+                self.sums[(job_id, rank)] = (was[0] + float(b or 0), was[1] + float(ms or 0))
+        self.last_id = max(newest, self.last_id or 0)
+        oldest = min(recent, default=0)
+        if any(job_id < oldest for job_id, _ in self.sums):
+            self.sums = {k: v for k, v in self.sums.items() if k[0] >= oldest}
 
 
 @cache
@@ -125,10 +214,12 @@ def _prior(model: str, cpu: bool, memory_mb: int) -> float:
 
 class Speeds:
     """Measured samples/s per device for a workload (earlier jobs of it), read once per workload
-    in a placement round; a device without is predicted by its prior."""
+    in a placement round (from ``history`` when the caller keeps one across rounds); a device
+    without is predicted by its prior."""
 
-    def __init__(self, session: Session) -> None:
+    def __init__(self, session: Session, history: SpeedHistory | None = None) -> None:
         self.session = session
+        self.history = history
         self.measured: dict[str, dict[int, float]] = {}
 
     @staticmethod
@@ -138,7 +229,12 @@ class Speeds:
     def of(self, spec: JobSpec) -> dict[int, float]:
         key = self.key(spec)
         if key not in self.measured:
-            self.measured[key] = measured_speeds(self.session, json.loads(key))
+            workload = json.loads(key)
+            self.measured[key] = (
+                self.history.speeds(self.session, workload)
+                if self.history is not None
+                else measured_speeds(self.session, workload)
+            )
         return self.measured[key]
 
 
@@ -148,8 +244,10 @@ class Pool:
     Made again for each job, they were most of a pass: 200 pending jobs at 10,000 devices made
     two million of them (``bench/placement_pass.py``)."""
 
-    def __init__(self, session: Session, free: list[Device]) -> None:
-        self.speeds = Speeds(session)
+    def __init__(
+        self, session: Session, free: list[Device], history: SpeedHistory | None = None
+    ) -> None:
+        self.speeds = Speeds(session, history)
         self.by_id = {d.id: d for d in free}
         """Every device free when the pass began (the jobs' choices take from them)."""
         self._made: dict[str, dict[int, FreeDevice]] = {}
@@ -486,7 +584,9 @@ def _enough(spec: JobSpec, free: list[Device]) -> bool:
     return max(kinds.values(), default=0) >= (spec.workers or 1)
 
 
-def place_pending(session: Session, now: datetime, *, hold: bool = True) -> list[Job]:
+def place_pending(
+    session: Session, now: datetime, *, hold: bool = True, history: SpeedHistory | None = None
+) -> list[Job]:
     """Give devices to pending jobs, by priority then age. Returns jobs placed.
 
     ``hold``: the first job in that order that is short of free devices keeps those there are
@@ -505,7 +605,7 @@ def place_pending(session: Session, now: datetime, *, hold: bool = True) -> list
     if not pending:
         return placed
     free = free_devices(session)
-    pool = Pool(session, free)
+    pool = Pool(session, free, history)
     landscape: Landscape | None = None
     held: Hold | None = None
     for job in pending:

@@ -18,7 +18,7 @@ from server.db import transaction
 from server.models import JOB_RANK, IterationTelemetry, Job, TelemetryRollup
 from server.services import control_loop, rebalancer, retention, scheduler
 from server.services.rebalancer import NewRows, Tracker
-from tests.harness import Api, make_settings
+from tests.harness import Api, make_settings, statements
 from tests.ui.simulated import emulated_iteration
 
 T, R = IterationTelemetry, TelemetryRollup
@@ -269,3 +269,52 @@ def test_a_fresh_control_loop_reads_a_long_jobs_recent_iterations_not_its_histor
         assert j is not None
         rows = state.readers[job].read(s, j)
     assert sorted({r.iteration for r in rows}) == list(range(1500, 1510))
+
+
+def test_the_kept_speed_history_reads_what_the_whole_history_says(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``SpeedHistory`` (the placement thread's, across passes) gives the speeds that summing
+    every recent job's whole history gives: after a first use over rolled-up history, new
+    rows, rows rolled up once counted, new jobs, and jobs leaving the recent window; and after
+    the first use it reads neither the roll-ups nor rows it has read."""
+    monkeypatch.setattr(scheduler, "HISTORY_JOBS", 2)
+    ctx = context_of(api.client.app)  # type: ignore[arg-type]
+    history = scheduler.SpeedHistory()
+
+    def job(name: str) -> int:
+        api.register(name, devices=2)
+        return int(api.submit(workers=2, global_batch=64)["id"])  # type: ignore[call-overload]
+
+    read: list[str] = []
+
+    def same() -> dict[int, float]:
+        with transaction(ctx.sessions) as s:
+            workload = s.get(Job, first).spec["workload"]  # type: ignore[union-attr]
+            with statements(ctx.engine) as sql:
+                kept = history.speeds(s, workload)
+            read[:] = sql
+            whole = scheduler.measured_speeds(s, workload)
+        assert kept.keys() == whole.keys()
+        for device, speed in whole.items():
+            assert kept[device] == pytest.approx(speed, rel=1e-9)
+        return kept
+
+    first = job("h1")
+    _post(api, first, range(0, 400), 1)
+    _roll_up_all(api, first, retention.Window(keep_iterations=100, keep_running_s=0))
+    assert len(same()) == 2  # the first use: raw rows and roll-ups
+    _post(api, first, range(400, 600), 2)  # other batch sizes: the speeds move
+    moved = same()
+    assert not any("telemetry_rollups" in q for q in read)
+    sums = [q for q in read if "sum(iteration_telemetry" in q]
+    assert len(sums) == 1 and "iteration_telemetry.id >" in sums[0]  # only the rows since
+    _roll_up_all(api, first, retention.Window(keep_iterations=50, keep_running_s=0))
+    assert same() == pytest.approx(moved)  # rolled up after being counted: the same speeds
+    second = job("h2")
+    _post(api, second, range(0, 300), 1)
+    assert len(same()) == 4
+    third = job("h3")  # the first job leaves the recent window (2 jobs here)
+    _post(api, third, range(0, 50), 2)
+    speeds = same()
+    assert len(speeds) == 4 and all(k[0] != first for k in history.sums)
