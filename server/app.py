@@ -278,9 +278,16 @@ async def _write_liveness(context: AppContext) -> None:
 
 
 def _flush_liveness(context: AppContext) -> None:
+    """One statement on PostgreSQL, in autocommit (``host_answers._ALIVE_IF_NEWER_PG``); a
+    transaction under the writer lock on SQLite."""
     try:
-        with context.write_lock, context.sessions() as session, session.begin():
-            context.liveness.flush(session)
+        if context.engine.dialect.name == "postgresql":
+            autocommit = context.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+            with autocommit as conn:
+                context.liveness.flush(conn)
+            return
+        with context.write_lock, context.engine.begin() as conn:
+            context.liveness.flush(conn)
     except Exception:
         context.liveness.restore()
         raise

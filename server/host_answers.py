@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import bindparam, event, inspect, select, union, update
+from sqlalchemy import Connection, bindparam, event, inspect, select, text, union, update
 from sqlalchemy.orm import Session, object_session, sessionmaker
 from sqlalchemy.sql.selectable import CompoundSelect
 
@@ -311,6 +311,15 @@ _ALIVE_IF_NEWER = (
     .where(Host.id == bindparam("host_id"), Host.last_heartbeat < bindparam("seen"))
     .values(last_heartbeat=bindparam("seen"))
 )
+_ALIVE_IF_NEWER_PG = text(
+    "UPDATE hosts SET last_heartbeat = v.seen"
+    " FROM unnest(CAST(:ids AS integer[]), CAST(:seen AS timestamptz[])) AS v(id, seen)"
+    " WHERE hosts.id = v.id AND hosts.last_heartbeat < v.seen"
+)
+"""PostgreSQL: every host's time in one statement (not one per host), so the flush, run on
+its own (autocommit), holds the rows for as long as the statement runs and no longer: a host's
+heartbeat worked out in the database meanwhile waited for the flush's transaction to end,
+statements and commit round trips of a thread in a busy process included."""
 
 
 class Liveness:
@@ -365,19 +374,22 @@ class Liveness:
         with self._lock:
             return len(self._seen.keys() | self._waiting.keys())
 
-    def flush(self, session: Session) -> int:
-        """Write what was seen since the last flush in ``session``, which the caller commits,
-        and now for the hosts whose heartbeats are waiting for their answers; returns how many
-        hosts. Should the write or its commit fail, :meth:`restore` puts the times back for the
-        next flush."""
+    def flush(self, conn: Connection) -> int:
+        """Write what was seen since the last flush on ``conn`` (the caller commits, unless it
+        is in autocommit), and now for the hosts whose heartbeats are waiting for their
+        answers; returns how many hosts. Should the write or its commit fail, :meth:`restore`
+        puts the times back for the next flush."""
         now = datetime.now(UTC)
         with self._lock:
             seen, self._seen = self._seen, {}
             seen.update(dict.fromkeys(self._waiting, now))
             self._flushing = seen
-        if seen:
+        if seen and conn.dialect.name == "postgresql":
+            ids = sorted(seen)
+            conn.execute(_ALIVE_IF_NEWER_PG, {"ids": ids, "seen": [seen[h] for h in ids]})
+        elif seen:
             rows = [{"host_id": h, "seen": t} for h, t in sorted(seen.items())]
-            session.connection().execute(_ALIVE_IF_NEWER, rows)
+            conn.execute(_ALIVE_IF_NEWER, rows)
         return len(seen)
 
     def restore(self) -> None:

@@ -19,7 +19,7 @@ import pytest
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sqlalchemy import select
+from sqlalchemy import event, select
 
 from contract.agent import Heartbeat
 from contract.enums import Role
@@ -176,6 +176,36 @@ def test_liveness_is_written_in_a_batch_and_never_moves_back(api: Api) -> None:
     context.liveness.seen(int(host["id"]), written - timedelta(seconds=5))
     _flush_liveness(context)
     assert last_heartbeat() == written
+
+
+def test_a_flush_writes_every_hosts_liveness_in_one_statement(api: Api) -> None:
+    """One statement on PostgreSQL whatever the number of hosts (the flush holds their rows for
+    as long as it runs); each host gets its own time, never an older one."""
+    context = _context(api)
+    ids = [int(api.register(f"h{i}", devices=1)["id"]) for i in range(5)]
+    with transaction(context.sessions) as s:
+        before = {h: t for h, t in s.execute(select(Host.id, Host.last_heartbeat))}
+    later = datetime.now(UTC) + timedelta(seconds=60)
+    for i, host_id in enumerate(ids):
+        context.liveness.seen(host_id, later + timedelta(seconds=i))
+    context.liveness.seen(ids[0], before[ids[0]] - timedelta(seconds=60))  # older: not written
+    writes: list[tuple[str, bool]] = []
+
+    def note(_c: Any, _cur: Any, sql: str, _p: Any, _ctx: Any, many: bool) -> None:
+        if sql.lstrip().upper().startswith("UPDATE"):
+            writes.append((sql, many))
+
+    event.listen(context.engine, "before_cursor_execute", note)
+    try:
+        _flush_liveness(context)
+    finally:
+        event.remove(context.engine, "before_cursor_execute", note)
+    if context.engine.dialect.name == "postgresql":
+        assert [many for _, many in writes] == [False]  # one statement, not one per host
+    with transaction(context.sessions) as s:
+        after = {h: t for h, t in s.execute(select(Host.id, Host.last_heartbeat))}
+    assert after[ids[0]] == before[ids[0]]
+    assert [after[h] for h in ids[1:]] == [later + timedelta(seconds=i) for i in range(1, 5)]
 
 
 def test_a_cancelled_job_reaches_the_agent_at_once(api: Api) -> None:
@@ -340,7 +370,7 @@ def test_liveness_not_written_is_written_by_the_next_flush(api: Api) -> None:
     later = datetime.now(UTC) + timedelta(seconds=30)
     context.liveness.seen(host_id, later)
     with context.sessions() as s:
-        context.liveness.flush(s)
+        context.liveness.flush(s.connection())
         s.rollback()  # as when the commit fails
     context.liveness.restore()
     assert context.liveness.pending() == 1
@@ -377,12 +407,12 @@ def test_a_heartbeat_waiting_for_the_database_keeps_its_host_alive_meanwhile(
         while not context.liveness.pending() and time.monotonic() < deadline:
             time.sleep(0.01)
         with context.sessions() as s, s.begin():  # the API's next liveness flush
-            assert context.liveness.flush(s) == 1
+            assert context.liveness.flush(s.connection()) == 1
         first = _last_heartbeat(context, host_id)
         assert first >= sent
         time.sleep(0.05)
         with context.sessions() as s, s.begin():  # and the one after: still waiting, alive
-            assert context.liveness.flush(s) == 1
+            assert context.liveness.flush(s.connection()) == 1
         assert _last_heartbeat(context, host_id) > first
         assert not answered  # still waiting
     beat.join(10)
