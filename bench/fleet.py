@@ -1,7 +1,8 @@
 """A simulated GPU fleet against a real `evenflow server` on PostgreSQL.
 
     python bench/fleet.py [--hosts 1250] [--gpus 8] [--jobs 200 per 1,250 hosts] [--seconds 120]
-                          [--ramp-max-s 300] [--telemetry-per host|rank] [--workers 1]
+                          [--ramp-max-s 300] [--job-seconds 30-150] [--telemetry-per host|rank]
+                          [--workers 1]
 
 Lightweight asyncio clients, no torch: every host registers its GPUs through the agent API and
 heartbeats every 2 s, reporting its workers' states; every running job's workers post their
@@ -116,8 +117,24 @@ class CpuMeter:
     def _ours(self) -> list[tuple[psutil.Process, str]]:
         procs = [self.server, *self.server.children(recursive=True)]
         kinds = [(p, self._kind(p)) for p in procs]
-        kinds += [(p, "postgres") for p in psutil.process_iter() if self._is_ours(p)]
+        backends = [p for p in psutil.process_iter() if self._is_ours(p)]
+        kinds += [(p, "postgres") for p in backends]
+        kinds += [(p, "postgres") for p in self._parallel_workers({p.pid for p in backends})]
         return [*kinds, (psutil.Process(), "generator")]
+
+    @staticmethod
+    def _parallel_workers(backends: set[int]) -> list[psutil.Process]:
+        """PostgreSQL's parallel workers for our backends' queries ("postgres: 15/main:
+        parallel worker for PID 1234"): their command line names no database."""
+        out = []
+        for p in psutil.process_iter():
+            with contextlib.suppress(psutil.Error):
+                if p.name() != "postgres":
+                    continue
+                words = " ".join(p.cmdline()).split()
+                if "parallel" in words and words[-1].isdigit() and int(words[-1]) in backends:
+                    out.append(p)
+        return out
 
     def sample(self, first: bool = False) -> None:
         held: dict[str, float] = defaultdict(float)
@@ -417,7 +434,7 @@ class Fleet:
     ) -> Job | None:
         size = size or self.rng.choices(SIZES, SIZE_WEIGHTS)[0]
         rate = self.rng.choice([1.0, 2.0, 3.0, 4.0, 5.0])
-        iterations = int(rate * self.rng.uniform(30, 150))
+        iterations = int(rate * self.rng.uniform(*self.args.job_seconds))
         if straggler:
             iterations = max(iterations, STRAGGLER_ONSET + 60)
         spec = {
@@ -875,6 +892,7 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
             "hosts": args.hosts,
             "devices": args.hosts * args.gpus,
             "telemetry_per": args.telemetry_per,
+            "job_seconds": list(args.job_seconds),
             "heartbeat": quantiles(s.latency["heartbeat"]),
             "heartbeat_p99_ms_by_10s": by_window(s, "heartbeat", started, 10.0),
             "heartbeats_answered_from_memory": share_from_memory(answers0, answers1),
@@ -911,6 +929,17 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
     return out
 
 
+def _span(text: str) -> tuple[float, float]:
+    lo, _, hi = text.partition("-")
+    try:
+        span = (float(lo), float(hi or lo))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not LO-HI seconds") from None
+    if not 0 < span[0] <= span[1]:
+        raise argparse.ArgumentTypeError(f"{text!r}: need 0 < LO <= HI")
+    return span
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--hosts", type=int, default=1250)
@@ -928,6 +957,15 @@ def main() -> None:
         default=300.0,
         help="the fleet's start (every job submitted at once) is measured apart: until all of "
         "them have started or this many seconds, then as long again (4 to 60 s)",
+    )
+    ap.add_argument(
+        "--job-seconds",
+        type=_span,
+        default=(30.0, 150.0),
+        metavar="LO-HI",
+        help="how long each job trains, drawn uniformly (default 30-150): jobs end and new "
+        "ones start throughout, and each start and end changes its hosts' heartbeat answers; "
+        "a real cluster's jobs live hours",
     )
     ap.add_argument("--telemetry-per", choices=["host", "rank"], default="host")
     ap.add_argument("--workers", type=int, default=1, help="API processes of the server")
