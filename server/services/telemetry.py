@@ -9,7 +9,7 @@ from functools import cached_property
 from itertools import repeat
 from typing import Any
 
-from sqlalchemy import Connection, bindparam, func, select, text
+from sqlalchemy import Connection, bindparam, func, select
 from sqlalchemy.orm import Session
 
 from contract.agent import TELEMETRY_FIELDS, TelemetryBatch
@@ -206,13 +206,20 @@ _PG_TYPES = (  # of COLUMNS, in order
     "integer",
     "integer",
 )
-_PG_ARRAYS = ", ".join(f"CAST(:{c} AS {t}[])" for c, t in zip(COLUMNS, _PG_TYPES, strict=True))
-_PG_INSERT = text(
+_PG_ARRAYS = ", ".join(f"CAST(%({c})b AS {t}[])" for c, t in zip(COLUMNS, _PG_TYPES, strict=True))
+_PG_INSERT = (
+    "WITH stored AS ("
     f"INSERT INTO iteration_telemetry (job_id, {', '.join(COLUMNS)}) "
-    f"SELECT * FROM unnest(CAST(:job_id AS integer[]), {_PG_ARRAYS}) "
+    f"SELECT * FROM unnest(CAST(%(job_id)b AS integer[]), {_PG_ARRAYS}) "
     "ON CONFLICT (job_id, rank, iteration) DO NOTHING "
-    "RETURNING job_id, rank, iteration"
+    "RETURNING job_id, rank, iteration) "
+    "SELECT count(*), CASE WHEN count(*) < %(rows)s "
+    "THEN array_agg(ARRAY[job_id, rank, iteration]) END FROM stored"
 )
+"""The group's rows in one statement, from one array per column sent in binary (psycopg turns
+a list into text element by element in Python: three times the API process's CPU, and a tenth
+of its samples at 1,250 hosts). It answers one row: how many rows were stored and, only when
+some were not (already stored), the keys of those that were."""
 _SQLITE_INSERT = (
     f"INSERT INTO iteration_telemetry (job_id, {', '.join(COLUMNS)}) "
     f"VALUES ({', '.join('?' * (len(COLUMNS) + 1))}) "
@@ -225,16 +232,17 @@ def _insert_postgresql(conn: Connection, rows: _Rows) -> dict[int, int]:
     its span; else the keys it returns say which post each stored row was."""
     params: dict[str, Any] = dict(zip(COLUMNS, rows.columns, strict=True))
     params["job_id"] = rows.job_ids
-    stored = conn.execute(_PG_INSERT, params).all()
+    params["rows"] = len(rows.job_ids)
+    count, stored = conn.exec_driver_sql(_PG_INSERT, params).one()
     spans = rows.spans.items()
-    if len(stored) == len(rows.job_ids):
+    if count == len(rows.job_ids):
         return {i: end - start for i, (start, end) in spans}
     post_of = {
         (rows.job_ids[r], rows.columns[0][r], rows.columns[1][r]): i
         for i, (start, end) in spans
         for r in range(start, end)
     }
-    return Counter(post_of[(j, r, it)] for j, r, it in stored)
+    return Counter(post_of[(j, r, it)] for j, r, it in stored or ())
 
 
 def _insert_sqlite(conn: Connection, rows: _Rows) -> dict[int, int]:
