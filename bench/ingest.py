@@ -106,7 +106,14 @@ def setup_job(base: str) -> int:
         },
     )
     r.raise_for_status()
-    return int(r.json()["id"])
+    job = int(r.json()["id"])
+    # Placed by the controller's placement thread, not by the submission: wait for its plan.
+    deadline = time.monotonic() + 60
+    while httpx.get(f"{base}/api/v1/jobs/{job}/plan", headers=h).status_code != 200:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"job {job} was not placed within 60 s")
+        time.sleep(0.1)
+    return job
 
 
 def bodies(client: int, count: int, form: str = "columns") -> list[bytes]:
@@ -294,7 +301,7 @@ async def delivery(base: str, job: int, plans: int = 5) -> dict[str, Any]:
         status, _, content = await admin.request(
             "POST", f"/api/v1/jobs/{job}/overrides", body.encode()
         )
-        assert status == 200, content
+        assert status == 201, content  # an override is created
         sent[json.loads(content)["plan"]["version"]] = t0
         await asyncio.sleep(1.0)
     await asyncio.wait_for(asyncio.gather(*waiters), 30)
