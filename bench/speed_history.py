@@ -47,21 +47,25 @@ PASS_ITERATIONS = 10
 
 
 def _setup(client: TestClient, jobs: int, ranks: int) -> list[int]:
-    """A host with a device per rank of every job, and ``jobs + 1`` jobs placed on it."""
-    agent = client.post(
-        "/api/v1/tokens", json={"name": "a", "role": "agent", "host": "h"}, headers=AUTH
-    ).json()["token"]
-    devices = [
-        {"index": i, "kind": "cpu", "model": "CPU", "memory_mb": 1024}
-        for i in range((jobs + 1) * ranks)
-    ]
-    body = {"protocol_version": PROTOCOL_VERSION, "name": "h", "address": "127.0.0.1"}
-    r = client.post(
-        "/api/v1/hosts/register",
-        json={**body, "devices": devices},
-        headers={"Authorization": f"Bearer {agent}"},
-    )
-    r.raise_for_status()
+    """Hosts of 64 devices with a device per rank of every job, and ``jobs + 1`` jobs placed
+    on them."""
+    total = (jobs + 1) * ranks
+    for h in range(0, total, 64):
+        name = f"h{h // 64}"
+        agent = client.post(
+            "/api/v1/tokens", json={"name": name, "role": "agent", "host": name}, headers=AUTH
+        ).json()["token"]
+        devices = [
+            {"index": i, "kind": "cpu", "model": "CPU", "memory_mb": 1024}
+            for i in range(min(64, total - h))
+        ]
+        body = {"protocol_version": PROTOCOL_VERSION, "name": name, "address": "127.0.0.1"}
+        r = client.post(
+            "/api/v1/hosts/register",
+            json={**body, "devices": devices},
+            headers={"Authorization": f"Bearer {agent}"},
+        )
+        r.raise_for_status()
     spec = {"name": "j", "workload": {"builtin": "mlp"}, "global_batch": 64 * ranks}
     ids = []
     for _ in range(jobs + 1):
@@ -82,7 +86,8 @@ _FILL = text(
     "SELECT :job, r, i::bigint, 1, 48 + (i / 100) % 3 * 16, 1.0, "
     "5.0 + (48 + (i / 100) % 3 * 16) * (0.5 + (:job % 5) * 0.1 + r * 0.01) + (i * 13 % 7) * 0.1, "
     "3.0, 1.0e9 + i * 0.2, false "
-    "FROM generate_series(:first, :last) AS i, generate_series(0, :ranks - 1) AS r"
+    "FROM generate_series(CAST(:first AS integer), CAST(:last AS integer)) AS i, "
+    "generate_series(0, CAST(:ranks AS integer) - 1) AS r"
 )
 
 
