@@ -28,7 +28,9 @@ and the iterations the job had run by then on its own clock; and the detector's 
 event's ``detected_iteration``), placement time of a 64-worker job
 on the whole inventory (before the load, and at load first in the queue, given up after 30 s),
 the cores used by each kind of process, the API process's event-loop lag (its ``/metrics``:
-how long a request waited before the server could read it), and database growth.
+how long a request waited before the server could read it), the requests that waited in the
+generator for a client connection (``--connections``; their wait is inside their latency),
+and database growth.
 """
 
 from __future__ import annotations
@@ -293,6 +295,9 @@ class Stats:
     """When each request of ``latency`` was sent (monotonic), in the same order."""
     errors: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     lag_s: list[float] = field(default_factory=list)
+    queued_s: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    """Per kind, how long requests that found every client connection taken waited for one
+    (``--connections``): time in the generator, inside ``latency``, that no server spent."""
     loop_lag_ms: list[float] = field(default_factory=list)
     """How late the generator's own event loop woke a 100 ms sleep: latency it adds to every
     figure above (a saturated machine delays the generator too)."""
@@ -324,7 +329,11 @@ class Fleet:
         t0 = time.perf_counter()
         try:
             async with self.http.request(
-                method, self.base + path, headers={"Authorization": f"Bearer {token}"}, **kw
+                method,
+                self.base + path,
+                headers={"Authorization": f"Bearer {token}"},
+                trace_request_ctx={"kind": kind},
+                **kw,
             ) as r:
                 body = await r.json() if r.status == 200 or r.status == 201 else await r.text()
                 status = r.status
@@ -338,6 +347,21 @@ class Fleet:
             self.stats.errors[f"{kind}: {status}"] += 1
             self.last_error[kind] = f"{status} {str(body)[:300]}"
         return status, body
+
+    def queue_trace(self) -> aiohttp.TraceConfig:
+        """Times the requests that wait for a free client connection (``Stats.queued_s``)."""
+        trace = aiohttp.TraceConfig()
+
+        async def queued(_s: Any, ctx: Any, _p: Any) -> None:
+            ctx.queued_at = time.perf_counter()
+
+        async def dequeued(_s: Any, ctx: Any, _p: Any) -> None:
+            kind = (ctx.trace_request_ctx or {}).get("kind", "other")
+            self.stats.queued_s[kind].append(time.perf_counter() - ctx.queued_at)
+
+        trace.on_connection_queued_start.append(queued)
+        trace.on_connection_queued_end.append(dequeued)
+        return trace
 
     # -------------------------------------------------------------- setup
 
@@ -828,7 +852,10 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
     limit = args.connections or args.hosts + 2 * args.jobs + 64
     connector = aiohttp.TCPConnector(limit=limit, keepalive_timeout=20)
     timeout = aiohttp.ClientTimeout(total=60)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as fleet.http:
+    session = aiohttp.ClientSession(
+        connector=connector, timeout=timeout, trace_configs=[fleet.queue_trace()]
+    )
+    async with session as fleet.http:
         t0 = time.monotonic()
         await fleet.register()
         out: dict[str, Any] = {"setup_s": round(time.monotonic() - t0, 1)}
@@ -897,6 +924,11 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
             "heartbeat_p99_ms_by_10s": by_window(s, "heartbeat", started, 10.0),
             "heartbeats_answered_from_memory": share_from_memory(answers0, answers1),
             "generator_loop_lag_ms": quantiles_ms(s.loop_lag_ms),
+            "generator_connection_waits": {
+                kind: {**quantiles(waits), "share": round(len(waits) / len(s.latency[kind]), 3)}
+                for kind, waits in s.queued_s.items()
+                if s.latency.get(kind)
+            },
             "api_loop_lag": lag_between(lag0, lag1),
             "telemetry": quantiles(s.latency["telemetry"]),
             "plan_poll": quantiles(s.latency["plan-poll"]),
