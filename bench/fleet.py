@@ -636,14 +636,23 @@ class Fleet:
     async def loop_lag(self) -> dict[float, float]:
         """The API process's event-loop lag so far (``/metrics``): observations at most each
         bucket's bound, by bound."""
+        return {
+            le: n
+            for (_, le), n in (await self.histogram("evenflow_event_loop_lag_seconds")).items()
+        }
+
+    async def histogram(self, name: str, label: str = "") -> dict[tuple[str, float], float]:
+        """A histogram of the API process's ``/metrics`` so far: by (``label``'s value, bucket
+        bound), the observations at most that bound."""
         async with self.http.get(self.base + "/metrics") as r:
             body = await r.text()
-        out: dict[float, float] = {}
+        out: dict[tuple[str, float], float] = {}
         for family in text_string_to_metric_families(body):
-            if family.name == "evenflow_event_loop_lag_seconds":
+            if family.name == name:
                 for sample in family.samples:
                     if sample.name.endswith("_bucket"):
-                        out[float(sample.labels["le"])] = sample.value
+                        key = (sample.labels.get(label, ""), float(sample.labels["le"]))
+                        out[key] = sample.value
         return out
 
     async def sample_lag(self) -> None:
@@ -830,6 +839,28 @@ def lag_between(before: dict[float, float], after: dict[float, float]) -> dict[s
     }
 
 
+def slow_between(
+    before: dict[tuple[str, float], float], after: dict[tuple[str, float], float]
+) -> dict[str, dict[str, float]]:
+    """Per route, the window's requests and how many of them the API process took more than
+    2.5, 10 and 30 s over (``evenflow_http_request_seconds``: the server's own time, from the
+    app's first look at the request, its headers parsed, to its response's end; a plan
+    long-poll's includes its wait). A request slow at the client that the server did not take
+    long over waited outside the app: in the kernel, uvicorn, the event loop or the generator."""
+    out: dict[str, dict[str, float]] = {}
+    for route in sorted({r for r, _ in after}):
+        at_most = {
+            le: n - before.get((route, le), 0.0) for (r, le), n in after.items() if r == route
+        }
+        total = at_most.get(float("inf"), 0.0)
+        if total:
+            out[route] = {"n": total}
+            for bound in (2.5, 10.0, 30.0):
+                if bound in at_most:
+                    out[route][f"over_{bound:g}s"] = total - at_most[bound]
+    return out
+
+
 def share_from_memory(before: dict[str, float], after: dict[str, float]) -> float | None:
     """The share of the window's heartbeats answered from memory (``server.host_answers``)."""
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
@@ -888,6 +919,7 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
         fleet.loop_task(cpu.sample_every(1.0, fleet.stop))
         answers0 = await fleet.heartbeat_sources()
         lag0 = await fleet.loop_lag()
+        served0 = await fleet.histogram("evenflow_http_request_seconds", "route")
         started = time.monotonic()
         out["measured_from_unix"] = round(time.time(), 1)
         measured_from = datetime.now(UTC)
@@ -905,6 +937,7 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
         out["peak_resident_mb"] = {k: round(v) for k, v in sorted(cpu.peak_mb.items())}
         answers1 = await fleet.heartbeat_sources()
         lag1 = await fleet.loop_lag()
+        served1 = await fleet.histogram("evenflow_http_request_seconds", "route")
         lost = hosts_lost(db_url, measured_from)
         await fleet.shut_down()
         size1 = db_size(db_url)
@@ -930,6 +963,7 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
                 if s.latency.get(kind)
             },
             "api_loop_lag": lag_between(lag0, lag1),
+            "server_slow_requests": slow_between(served0, served1),
             "telemetry": quantiles(s.latency["telemetry"]),
             "plan_poll": quantiles(s.latency["plan-poll"]),
             "errors": dict(s.errors),

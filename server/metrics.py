@@ -70,7 +70,8 @@ class Metrics:
             "HTTP request latency",
             ["route"],
             registry=self.registry,
-            buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+            # up to a minute: a busy fleet's slowest requests (bench/fleet.py) take seconds
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
         )
         self.telemetry_records = Counter(
             "evenflow_telemetry_records", "Telemetry records stored", registry=self.registry
