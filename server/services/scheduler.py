@@ -36,7 +36,7 @@ from datetime import datetime
 from functools import cache, cached_property
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import Select, func, select
 from sqlalchemy.orm import Session
 
 from contract.enums import DeviceKind, DeviceStatus, HostStatus, JobStatus, PlanSource, WorkerState
@@ -85,18 +85,23 @@ def free_devices(session: Session) -> list[Device]:
     )
 
 
-def _workload_jobs(session: Session, workload: dict[str, Any]) -> list[int]:
-    """The recent (``HISTORY_JOBS``) non-emulated jobs of ``workload``, newest first."""
-    recent = session.execute(
-        select(Job.id, Job.emulated, Job.spec).order_by(Job.id.desc()).limit(HISTORY_JOBS)
-    )
+def _recent_jobs(session: Session) -> list[tuple[int, bool, dict[str, Any]]]:
+    """(id, emulated, spec) of the ``HISTORY_JOBS`` newest jobs, newest first."""
+    recent = select(Job.id, Job.emulated, Job.spec).order_by(Job.id.desc()).limit(HISTORY_JOBS)
+    return [(i, emulated, spec) for i, emulated, spec in session.execute(recent)]
+
+
+def _of_workload(
+    recent: list[tuple[int, bool, dict[str, Any]]], workload: dict[str, Any]
+) -> list[int]:
+    """The non-emulated jobs of ``workload`` among ``recent``."""
     return [i for i, emulated, spec in recent if not emulated and spec.get("workload") == workload]
 
 
 def measured_speeds(session: Session, workload: dict[str, Any]) -> dict[int, float]:
     """Samples/s per device for this workload, from earlier non-emulated jobs' telemetry, summed
     from their whole history (``SpeedHistory`` keeps the same sums up to date instead)."""
-    job_ids = _workload_jobs(session, workload)
+    job_ids = _of_workload(_recent_jobs(session), workload)
     if not job_ids:
         return {}
     sums = _rank_sums(session, job_ids)
@@ -107,19 +112,29 @@ _T = IterationTelemetry
 _R = TelemetryRollup
 
 
-def _rank_sums(
-    session: Session, job_ids: Collection[int], up_to_id: int | None = None
-) -> dict[tuple[int, int], tuple[float, float]]:
-    """(samples, compute ms) per (job, rank) of ``job_ids``: raw rows (those of ids up to
-    ``up_to_id``) and the rolled-up history older than the retention window, weighted by its
-    count."""
-    raw = (
+Sums = dict[tuple[int, int], tuple[float, float]]
+"""(samples, compute ms) per (job, rank)."""
+
+
+def _raw_sums(*where: Any) -> Select[int, int, int, float]:
+    """``Sums`` of the raw rows with samples outside probes that match ``where``."""
+    return (
         select(_T.job_id, _T.rank, func.sum(_T.batch_size), func.sum(_T.compute_ms))
-        .where(_T.job_id.in_(job_ids), _T.batch_size > 0, _T.probe.is_(False))
+        .where(_T.batch_size > 0, _T.probe.is_(False), *where)
         .group_by(_T.job_id, _T.rank)
     )
-    if up_to_id is not None:
-        raw = raw.where(_T.id <= up_to_id)
+
+
+def _add(sums: Sums, rows: Iterable[Any]) -> None:
+    for job_id, rank, b, ms in rows:
+        was = sums.get((job_id, rank), (0.0, 0.0))
+        sums[(job_id, rank)] = (was[0] + float(b or 0), was[1] + float(ms or 0))
+
+
+def _rank_sums(session: Session, job_ids: Collection[int], up_to_id: int | None = None) -> Sums:
+    """``Sums`` of ``job_ids``: raw rows (those of ids up to ``up_to_id``) and the rolled-up
+    history older than the retention window, weighted by its count."""
+    below = [] if up_to_id is None else [_T.id <= up_to_id]
     rolled = (
         select(
             _R.job_id,
@@ -130,16 +145,13 @@ def _rank_sums(
         .where(_R.job_id.in_(job_ids), _R.batch_size > 0)
         .group_by(_R.job_id, _R.rank)
     )
-    sums: dict[tuple[int, int], tuple[float, float]] = {}
-    for job_id, rank, b, ms in [*session.execute(raw), *session.execute(rolled)]:
-        was = sums.get((job_id, rank), (0.0, 0.0))
-        sums[(job_id, rank)] = (was[0] + float(b or 0), was[1] + float(ms or 0))
+    sums: Sums = {}
+    _add(sums, session.execute(_raw_sums(_T.job_id.in_(job_ids), *below)))
+    _add(sums, session.execute(rolled))
     return sums
 
 
-def _per_device(
-    session: Session, job_ids: Collection[int], sums: dict[tuple[int, int], tuple[float, float]]
-) -> dict[int, float]:
+def _per_device(session: Session, job_ids: Collection[int], sums: Sums) -> dict[int, float]:
     """Samples/s per device: each (job, rank)'s sums counted for the device its rank holds."""
     places = session.execute(
         select(Worker.job_id, Worker.rank, Worker.device_id).where(Worker.job_id.in_(job_ids))
@@ -168,38 +180,26 @@ class SpeedHistory:
     many an estimate has. Used by one placement thread (``Controller.place``); thread-safe."""
 
     def __init__(self) -> None:
-        self.sums: dict[tuple[int, int], tuple[float, float]] = {}
+        self.sums: Sums = {}
         self.last_id: int | None = None
         """The newest telemetry id read; None before the first use."""
         self._lock = threading.Lock()
 
     def speeds(self, session: Session, workload: dict[str, Any]) -> dict[int, float]:
-        job_ids = _workload_jobs(session, workload)
+        recent = _recent_jobs(session)
+        job_ids = _of_workload(recent, workload)
         if not job_ids:
             return {}
         with self._lock:
-            self._catch_up(session)
+            self._catch_up(session, [i for i, _, _ in recent])
             return _per_device(session, job_ids, self.sums)
 
-    def _catch_up(self, session: Session) -> None:
+    def _catch_up(self, session: Session, recent: list[int]) -> None:
         newest = session.scalar(select(func.max(_T.id))) or 0
-        recent = list(session.scalars(select(Job.id).order_by(Job.id.desc()).limit(HISTORY_JOBS)))
         if self.last_id is None:
             self.sums = _rank_sums(session, recent, up_to_id=newest)
         elif newest > self.last_id:
-            new = (
-                select(_T.job_id, _T.rank, func.sum(_T.batch_size), func.sum(_T.compute_ms))
-                .where(
-                    _T.id > self.last_id,
-                    _T.id <= newest,
-                    _T.batch_size > 0,
-                    _T.probe.is_(False),
-                )
-                .group_by(_T.job_id, _T.rank)
-            )
-            for job_id, rank, b, ms in session.execute(new):
-                was = self.sums.get((job_id, rank), (0.0, 0.0))
-                self.sums[(job_id, rank)] = (was[0] + float(b or 0), was[1] + float(ms or 0))
+            _add(self.sums, session.execute(_raw_sums(_T.id > self.last_id, _T.id <= newest)))
         self.last_id = max(newest, self.last_id or 0)
         oldest = min(recent, default=0)
         if any(job_id < oldest for job_id, _ in self.sums):
