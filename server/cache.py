@@ -21,6 +21,7 @@ import concurrent.futures
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -40,8 +41,12 @@ _TOKENS = "evenflow.changed_tokens"
 
 Generation = tuple[int, int]
 """The cache's epoch (bumped by :meth:`TTLCache.clear` and :meth:`TTLCache.drop`) and the key's
-own count of invalidations, taken before a load: a load that started before either changed
-does not store what it read."""
+own count of invalidations, taken before a load: a load that started before the key was
+invalidated, or before a drop that takes what it read, does not store it."""
+
+DROPS_KEPT = 1024
+"""Drops remembered (``TTLCache.drop``), to tell whether one made while a load was in flight
+takes what the load read. A load older than all of them stores nothing."""
 
 
 class TTLCache(Generic[K, V]):
@@ -63,6 +68,8 @@ class TTLCache(Generic[K, V]):
         """key -> (when it expires, value)."""
         self._generations: dict[K, int] = {}
         self._epoch = 0
+        self._drops: deque[tuple[int, Callable[[V], bool]]] = deque(maxlen=DROPS_KEPT)
+        """(epoch it began, what it took) of the last drops and clears, oldest first."""
         self._lock = threading.Lock()
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         """The batched loads' own thread: not the shared worker threads, which a busy server's
@@ -188,12 +195,29 @@ class TTLCache(Generic[K, V]):
         return self._epoch, self._generations.get(key, 0)
 
     def put(self, key: K, value: V, generation: Generation | None = None) -> None:
+        """Store ``value``; with the ``generation`` taken before it was loaded, only if neither
+        an invalidation of ``key`` nor a drop that takes ``value`` came since. Drops of other
+        values do not count: credentials change every few seconds on a busy cluster (jobs end,
+        ranks get new ones), and a load that any of them voided stored nothing, so every
+        heartbeat of a fleet whose entries expired waited for a load that was never kept
+        (bench/fleet.py at 1,250 hosts: heartbeats stuck for a minute in this cache)."""
         with self._lock:
-            if generation is not None and self.generation(key) != generation:
+            if generation is not None and not self._current(key, value, generation):
                 return
             if len(self._data) >= self.maxsize:
                 self._data.clear()
             self._data[key] = (self.clock() + self.ttl_s, value)
+
+    def _current(self, key: K, value: V, generation: Generation) -> bool:
+        """Whether ``value``, loaded from ``generation`` on, is still current (under the lock)."""
+        epoch, count = generation
+        if self._generations.get(key, 0) != count:
+            return False
+        if epoch == self._epoch:
+            return True
+        if not self._drops or self._drops[0][0] > epoch + 1:
+            return False  # a drop since then is forgotten: it may have taken this value
+        return not any(matches(value) for began, matches in self._drops if began > epoch)
 
     def invalidate(self, key: K) -> None:
         with self._lock:
@@ -206,19 +230,22 @@ class TTLCache(Generic[K, V]):
         """Drop ``key``'s value if nothing invalidated it since ``generation`` (a newer value
         may be on its way)."""
         with self._lock:
-            if self.generation(key) == generation:
+            if self._generations.get(key, 0) == generation[1]:
                 self._data.pop(key, None)
 
     def clear(self) -> None:
         with self._lock:
             self._data.clear()
             self._epoch += 1
+            self._drops.append((self._epoch, _everything))
 
     def drop(self, matches: Callable[[V], bool]) -> int:
         """Drop the entries whose value ``matches``; loads in flight do not store what they
-        read (they may have read what the change replaced). Returns the entries dropped."""
+        read if it matches too (it may be what the change replaced). Returns the entries
+        dropped."""
         with self._lock:
             self._epoch += 1
+            self._drops.append((self._epoch, matches))
             gone = [k for k, (_, v) in self._data.items() if matches(v)]
             for key in gone:
                 del self._data[key]
@@ -229,6 +256,10 @@ class TTLCache(Generic[K, V]):
         if self._executor is not None:
             self._executor.shutdown(wait=False)
             self._executor = None
+
+
+def _everything(_: object) -> bool:
+    return True
 
 
 def _retrieve(done: asyncio.Future[Any]) -> None:

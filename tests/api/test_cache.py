@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from contract.enums import Role
-from server.cache import CredentialChange, TTLCache
+from server.cache import DROPS_KEPT, CredentialChange, TTLCache
 from server.services.tokens import Principal
 
 
@@ -231,6 +231,63 @@ def test_drop_takes_only_matching_entries_and_loads_in_flight_do_not_store() -> 
         assert cache.get("a3") is None  # ... but it may predate the change: not kept
 
     asyncio.run(main())
+
+
+def test_a_load_in_flight_is_kept_through_drops_of_other_values() -> None:
+    """On a busy cluster credentials change every few seconds; a load that any change voided
+    was never kept, and every caller of an expired entry waited for loads again and again."""
+
+    async def main() -> None:
+        cache: TTLCache[str, str] = TTLCache(60.0)
+        load = ManyLoader()
+        flight = asyncio.ensure_future(cache.get_or_load_batched("b1", load))
+        await _settle()
+        for _ in range(5):
+            cache.drop(lambda v: v.startswith("v-a"))
+        load.release.set()
+        assert await flight == "v-b1"
+        assert cache.get("b1") == "v-b1"
+
+    asyncio.run(main())
+
+
+def test_a_load_in_flight_through_a_clear_or_more_drops_than_kept_is_not_kept() -> None:
+    cache: TTLCache[str, str] = TTLCache(60.0)
+    before = cache.generation("k")
+    cache.clear()
+    cache.put("k", "v", before)
+    assert cache.get("k") is None
+    before = cache.generation("k")
+    for _ in range(DROPS_KEPT + 1):  # the first of them is forgotten: it may have taken "v"
+        cache.drop(lambda v: False)
+    cache.put("k", "v", before)
+    assert cache.get("k") is None
+    before = cache.generation("k")
+    for _ in range(DROPS_KEPT):
+        cache.drop(lambda v: False)
+    cache.put("k", "v", before)
+    assert cache.get("k") == "v"
+
+
+@given(
+    drops=st.lists(st.sets(st.sampled_from("abcd")), max_size=8),
+    value=st.sampled_from("abcd"),
+    invalidated=st.booleans(),
+)
+def test_a_load_is_kept_unless_the_key_was_invalidated_or_a_drop_took_its_value(
+    drops: list[set[str]], value: str, invalidated: bool
+) -> None:
+    cache: TTLCache[str, str] = TTLCache(60.0)
+    cache.put("other", "x")
+    before = cache.generation("k")
+    for taken in drops:
+        cache.drop(taken.__contains__)
+    if invalidated:
+        cache.invalidate("k")
+    cache.put("k", value, before)
+    kept = not invalidated and not any(value in taken for taken in drops)
+    assert (cache.get("k") == value) is kept
+    assert cache.get("other") == "x"
 
 
 def test_batched_loads_do_not_wait_for_the_shared_worker_threads() -> None:
