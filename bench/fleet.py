@@ -24,8 +24,9 @@ Reported for the running fleet: heartbeat and telemetry latency (p50/p99) and er
 lag (newest iteration stored behind newest sent, in seconds of training), controller round
 time against live jobs (from the controller's own log summary), straggler detection delay at
 load against the same job alone (end to end: the newest iteration sent when the event shows,
-and the iterations the job had run by then on its own clock; and the detector's own, the
-event's ``detected_iteration``), placement time of a 64-worker job
+and the iterations the job had run by then on its own clock; the iterations it had run when
+the controller stored the event, without the events API's own latency at load; and the
+detector's own, the event's ``detected_iteration``), placement time of a 64-worker job
 on the whole inventory (before the load, and at load first in the queue, given up after 30 s),
 the cores used by each kind of process, the API process's event-loop lag (its ``/metrics``:
 how long a request waited before the server could read it), the requests that waited in the
@@ -278,6 +279,8 @@ class Job:
     """Newest iteration sent when the straggler's event was first seen (end to end)."""
     trained_from: float = 0.0
     """When its iteration 0 began (monotonic): its iterations run on this clock at ``rate``."""
+    trained_from_wall: float = 0.0
+    """The same on the wall clock, to compare with the time the server stored its event."""
     run_until_seen: float | None = None
     """Iterations the job had run past the slowdown's first slow iteration when the event was
     first seen: the end-to-end delay on the job's own clock (``detected_at_iteration`` counts
@@ -529,6 +532,7 @@ class Fleet:
         if job.straggler:
             self.loop_task(self.watch_events(job))
         t0 = job.trained_from = time.monotonic()
+        job.trained_from_wall = time.time()
         next_flush = t0 + FLUSH_S
         urgent_at = STRAGGLER_ONSET + JUMP_RECORDS - 1 if job.straggler else None
         while not self.stop.is_set() and job.sent < job.iterations - 1:
@@ -793,6 +797,35 @@ def hosts_lost(db_url: str, since: datetime) -> dict[str, int]:
     }
 
 
+def stored_after_onset(db_url: str, jobs: list[Job]) -> dict[int, float]:
+    """Per straggler job whose event the server stored, the iterations the job had run past the
+    slowdown's first slow iteration when the controller stored it (the event's ``created_at``,
+    on its job's clock): the control plane's detection delay, without the generator's poll of
+    the events API (which, at load, waits its turn in the API process like any request)."""
+    started = {j.id: j for j in jobs if j.trained_from_wall}
+    if not started:
+        return {}
+    engine = create_engine(db_url)
+    try:
+        with engine.connect() as c:
+            rows = c.execute(
+                text(
+                    "SELECT job_id, min(created_at) FROM straggler_events "
+                    "WHERE job_id = ANY(:ids) AND rank = 1 AND kind != 'oom' GROUP BY job_id"
+                ),
+                {"ids": sorted(started)},
+            ).all()
+    finally:
+        engine.dispose()
+    out = {}
+    for job_id, at in rows:
+        job = started[job_id]
+        stored = at.replace(tzinfo=UTC).timestamp() if at.tzinfo is None else at.timestamp()
+        onset = job.trained_from_wall + (STRAGGLER_ONSET + 1) / job.rate
+        out[job_id] = round((stored - onset) * job.rate, 1)
+    return out
+
+
 def quantiles(values: list[float]) -> dict[str, float]:
     if not values:
         return {}
@@ -940,6 +973,7 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
         served1 = await fleet.histogram("evenflow_http_request_seconds", "route")
         lost = hosts_lost(db_url, measured_from)
         await fleet.shut_down()
+        stored = stored_after_onset(db_url, [alone, *stragglers])
         size1 = db_size(db_url)
     s = fleet.stats
     delays = [after_onset(j.detected_at_iteration) for j in stragglers if j.detected_at_iteration]
@@ -983,6 +1017,9 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
                 j.run_until_seen for j in stragglers if j.run_until_seen is not None
             ],
             "stragglers_undetected": sum(1 for j in stragglers if j.detected_at_iteration is None),
+            "stored_alone_iterations": stored.get(alone.id),
+            "stored_at_load_iterations": [stored[j.id] for j in stragglers if j.id in stored],
+            "stragglers_not_stored": sum(1 for j in stragglers if j.id not in stored),
             "db_growth_mb_per_hour": round((size1 - size0) / 2**20 * 3600 / elapsed, 1),
             "db_mb_per_worker_day": round(
                 (size1 - size0) / 2**20 * 86_400 / elapsed / max(1, workers), 2
