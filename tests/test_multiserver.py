@@ -85,6 +85,7 @@ def test_a_bus_does_not_hear_what_it_published_itself(db_url: str) -> None:
         other.subscribe(heard_by_other)
         _until_listening(db_url, 2)
         one.publish([7])
+        assert one.flush(10.0)  # sent before 8 (each bus sends from a thread of its own)
         other.publish([8])
         heard_by_other.wait_for({7})
         heard_by_one.wait_for({8})  # sent after 7, on the same server: 7 was not for it
@@ -92,6 +93,50 @@ def test_a_bus_does_not_hear_what_it_published_itself(db_url: str) -> None:
     finally:
         one.close()
         other.close()
+
+
+@POSTGRES_ONLY
+def test_a_commit_publishing_waits_for_no_round_trip_and_what_comes_meanwhile_goes_together(
+    db_url: str,
+) -> None:
+    """Commits publish from the threads that made them (a heartbeat's, inside its database
+    slot): none waits for the bus's connection, and the ids of the commits that came while it
+    was busy go out together."""
+    listener, publisher = open_bus(db_url), open_bus(db_url)
+    assert isinstance(publisher, PgNotifyBus)
+    inbox, published = Inbox(), threading.Event()
+
+    def commits() -> None:
+        for i in range(1, 51):
+            publisher.publish([i])
+        published.set()
+
+    try:
+        listener.subscribe(inbox)
+        _until_listening(db_url, 1)
+        with publisher._lock:  # the bus's connection busy, as with a slow round trip
+            threading.Thread(target=commits).start()
+            assert published.wait(5.0)  # ... all 50 committers went on meanwhile
+        inbox.wait_for(set(range(1, 51)))
+        assert inbox.calls <= 2  # the first alone at most (taken before the wait), then the rest
+    finally:
+        listener.close()
+        publisher.close()
+
+
+@POSTGRES_ONLY
+def test_closing_a_bus_sends_what_was_published_first(db_url: str) -> None:
+    listener, publisher = open_bus(db_url), open_bus(db_url)
+    inbox = Inbox()
+    try:
+        listener.subscribe(inbox)
+        _until_listening(db_url, 1)
+        publisher.publish([5, 6])
+        publisher.close()
+        inbox.wait_for({5, 6})
+        publisher.publish([7])  # a closed bus sends nothing more, and does not raise
+    finally:
+        listener.close()
 
 
 @POSTGRES_ONLY
