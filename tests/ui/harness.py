@@ -76,13 +76,14 @@ def serve(db_path: Path) -> Iterator[LiveApp]:
 
 
 def sign_in(page: Any, url: str, token: str, path: str = "/jobs") -> None:
-    page.goto(f"{url}/login?next={path}")
+    # Both navigations wait for DOMContentLoaded (the form and the page's module scripts are
+    # there by then; each test waits for the elements it needs), with more time than a single
+    # element gets: waiting for the whole load (the stylesheet, the icon, Plotly) within 10 s
+    # failed in CI on a loaded 2-core machine, once landing on the path and once opening the
+    # login page itself, beside a job's emulated workers in the same process.
+    page.goto(f"{url}/login?next={path}", wait_until="domcontentloaded", timeout=30_000)
     page.fill("input[name=token]", token)
     page.click("button[type=submit]")
-    # Signed in once the redirect lands on the path: the page's module scripts have run by
-    # DOMContentLoaded, and each test waits for the elements it needs. Waiting for the whole
-    # load (Plotly, the stylesheet, the icon) within 10 s failed once in CI on a loaded
-    # 2-core machine, so the landing gets more time than a single element does.
     page.wait_for_url(f"{url}{path}", wait_until="domcontentloaded", timeout=30_000)
 
 
