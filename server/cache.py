@@ -68,8 +68,9 @@ class TTLCache(Generic[K, V]):
         """key -> (when it expires, value)."""
         self._generations: dict[K, int] = {}
         self._epoch = 0
-        self._drops: deque[tuple[int, Callable[[V], bool]]] = deque(maxlen=DROPS_KEPT)
-        """(epoch it began, what it took) of the last drops and clears, oldest first."""
+        self._drops: deque[Callable[[V], bool]] = deque(maxlen=DROPS_KEPT)
+        """What the last drops and clears took, oldest first: the last one began ``_epoch``,
+        the one before ``_epoch - 1`` (every drop and clear moves the epoch by one)."""
         self._lock = threading.Lock()
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         """The batched loads' own thread: not the shared worker threads, which a busy server's
@@ -213,11 +214,11 @@ class TTLCache(Generic[K, V]):
         epoch, count = generation
         if self._generations.get(key, 0) != count:
             return False
-        if epoch == self._epoch:
-            return True
-        if not self._drops or self._drops[0][0] > epoch + 1:
-            return False  # a drop since then is forgotten: it may have taken this value
-        return not any(matches(value) for began, matches in self._drops if began > epoch)
+        since = self._epoch - epoch  # the drops made since the load began: the last ones
+        if since > len(self._drops):
+            return False  # one of them is forgotten: it may have taken this value
+        newest = reversed(self._drops)
+        return not any(next(newest)(value) for _ in range(since))
 
     def invalidate(self, key: K) -> None:
         with self._lock:
@@ -237,7 +238,7 @@ class TTLCache(Generic[K, V]):
         with self._lock:
             self._data.clear()
             self._epoch += 1
-            self._drops.append((self._epoch, _everything))
+            self._drops.append(_everything)
 
     def drop(self, matches: Callable[[V], bool]) -> int:
         """Drop the entries whose value ``matches``; loads in flight do not store what they
@@ -245,7 +246,7 @@ class TTLCache(Generic[K, V]):
         dropped."""
         with self._lock:
             self._epoch += 1
-            self._drops.append((self._epoch, matches))
+            self._drops.append(matches)
             gone = [k for k, (_, v) in self._data.items() if matches(v)]
             for key in gone:
                 del self._data[key]
