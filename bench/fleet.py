@@ -791,21 +791,25 @@ def _table_bytes_per_row(engine: Any, table: str) -> float:
     return int(size or 0) / max(1, int(rows or 0))
 
 
-def hosts_lost(db_url: str, since: datetime) -> dict[str, int]:
-    """Hosts the reaper marked lost before the measured window and in it (every generated host
-    heartbeats throughout, so each is the server's doing), and its pauses (``hosts.LossGuard``)."""
+def _rows(db_url: str, sql: str, params: dict[str, Any]) -> list[Any]:
+    """One query's rows, on a connection of its own (the server's pools are not the bench's)."""
     engine = create_engine(db_url)
     try:
         with engine.connect() as c:
-            rows = c.execute(
-                text(
-                    "SELECT action, at >= :since AS measured, count(*) FROM audit_log "
-                    "WHERE action IN ('host.lost', 'hosts.loss_paused') GROUP BY 1, 2"
-                ),
-                {"since": since},
-            ).all()
+            return list(c.execute(text(sql), params).all())
     finally:
         engine.dispose()
+
+
+def hosts_lost(db_url: str, since: datetime) -> dict[str, int]:
+    """Hosts the reaper marked lost before the measured window and in it (every generated host
+    heartbeats throughout, so each is the server's doing), and its pauses (``hosts.LossGuard``)."""
+    rows = _rows(
+        db_url,
+        "SELECT action, at >= :since AS measured, count(*) FROM audit_log "
+        "WHERE action IN ('host.lost', 'hosts.loss_paused') GROUP BY 1, 2",
+        {"since": since},
+    )
     counts = {(a, bool(m)): int(n) for a, m, n in rows}
     return {
         "before_measuring": counts.get(("host.lost", False), 0),
@@ -823,22 +827,16 @@ def stored_after_onset(db_url: str, jobs: list[Job]) -> dict[int, float]:
     started = {j.id: j for j in jobs if j.trained_from_wall}
     if not started:
         return {}
-    engine = create_engine(db_url)
-    try:
-        with engine.connect() as c:
-            rows = c.execute(
-                text(
-                    "SELECT job_id, min(created_at) FROM straggler_events "
-                    "WHERE job_id = ANY(:ids) AND rank = 1 AND kind != 'oom' GROUP BY job_id"
-                ),
-                {"ids": sorted(started)},
-            ).all()
-    finally:
-        engine.dispose()
+    rows = _rows(
+        db_url,
+        "SELECT job_id, min(created_at) FROM straggler_events "
+        "WHERE job_id = ANY(:ids) AND rank = 1 AND kind != 'oom' GROUP BY job_id",
+        {"ids": sorted(started)},
+    )
     out = {}
     for job_id, at in rows:
         job = started[job_id]
-        stored = at.replace(tzinfo=UTC).timestamp() if at.tzinfo is None else at.timestamp()
+        stored = at.timestamp()  # timestamptz: PostgreSQL hands back aware times
         onset = job.trained_from_wall + (STRAGGLER_ONSET + 1) / job.rate
         out[job_id] = round((stored - onset) * job.rate, 1)
     return out
