@@ -9,6 +9,7 @@ from functools import cached_property
 from itertools import repeat
 from typing import Any
 
+import numpy as np
 from sqlalchemy import Connection, bindparam, func, select
 from sqlalchemy.orm import Session
 
@@ -16,6 +17,7 @@ from contract.agent import TELEMETRY_FIELDS, TelemetryBatch
 from contract.enums import JobStatus, Role
 from server.errors import Conflict, EvenflowError, Invalid, NotFound
 from server.models import Host, IterationTelemetry, Job, Worker
+from server.pg_arrays import Kind, packed
 from server.services.jobs import check_may_write_ranks
 from server.services.paging import Paging, page
 from server.services.tokens import Principal
@@ -95,15 +97,13 @@ class _Rows:
     @classmethod
     def of(cls, posts: Sequence[Post], arrays: list[tuple[list[Any], ...] | None]) -> _Rows:
         admitted = [(i, a) for i, a in enumerate(arrays) if a is not None]
-        keys: set[tuple[int, int, int]] = set()
-        for i, a in admitted:
-            keys.update(zip(repeat(posts[i].job_id), a[0], a[1]))
         rows = cls([], [[] for _ in COLUMNS], {})
-        if len(keys) == sum(len(a[0]) for _, a in admitted):  # no key twice: whole arrays
-            for i, a in admitted:
-                rows._add(i, posts[i].job_id, a)
+        for i, a in admitted:  # whole arrays: no key twice, as a fleet's posts are
+            rows._add(i, posts[i].job_id, a)
+        if not _repeats(rows.job_ids, rows.columns[0], rows.columns[1]):
             return rows
-        keys.clear()
+        rows = cls([], [[] for _ in COLUMNS], {})
+        keys: set[tuple[int, int, int]] = set()
         for i, a in admitted:  # the first of a repeated key only (rare: a retry beside its post)
             job_id = posts[i].job_id
             first = []
@@ -122,6 +122,25 @@ class _Rows:
         for column, values in zip(self.columns, arrays, strict=True):
             column.extend(values)
         self.spans[i] = (start, len(self.job_ids))
+
+
+_ITERATIONS = 10**12 + 1
+"""More than a record's iteration can be (``TelemetryRecord``), so rank * this + iteration is a
+(rank, iteration) key."""
+
+
+def _repeats(job_ids: list[int], ranks: list[int], iterations: list[int]) -> bool:
+    """Whether a (job, rank, iteration) comes twice: sorted by numpy, not a set of tuples in
+    Python (which was 3.4 ms of the writer's CPU in a group of 20,000 rows)."""
+    if len(job_ids) < 2:
+        return False
+    jobs = np.asarray(job_ids, dtype=np.int64)
+    keys = np.asarray(ranks, dtype=np.int64) * _ITERATIONS + np.asarray(
+        iterations, dtype=np.int64
+    )  # a record's rank < 10,000 and iteration <= 10**12: under 2**63
+    order = np.lexsort((keys, jobs))
+    jobs, keys = jobs[order], keys[order]
+    return bool(((jobs[1:] == jobs[:-1]) & (keys[1:] == keys[:-1])).any())
 
 
 def _admitted(
@@ -192,7 +211,7 @@ _RANKS_ON_HOSTS = (
 # of per-column arrays is ~3x faster than a multi-row VALUES insert; on SQLite a plain
 # executemany is fastest. Both skip existing keys.
 COLUMNS = TELEMETRY_FIELDS  # a row's values, after its job id
-_PG_TYPES = (  # of COLUMNS, in order
+_PG_TYPES: tuple[Kind, ...] = (  # of COLUMNS, in order
     "integer",
     "bigint",
     "integer",
@@ -218,7 +237,8 @@ _PG_INSERT = (
 )
 """The group's rows in one statement, from one array per column sent in binary (psycopg turns
 a list into text element by element in Python: three times the API process's CPU, and a tenth
-of its samples at 1,250 hosts). It answers one row: how many rows were stored and, only when
+of its samples at 1,250 hosts; its binary lists, too, go element by element: ``packed`` builds
+them with numpy). It answers one row: how many rows were stored and, only when
 some were not (already stored), the keys of those that were."""
 _SQLITE_INSERT = (
     f"INSERT INTO iteration_telemetry (job_id, {', '.join(COLUMNS)}) "
@@ -230,8 +250,11 @@ _SQLITE_INSERT = (
 def _insert_postgresql(conn: Connection, rows: _Rows) -> dict[int, int]:
     """One statement for the group. Every row inserted (the usual case) credits each post with
     its span; else the keys it returns say which post each stored row was."""
-    params: dict[str, Any] = dict(zip(COLUMNS, rows.columns, strict=True))
-    params["job_id"] = rows.job_ids
+    params: dict[str, Any] = {
+        c: packed(values, kind)
+        for c, values, kind in zip(COLUMNS, rows.columns, _PG_TYPES, strict=True)
+    }
+    params["job_id"] = packed(rows.job_ids, "integer")
     params["rows"] = len(rows.job_ids)
     count, stored = conn.exec_driver_sql(_PG_INSERT, params).one()
     spans = rows.spans.items()
