@@ -27,6 +27,10 @@ A pure ASGI middleware (``Gate``), so nothing is parsed for a caller who may not
    credential, gets that answer here (``HostAnswers.get_raw``): no routing, dependencies or
    parsing, which were two thirds of such a heartbeat's CPU. Any other heartbeat goes on to
    its route with the body read here (``RAW_BODY_STATE``).
+6. **Telemetry posts.** A post whose body parses as a ``TelemetryBatch`` is stored and answered
+   here (``server.api.ingest``, as the route would): routing, dependencies and the endpoint's
+   wrapping were over half of a post's CPU on the event loop, and a full fleet makes hundreds a
+   second. A body that does not parse goes on to the route, which answers its 422.
 
 Refusals carry the one ``ErrorOut`` body.
 """
@@ -40,14 +44,17 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.requests import cookie_parser
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from contract.base import ErrorOut
+from contract.agent import TelemetryBatch
+from contract.base import MAX_ID, ErrorOut
+from server.api import ingest
 from server.context import AppContext
-from server.errors import Unauthorized
+from server.errors import EvenflowError, Unauthorized
 from server.services import tokens
 from server.services.tokens import Principal
 
@@ -94,6 +101,9 @@ class Gate:
         self.heartbeat_path = re.compile(
             re.escape(self.api_prefix) + r"hosts/([1-9]\d{0,17})/heartbeat"
         )
+        self.telemetry_path = re.compile(
+            re.escape(self.api_prefix) + r"jobs/([1-9]\d{0,9})/telemetry"
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -103,10 +113,15 @@ class Gate:
         if refusal is not None:
             await refusal(scope, receive, send)
             return
-        heartbeat = scope["method"] == "POST" and self.heartbeat_path.fullmatch(scope["path"])
-        if heartbeat:
-            await self._heartbeat(scope, receive, send, int(heartbeat[1]))
-            return
+        if scope["method"] == "POST":
+            heartbeat = self.heartbeat_path.fullmatch(scope["path"])
+            if heartbeat:
+                await self._heartbeat(scope, receive, send, int(heartbeat[1]))
+                return
+            posted = self.telemetry_path.fullmatch(scope["path"])
+            if posted and int(posted[1]) <= MAX_ID:  # else the route's 422 for the path
+                await self._telemetry(scope, receive, send, int(posted[1]))
+                return
         limit = self.body_limits.get(scope["path"], self.max_body)
         seen = 0
 
@@ -120,25 +135,32 @@ class Gate:
 
         await self.app(scope, counted, send)
 
-    async def _heartbeat(self, scope: Scope, receive: Receive, send: Send, host_id: int) -> None:
-        """Answer a steady heartbeat from memory, or pass it on with its body (item 5 of the
-        module docstring). A heartbeat is small: its body is read whole, up to the limit."""
+    async def _body(self, scope: Scope, receive: Receive, send: Send) -> bytes | None:
+        """A small request's whole body, up to the path's limit; None once it is answered
+        (413) or its client has left."""
         limit = self.body_limits.get(scope["path"], self.max_body)
         chunks: list[bytes] = []
         size, more = 0, True
         while more:
             message = await receive()
             if message["type"] == "http.disconnect":
-                return  # the client left: nothing to answer
+                return None  # the client left: nothing to answer
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
                 refusal = error_response(413, f"request body over {limit} bytes")
                 await refusal(scope, receive, send)
-                return
+                return None
             chunks.append(chunk)
             more = message.get("more_body", False)
-        raw = b"".join(chunks)
+        return b"".join(chunks)
+
+    async def _heartbeat(self, scope: Scope, receive: Receive, send: Send, host_id: int) -> None:
+        """Answer a steady heartbeat from memory, or pass it on with its body (item 5 of the
+        module docstring)."""
+        raw = await self._body(scope, receive, send)
+        if raw is None:
+            return
         state = scope["state"]
         principal = state[PRINCIPAL_STATE]
         liveness = self.context.liveness
@@ -164,6 +186,10 @@ class Gate:
             await send({"type": "http.response.body", "body": body})
             return
         state[RAW_BODY_STATE] = raw
+        await self._pass_on(scope, receive, send, raw)
+
+    async def _pass_on(self, scope: Scope, receive: Receive, send: Send, raw: bytes) -> None:
+        """The request to the app, its body (read here) given again."""
         replayed = False
 
         async def replay() -> Message:
@@ -174,6 +200,28 @@ class Gate:
             return {"type": "http.request", "body": raw, "more_body": False}
 
         await self.app(scope, replay, send)
+
+    async def _telemetry(self, scope: Scope, receive: Receive, send: Send, job_id: int) -> None:
+        """Store and answer a telemetry post (item 6 of the module docstring)."""
+        raw = await self._body(scope, receive, send)
+        if raw is None:
+            return
+        try:
+            batch = TelemetryBatch.model_validate_json(raw or b"null")
+        except ValidationError:  # the route answers it, in the app's words for a bad body
+            await self._pass_on(scope, receive, send, raw)
+            return
+        try:
+            ack = await ingest.store(self.context, job_id, batch, scope["state"][PRINCIPAL_STATE])
+        except EvenflowError as refused:
+            await error_response(refused.status_code, refused.message, refused.field)(
+                scope, receive, send
+            )
+            return
+        body = ack.model_dump_json().encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
 
     async def _refusal(self, scope: Scope) -> JSONResponse | None:
         headers = Headers(scope=scope)

@@ -310,3 +310,91 @@ def test_each_address_has_its_own_budget_of_failures(cap: int, addresses: list[s
             assert retry_after is None
         else:
             assert retry_after is not None and 0 < retry_after <= 3600
+
+
+# --------------------------------------------------------------------------- telemetry posts
+
+
+def _columns(ranks: list[int], iteration: int = 1, **extra: Any) -> dict[str, Any]:
+    n = len(ranks)
+    return {
+        "columns": {
+            "rank": ranks,
+            "iteration": [iteration] * n,
+            "plan_version": [1] * n,
+            "batch_size": [16] * n,
+            "data_ms": [1.0] * n,
+            "compute_ms": [10.0] * n,
+            "sync_ms": [2.0] * n,
+            "ts": [1_700_000_000.0] * n,
+            **extra,
+        }
+    }
+
+
+def test_a_well_formed_telemetry_post_is_answered_by_the_gate_a_bad_body_by_the_route(
+    sqlite_api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from server.api.routes import telemetry as route
+
+    api = sqlite_api
+    host = api.register("h", devices=2)
+    job = api.submit(workers=2, global_batch=32)["id"]
+    routed: list[int] = []
+    through = route.store
+
+    async def counted(context: Any, job_id: int, batch: Any, principal: Any) -> Any:
+        routed.append(job_id)
+        return await through(context, job_id, batch, principal)
+
+    monkeypatch.setattr(route, "store", counted)
+    agent = api.headers(str(host["_token"]))
+    url = f"/api/v1/jobs/{job}/telemetry"
+    r = api.client.post(url, json=_columns([0, 1]), headers=agent)
+    assert r.status_code == 200, r.text
+    assert r.json() == {"accepted": 2, "duplicates": 0}
+    assert r.headers["content-type"] == "application/json"
+    assert r.headers["server-timing"].startswith("app;dur=")
+    assert routed == []  # stored without the route
+    rows = api.client.get(f"{url}?limit=10", headers=api.headers()).json()
+    assert rows["total"] == 2
+    # A body that does not parse is the route's: the app's 422, naming the field.
+    r = api.client.post(url, json=_columns([0, 1], batch_size=[16]), headers=agent)
+    assert r.status_code == 422
+    assert r.json()["field"] == "columns"
+    assert "columns.batch_size has 1 values" in r.json()["detail"]
+    r = api.client.post(url, content=b"{not json", headers=agent)
+    assert r.status_code == 422 and r.json()["field"] == "body"
+    metrics = api.client.get("/metrics").text
+    route_name = 'route="/api/v1/jobs/{job_id}/telemetry"'
+    assert f'evenflow_http_requests_total{{method="POST",{route_name},status="200"}} 1.0' in metrics
+    assert f'evenflow_http_requests_total{{method="POST",{route_name},status="422"}} 2.0' in metrics
+    assert "evenflow_telemetry_records_total 2.0" in metrics
+
+
+def test_the_gate_refuses_a_telemetry_post_as_the_route_would(sqlite_api: Api) -> None:
+    api = sqlite_api
+    host = api.register("h", devices=2)
+    other = api.register("other", devices=2)
+    job = api.submit(workers=2, global_batch=32)["id"]
+    agent, stranger = api.headers(str(host["_token"])), api.headers(str(other["_token"]))
+    viewer = api.headers(api.token(Role.VIEWER))
+    url = f"/api/v1/jobs/{job}/telemetry"
+    cases: list[tuple[str, dict[str, str], dict[str, Any], int, str | None, str]] = [
+        (url, api.headers(), _columns([2]), 422, "columns.rank.0", "columns.rank[0] is 2; job"),
+        (url, agent, _columns([2]), 403, None, "rank 2 of job"),
+        (url, stranger, _columns([0]), 403, None, "rank 0 of job"),
+        (url, viewer, _columns([0]), 403, None, "this needs the admin role"),
+        ("/api/v1/jobs/999/telemetry", api.headers(), _columns([0]), 404, None, "job 999"),
+        (f"/api/v1/jobs/{2**31}/telemetry", agent, _columns([0]), 422, "job_id", ""),
+    ]
+    for path, headers, body, status, field, words in cases:
+        r = api.client.post(path, json=body, headers=headers)
+        assert r.status_code == status, (path, r.text)
+        assert r.json().get("field") == field, r.text
+        assert words in r.json()["detail"], r.text
+    assert api.client.get(f"{url}?limit=10", headers=api.headers()).json()["total"] == 0
+    ended = api.client.post(f"/api/v1/jobs/{job}/cancel", headers=api.headers())
+    assert ended.status_code == 200, ended.text
+    r = api.client.post(url, json=_columns([0]), headers=agent)
+    assert r.status_code == 409 and r.json()["field"] == "status", r.text

@@ -6,11 +6,10 @@ from fastapi import APIRouter, Query, Request
 
 from contract.agent import TelemetryAck, TelemetryBatch
 from contract.api import Page, TelemetryOut
-from contract.enums import Role
 from server.api import bodies
 from server.api.deps import Authenticated, Context, PagingDep, PathId, SessionDep, Viewer
+from server.api.ingest import store
 from server.api.statuses import declare
-from server.live import telemetry_stored
 from server.services import jobs, telemetry
 
 router = APIRouter(prefix="/jobs", tags=["telemetry"], route_class=bodies.JSONRoute)
@@ -28,21 +27,10 @@ async def ingest(
     admin; 409 once the job has ended); rows already stored for (job, rank, iteration) are skipped, not duplicated.
     An `urgent` batch (a worker's iteration time jumped) makes the control loop look at the job
     at once rather than at its next round."""
-    if principal.role not in (Role.AGENT, Role.WORKER):
-        principal.require(Role.ADMIN)
+    # A well-formed post is answered by the gate (``server.api.ingest``); this route answers
+    # one whose body does not parse, and documents the operation.
     batch = bodies.parse(TelemetryBatch, await request.body())
-    # Stored with the other posts that arrive together, in one transaction (no database slot
-    # or worker thread of this request's own: the writer's thread does the work).
-    post = telemetry.Post(job_id, batch, principal)
-    accepted, duplicates = await context.telemetry_writer.store(post)
-    # wake the job's live dashboard streams
-    telemetry_stored(context.telemetry_notifier, job_id, accepted)
-    if batch.urgent:
-        context.wake_controller(job_id)
-    metrics = context.metrics
-    metrics.telemetry_records.inc(accepted)
-    metrics.telemetry_duplicates.inc(duplicates)
-    return TelemetryAck(accepted=accepted, duplicates=duplicates)
+    return await store(context, job_id, batch, principal)
 
 
 @router.get("/{job_id}/telemetry")
