@@ -248,13 +248,20 @@ class Controller:
             due = control_loop.jobs_to_sweep(s, self.state, live)
         live_ids, queue, swept = set(live), deque(due), set()
         urgent: deque[int] = deque()
-        next_hot = time.monotonic() + HOT_CHECK_S
+        next_hot = next_live = time.monotonic() + HOT_CHECK_S
         while True:
             news: list[int] = []
             if time.monotonic() >= next_hot:
                 news = self._hot_news(live_ids)
                 next_hot = time.monotonic() + HOT_CHECK_S
-            for j in [*self._take_urgent(), *news]:
+            pokes = [*self._take_urgent(), *news]
+            if not live_ids.issuperset(pokes) and time.monotonic() >= next_live:
+                # a job that started during this round (at fleet scale rounds take seconds,
+                # and a straggler's slowdown may come within them): live now, swept now
+                with transaction(self.sessions) as s:
+                    live_ids.update(control_loop.live_jobs(s))
+                next_live = time.monotonic() + HOT_CHECK_S
+            for j in pokes:
                 if j in live_ids and j not in urgent:
                     urgent.append(j)
             if urgent:  # again if swept already: its ranks' urgent posts arrive one by one

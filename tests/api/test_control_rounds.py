@@ -290,3 +290,27 @@ def test_placement_passes_are_paced_however_often_asked(
     assert len(paced) >= 3 and all(g >= 0.2 for g in paced), paced
     assert sum(paced[1:]) / len(paced[1:]) >= 0.28, paced
     assert len(starts) <= 2 + 1.5 / 0.3 + 1
+
+
+def test_a_job_that_starts_during_a_round_is_swept_when_poked_in_it(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fleet's round takes seconds; a job that started after it began and turns urgent (a
+    straggler whose slowdown comes early) is swept in this round, not left for the next."""
+    jobs = _jobs_on_hosts(api, "ab")
+    controller = _controller(api)
+    monkeypatch.setattr(controller_module, "HOT_CHECK_S", 0.0)
+    order: list[int] = []
+    late: list[int] = []
+
+    def sweep_job(job_id: int) -> None:
+        if not late:  # while the first job is swept, a new one starts and posts urgently
+            late.extend(_jobs_on_hosts(api, "c"))
+            controller.poke(late)
+            controller.poke([999_999])  # no such job: nothing to sweep
+        order.append(job_id)
+
+    monkeypatch.setattr(controller, "_sweep_job", sweep_job)
+    controller.sweep()
+    assert order[1] == late[0]
+    assert sorted(order) == sorted([*jobs, *late])
