@@ -73,7 +73,10 @@ async def metered(
 
 
 async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, Any]:
-    ns = argparse.Namespace(hosts=args.hosts, gpus=8, telemetry_per="rank")
+    # the jobs train for an hour: longer than the measurement
+    ns = argparse.Namespace(
+        hosts=args.hosts, gpus=8, telemetry_per="rank", jobs=JOBS, job_seconds=(3600.0, 3600.0)
+    )
     fleet = Fleet(srv.base, ns, db_url)
     connector = aiohttp.TCPConnector(limit=64)
     async with aiohttp.ClientSession(connector=connector) as fleet.http:
