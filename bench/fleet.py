@@ -992,6 +992,7 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
         served1 = await fleet.histogram("evenflow_http_request_seconds", "route")
         lost = hosts_lost(db_url, measured_from)
         size1 = db_size(db_url)
+        live = [j for j in fleet.jobs.values() if j.started and not j.finished]
         window, fleet.stats = fleet.stats, Stats()
         grace = time.monotonic()
         while time.monotonic() - grace < args.straggler_grace_s and any(
@@ -1004,7 +1005,6 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
     s = window
     delays = [after_onset(j.detected_at_iteration) for j in stragglers if j.detected_at_iteration]
     detector = [after_onset(j.detector_iteration) for j in stragglers if j.detector_iteration]
-    live = [j for j in fleet.jobs.values() if j.started and not j.finished]
     workers = sum(j.size for j in live)
     out.update(
         {

@@ -252,14 +252,15 @@ class PgNotifyBus:
     of every commit that published while it sent the last ones together in the next: a commit
     never waits for a round trip of its own, nor for another commit's (sent in the committing
     thread, one after the other on the one connection, they took a twentieth of a 1,250-host
-    fleet's API samples, inside the heartbeats' database slots). :meth:`subscribe` runs a
-    thread that holds a ``LISTEN`` connection and hands each notification's ids to a callback,
+    fleet's API samples, inside the heartbeats' database slots). :meth:`subscribe` runs a thread
+    that holds a ``LISTEN`` connection and hands each notification's ids to a callback,
     reconnecting when the connection is lost. Like :class:`PlanBus` it never raises into the
-    committing code: a lost notification only means the waiter notices at its next re-check. Like :class:`PlanBus`, its
-    listeners are not sent what it published itself (PostgreSQL tells every listener, the
-    sender's own connection included: a notification from this bus's publishing connection is
-    skipped), since the publisher has acted on it already: a heartbeat's own commit, echoed
-    back, dropped the answer that heartbeat had just kept (``server.host_answers``)."""
+    committing code: a lost notification only means the waiter notices at its next re-check.
+    Like :class:`PlanBus`, its listeners are not sent what it published itself (PostgreSQL tells
+    every listener, the sender's own connection included: a notification from this bus's
+    publishing connection is skipped), since the publisher has acted on it already: a
+    heartbeat's own commit, echoed back, dropped the answer that heartbeat had just kept
+    (``server.host_answers``)."""
 
     def __init__(self, conninfo: str, channel: str = "") -> None:
         self.conninfo = conninfo

@@ -15,7 +15,6 @@ connection opened afterwards (SQLAlchemy's pool opens them lazily) dumps ``Packe
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -45,12 +44,12 @@ class PackedArray:
     data: bytes
 
 
-def packed(values: Sequence[Any], kind: Kind) -> PackedArray:
+def packed(values: list[Any], kind: Kind) -> PackedArray:
     """``values`` (numbers, bools or None) as a ``kind[]`` in binary. A value out of the
     type's range raises ``OverflowError``, as psycopg's own dumper would."""
     element_oid, array_oid, dtype, code, size = _TYPES[kind]
     n = len(values)
-    nulls = values.count(None) if isinstance(values, list) else sum(v is None for v in values)
+    nulls = values.count(None)
     header = struct.pack(">5i", 1, 1 if nulls else 0, element_oid, n, 1)
     if nulls == n:
         return PackedArray(array_oid, header + _NULL * n)
@@ -64,7 +63,7 @@ def packed(values: Sequence[Any], kind: Kind) -> PackedArray:
     return PackedArray(array_oid, header + elements.tobytes())
 
 
-def _exact(values: Sequence[Any], dtype: str) -> np.ndarray[Any, Any]:
+def _exact(values: list[Any], dtype: str) -> np.ndarray[Any, Any]:
     """The values in the column's dtype, refusing any that would not fit (numpy would wrap)."""
     if dtype in ("?", ">f8"):
         return np.asarray(values, dtype=dtype)
@@ -76,7 +75,8 @@ def _exact(values: Sequence[Any], dtype: str) -> np.ndarray[Any, Any]:
 
 def _checked(pack: Any, size: int, value: Any, dtype: str) -> bytes:
     try:
-        return bytes(pack(size, value))
+        packed_value: bytes = pack(size, value)
+        return packed_value
     except struct.error as exc:
         raise OverflowError(f"{value!r} does not fit {dtype}") from exc
 
