@@ -71,6 +71,20 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
 
 
 @pytest.fixture
+def pg_url(pg_template: str) -> Iterator[str]:
+    """A fresh PostgreSQL database (a clone of the template) for tests of PostgreSQL only:
+    what concurrent transactions see of each other's work, or connections killed under them."""
+    name = f"evenflow_t_{uuid.uuid4().hex[:10]}"
+    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as c:
+        c.execute(text(f'CREATE DATABASE "{name}" TEMPLATE "{pg_template}"'))
+    yield pg_database_url(name)
+    with admin.connect() as c:
+        c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
+
+
+@pytest.fixture
 def api(db_url: str) -> Iterator[Api]:
     with TestClient(create_app(make_settings(db_url))) as client:
         yield driven(client)

@@ -8,7 +8,6 @@ import concurrent.futures as cf
 import importlib
 import json
 import pkgutil
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,7 +26,6 @@ from tests.harness import (
     PG_ADMIN_URL,
     Api,
     make_settings,
-    pg_database_url,
     register_host,
     serving,
 )
@@ -137,18 +135,6 @@ def test_every_router_parses_bodies_strictly() -> None:
 
 
 # --------------------------------------------------------------------------- killed connections
-
-
-@pytest.fixture
-def pg_url(pg_template: str) -> Iterator[str]:
-    name = f"evenflow_t_{uuid.uuid4().hex[:10]}"
-    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    with admin.connect() as c:
-        c.execute(text(f'CREATE DATABASE "{name}" TEMPLATE "{pg_template}"'))
-    yield pg_database_url(name)
-    with admin.connect() as c:
-        c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-    admin.dispose()
 
 
 def _kill_connections(url: str) -> int:

@@ -4,19 +4,24 @@ starting on a host costs a fixed number of statements, and batching changes no o
 from __future__ import annotations
 
 import tempfile
+import threading
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import pytest
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import Engine, select
+from sqlalchemy.orm import Session
 
-from contract.agent import WORKER_EXIT_FATAL
+from contract.agent import WORKER_EXIT_FATAL, WorkerReport
 from server.app import create_app
 from server.context import context_of
-from server.db import transaction
-from server.models import Device, Job, Worker
+from server.db import session_factory, transaction
+from server.models import Device, Host, Job, Worker
+from server.services import jobs
 from tests.harness import Api, driven, make_settings, statements
 
 
@@ -150,3 +155,51 @@ def _outcome(api: Api, job_ids: list[int]) -> list[Any]:
                 )
             )
     return out
+
+
+# ------------------------------------------------------- hosts starting one job at once
+
+
+@pytest.mark.postgres
+def test_hosts_starting_a_jobs_last_ranks_at_the_same_moment_start_the_job(pg_url: str) -> None:
+    """Two hosts report a job's two ranks running in transactions that overlap: the second
+    waits for the first's commit and counts its rank, so the job runs. (Each counting the
+    other's rank as not running yet, in its own snapshot, left the job STARTING for good.)"""
+    with TestClient(create_app(make_settings(pg_url))) as client:
+        api = driven(client)
+        hosts = [api.register(f"h{i}", devices=1) for i in range(2)]
+        job_id = int(api.submit(workers=2)["id"])
+        answers = [_beat(api, host, []) for host in hosts]
+        for host, answer in zip(hosts, answers, strict=True):
+            _beat(api, host, _reports(answer, "launching"))
+        sessions = session_factory(_engine(api))
+
+        def report_running(session: Session, k: int) -> None:
+            host = session.get(Host, hosts[k]["id"])
+            assert host is not None
+            reports = [WorkerReport.model_validate(r) for r in _reports(answers[k], "running")]
+            jobs.apply_worker_reports(session, host, reports, datetime.now(UTC))
+
+        first = sessions()
+        first.begin()
+        report_running(first, 0)
+        first.flush()
+        second_done = threading.Event()
+
+        def second() -> None:
+            with transaction(sessions) as session:
+                report_running(session, 1)
+            second_done.set()
+
+        thread = threading.Thread(target=second)
+        thread.start()
+        # The second must wait for the first's commit (it would be done within this long)
+        assert not second_done.wait(1.0)
+        first.commit()
+        first.close()
+        thread.join(30)
+        assert second_done.is_set()
+        with transaction(sessions) as session:
+            job = session.get(Job, job_id)
+            assert job is not None
+            assert (job.status, job.started_at is not None) == ("running", True)
