@@ -20,12 +20,12 @@ from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import Any
 
-from sqlalchemy import Row, bindparam, func, select
+from sqlalchemy import bindparam, func, select
 from sqlalchemy.orm import Session
 
 from contract.enums import PlanSource, PolicyName
+from server.db import driver_rows
 from server.models import IterationTelemetry, Job, Plan, Worker
 from server.planner import ModelFit, Observation, fit_model
 from server.planner.rebalance import RebalanceDecision, RebalanceInput, decide
@@ -81,8 +81,15 @@ _NEW = select(
     IterationTelemetry.pass_size,
     IterationTelemetry.peak_memory_mb,
 )
-"""A new row as the control loop's readers take it (Core rows: no ORM loading per row)."""
-NewRow = Row[int, int, int, int, bool, int | None, int, float, int | None, float | None]
+"""A new row as the control loop's readers take it (plain driver tuples: ``db.driver_rows``)."""
+NewRow = tuple[int, int, int, int, bool, int | None, int, float, int | None, float | None]
+_NEW_SINCE_ITERATION = _NEW.where(
+    IterationTelemetry.job_id == bindparam("job_id"),
+    IterationTelemetry.iteration > bindparam("after"),
+)
+_NEW_SINCE_ID = _NEW.where(
+    IterationTelemetry.job_id == bindparam("job_id"), IterationTelemetry.id > bindparam("after")
+)
 
 
 FIRST_READ_ITERATIONS = 300
@@ -118,19 +125,19 @@ class NewRows:
             if newest is None:
                 return []
             self.after = newest - FIRST_READ_ITERATIONS
-            query = _NEW.where(T.job_id == job.id, T.iteration > self.after)
+            query, after = _NEW_SINCE_ITERATION, self.after
         else:
-            query = _NEW.where(T.job_id == job.id, T.id > self.last_id - reread)
-        rows = session.connection().execute(query).all()
+            query, after = _NEW_SINCE_ID, self.last_id - reread
+        rows: list[NewRow] = driver_rows(session, query, {"job_id": job.id, "after": after})
         if reread:
             rows = [r for r in rows if r[0] not in self.seen and r[2] > self.after]
         if rows:
-            self.last_id = max(self.last_id, max(int(r[0]) for r in rows))
+            self.last_id = max(self.last_id, max(r[0] for r in rows))
             if reread:
                 floor = self.last_id - reread
                 self.seen = {i for i in self.seen if i > floor}
-                self.seen.update(int(r[0]) for r in rows if r[0] > floor)
-        return rows  # type: ignore[return-value]
+                self.seen.update(r[0] for r in rows if r[0] > floor)
+        return rows
 
 
 @dataclass
@@ -162,14 +169,15 @@ class Tracker:
         if not self.started:  # history older than the raw window is rolled up
             self.first_of_version.update(retention.first_iteration_of_versions(session, job.id))
             self.started = True
-        for _, rank, iteration, version, probe, oom, *_ in rows:
+        seen, firsts = self.max_iteration, self.first_of_version
+        for _, rank, iteration, version, probe, oom, _, _, _, _ in rows:
             if oom is not None:  # (job, rank, iteration) is unique; NewRows hands a row out once
-                self.ooms.append((int(rank), int(iteration), int(oom)))
-            if not probe:
-                self.max_iteration[rank] = max(self.max_iteration.get(rank, -1), int(iteration))
-            first = self.first_of_version.get(version)
+                self.ooms.append((rank, iteration, oom))
+            if not probe and seen.get(rank, -1) < iteration:
+                seen[rank] = iteration
+            first = firsts.get(version)
             if first is None or iteration < first:
-                self.first_of_version[version] = int(iteration)
+                firsts[version] = iteration
         return self.progress(session, job)
 
     def progress(self, session: Session, job: Job) -> Progress:
@@ -224,10 +232,8 @@ def observed(session: Session, job: Job, window: int = FIT_WINDOW) -> dict[int, 
     last = session.scalar(select(func.max(T.iteration)).where(T.job_id == job.id))
     by_rank: dict[int, list[Observation]] = defaultdict(list)
     if last is not None:
-        rows = (
-            session.connection()
-            .execute(_ROWS.where(T.job_id == job.id, T.iteration > last - window))
-            .all()
+        rows = driver_rows(
+            session, _NEW_SINCE_ITERATION, {"job_id": job.id, "after": last - window}
         )
         caps = memory.caps_by_version(session, job.id) if rows else {}
         for rank, obs in _converted(rows, caps):
@@ -235,33 +241,20 @@ def observed(session: Session, job: Job, window: int = FIT_WINDOW) -> dict[int, 
     return by_rank
 
 
-_ROWS = select(
-    IterationTelemetry.rank,
-    IterationTelemetry.iteration,
-    IterationTelemetry.plan_version,
-    IterationTelemetry.probe,
-    IterationTelemetry.batch_size,
-    IterationTelemetry.compute_ms,
-    IterationTelemetry.pass_size,
-)
-"""What an observation is made of (Core rows: no ORM loading per row)."""
-
-
 def _converted(
-    rows: Iterable[Sequence[Any]], caps: dict[int, list[int | None]]
+    rows: Iterable[NewRow], caps: dict[int, list[int | None]]
 ) -> Iterator[tuple[int, Observation]]:
-    """(rank, observation as the single-pass model sees it) of rows with samples; ``rows`` are
-    ``_ROWS`` rows, ``caps`` the memory caps of the plans they ran under, by version."""
-    for rank, iteration, version, probe, batch, compute, pass_size in rows:
+    """(rank, observation as the single-pass model sees it) of rows with samples; ``caps`` are
+    the memory caps of the plans they ran under, by version. The driver's values as they are
+    (ints and floats: ``db.driver_rows``), no conversion per value."""
+    for _, rank, iteration, version, probe, _, batch, compute, pass_size, _ in rows:
         if batch <= 0:
             continue
-        cap = pass_size or (
-            None if probe or not caps else _cap_in(caps.get(int(version)), int(rank))
-        )
+        cap = pass_size or (None if probe or not caps else _cap_in(caps.get(version), rank))
         if not cap or batch <= cap:  # ``_one_pass``'s own case, without the call per row
-            yield int(rank), Observation(int(batch), float(compute), int(iteration))
+            yield rank, Observation(batch, compute, iteration)
         else:
-            yield int(rank), _one_pass(int(batch), float(compute), int(iteration), cap)
+            yield rank, _one_pass(batch, compute, iteration, cap)
 
 
 _BY_ITERATION = attrgetter("iteration")
@@ -298,9 +291,12 @@ class FitWindow:
             known = memory.caps_by_version(session, job.id)
             self.caps.update({v: known.get(v) for v in versions})
         caps = self.plan_caps()
-        fresh = ((r[1], r[2], r[3], r[4], r[6], r[7], r[8]) for r in rows if r[2] > cutoff)
+        fresh = rows if min(r[2] for r in rows) > cutoff else [r for r in rows if r[2] > cutoff]
+        by_rank = self.by_rank
         for rank, obs in _converted(fresh, caps):
-            kept = self.by_rank.setdefault(rank, [])
+            kept = by_rank.get(rank)
+            if kept is None:
+                kept = by_rank[rank] = []
             if kept and kept[-1].iteration > obs.iteration:
                 insort(kept, obs, key=_BY_ITERATION)
             else:

@@ -105,15 +105,15 @@ class Watch:
         of iterations not fed yet; a fresh watch starts ``REPLAY`` iterations back."""
         if not rows:
             return
-        self.newest = max(self.newest, max(int(r[2]) for r in rows))
+        self.newest = max(self.newest, max(r[2] for r in rows))
         after = self.after()
         pending = self.pending
-        for _, rank, iteration, version, _, _, batch, compute, *_ in rows:
+        for _, rank, iteration, version, _, _, batch, compute, _, _ in rows:
             if batch > 0 and iteration > after:
                 group = pending.get(iteration)
                 if group is None:
-                    group = pending[int(iteration)] = []
-                group.append((int(rank), int(batch), float(compute), int(version)))
+                    group = pending[iteration] = []
+                group.append((rank, batch, compute, version))
         if self.fed_through < 0:  # the replay's start moves with the newest iteration
             for iteration in [i for i in pending if i <= after]:
                 del pending[iteration]

@@ -357,8 +357,11 @@ def _bound(state: RankState, batch: int, planned: int | None) -> int | None:
     be predicted (module docstring); None when it can."""
     if planned is not None:
         return planned
-    if state.ref_source == "self" and state.self_batches and batch < min(state.self_batches):
-        return min(state.self_batches)
+    learned = state.self_batches
+    # ``learned[-1]`` first: a batch below the least is below the last (no scan of the window
+    # per sample while the batch sizes stay)
+    if state.ref_source == "self" and learned and batch < learned[-1] and batch < min(learned):
+        return min(learned)
     return None
 
 
