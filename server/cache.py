@@ -26,6 +26,7 @@ from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+import anyio
 from fastapi.concurrency import run_in_threadpool
 from sqlalchemy import event
 from sqlalchemy.orm import Session, sessionmaker
@@ -61,8 +62,12 @@ class TTLCache(Generic[K, V]):
         clock: Callable[[], float] = time.monotonic,
         *,
         refresh_after_s: float | None = None,
+        max_loads: int | None = None,
     ) -> None:
         self.ttl_s, self.maxsize, self.clock = ttl_s, maxsize, clock
+        self._load_slots = anyio.Semaphore(max_loads) if max_loads is not None else None
+        """Bounds the ``get_or_load`` loads running at once (of different keys; one key loads
+        once however many miss it), so they hold no more database connections than that."""
         self.refresh_after_s = ttl_s if refresh_after_s is None else refresh_after_s
         self._data: dict[K, tuple[float, V]] = {}
         """key -> (when it expires, value)."""
@@ -179,7 +184,11 @@ class TTLCache(Generic[K, V]):
                 self._start_batch(load_many)
 
     async def _load(self, key: K, generation: Generation, load: Callable[[], V]) -> V:
-        value = await run_in_threadpool(load)
+        if self._load_slots is None:
+            value = await run_in_threadpool(load)
+        else:
+            async with self._load_slots:
+                value = await run_in_threadpool(load)
         self.put(key, value, generation)
         return value
 
@@ -329,6 +338,12 @@ job's plan from the database every second (bench/fleet.py: a tenth of the API pr
 at 200 jobs)."""
 
 
+PLAN_LOADS = 4
+"""Jobs' plans read at once on misses (one read per job however many polls miss it): a fleet's
+jobs whose plans change together otherwise took a pooled connection each, past the pool, and
+the connections opened past it are closed after one use (``Settings.db_pool_size``)."""
+
+
 class Caches:
     """The app's caches, wired to invalidate on commit of the sessions that change them."""
 
@@ -342,7 +357,7 @@ class Caches:
         self.tokens: TTLCache[str, Any] = TTLCache(
             token_ttl_s, refresh_after_s=min(TOKEN_REFRESH_AFTER_S, token_ttl_s)
         )
-        self.plans: TTLCache[int, tuple[int, bytes]] = TTLCache(plan_ttl_s)
+        self.plans: TTLCache[int, tuple[int, bytes]] = TTLCache(plan_ttl_s, max_loads=PLAN_LOADS)
         self.plan_listeners: list[Callable[[set[int]], None]] = []
         """Called with the job ids of every commit that made plans, after the cache is cleared."""
         self.credential_listeners: list[Callable[[list[int]], None]] = []

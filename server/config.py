@@ -91,10 +91,10 @@ class Settings(BaseSettings):
     db_pool_size: int = Field(default=24, ge=1, le=512)
     """Connections kept open per process; up to twice as many more open under load, each
     opened for one use and closed after it. Keep it above ``db_concurrency`` by the API's own
-    users of connections (the telemetry writer, token checks, liveness flushes, plan loads):
-    at 16, as many as the slots, the fleet bench's API opened and closed about three
-    PostgreSQL connections a second, each a new backend process that warms its caches on its
-    first statements (a core's worth of PostgreSQL CPU at times, on a 2-core machine)."""
+    users of connections: the telemetry writer, the token checks' thread, liveness flushes and
+    plan loads (``cache.PLAN_LOADS``), seven in all. At 16, as many as the slots, with plan
+    loads unbounded, the fleet bench's API opened and closed about 25 PostgreSQL connections
+    a second, each a new backend process that warms its caches on its first statements."""
 
     db_concurrency: int = Field(default=16, ge=1, le=32)
     """Requests doing database work at once per API process (``AppContext.db_slots``); the

@@ -53,6 +53,38 @@ def test_concurrent_misses_share_one_load_and_then_hit_the_cache() -> None:
     asyncio.run(main())
 
 
+def test_loads_of_different_keys_run_at_most_max_loads_at_once() -> None:
+    """Misses of ten keys: every one is loaded and cached, never more than ``max_loads`` loads
+    (database connections) at once."""
+
+    async def main() -> None:
+        cache: TTLCache[int, int] = TTLCache(60.0, max_loads=3)
+        running, most, lock = 0, 0, threading.Lock()
+        release = threading.Event()
+
+        def load(key: int) -> int:
+            nonlocal running, most
+            with lock:
+                running += 1
+                most = max(most, running)
+            release.wait(10)
+            with lock:
+                running -= 1
+            return key * key
+
+        waiters = [
+            asyncio.ensure_future(cache.get_or_load(k, lambda k=k: load(k))) for k in range(10)
+        ]
+        await _settle()
+        assert running == 3  # three hold their slots; seven wait without a thread
+        release.set()
+        assert await asyncio.gather(*waiters) == [k * k for k in range(10)]
+        assert most == 3
+        assert [cache.get(k) for k in range(10)] == [k * k for k in range(10)]
+
+    asyncio.run(main())
+
+
 def test_a_load_older_than_an_invalidation_is_not_joined_nor_cached() -> None:
     async def main() -> None:
         cache: TTLCache[str, str] = TTLCache(60.0)
