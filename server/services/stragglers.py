@@ -32,7 +32,6 @@ from server.services.audit import record
 from server.services.rebalancer import FitWindow, NewRow, Progress
 from server.stragglers import (
     Change,
-    ComputeTiming,
     Decision,
     Detector,
     EventUpdate,
@@ -123,28 +122,38 @@ class Watch:
         return self.fed_through if self.fed_through >= 0 else max(-1, self.newest - REPLAY)
 
 
-def _take(session: Session, job: Job, watch: Watch, through: int) -> list[ComputeTiming]:
+Timings = list[tuple[int, list[tuple[int, int, float, int | None]]]]
+"""``(iteration, [(rank, batch, compute ms, planned batch), ...])``, as
+``Detector.observe_iterations`` takes them."""
+
+
+def _take(session: Session, job: Job, watch: Watch, through: int) -> Timings:
     """The kept timings of iterations up to ``through`` (``Watch.add``), by iteration then rank,
     at most ``MAX_TIMINGS_PER_ROUND`` of them and only whole iterations: under a flood the watch
     catches up over rounds instead of holding the interpreter for one long round. Each carries
     the rank's batch in its plan, so the detector judges an epoch's final partial batch at its
     size."""
     after = watch.after()
-    rows: list[tuple[int, int, int, float, int]] = []
+    groups: list[tuple[int, list[tuple[int, int, float, int]]]] = []
+    taken = 0
     for iteration in sorted(i for i in watch.pending if i <= through):
         group = watch.pending[iteration]
         if iteration > after:
-            if rows and len(rows) + len(group) > MAX_TIMINGS_PER_ROUND:
+            if taken and taken + len(group) > MAX_TIMINGS_PER_ROUND:
                 break  # one iteration wider than the cap still goes through whole
             group.sort()
-            rows += [(r, iteration, b, c, v) for r, b, c, v in group]
+            groups.append((iteration, group))
+            taken += len(group)
         del watch.pending[iteration]
-    versions = {r[4] for r in rows}
+    versions = {v for _, group in groups for _, _, _, v in group}
     known = watch.plan_sizes
     planned = {v: known[v] for v in versions if v in known}
     planned |= _planned(session, job, versions - set(known))
     watch.plan_sizes = planned
-    return [ComputeTiming(r, i, b, c, v, _at(planned.get(v), r)) for r, i, b, c, v in rows]
+    return [
+        (iteration, [(r, b, c, _at(planned.get(v), r)) for r, b, c, v in group])
+        for iteration, group in groups
+    ]
 
 
 def _planned(session: Session, job: Job, versions: set[int]) -> dict[int, list[int]]:
@@ -484,8 +493,8 @@ def watch_job(
     timings = _take(session, job, watch, progress.complete_through)
     if not timings:
         return None
-    complete = timings[-1].iteration
-    updates = watch.detector.observe(timings, watch.normal or None)
+    complete = timings[-1][0]
+    updates = watch.detector.observe_iterations(timings, watch.normal or None)
     watch.fed_through = complete
     _store(session, job, watch, updates)
     watch.stirred = watch.stirred or bool(updates)

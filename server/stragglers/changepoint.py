@@ -87,6 +87,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_left, insort
 from dataclasses import dataclass, field
+from functools import cached_property
 from statistics import median
 from typing import Any
 
@@ -158,9 +159,14 @@ class DetectorConfig:
         if self.baseline_window < max(self.min_samples, 3):
             raise ValueError("DetectorConfig.baseline_window must be >= min_samples and >= 3")
 
-    @property
+    @cached_property
     def delta(self) -> float:
         return math.log(self.min_factor)
+
+    @cached_property
+    def bias_bound(self) -> float:
+        """``log(max_bias)``: how far the normal level may move either way."""
+        return math.log(self.max_bias)
 
 
 @dataclass
@@ -219,7 +225,7 @@ def baseline(state: RankState, config: DetectorConfig) -> tuple[float, float]:
         return 0.0, config.sigma_prior
     if len(state.base_sorted) != len(state.base):
         state.base_sorted = sorted(state.base)
-    bound = math.log(config.max_bias)
+    bound = config.bias_bound
     # Called for every sample of every rank: from the kept sorted window, the median and the
     # median deviation from it without building the deviations (``statistics.median``'s own
     # arithmetic on the same values, so the same result to the last bit).
@@ -340,8 +346,12 @@ def observe_sample(
         _update_ref(state, batch, ms, model, config)
     if state.ref is None:
         return []
-    bound = _bound(state, batch, planned if partial else None)
-    predicted = _ref_predict(state.ref, bound or batch)
+    # ``_bound``'s answer, without the call for the usual sample (planned size, model reference)
+    bound = (
+        planned if partial else (_bound(state, batch, None) if state.ref_source == "self" else None)
+    )
+    ref = state.ref
+    predicted = max(ref[2], ref[1] + ref[0] * (bound or batch))  # ``_ref_predict``
     if predicted <= 0:
         return []
     x = math.log(ms / predicted)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,21 +102,34 @@ class Detector:
         A rank's timing for an iteration it already passed is ignored (late or duplicate).
         ``models`` maps rank to its fitted model; ranks without one use their own baseline.
         """
+        return self.observe_iterations(
+            (
+                (iteration, [(r.rank, r.batch_size, r.compute_ms, r.planned_batch) for r in rows])
+                for iteration, rows in by_iteration(timings)
+            ),
+            models,
+        )
+
+    def observe_iterations(
+        self,
+        iterations: Iterable[tuple[int, Sequence[tuple[int, int, float, int | None]]]],
+        models: Mapping[int, PerfModel] | None = None,
+    ) -> list[EventUpdate]:
+        """``observe`` of timings already grouped: ``(iteration, [(rank, batch, compute ms,
+        planned batch or None), ...])``, iterations ascending and each one's ranks in rank
+        order (what ``by_iteration`` makes of any order). The control loop keeps new timings
+        grouped so, and feeds them here without a ``ComputeTiming`` per row or a sort."""
         models = models or {}
         updates: list[EventUpdate] = []
-        for iteration, rows in by_iteration(timings):
-            for row in rows:
-                state = self._rank(row.rank)
-                model = models.get(row.rank)
-                updates += observe_sample(
-                    state,
-                    iteration,
-                    row.batch_size,
-                    row.compute_ms,
-                    model,
-                    self.config,
-                    row.planned_batch,
+        index, config = self._index, self.config
+        for iteration, rows in iterations:
+            for rank, batch, compute_ms, planned in rows:
+                state = index.get(rank) or self._rank(rank)
+                changed = observe_sample(
+                    state, iteration, batch, compute_ms, models.get(rank), config, planned
                 )
+                if changed:
+                    updates += changed
             self.state.last_iteration = max(self.state.last_iteration, iteration)
         return updates
 
