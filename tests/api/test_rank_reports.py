@@ -13,7 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine, select, update
 from sqlalchemy.orm import Session
 
 from contract.agent import WORKER_EXIT_FATAL, WorkerReport
@@ -163,7 +163,8 @@ def _outcome(api: Api, job_ids: list[int]) -> list[Any]:
 @pytest.mark.postgres
 def test_hosts_starting_a_jobs_last_ranks_at_the_same_moment_start_the_job(pg_url: str) -> None:
     """Two hosts report a job's two ranks running in transactions that overlap: the second
-    waits for the first's commit and counts its rank, so the job runs. (Each counting the
+    waits for the first's commit and counts its rank, so the job runs, while the job's row
+    stays free for others to update. (Each counting the
     other's rank as not running yet, in its own snapshot, left the job STARTING for good.)"""
     with TestClient(create_app(make_settings(pg_url))) as client:
         api = driven(client)
@@ -184,6 +185,12 @@ def test_hosts_starting_a_jobs_last_ranks_at_the_same_moment_start_the_job(pg_ur
         first.begin()
         report_running(first, 0)
         first.flush()
+        # The lock is the reports' own: the job's row stays free for the controller's sweeps
+        with transaction(sessions) as other:
+            other.execute(
+                update(Job).where(Job.id == job_id).values(frozen=False),
+                execution_options={"synchronize_session": False},
+            )
         second_done = threading.Event()
 
         def second() -> None:
