@@ -59,6 +59,7 @@ from typing import Any
 
 import aiohttp
 import httpx
+import orjson
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import create_engine, make_url, text
@@ -357,7 +358,8 @@ class Fleet:
                 trace_request_ctx={"kind": kind},
                 **kw,
             ) as r:
-                body = await r.json() if r.status == 200 or r.status == 201 else await r.text()
+                ok = r.status == 200 or r.status == 201
+                body = await r.json(loads=orjson.loads) if ok else await r.text()
                 status = r.status
         except (aiohttp.ClientError, TimeoutError) as exc:
             self.stats.errors[f"{kind}: {type(exc).__name__}"] += 1
@@ -578,23 +580,31 @@ class Fleet:
         for rank, host in job.ranks.items():
             groups[rank if self.args.telemetry_per == "rank" else host.name].append(rank)
         now = time.time()
+        its = list(range(first, last + 1))
+        n, version = len(its), max(1, job.version)
         posts = []
         for ranks in groups.values():
-            cols: dict[str, list[Any]] = defaultdict(list)
+            # Whole columns at once: the generator shares the machine with what it measures,
+            # and building them value by value was a tenth of its time.
+            cols: dict[str, list[Any]] = {
+                "rank": [rank for rank in ranks for _ in its],
+                "iteration": its * len(ranks),
+                "plan_version": [version] * (n * len(ranks)),
+                "batch_size": [],
+                "data_ms": [1.0] * (n * len(ranks)),
+                "compute_ms": [],
+                "sync_ms": [5.0] * (n * len(ranks)),
+                "ts": [now] * (n * len(ranks)),
+            }
             for rank in ranks:
-                for it in range(first, last + 1):
-                    compute, b = self.timings(job, rank, it)
-                    for name, value in (
-                        ("rank", rank),
-                        ("iteration", it),
-                        ("plan_version", max(1, job.version)),
-                        ("batch_size", b),
-                        ("data_ms", 1.0),
-                        ("compute_ms", compute),
-                        ("sync_ms", 5.0),
-                        ("ts", now),
-                    ):
-                        cols[name].append(value)
+                timings = [self.timings(job, rank, it) for it in (first, last)]
+                if timings[0] == timings[1]:  # the same all through (no onset in between)
+                    cols["compute_ms"] += [timings[0][0]] * n
+                    cols["batch_size"] += [timings[0][1]] * n
+                else:
+                    for compute, b in (self.timings(job, rank, it) for it in its):
+                        cols["compute_ms"].append(compute)
+                        cols["batch_size"].append(b)
             self.stats.records += len(cols["rank"])
             posts.append(
                 self.request(
@@ -602,7 +612,7 @@ class Fleet:
                     "POST",
                     f"/api/v1/jobs/{job.id}/telemetry",
                     job.ranks[ranks[0]].token,
-                    json={"columns": cols, "urgent": urgent},
+                    body=orjson.dumps({"columns": cols, "urgent": urgent}),
                 )
             )
         await asyncio.gather(*posts)
