@@ -204,7 +204,8 @@ def test_a_kept_fit_window_reads_what_a_whole_read_does(
 ) -> None:
     """The control loop keeps each job's fit window, fed the rows added since its last read
     (``NewRows``); after every post it holds the same observations, in the same order, as the
-    window read whole (old iterations leave it, rows read again on PostgreSQL count once)."""
+    window read whole (old iterations leave it, rows read again on PostgreSQL count once), and
+    fits of it are the whole window's."""
     if not api.client.get("/api/v1/hosts", headers=api.headers()).json()["items"]:
         api.register("fw", devices=3)
     job_id = int(api.submit(workers=3, global_batch=60)["id"])  # type: ignore[call-overload]
@@ -251,5 +252,6 @@ def _kept_against_whole(
             kept.add(s, job, reader.read(s, job), window)
             incremental = kept.observations()
             whole = rebalancer.observed(s, job, window)
+            assert rebalancer.fits(s, job, kept=kept) == rebalancer.fits(s, job, window=window)
         assert incremental == whole
         assert all(o.iteration > iteration - 1 - window for obs in whole.values() for o in obs)
