@@ -55,19 +55,11 @@ def pg_template() -> Iterator[str]:
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
-def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A fresh database of each kind: a SQLite file, and a PostgreSQL one (``pg_url``)."""
     if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'evenflow.db'}"
-        return
-    template = request.getfixturevalue("pg_template")
-    name = f"evenflow_t_{uuid.uuid4().hex[:10]}"
-    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    with admin.connect() as c:
-        c.execute(text(f'CREATE DATABASE "{name}" TEMPLATE "{template}"'))
-    yield pg_database_url(name)
-    with admin.connect() as c:
-        c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-    admin.dispose()
+        return f"sqlite:///{tmp_path / 'evenflow.db'}"
+    return str(request.getfixturevalue("pg_url"))
 
 
 @pytest.fixture
