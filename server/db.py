@@ -5,19 +5,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import closing, contextmanager
-from functools import lru_cache
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Dialect, Engine, create_engine, event
+from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.orm.exc import StaleDataError
 from sqlalchemy.sql import Executable
-from sqlalchemy.sql.compiler import SQLCompiler
 
 import migrations
 
@@ -109,29 +107,20 @@ def migrate(engine: Engine) -> None:
     command.upgrade(alembic_config(engine), "head")
 
 
-@lru_cache(maxsize=64)
-def _compiled(statement: Executable, dialect: Dialect) -> tuple[str, SQLCompiler]:
-    compiled: SQLCompiler = statement.compile(dialect=dialect)  # type: ignore[attr-defined]
-    return str(compiled), compiled
-
-
 def driver_rows(
     session: Session, statement: Executable, params: Mapping[str, Any]
 ) -> list[tuple[Any, ...]]:
-    """The rows of ``statement`` (a module-level constant whose values are all named bind
-    parameters) in the session's transaction, as the DBAPI driver hands them out: plain
-    tuples, values as the driver converts them (on SQLite a boolean is 0 or 1). For the
-    controller's hottest read (a sweep's new telemetry rows, thousands a job), where building
-    a SQLAlchemy ``Row`` per row was a quarter of reading them (``bench/controller_cost.py``).
-    The statement is compiled once per dialect."""
-    connection = session.connection()
-    sql, compiled = _compiled(statement, connection.dialect)
-    values: Mapping[str, Any] = compiled.construct_params(dict(params)) or {}
-    positions = compiled.positiontup
-    bound: Any = [values[name] for name in positions] if positions is not None else values
-    with closing(connection.connection.cursor()) as cursor:
-        cursor.execute(sql, bound)
-        return list(cursor.fetchall())
+    """The rows of ``statement`` in the session's transaction as the DBAPI driver hands them
+    out: plain tuples, values as the driver converts them (on SQLite a boolean is 0 or 1). For
+    the controller's hottest read (a sweep's new telemetry rows, thousands a job), where
+    building a SQLAlchemy ``Row`` per row was a quarter of reading them
+    (``bench/controller_cost.py``). Executed as any statement is (compiled once, the engine's
+    events fired), only fetched from the cursor."""
+    result = session.connection().execute(statement, dict(params))
+    try:
+        return list(result.cursor.fetchall())
+    finally:
+        result.close()
 
 
 def session_factory(engine: Engine) -> sessionmaker[Session]:

@@ -447,7 +447,9 @@ def test_the_watch_reads_a_plans_batch_sizes_once(api: Api) -> None:
         again = stragglers.Watch(plan_sizes=dict(first.plan_sizes))
         again.add(rows)
         cached = stragglers._take(s, job, again, 29)
-    assert fresh == cached and all(t.planned_batch is not None for t in fresh)
+    # (iteration, [(rank, batch, compute ms, planned batch), ...]), each with its planned batch
+    assert fresh == cached and all(t[3] is not None for _, group in fresh for t in group)
+    assert len(fresh) >= 20 and all(group for _, group in fresh)
 
 
 def test_a_sweep_reads_the_jobs_new_telemetry_once(api: Api) -> None:
