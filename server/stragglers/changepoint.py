@@ -346,12 +346,8 @@ def observe_sample(
         _update_ref(state, batch, ms, model, config)
     if state.ref is None:
         return []
-    # ``_bound``'s answer, without the call for the usual sample (planned size, model reference)
-    bound = (
-        planned if partial else (_bound(state, batch, None) if state.ref_source == "self" else None)
-    )
-    ref = state.ref
-    predicted = max(ref[2], ref[1] + ref[0] * (bound or batch))  # ``_ref_predict``
+    bound = _bound(state, batch, planned if partial else None)
+    predicted = _ref_predict(state.ref, bound or batch)
     if predicted <= 0:
         return []
     x = math.log(ms / predicted)
