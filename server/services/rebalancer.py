@@ -283,10 +283,10 @@ class FitWindow:
         """Take in rows not taken before (``NewRows``) and let the oldest leave."""
         if not rows:
             return
-        newest = max(int(r[2]) for r in rows)
+        newest = max(r[2] for r in rows)
         self.newest = newest if self.newest is None else max(self.newest, newest)
         cutoff = self.newest - window
-        versions = {int(r[3]) for r in rows} - set(self.caps)
+        versions = {r[3] for r in rows} - set(self.caps)
         if versions:
             known = memory.caps_by_version(session, job.id)
             self.caps.update({v: known.get(v) for v in versions})
@@ -306,7 +306,7 @@ class FitWindow:
                 del kept[: bisect_right(kept, cutoff, key=_BY_ITERATION)]
         self.memory.add(
             [
-                (int(r[2]), (int(r[1]), int(r[3]), int(r[6]), r[9], bool(r[4]), r[8], r[5]))
+                (r[2], (r[1], r[3], r[6], r[9], bool(r[4]), r[8], r[5]))
                 for r in rows
                 if r[5] is not None or (r[9] is not None and r[6] > 0)
             ],
