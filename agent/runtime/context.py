@@ -164,6 +164,8 @@ class EvenflowContext:
         self._sync: GradientSync | None = None
         self._sampler: GlobalBatchSampler | None = None
         self._awaiting_step = False
+        self._data_pending = False
+        """The iteration's data phase has not ended yet (its first pass's samples are not taken)."""
         self._plan: RuntimePlan = agreement.current
         self._local = 0
         self._passes: tuple[int, ...] = ()
@@ -328,7 +330,11 @@ class EvenflowContext:
         except torch.OutOfMemoryError as exc:
             if not self._awaiting_step:
                 raise  # not inside a pass of this context's
-            self._guard.pending = exc
+            # Kept without its traceback: the traceback's frames hold the failed pass's
+            # activations and graph (nearly all of the device's memory), which must be freed
+            # before the share is redone; held, the retry's first input copy ran out of memory
+            # on a real H100 and failed the job.
+            self._guard.pending = exc.with_traceback(None)
 
     def step(self, loss_sum: torch.Tensor) -> float | None:
         """Backward the summed loss; after the iteration's last pass, all-reduce and step the
@@ -382,29 +388,34 @@ class EvenflowContext:
             self._finish(None)
             return
         cap = self._guard.cap(self._plan)
-        first = True
+        self._data_pending = True
         while True:
             chunks = [idx] if cap is None or self._local <= cap else list(idx.split(cap))
-            parts = [take(dataset, c, self.device) for c in chunks]
-            if first:
-                self.timer.data_done()
-                first = False
             self._passes, self._pass, self._loss_acc = tuple(len(c) for c in chunks), 0, None
             if len(chunks) > 1:
                 self.timer.note_pass_size(max(self._passes))
-            failed = yield from self._run_passes(parts)
+            failed = yield from self._run_passes(dataset, chunks)
             if failed is None:
                 return
-            del parts
             cap = self._recover(*failed)
 
     def _run_passes(
-        self, parts: list[Any]
+        self, dataset: DatasetLike, chunks: list[torch.Tensor]
     ) -> Generator[Any, None, tuple[int, BaseException] | None]:
-        """Yield each pass; the failing pass's size and error when one ran out of memory."""
-        for part in parts:
+        """Yield each pass; the failing pass's size and error when one ran out of memory.
+
+        A pass's samples are taken just before it runs, not all of an iteration's at once: on
+        CUDA the host gathers the next pass while the device still computes this one (as a
+        plain loop does), and only one pass's inputs are on the device at a time. The data
+        phase ends with the first pass's samples; later passes' count as compute."""
+        for chunk in chunks:
+            part = take(dataset, chunk, self.device)
+            if self._data_pending:
+                self.timer.data_done()
+                self._data_pending = False
             self._awaiting_step = True
             yield part
+            del part
             exc = self._guard.take_pending()
             if exc is not None:
                 return self._passes[self._pass], exc

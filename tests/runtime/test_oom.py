@@ -4,6 +4,8 @@ single sample fails the job with that reason."""
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -11,7 +13,8 @@ from agent.runtime.context import EvenflowContext
 from agent.runtime.emulation import Emulator
 from agent.runtime.oom import MAX_SINGLE_SAMPLE_OOMS, MemoryGuard, OutOfMemoryFailure
 from agent.runtime.plan_sync import PlanAgreement, RuntimePlan
-from agent.runtime.trainer import run_workload
+from agent.runtime.trainer import run_workload, train_workload
+from agent.runtime.workloads import Workload
 from contract.agent import TelemetryRecord
 from contract.spec import EmulatedWorker, JobSpec
 
@@ -86,3 +89,49 @@ def test_guard_lowers_below_the_failing_size_and_keeps_it_for_later_plans() -> N
         assert guard.failed(4, 1, MemoryError()) == 1
     with pytest.raises(OutOfMemoryFailure):
         guard.failed(4, 1, MemoryError())
+
+
+class _Hungry(torch.nn.Module):
+    """A layer whose activations are tracked: a pass of more than ``fits`` samples runs out of
+    memory in its forward, as CUDA's allocator raises it, while its activations are alive."""
+
+    def __init__(self, fits: int) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(32, 1)
+        self.fits = fits
+        self.failed_activations: list[weakref.ref[torch.Tensor]] = []
+        self.alive_at_retry: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.alive_at_retry.append(sum(r() is not None for r in self.failed_activations))
+        activation = torch.tanh(x).repeat(1, 64)  # what the failed pass holds on the device
+        if len(x) > self.fits:
+            self.failed_activations.append(weakref.ref(activation))
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 294.00 MiB.")
+        return self.linear(activation[:, :32])
+
+
+def test_the_failed_pass_memory_is_freed_before_the_share_is_redone() -> None:
+    """A pass that runs out of device memory holds almost all of it in its activations and graph,
+    which its exception's traceback keeps alive: the retry must not start while they are held
+    (on a real H100 the retry's first input copy ran out of memory and failed the job)."""
+    spec = JobSpec.model_validate(
+        {
+            "name": "oom-frees",
+            "workload": {"builtin": "mlp", "args": {"samples": 256}},
+            "global_batch": 32,
+            "iterations": 3,
+            "workers": 1,
+        }
+    )
+    agreement = PlanAgreement(
+        RuntimePlan(1, (32,)), rank=0, world_size=1, global_batch=32, pipelined=False
+    )
+    ctx = EvenflowContext(spec, agreement, rank=0, world_size=1, submit=lambda r: None)
+    hungry = _Hungry(fits=10)
+    g = torch.Generator().manual_seed(0)
+    data = (torch.randn(256, 32, generator=g), torch.randn(256, 1, generator=g))
+    train_workload(ctx, Workload(hungry, data, lambda out, y: ((out - y) ** 2).sum()))
+    assert ctx.stats.ooms == [(0, 32), (0, 16)] and ctx.stats.iterations == 3
+    assert len(hungry.failed_activations) == 2
+    assert hungry.alive_at_retry and max(hungry.alive_at_retry) == 0
