@@ -67,7 +67,7 @@ import httpx
 
 from agent.backoff import Backoff
 from agent.client import ApiClient, ApiError
-from agent.environment import device_variables, worker_environment
+from agent.environment import device_variables, worker_environment, worker_threads
 from agent.launcher import (
     Launcher,
     LaunchSpec,
@@ -440,7 +440,7 @@ class Agent:
     ) -> dict[str, str]:
         """The whole environment of one rank's process (``agent.environment``)."""
         job_vars = {
-            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+            "OMP_NUM_THREADS": worker_threads(len(self.devices), os.environ),
             "PYTHONUNBUFFERED": "1",
             **self.extra_env,
             "EVENFLOW_SERVER": self.server_url,

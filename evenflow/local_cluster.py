@@ -34,6 +34,7 @@ import uvicorn
 
 from agent.client import ApiClient
 from agent.daemon import Agent, discover_devices
+from agent.environment import worker_threads
 from contract.api import JobOut, TokenCreate
 from contract.base import MAX_PAGE
 from contract.enums import Role
@@ -109,6 +110,9 @@ class LocalCluster:
     _http: list[httpx.Client] = field(default_factory=list)
     agent_processes: bool = False
     """Run each agent as a process of its own (see the module docstring), not a thread."""
+    cuda: bool = False
+    """Offer this machine's CUDA devices as torch finds them (one agent, NCCL ranks; ``workers``
+    and ``agents`` are then ignored) instead of ``workers`` CPU slots (gloo)."""
     agents_by_name: dict[str, tuple[str, int]] = field(default_factory=dict)
     """Host name -> (agent token, CPU devices)."""
     _agent_procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
@@ -139,6 +143,12 @@ class LocalCluster:
             self.workers // self.agents + (1 if i < self.workers % self.agents else 0)
             for i in range(self.agents)
         ]
+        if self.cuda:
+            if self.agent_processes:
+                raise ValueError("cuda=True runs its one agent as a thread")
+            per_agent = [1]
+        else:  # every agent here shares this machine's CPUs: split them over all the workers
+            self.worker_env.setdefault("OMP_NUM_THREADS", worker_threads(self.workers, os.environ))
         for i, n in enumerate(n for n in per_agent if n):
             name = f"local-{chr(ord('a') + i)}"
             token = self.client.create_token(
@@ -152,7 +162,7 @@ class LocalCluster:
                 ApiClient(self._client(token), token),
                 name=name,
                 address="127.0.0.1",
-                devices=discover_devices(cpu_workers=n),
+                devices=discover_devices(None if self.cuda else n),
                 server_url=self.url,
                 token=token,
                 workdir=self.workdir / name,

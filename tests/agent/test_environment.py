@@ -3,10 +3,16 @@ operator marks secret never reach job code."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent.environment import AGENT_SECRETS, device_variables, worker_environment
+from agent.environment import (
+    AGENT_SECRETS,
+    device_variables,
+    worker_environment,
+    worker_threads,
+)
 
 NAMES = st.one_of(
     st.sampled_from(
@@ -116,3 +122,15 @@ def test_a_cuda_rank_sees_only_its_own_gpu_and_a_cpu_rank_none(
     assert cpu["EVENFLOW_DEVICE"] == "cpu"
     env = worker_environment(agent_env, {**JOB_VARS, **cpu})
     assert env["CUDA_VISIBLE_DEVICES"] == "", "the agent's own GPUs never leak to a CPU rank"
+
+
+@pytest.mark.parametrize(
+    ("devices", "cpus", "expected"), [(1, 16, "16"), (8, 16, "2"), (8, 4, "1"), (4, 2, "1")]
+)
+def test_a_rank_gets_the_hosts_cpus_shared_among_its_devices(
+    devices: int, cpus: int, expected: str
+) -> None:
+    """One thread per rank starved a lone GPU rank's input path on a 16-CPU host; the host's CPUs
+    are shared among the agent's devices instead, and the agent's own setting wins."""
+    assert worker_threads(devices, {}, cpus) == expected
+    assert worker_threads(devices, {"OMP_NUM_THREADS": "3"}, cpus) == "3"
