@@ -129,6 +129,13 @@ def init_process_group(
             f"{assignment.backend} process group on {assignment.device} failed to form "
             f"({_first_line(exc)})"
         ) from exc
+    log.info(
+        "rank %d of %d: %s process group on %s",
+        rdzv.rank,
+        rdzv.world_size,
+        assignment.backend,
+        assignment.device,
+    )
     return store
 
 
