@@ -26,7 +26,7 @@ from contract.agent import TelemetryBatch
 from contract.problems import explain
 from server.api import statuses
 from server.api.bodies import component_schemas
-from server.api.gate import Gate, error_response
+from server.api.gate import DATABASE_DOWN, Gate, database_unavailable, error_response
 from server.api.routes import (
     audit,
     checkpoints,
@@ -91,6 +91,10 @@ async def _on_domain_error(_: Request, exc: Exception) -> JSONResponse:
     return error_response(exc.status_code, exc.message, exc.field)
 
 
+async def _on_database_down(_: Request, exc: Exception) -> JSONResponse:
+    return database_unavailable(exc)
+
+
 async def _on_validation_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     raw = exc.errors()
@@ -138,6 +142,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_exception_handler(EvenflowError, _on_domain_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
+    for down in DATABASE_DOWN:
+        app.add_exception_handler(down, _on_database_down)
 
     for module in (health, *API_ROUTES, series, stream):
         # each operation's error statuses, from its dependencies (``server.api.statuses``)

@@ -32,11 +32,15 @@ A pure ASGI middleware (``Gate``), so nothing is parsed for a caller who may not
    wrapping were over half of a post's CPU on the event loop, and a full fleet makes hundreds a
    second. A body that does not parse goes on to the route, which answers its 422.
 
-Refusals carry the one ``ErrorOut`` body.
+Refusals carry the one ``ErrorOut`` body. A request the database cannot serve (it is down,
+refusing connections, or its pool is exhausted) gets 503 with ``Retry-After``
+(:func:`database_unavailable`), here and in the app, never a 500: agents and the telemetry relay
+retry what is not refused for good.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Mapping
 from datetime import UTC, datetime
@@ -45,6 +49,7 @@ from urllib.parse import urlsplit
 
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
+from sqlalchemy import exc as sa_exc
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.requests import cookie_parser
@@ -65,6 +70,29 @@ PRINCIPAL_STATE = "principal"
 """Where the gate leaves the caller's ``Principal`` in ``scope["state"]``."""
 RAW_BODY_STATE = "raw_body"
 """Where the gate leaves a heartbeat's body it read (and did not answer) in ``scope["state"]``."""
+
+
+log = logging.getLogger("evenflow.gate")
+
+DATABASE_DOWN: tuple[type[Exception], ...] = (
+    sa_exc.OperationalError,
+    sa_exc.InterfaceError,
+    sa_exc.TimeoutError,
+)
+"""What the database raises when it cannot serve a request now: connections refused or lost,
+a busy SQLite file, a deadlock, no pooled connection free in time."""
+RETRY_AFTER_S = 5
+
+
+def database_unavailable(exc: Exception) -> JSONResponse:
+    """503 with ``Retry-After`` for a request the database could not serve (``DATABASE_DOWN``);
+    the driver's message goes to the log, not to the caller."""
+    log.warning("the database could not serve a request: %s", str(exc).splitlines()[0])
+    return error_response(
+        503,
+        f"the database is unavailable or busy; try again in {RETRY_AFTER_S} s",
+        headers={"Retry-After": str(RETRY_AFTER_S)},
+    )
 
 
 def error_response(
@@ -109,6 +137,21 @@ class Gate:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        started = False
+
+        async def sending(message: Message) -> None:
+            nonlocal started
+            started = True
+            await send(message)
+
+        try:
+            await self._http(scope, receive, sending)
+        except DATABASE_DOWN as exc:
+            if started:
+                raise
+            await database_unavailable(exc)(scope, receive, send)
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         refusal = await self._refusal(scope)
         if refusal is not None:
             await refusal(scope, receive, send)
