@@ -15,8 +15,10 @@ CUDA host) and trains with gloo.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 
 PASSED_NAMES = frozenset(
     {
@@ -82,15 +84,34 @@ def device_variables(
     }
 
 
+CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+"""cgroup v2's CPU limit of this process's group: ``QUOTA PERIOD`` (microseconds), or ``max``."""
+
+
+def usable_cpus(cpu_max: Path = CGROUP_CPU_MAX) -> int:
+    """The CPUs this process may use: those it may run on, fewer when its cgroup caps its CPU
+    time (a container with a CPU limit sees all of the node's CPUs but gets its limit's worth)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cpus = cpus or 1
+    try:
+        quota, period = cpu_max.read_text().split()[:2]
+        if quota != "max":
+            cpus = min(cpus, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass  # no cgroup v2 file (or an unreadable one): no limit known
+    return cpus
+
+
 def worker_threads(devices: int, agent_env: Mapping[str, str], cpus: int | None = None) -> str:
-    """``OMP_NUM_THREADS`` for each rank: the agent's own when set, else this host's CPUs shared
-    among its devices (at least 1). One thread each starved a GPU rank's input path: on an H100
-    host with 16 CPUs, gathering a 1,024-image batch took 443 ms of a 913 ms iteration."""
+    """``OMP_NUM_THREADS`` for each rank: the agent's own when set, else the CPUs this agent may
+    use (:func:`usable_cpus`) shared among its devices, at least 1. One thread each starved a GPU
+    rank's input path: on an H100 host with 16 CPUs, gathering a 1,024-image batch took 443 ms
+    of a 913 ms iteration."""
     if agent_env.get("OMP_NUM_THREADS"):
         return agent_env["OMP_NUM_THREADS"]
     if cpus is None:
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return str(max(1, (cpus or 1) // max(1, devices)))
+        cpus = usable_cpus()
+    return str(max(1, cpus // max(1, devices)))
 
 
 def is_passed(name: str) -> bool:

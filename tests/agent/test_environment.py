@@ -3,6 +3,9 @@ operator marks secret never reach job code."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -10,6 +13,7 @@ from hypothesis import strategies as st
 from agent.environment import (
     AGENT_SECRETS,
     device_variables,
+    usable_cpus,
     worker_environment,
     worker_threads,
 )
@@ -134,3 +138,18 @@ def test_a_rank_gets_the_hosts_cpus_shared_among_its_devices(
     are shared among the agent's devices instead, and the agent's own setting wins."""
     assert worker_threads(devices, {}, cpus) == expected
     assert worker_threads(devices, {"OMP_NUM_THREADS": "3"}, cpus) == "3"
+
+
+@pytest.mark.parametrize(
+    ("cpu_max", "limit"), [("max 100000\n", None), ("200000 100000\n", 2), ("150000 100000", 2)]
+)
+def test_a_cgroup_cpu_limit_caps_the_cpus_ranks_share(
+    tmp_path: Path, cpu_max: str, limit: int | None
+) -> None:
+    """A container with a CPU limit sees every CPU of its node but gets its limit's worth: the
+    ranks share that (rounded up), not the node's count. No cgroup file: no limit."""
+    here = len(os.sched_getaffinity(0))
+    f = tmp_path / "cpu.max"
+    f.write_text(cpu_max)
+    assert usable_cpus(f) == (here if limit is None else min(here, limit))
+    assert usable_cpus(tmp_path / "absent") == here
