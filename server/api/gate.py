@@ -137,22 +137,12 @@ class Gate:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        started = False
-
-        async def sending(message: Message) -> None:
-            nonlocal started
-            started = True
-            await send(message)
-
+        # The gate's own reads of the database are the credential's and a telemetry post's
+        # (below); what it passes on, the app's handlers answer (503 for the same errors).
         try:
-            await self._http(scope, receive, sending)
+            refusal = await self._refusal(scope)
         except DATABASE_DOWN as exc:
-            if started:
-                raise
-            await database_unavailable(exc)(scope, receive, send)
-
-    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
-        refusal = await self._refusal(scope)
+            refusal = database_unavailable(exc)
         if refusal is not None:
             await refusal(scope, receive, send)
             return
@@ -260,6 +250,9 @@ class Gate:
             await error_response(refused.status_code, refused.message, refused.field)(
                 scope, receive, send
             )
+            return
+        except DATABASE_DOWN as exc:
+            await database_unavailable(exc)(scope, receive, send)
             return
         body = ack.model_dump_json().encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
