@@ -36,13 +36,18 @@ from typing import Any
 import torch
 
 from bench import torchvision_workload as tv
+from bench.memory import BASE_MB, PER_SAMPLE_MB
 from contract.api import TelemetryOut
 from contract.enums import PolicyName
 from contract.spec import JobSpec, PolicySpec, WorkloadSpec
 from evenflow.experiment import measure
 from evenflow.local_cluster import LocalCluster
 
-H100_RESNET50_FP32 = {"memory_base_mb": 4595.0, "memory_per_sample_mb": 90.7, "per_sample_ms": 0.53}
+H100_RESNET50_FP32 = {
+    "memory_base_mb": BASE_MB,
+    "memory_per_sample_mb": PER_SAMPLE_MB,
+    "per_sample_ms": 0.53,
+}
 """ResNet-50 224 px fp32 on one H100 80GB (tests/data/h100_tb_curves.csv): peak memory fit and
 the step time's slope past b = 32."""
 GROUP_LINE = re.compile(r"rank (\d+) of (\d+): (\w+) process group on (\S+)")

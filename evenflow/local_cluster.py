@@ -117,6 +117,10 @@ class LocalCluster:
     """Host name -> (agent token, CPU devices)."""
     _agent_procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if self.cuda and self.agent_processes:  # before anything starts
+            raise ValueError("cuda=True runs its one agent as a thread, not agent_processes")
+
     def __enter__(self) -> LocalCluster:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = self.port or free_port()
@@ -144,8 +148,6 @@ class LocalCluster:
             for i in range(self.agents)
         ]
         if self.cuda:
-            if self.agent_processes:
-                raise ValueError("cuda=True runs its one agent as a thread")
             per_agent = [1]
         else:  # every agent here shares this machine's CPUs: split them over all the workers
             self.worker_env.setdefault("OMP_NUM_THREADS", worker_threads(self.workers, os.environ))
