@@ -9,7 +9,8 @@ force and the operator's controls, and asks ``decide`` for a new plan or a reaso
 - Exploration. Planning on guesses already moves most workers to a new batch size, which is
   what identifies them. A worker whose planned size equals the only size it was seen at is
   nudged by about 20% (a multiple of the granularity, within its bounds), the difference taken
-  from or given to the other workers with room, so the sum stays exactly B.
+  from or given to the other workers with room, so the sum stays exactly B. When only stuck
+  workers have room (all of one GPU model), they take each other's difference, in pairs.
 - Gain. Outside exploration a plan is issued only if it predicts at least ``min_gain`` less
   iteration time than the plan in force *under the same models*, or when forced ("rebalance
   now", an operator's pin or exclusion), or when the plan in force was made on guesses. Operators' pins and exclusions are constraints of the
@@ -132,12 +133,22 @@ def _nudge_bounds(inp: RebalanceInput, rank: int) -> tuple[int, int]:
 
 
 def _nudge(inp: RebalanceInput, sizes: list[int], stuck: list[int]) -> list[int]:
-    """Move each stuck rank ~20% off its only observed size, keeping the sum and all bounds."""
+    """Move each stuck rank ~20% off its only observed size, keeping the sum and all bounds.
+
+    The difference is taken from (or given to) the ranks that are not stuck, largest first.
+    What they cannot take goes to the next stuck ranks still at their size, which moves them
+    off it too. A job whose ranks are all alike (one GPU model: the plan on guesses gives every
+    rank the same size, so every rank is stuck) explores in pairs, one rank up and the next
+    down; with nothing but stuck ranks to take from, none could move, and the job explored,
+    and re-fitted every rank, at every cadence for ever without identifying a model."""
     g = inp.granularity
     out = list(sizes)
     held = set(stuck)
     free = [r for r in range(len(out)) if r not in held]  # in rank order: ties go to the lowest
-    for rank in stuck:
+    later = 0  # stuck ranks before stuck[later] have moved, or had no room to take anything
+    for i, rank in enumerate(stuck):
+        if out[rank] != sizes[rank]:
+            continue  # moved off its size already, taking another's difference
         lo, hi = _nudge_bounds(inp, rank)
         if lo == hi:
             continue
@@ -146,20 +157,34 @@ def _nudge(inp: RebalanceInput, sizes: list[int], stuck: list[int]) -> list[int]
         delta = step if out[rank] + step <= hi else -min(step, out[rank] - lo)
         if delta == 0:
             continue
-        others = sorted(free, key=lambda r: -out[r])
-        remaining = delta
-        for other in others:
-            olo, ohi = _nudge_bounds(inp, other)
-            room = out[other] - olo if remaining > 0 else ohi - out[other]
-            take = min(abs(remaining), room // g * g)
-            if take <= 0:
-                continue
-            out[other] -= take if remaining > 0 else -take
-            remaining -= take if remaining > 0 else -take
-            if remaining == 0:
-                break
+        remaining = _spread(inp, out, sorted(free, key=lambda r: -out[r]), delta)
+        if remaining:
+            later = max(later, i + 1)
+            while remaining and later < len(stuck):
+                other = stuck[later]
+                later += 1
+                if out[other] == sizes[other]:
+                    remaining = _spread(inp, out, (other,), remaining)
         out[rank] += delta - remaining
     return out
+
+
+def _spread(inp: RebalanceInput, out: list[int], others: Sequence[int], delta: int) -> int:
+    """Take ``delta`` samples from ``others`` in order (give, when negative), within their
+    nudge bounds; returns what they could not take."""
+    g = inp.granularity
+    remaining = delta
+    for other in others:
+        olo, ohi = _nudge_bounds(inp, other)
+        room = out[other] - olo if remaining > 0 else ohi - out[other]
+        take = min(abs(remaining), room // g * g)
+        if take <= 0:
+            continue
+        out[other] -= take if remaining > 0 else -take
+        remaining -= take if remaining > 0 else -take
+        if remaining == 0:
+            break
+    return remaining
 
 
 def decide(inp: RebalanceInput) -> RebalanceDecision:

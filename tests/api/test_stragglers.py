@@ -37,8 +37,11 @@ class Cluster:
         slow_all_reduce: bool = True,
         prefetch: bool = False,
         epoch: int | None = None,
+        per_sample: list[float] = PER_SAMPLE,
     ) -> None:
         self.api, self.slow, self.sync_ms = api, slow, sync_ms
+        self.per_sample = per_sample
+        """Each rank's ms per sample (the default: two GPU models' worth, and two others)."""
         self.epoch = epoch
         """Every ``epoch``-th iteration is an epoch's final partial batch of ``TAIL`` samples,
         split over the first ranks; each takes at least half its full batch's time (a step's
@@ -81,10 +84,10 @@ class Cluster:
                 if probe and self.iteration % PROBE_EVERY:
                     continue
                 size = B // 4 if probe else sizes[r]
-                floor = 0.5 * (INTERCEPT + PER_SAMPLE[r] * b) if size < b else 0.0
+                floor = 0.5 * (INTERCEPT + self.per_sample[r] * b) if size < b else 0.0
                 ms = (
                     self.factor(r)
-                    * max(floor, INTERCEPT + PER_SAMPLE[r] * size)
+                    * max(floor, INTERCEPT + self.per_sample[r] * size)
                     * self.rng.uniform(0.95, 1.05)
                     if size
                     else 0.0
@@ -185,6 +188,26 @@ def test_a_3x_slowdown_is_detected_mitigated_and_undone(api: Api, prefetch: bool
     assert 1 <= len(changes) <= 1 + 2 + 1, "one reaction, at most two more, and one to undo"
     final = c.plan()["batch_sizes"]
     assert abs(final[2] - c.plans()[settled - 1]["batch_sizes"][2]) <= 4, "back to the normal plan"
+
+
+def test_a_job_of_one_gpu_model_settles_and_its_straggler_is_answered(api: Api) -> None:
+    """Every rank alike: the plan on guesses is the plan in force, so exploring moves the
+    ranks in pairs. Before, no rank could move: the job explored (refitting every rank) at
+    every cadence for ever, had no normal models, and the ladder never answered a straggler."""
+    c = Cluster(api, "adaptive", slow={2: (80, 160, 3.0)}, per_sample=[1.0] * 4)
+    c.run(80)
+    reasons = [p["reason"] for p in c.plans()]
+    assert any("exploring" in r for r in reasons), reasons
+    last = c.state.decisions[c.job]
+    assert not last.exploring, "identified and settled"
+    assert len(c.state.watches[c.job].normal) == 4, "a normal model for every rank"
+    settled = len(c.plans())
+    c.run(40)  # rank 2 three times slower from iteration 80
+    (event,) = c.events()
+    assert event["rank"] == 2 and event["kind"] == "dynamic"
+    reactions = [p for p in c.plans()[settled:] if p["reason"].startswith("straggler ladder")]
+    assert reactions, "the ladder answered"
+    assert reactions[0]["batch_sizes"][2] < min(reactions[0]["batch_sizes"][r] for r in (0, 1, 3))
 
 
 def test_static_keeps_its_plan_but_events_are_still_reported(api: Api) -> None:
