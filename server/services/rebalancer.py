@@ -210,9 +210,12 @@ def fits(
     """A fitted model per rank from the recent window (None for a rank never seen with samples).
     ``kept``: the job's window as the control loop keeps it up to date (``FitWindow.add``);
     without it the window is read whole."""
-    by_rank = kept.observations() if kept is not None else observed(session, job, window)
     spec = job.job_spec
-    return [
+    key = (len(job.workers), spec.max_batch_per_worker, spec.policy.granularity)
+    if kept is not None and kept.fitted is not None and kept.fitted[0] == key:
+        return list(kept.fitted[1])
+    by_rank = kept.observations() if kept is not None else observed(session, job, window)
+    made = [
         fit_model(
             by_rank[r],
             half_life_iterations=HALF_LIFE,
@@ -223,6 +226,9 @@ def fits(
         else None
         for r in range(len(job.workers))
     ]
+    if kept is not None:
+        kept.fitted = (key, made)
+    return list(made)
 
 
 def observed(session: Session, job: Job, window: int = FIT_WINDOW) -> dict[int, list[Observation]]:
@@ -278,11 +284,16 @@ class FitWindow:
     """The memory caps of the plan versions met so far (None: none); plans never change."""
     memory: memory.KeptMemory = field(default_factory=memory.KeptMemory)
     """The window's rows that measured a peak or ran out of memory (``memory.caps``)."""
+    fitted: tuple[tuple[int, int | None, int], list[ModelFit | None]] | None = None
+    """``fits`` of the window as it is, with what they were made for (ranks, cap,
+    granularity): a sweep that both decides (``propose``) and refreshes the straggler watch's
+    normal models fits each rank once. Dropped when rows come in."""
 
     def add(self, session: Session, job: Job, rows: Sequence[NewRow], window: int) -> None:
         """Take in rows not taken before (``NewRows``) and let the oldest leave."""
         if not rows:
             return
+        self.fitted = None
         newest = max(r[2] for r in rows)
         self.newest = newest if self.newest is None else max(self.newest, newest)
         cutoff = self.newest - window

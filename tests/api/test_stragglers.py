@@ -511,3 +511,42 @@ def test_a_sweep_reads_the_jobs_new_telemetry_once(api: Api) -> None:
     assert len(reads) == 100, len(reads)
     assert [e["rank"] for e in c.events()] == [2]
     assert len(c.plans()) > 3  # the rebalancer went on deciding from the kept window
+
+
+def test_a_window_is_fitted_once_until_rows_come_in(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sweep that both decides (``propose``) and refreshes the watch's normal models fits
+    each rank once: the fits are kept with the window until new rows come in, and a caller
+    asking for another cap or granularity gets its own."""
+    c = Cluster(api, "minmax", slow={})
+    c.run(30)
+    calls: list[int] = []
+    fit = rebalancer.fit_model
+
+    def counting(*a: Any, **kw: Any) -> Any:
+        calls.append(1)
+        return fit(*a, **kw)
+
+    monkeypatch.setattr(rebalancer, "fit_model", counting)
+    sessions = api.client.app.state.context.sessions  # type: ignore[attr-defined]
+    window = c.state.windows[c.job]
+    with transaction(sessions) as s:
+        job = s.get(Job, c.job)
+        assert job is not None
+        first = rebalancer.fits(s, job, kept=window)
+        assert len(calls) == 4
+        assert rebalancer.fits(s, job, kept=window) == first and len(calls) == 4
+        fresh = rebalancer.fits(s, job)  # read whole, not kept: fitted afresh, the same
+        assert fresh == first and len(calls) == 8
+    kept = window.fitted
+    assert kept is not None
+    c.run(1)  # new rows: the kept fits are dropped (the sweep may have fitted them again)
+    assert window.fitted is not kept
+    with transaction(sessions) as s:
+        job = s.get(Job, c.job)
+        assert job is not None
+        rebalancer.fits(s, job, kept=window)
+        after = len(calls)
+        rebalancer.fits(s, job, kept=window)
+        assert len(calls) == after
