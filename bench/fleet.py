@@ -225,21 +225,27 @@ def controller_rounds(log: Path) -> list[dict[str, float]]:
     pattern = re.compile(
         r"controller rounds: (\d+) in (\d+) s, live jobs (\d+)-(\d+), "
         r"swept per round ([\d.]+), round ms p50 ([\d.]+) p99 ([\d.]+) max ([\d.]+)"
+        r"(?:; cpu s: rounds ([\d.]+), placement ([\d.]+) \((\d+) passes\))?"
     )
     out = []
     for m in pattern.finditer(log.read_text(errors="replace")):
-        rounds, secs, _lo, hi, swept, p50, p99, mx = m.groups()
-        out.append(
-            {
-                "rounds": int(rounds),
-                "seconds": int(secs),
-                "live_jobs": int(hi),
-                "swept_per_round": float(swept),
-                "p50_ms": float(p50),
-                "p99_ms": float(p99),
-                "max_ms": float(mx),
+        rounds, secs, _lo, hi, swept, p50, p99, mx, cpu, placement, passes = m.groups()
+        window: dict[str, float] = {
+            "rounds": int(rounds),
+            "seconds": int(secs),
+            "live_jobs": int(hi),
+            "swept_per_round": float(swept),
+            "p50_ms": float(p50),
+            "p99_ms": float(p99),
+            "max_ms": float(mx),
+        }
+        if cpu is not None:  # the CPU of the rounds and of the placement passes in the window
+            window |= {
+                "rounds_cpu_s": float(cpu),
+                "placement_cpu_s": float(placement),
+                "placement_passes": int(passes),
             }
-        )
+        out.append(window)
     return out
 
 

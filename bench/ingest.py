@@ -35,6 +35,7 @@ import json
 import os
 import random
 import statistics
+import sys
 import tempfile
 import time
 import uuid
@@ -46,8 +47,10 @@ from typing import Any
 import aiohttp
 import httpx
 from sqlalchemy import create_engine, text
-from stack import TOKEN, server  # bench/ is the script's directory
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.stack import TOKEN, server  # (a script, or imported by another bench)
 from contract.base import PROTOCOL_VERSION
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -242,7 +242,7 @@ class Controller:
         short transaction, so ingest is never held up for a whole round. The job's new telemetry
         is read first, outside the writer lock (``control_loop.prefetch``). Jobs poked as
         urgent go first, also those poked while the round is under way (``poke``)."""
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.thread_time()
         with transaction(self.sessions) as s:
             live = control_loop.live_jobs(s)
             due = control_loop.jobs_to_sweep(s, self.state, live)
@@ -276,7 +276,12 @@ class Controller:
             self._sweep_job(job_id)
         self.state.forget(live_ids)
         self.rounds += 1
-        self.round_stats.add(1000 * (time.perf_counter() - started), len(live), len(swept))
+        self.round_stats.add(
+            1000 * (time.perf_counter() - started),
+            len(live),
+            len(swept),
+            time.thread_time() - cpu,
+        )
 
     def _hot_news(self, live: set[int]) -> list[int]:
         """Hot jobs (``HOT_S``) with telemetry newer than when a round last looked."""
@@ -341,7 +346,11 @@ class Controller:
                 )
                 return [job.id for job in placed]
 
-        placed_ids = run_retrying(once, PLACE_ATTEMPTS, "placement")
+        cpu = time.thread_time()
+        try:
+            placed_ids = run_retrying(once, PLACE_ATTEMPTS, "placement")
+        finally:
+            self.round_stats.add_placement(time.thread_time() - cpu)
         for job_id in placed_ids:
             log.info("job %d placed", job_id)
         return placed_ids
@@ -436,7 +445,9 @@ class PassBudget:
 
 class RoundStats:
     """Round times, summarised in the log every ``report_s`` seconds (operators and
-    ``bench/fleet.py`` read how a round grows with the number of live jobs)."""
+    ``bench/fleet.py`` read how a round grows with the number of live jobs), with the CPU the
+    rounds and the placement passes took meanwhile (each on its own thread, sharing the
+    process's interpreter: what one takes, the other waits for)."""
 
     def __init__(self, report_s: float) -> None:
         self.report_s = report_s
@@ -444,18 +455,33 @@ class RoundStats:
         self._ms: list[float] = []
         self._jobs: list[int] = []
         self._swept: list[int] = []
+        self._cpu = 0.0
+        self._lock = threading.Lock()
+        self._passes = 0
+        self._placement_cpu = 0.0
 
-    def add(self, ms: float, jobs: int, swept: int) -> None:
+    def add_placement(self, cpu_s: float) -> None:
+        """A placement pass took ``cpu_s`` of its thread's CPU (any thread may call it)."""
+        with self._lock:
+            self._passes += 1
+            self._placement_cpu += cpu_s
+
+    def add(self, ms: float, jobs: int, swept: int, cpu_s: float = 0.0) -> None:
         self._ms.append(ms)
         self._jobs.append(jobs)
         self._swept.append(swept)
+        self._cpu += cpu_s
         now = time.monotonic()
         if now - self._since < self.report_s:
             return
         ordered = sorted(self._ms)
+        with self._lock:
+            passes, placement_cpu = self._passes, self._placement_cpu
+            self._passes, self._placement_cpu = 0, 0.0
         log.info(
             "controller rounds: %d in %.0f s, live jobs %d-%d, swept per round %.1f, "
-            "round ms p50 %.1f p99 %.1f max %.1f",
+            "round ms p50 %.1f p99 %.1f max %.1f; cpu s: rounds %.1f, placement %.1f "
+            "(%d passes)",
             len(ordered),
             now - self._since,
             min(self._jobs),
@@ -464,8 +490,12 @@ class RoundStats:
             ordered[len(ordered) // 2],
             ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))],
             ordered[-1],
+            self._cpu,
+            placement_cpu,
+            passes,
         )
         self._since, self._ms, self._jobs, self._swept = now, [], [], []
+        self._cpu = 0.0
 
 
 def connect(

@@ -238,3 +238,31 @@ def test_api_and_controller_killed_with_sigkill_lose_no_telemetry(tmp_path: Path
         )
         assert more.json() == {"accepted": 20, "duplicates": 0}
         _until_locked(ControllerLock(make_engine(env["EVENFLOW_DATABASE_URL"])))
+
+
+def test_the_round_summary_says_what_rounds_and_placement_passes_took(
+    caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    """Every ``report_s`` the controller logs its rounds and the CPU that they and the
+    placement passes (a thread of their own) took; the fleet bench reads the line back."""
+    from bench.fleet import controller_rounds
+    from server.controller import RoundStats
+
+    stats = RoundStats(report_s=3600.0)
+    stats.add_placement(0.25)
+    stats.add_placement(0.5)
+    stats.add(120.0, 40, 10, cpu_s=0.1)
+    stats.add(80.0, 42, 12, cpu_s=0.2)
+    stats.report_s = 0.0  # the next round reports
+    with caplog.at_level("INFO", logger="evenflow.controller"):
+        stats.add(100.0, 44, 14, cpu_s=0.3)
+    (line,) = [r.getMessage() for r in caplog.records if "controller rounds" in r.getMessage()]
+    log = tmp_path / "server.log"
+    log.write_text(f"2026-11-28 00:00:00,000 evenflow-controller INFO {line}\n")
+    (window,) = controller_rounds(log)
+    assert window["rounds"] == 3 and window["live_jobs"] == 44
+    assert window["swept_per_round"] == 12.0 and window["p50_ms"] == 100.0
+    assert window["rounds_cpu_s"] == 0.6
+    assert window["placement_cpu_s"] == 0.8 and window["placement_passes"] == 2
+    stats.add(10.0, 1, 1, cpu_s=0.05)  # a fresh window: the counts start again
+    assert stats._passes == 0 and stats._placement_cpu == 0.0
