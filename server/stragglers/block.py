@@ -142,10 +142,18 @@ class QuietBlock:
             self.evict(samples[pos][0])
         return out
 
-    def _baseline(self, rows: Ints) -> tuple[Floats, Floats]:
-        """``(mu, k)`` of ``changepoint._normal`` for full windows: the median within the bias
-        bound, and the drift ``max(delta / 2, k_sigmas * sigma)`` with ``sigma`` the scaled
-        median deviation from the median (``changepoint.baseline``)."""
+    def normal(self) -> dict[int, tuple[float, float]]:
+        """``changepoint.baseline`` (``(mu, sigma)``) of every rank in the block, from the
+        arrays: what the detector's health needs, without writing the windows back."""
+        if not self.rows:
+            return {}
+        ranks = list(self.rows)
+        rows = np.fromiter(self.rows.values(), dtype=np.int64, count=len(ranks))
+        mu, sigma = self._levels(rows)
+        return dict(zip(ranks, zip(mu.tolist(), sigma.tolist(), strict=True), strict=True))
+
+    def _levels(self, rows: Ints) -> tuple[Floats, Floats]:
+        """``(mu, sigma)`` of ``changepoint.baseline`` for full windows."""
         c = self.config
         s = self._rows_of(self.sorted, rows)
         center = _middle(s)
@@ -153,8 +161,14 @@ class QuietBlock:
         # |v - center| is |center - v| to the bit; a sort of short rows is quicker than a
         # partition at two places
         mad = _middle(np.sort(np.abs(s - center[:, None]), axis=1))
-        sigma = np.maximum(c.sigma_floor, MAD_TO_SIGMA * mad)
-        return mu, np.maximum(self._half_k, c.k_sigmas * sigma)
+        return mu, np.maximum(c.sigma_floor, MAD_TO_SIGMA * mad)
+
+    def _baseline(self, rows: Ints) -> tuple[Floats, Floats]:
+        """``(mu, k)`` of ``changepoint._normal`` for full windows: the median within the bias
+        bound, and the drift ``max(delta / 2, k_sigmas * sigma)`` with ``sigma`` the scaled
+        median deviation from the median (``changepoint.baseline``)."""
+        mu, sigma = self._levels(rows)
+        return mu, np.maximum(self._half_k, self.config.k_sigmas * sigma)
 
     def _commit(self, rows: Ints, x: Floats, ref: Floats, iteration: int) -> None:
         """Quiet samples ``x`` enter their rows' windows; the oldest leave (``_keep_base``)."""

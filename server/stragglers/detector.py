@@ -229,8 +229,23 @@ class Detector:
     def health(self) -> dict[int, RankHealth]:
         """``RankHealth`` of every rank seen so far."""
         out = {}
-        whole = self.state
+        whole = self._state
+        # the block's ranks from its arrays (no event, a model reference: only the baseline
+        # to work out), without writing their windows back
+        quiet = self._block.normal() if self._block is not None else {}
         for state in whole.ranks:
+            level = quiet.get(state.rank)
+            if level is not None:
+                mu, sigma = level
+                out[state.rank] = RankHealth(
+                    rank=state.rank,
+                    ratio=math.exp(mu),
+                    normal_ratio=math.exp(mu),
+                    noise=sigma,
+                    event=None,
+                    reference="model",
+                )
+                continue
             mu, sigma = baseline(state, self.config)
             out[state.rank] = RankHealth(
                 rank=state.rank,
