@@ -218,8 +218,7 @@ class QuietBlock:
         state.base_its = [*self.its[row, h:].tolist(), *self.its[row, :h].tolist()]
         state.base_sorted = self.sorted[row].tolist()
         state.last_iteration = int(self.last[row])
-        state.ref = self.ref[row].tolist()
-        state.ref_source = "model"
+        state.ref = self.ref[row].tolist()  # (its source stays "model": ``quiet``)
 
     def evict(self, rank: int) -> None:
         """Take ``rank`` out of the block, its ``RankState`` up to date."""

@@ -171,27 +171,18 @@ class Detector:
         updates: list[EventUpdate] = []
         index, config, state_of = self._index, self.config, self._rank
         for iteration, rows in iterations:
-            if block is None:
-                for rank, batch, compute_ms, planned in rows:
+            handled = self._step_block(block, iteration, rows) if block is not None else set()
+            if len(handled) < len(rows):
+                inside = block.rows if block is not None else {}
+                for i, (rank, batch, compute_ms, planned) in enumerate(rows):
+                    if i in handled or rank in inside:
+                        continue  # judged in the block (or a duplicate of one that was)
                     state = index.get(rank) or state_of(rank)
                     changed = observe_sample(
                         state, iteration, batch, compute_ms, models.get(rank), config, planned
                     )
                     if changed:
                         updates += changed
-            else:
-                handled = self._step_block(block, iteration, rows)
-                if len(handled) < len(rows):
-                    inside = block.rows
-                    for i, (rank, batch, compute_ms, planned) in enumerate(rows):
-                        if i in handled or rank in inside:
-                            continue  # judged in the block (or a duplicate of one that was)
-                        state = index.get(rank) or state_of(rank)
-                        changed = observe_sample(
-                            state, iteration, batch, compute_ms, models.get(rank), config, planned
-                        )
-                        if changed:
-                            updates += changed
             self._state.last_iteration = max(self._state.last_iteration, iteration)
         return updates
 
