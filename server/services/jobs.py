@@ -14,7 +14,7 @@ the next failure fails the job with every reason listed. A rank that exits with
 from __future__ import annotations
 
 import signal
-from collections.abc import Collection
+from collections.abc import Collection, Iterable, Mapping
 from datetime import datetime
 
 from sqlalchemy import Connection, bindparam, func, select, text
@@ -241,16 +241,29 @@ def rank0_address(session: Session, job: Job) -> str:
 
 REPORTS_LOCK_CLASS = 0x45_46_4C_57  # "EFLW": the key space of the two-key advisory locks
 """PostgreSQL advisory locks ``(REPORTS_LOCK_CLASS, job id)``: one host's rank reports of a job
-at a time (``apply_worker_reports``). Two-key locks never meet the one-key locks of
-``server.locks``."""
+at a time (``apply_worker_reports``, ``advance_jobs``). Two-key locks never meet the one-key
+locks of ``server.locks``."""
 _REPORTS_LOCK = text("SELECT pg_advisory_xact_lock(:cls, :job_id)").bindparams(
     cls=REPORTS_LOCK_CLASS
 )
 
 
+def _lock_reports(session: Session, job_ids: Iterable[int]) -> None:
+    """Take the jobs' report locks (PostgreSQL), in id order as every host takes them, held to
+    the commit. Hosts whose last ranks of a job start (or end) at the same moment would each
+    count the others' ranks as not running (or done) yet, in their own snapshots, and leave the
+    job STARTING (or RUNNING) for good: the fleet bench found 32 of 200 jobs so at 1,250 hosts.
+    With the lock, the next host's count sees this one's ranks. An advisory lock, not the
+    job's row: the controller updates job rows in its sweeps, and a row lock made heartbeats
+    and sweeps wait for each other. (SQLite has one writer at a time: no such race.)"""
+    if session.get_bind().dialect.name == "postgresql":
+        for job_id in sorted(job_ids):
+            session.execute(_REPORTS_LOCK, {"job_id": job_id})
+
+
 def apply_worker_reports(
     session: Session, host: Host, reports: list[WorkerReport], now: datetime
-) -> None:
+) -> dict[int, int]:
     """Workers changed state on ``host`` (one heartbeat's reports, in order); advance each
     worker and, through them, their jobs.
 
@@ -265,20 +278,23 @@ def apply_worker_reports(
     two per report made the fleet's start a burst of thousands of round trips. A job is
     advanced once for its reports (its rank states counted once), except that a failure is
     handled where it comes, as it may restart the job (later reports of the replaced attempt
-    are then ignored)."""
+    are then ignored).
+
+    Returns the jobs (id: attempt) that may now start running or succeed, for the caller to
+    advance last in its transaction (``advance_jobs``): their reports' lock is then held for
+    the few statements from there to the commit, not for the whole heartbeat. A whole fleet
+    job's hosts report its start (and its end) within one heartbeat period, one at a time
+    under that lock; held for the whole heartbeat, it queued a 256-rank job's 32 hosts for
+    seconds, holding the API's database slots meanwhile (``bench/fleet.py``). A rank reported
+    launching (or running in a job already running) cannot advance its job: it takes no lock
+    and counts no ranks. A heartbeat that reports a failure takes its jobs' locks first and
+    advances them here, as the failure's handling (a restart) must see every other report."""
     if not reports:
-        return
+        return {}
     job_ids = sorted({r.job_id for r in reports})
-    if session.get_bind().dialect.name == "postgresql":
-        # Hosts whose last ranks of a job start (or end) at the same moment would each count
-        # the others' ranks as not running (or done) yet, in their own snapshots, and leave the
-        # job STARTING (or RUNNING) for good: the fleet bench found 32 of 200 jobs so at 1,250
-        # hosts. A lock per job, held to the commit, makes the next host's count see this
-        # one's ranks; in id order, as every host takes them. An advisory lock, not the job's
-        # row: the controller updates job rows in its sweeps, and a row lock made heartbeats
-        # and sweeps wait for each other. (SQLite has one writer at a time: no such race.)
-        for job_id in job_ids:
-            session.execute(_REPORTS_LOCK, {"job_id": job_id})
+    failing = any(r.state is WorkerState.FAILED for r in reports)
+    if failing:
+        _lock_reports(session, job_ids)
     found = {j.id: j for j in session.scalars(select(Job).where(Job.id.in_(job_ids)))}
     workers = {
         (w.job_id, w.rank): w
@@ -306,10 +322,36 @@ def apply_worker_reports(
             _advance_job(session, job, report, now)
         else:
             to_advance[job.id] = report
-    for job_id, report in to_advance.items():
-        job = found[job_id]
-        if not JobStatus(job.status).terminal and report.attempt == job.attempt:
-            _advance_job(session, job, report, now)
+    if failing:
+        for job_id, report in to_advance.items():
+            job = found[job_id]
+            if not JobStatus(job.status).terminal and report.attempt == job.attempt:
+                _advance_job(session, job, report, now)
+        return {}
+    return {
+        job_id: report.attempt
+        for job_id, report in to_advance.items()
+        if report.state is WorkerState.SUCCEEDED
+        or (report.state is WorkerState.RUNNING and found[job_id].status == JobStatus.STARTING)
+    }
+
+
+def advance_jobs(session: Session, pending: Mapping[int, int], now: datetime) -> None:
+    """Advance the jobs ``apply_worker_reports`` left (id: the attempt reported), last in the
+    heartbeat's transaction: this one's ranks are written first, then the jobs' report locks
+    are taken and their rank states counted. Two hosts each write their ranks, then count
+    under the lock: whichever counts second sees the first's ranks, committed before its lock
+    was let go, however their writes interleaved."""
+    if not pending:
+        return
+    session.flush()
+    _lock_reports(session, pending)
+    fresh = session.scalars(  # as committed before the locks were granted
+        select(Job).where(Job.id.in_(sorted(pending))).execution_options(populate_existing=True)
+    )
+    for job in fresh:
+        if not JobStatus(job.status).terminal and job.attempt == pending[job.id]:
+            _advance_live(session, job, now)
 
 
 def _move_worker(worker: Worker, host: Host, report: WorkerReport, now: datetime) -> bool:
@@ -334,8 +376,8 @@ def _move_worker(worker: Worker, host: Host, report: WorkerReport, now: datetime
 def _advance_job(session: Session, job: Job, report: WorkerReport, now: datetime) -> None:
     """A live job after one of its ranks changed state: on a failure, go on without the rank
     when it was out of the all-reduce group and the others can (``departures``), else restart
-    or fail the job; succeed when every rank still in the job did, run once every rank runs."""
-    status, to = JobStatus(job.status), report.state
+    or fail the job; then as ``_advance_live``."""
+    to = report.state
     if to is WorkerState.FAILED:
         reason = failure_reason(report)
         retry = report.exit_code != WORKER_EXIT_FATAL
@@ -348,6 +390,13 @@ def _advance_job(session: Session, job: Job, report: WorkerReport, now: datetime
         # out of the all-reduce group: the others go on without it (``departures``)
         departures.depart(session, job, report.rank, reason, now)
         _release_departed(session, job, report.rank)
+    _advance_live(session, job, now)
+
+
+def _advance_live(session: Session, job: Job, now: datetime) -> None:
+    """A live job whose ranks moved: succeed when every rank still in the job did, run once
+    every rank runs."""
+    status = JobStatus(job.status)
     states = _rank_states(session, job)
     if all(s is WorkerState.SUCCEEDED for s in states):
         if status is JobStatus.STARTING:

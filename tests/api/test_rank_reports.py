@@ -13,7 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sqlalchemy import Engine, select, update
+from sqlalchemy import Engine, select, text, update
 from sqlalchemy.orm import Session
 
 from contract.agent import WORKER_EXIT_FATAL, WorkerReport
@@ -179,7 +179,8 @@ def test_hosts_starting_a_jobs_last_ranks_at_the_same_moment_start_the_job(pg_ur
             host = session.get(Host, hosts[k]["id"])
             assert host is not None
             reports = [WorkerReport.model_validate(r) for r in _reports(answers[k], "running")]
-            jobs.apply_worker_reports(session, host, reports, datetime.now(UTC))
+            now = datetime.now(UTC)
+            jobs.advance_jobs(session, jobs.apply_worker_reports(session, host, reports, now), now)
 
         first = sessions()
         first.begin()
@@ -210,3 +211,74 @@ def test_hosts_starting_a_jobs_last_ranks_at_the_same_moment_start_the_job(pg_ur
             job = session.get(Job, job_id)
             assert job is not None
             assert (job.status, job.started_at is not None) == ("running", True)
+
+
+def _started_on_two_hosts(api: Api) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
+    """A 2-rank job on two 1-device hosts, each rank reported launching: (hosts, their first
+    answers, the job's id)."""
+    hosts = [api.register(f"h{i}", devices=1) for i in range(2)]
+    job_id = int(api.submit(workers=2)["id"])
+    answers = [_beat(api, host, []) for host in hosts]
+    for host, answer in zip(hosts, answers, strict=True):
+        _beat(api, host, _reports(answer, "launching"))
+    return hosts, answers, job_id
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("counts_first", [0, 1])
+def test_hosts_that_write_their_ranks_before_either_counts_start_the_job(
+    pg_url: str, counts_first: int
+) -> None:
+    """Each heartbeat writes its ranks unlocked and counts the job's ranks last, under the
+    job's lock (``jobs.advance_jobs``): when both have written before either counts, the one
+    that counts first sees the other's rank as not running yet (not committed), and the one
+    that counts second sees the first's, committed before its lock was let go."""
+    with TestClient(create_app(make_settings(pg_url))) as client:
+        api = driven(client)
+        hosts, answers, job_id = _started_on_two_hosts(api)
+        sessions = session_factory(_engine(api))
+        now = datetime.now(UTC)
+        open_ = [sessions() for _ in hosts]
+        pending = []
+        for k, session in enumerate(open_):  # both write their ranks, neither has counted
+            session.begin()
+            session.execute(text("SET LOCAL lock_timeout = '10s'"))  # a regression fails, not hangs
+            host = session.get(Host, hosts[k]["id"])
+            assert host is not None
+            reports = [WorkerReport.model_validate(r) for r in _reports(answers[k], "running")]
+            pending.append(jobs.apply_worker_reports(session, host, reports, now))
+            session.flush()
+        assert pending == [{job_id: 0}, {job_id: 0}]
+        for k in (counts_first, 1 - counts_first):
+            jobs.advance_jobs(open_[k], pending[k], now)
+            open_[k].commit()
+            open_[k].close()
+            with transaction(sessions) as session:
+                job = session.get(Job, job_id)
+                assert job is not None
+                status = job.status
+            assert status == ("starting" if k == counts_first else "running")
+
+
+@pytest.mark.postgres
+def test_a_jobs_report_lock_is_held_only_from_the_count_to_the_commit(pg_url: str) -> None:
+    """The heartbeat that starts the job takes its report lock after the answer is built, and
+    runs four statements under it before the commit (the job as committed, its rank states
+    counted, the liveness write, the job's start written); a rank reported launching takes
+    no lock and counts nothing. (Taken first, the lock was held for the whole heartbeat, and a
+    fleet job's hosts queued behind it for seconds.)"""
+    with TestClient(create_app(make_settings(pg_url))) as client:
+        api = driven(client)
+        hosts = [api.register(f"h{i}", devices=1) for i in range(2)]
+        api.submit(workers=2)
+        answers = [_beat(api, host, []) for host in hosts]
+        with statements(_engine(api)) as launching:
+            _beat(api, hosts[0], _reports(answers[0], "launching"))
+        _beat(api, hosts[1], _reports(answers[1], "running"))
+        with statements(_engine(api)) as starts:
+            _beat(api, hosts[0], _reports(answers[0], "running"))
+    assert not [s for s in launching if "pg_advisory_xact_lock" in s or "GROUP BY" in s]
+    locks = [i for i, s in enumerate(starts) if "pg_advisory_xact_lock" in s]
+    assert len(locks) == 1
+    held = [" ".join(s.split()[:2]) for s in starts[locks[0] + 1 :]]
+    assert held == ["SELECT jobs.id,", "SELECT workers.state", "UPDATE hosts", "UPDATE jobs"]
