@@ -194,10 +194,13 @@ def heartbeat(
         if known is not None and (known.attempt != report.attempt or known.state == report.state):
             continue  # an earlier attempt's, or nothing new: the common case, with no query
         changes.append(report)
-    to_advance = jobs.apply_worker_reports(session, host, changes, now)
-    if changes:  # a report may have ended or restarted a job: its ranks may be gone
+    applied = jobs.apply_worker_reports(session, host, changes, now)
+    if applied.moved is None:  # a failure may have restarted a job: its ranks may be gone
         session.flush()
         placed = _placed_here(session, host, reported)
+    else:  # the same ranks, some in a new state
+        for key, state in applied.moved.items():
+            placed[key] = placed[key]._replace(state=state)
     on_devices = {(p.device_id, p.job_id) for p in placed.values()}
     jobs.release_replaced(session, host, hb.workers, now, placed=on_devices)
     ack = HeartbeatAck(
@@ -208,7 +211,7 @@ def heartbeat(
     # After the answer, so that the jobs' report locks are held only from here to the commit
     # (``jobs.advance_jobs``). Advancing changes nothing the answer says: a job that starts
     # running is ``run`` either way, and one that succeeds has none of its ranks live here.
-    jobs.advance_jobs(session, to_advance, now)
+    jobs.advance_jobs(session, applied.to_advance, now)
     # last, and without the unit of work: nothing read above needs it flushed first
     session.connection().execute(_ALIVE, {"host_id": host.id, "now": now})
     return ack

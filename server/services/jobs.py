@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass, field
 from datetime import datetime
 
 from sqlalchemy import Connection, bindparam, func, select, text
@@ -261,9 +262,21 @@ def _lock_reports(session: Session, job_ids: Iterable[int]) -> None:
             session.execute(_REPORTS_LOCK, {"job_id": job_id})
 
 
+@dataclass(frozen=True)
+class Applied:
+    """What a heartbeat's rank reports did (``apply_worker_reports``)."""
+
+    to_advance: dict[int, int] = field(default_factory=dict)
+    """The jobs (id: attempt reported) that may now start running or succeed, for the caller
+    to advance last in its transaction (``advance_jobs``)."""
+    moved: dict[tuple[int, int], WorkerState] | None = field(default_factory=dict)
+    """The ranks (job, rank) moved, by their new state: nothing else about the host's ranks
+    changed. None after a failure, which may have restarted a job or let a rank go."""
+
+
 def apply_worker_reports(
     session: Session, host: Host, reports: list[WorkerReport], now: datetime
-) -> dict[int, int]:
+) -> Applied:
     """Workers changed state on ``host`` (one heartbeat's reports, in order); advance each
     worker and, through them, their jobs.
 
@@ -273,28 +286,69 @@ def apply_worker_reports(
     ignored too (that attempt has been replaced; ``release_replaced`` frees their devices once
     the host reports none of them running).
 
-    The reports' jobs and workers are read in two statements and their state changes written
-    together: a job starting on a host of 8 GPUs reports 8 ranks at once, and a statement or
-    two per report made the fleet's start a burst of thousands of round trips. A job is
-    advanced once for its reports (its rank states counted once), except that a failure is
-    handled where it comes, as it may restart the job (later reports of the replaced attempt
-    are then ignored).
+    The reports' ranks are read (with their jobs' status and attempt) in one statement and
+    their state changes written together: a job starting on a host of 8 GPUs reports 8 ranks
+    at once, and a statement or two per report made the fleet's start a burst of thousands of
+    round trips.
 
-    Returns the jobs (id: attempt) that may now start running or succeed, for the caller to
-    advance last in its transaction (``advance_jobs``): their reports' lock is then held for
-    the few statements from there to the commit, not for the whole heartbeat. A whole fleet
-    job's hosts report its start (and its end) within one heartbeat period, one at a time
-    under that lock; held for the whole heartbeat, it queued a 256-rank job's 32 hosts for
-    seconds, holding the API's database slots meanwhile (``bench/fleet.py``). A rank reported
-    launching (or running in a job already running) cannot advance its job: it takes no lock
-    and counts no ranks. A heartbeat that reports a failure takes its jobs' locks first and
-    advances them here, as the failure's handling (a restart) must see every other report."""
+    A job that may now start running or succeed is left to the caller, to advance last in its
+    transaction (``advance_jobs``): the job's report lock is then held for the few statements
+    from there to the commit, not for the whole heartbeat. A whole fleet job's hosts report
+    its start (and its end) within one heartbeat period, one at a time under that lock; held
+    for the whole heartbeat, it queued a 256-rank job's 32 hosts for seconds, holding the
+    API's database slots meanwhile (``bench/fleet.py``). A rank reported launching (or running
+    in a job already running) cannot advance its job: it takes no lock and counts no ranks.
+
+    A heartbeat that reports a failure takes its jobs' locks first and advances them here
+    (``_apply_with_failures``), as the failure's handling (a restart) must see every other
+    report."""
     if not reports:
-        return {}
+        return Applied()
+    if any(r.state is WorkerState.FAILED for r in reports):
+        _apply_with_failures(session, host, reports, now)
+        return Applied(moved=None)
+    rows = session.execute(
+        select(Worker, Job.status, Job.attempt)
+        .join(Job, Worker.job_id == Job.id)
+        .where(
+            Worker.job_id.in_(sorted({r.job_id for r in reports})),
+            Worker.rank.in_(sorted({r.rank for r in reports})),
+        )
+    ).all()
+    found = {(w.job_id, w.rank): (w, JobStatus(status), attempt) for w, status, attempt in rows}
+    moved: dict[tuple[int, int], WorkerState] = {}
+    last: dict[int, tuple[WorkerReport, JobStatus]] = {}
+    """Per live job, its last rank moved: whether the job may advance depends on it alone."""
+    for report in reports:
+        hit = found.get((report.job_id, report.rank))
+        if hit is None or report.attempt != hit[2]:
+            continue
+        worker, status, _ = hit
+        if not _move_worker(worker, host, report, now):
+            continue
+        moved[(report.job_id, report.rank)] = report.state
+        if status.terminal:
+            _release_ended_rank(session, worker, now)
+        else:
+            last[report.job_id] = (report, status)
+    to_advance = {
+        job_id: report.attempt
+        for job_id, (report, status) in last.items()
+        if report.state is WorkerState.SUCCEEDED
+        or (report.state is WorkerState.RUNNING and status is JobStatus.STARTING)
+    }
+    return Applied(to_advance, moved)
+
+
+def _apply_with_failures(
+    session: Session, host: Host, reports: list[WorkerReport], now: datetime
+) -> None:
+    """``apply_worker_reports`` for a heartbeat that reports a failure: under its jobs' report
+    locks from the start, each job advanced here once for its reports (its rank states counted
+    once), except that a failure is handled where it comes, as it may restart the job (later
+    reports of the replaced attempt are then ignored)."""
     job_ids = sorted({r.job_id for r in reports})
-    failing = any(r.state is WorkerState.FAILED for r in reports)
-    if failing:
-        _lock_reports(session, job_ids)
+    _lock_reports(session, job_ids)
     found = {j.id: j for j in session.scalars(select(Job).where(Job.id.in_(job_ids)))}
     workers = {
         (w.job_id, w.rank): w
@@ -322,18 +376,10 @@ def apply_worker_reports(
             _advance_job(session, job, report, now)
         else:
             to_advance[job.id] = report
-    if failing:
-        for job_id, report in to_advance.items():
-            job = found[job_id]
-            if not JobStatus(job.status).terminal and report.attempt == job.attempt:
-                _advance_job(session, job, report, now)
-        return {}
-    return {
-        job_id: report.attempt
-        for job_id, report in to_advance.items()
-        if report.state is WorkerState.SUCCEEDED
-        or (report.state is WorkerState.RUNNING and found[job_id].status == JobStatus.STARTING)
-    }
+    for job_id, report in to_advance.items():
+        job = found[job_id]
+        if not JobStatus(job.status).terminal and report.attempt == job.attempt:
+            _advance_job(session, job, report, now)
 
 
 def advance_jobs(session: Session, pending: Mapping[int, int], now: datetime) -> None:

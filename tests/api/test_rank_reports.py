@@ -180,7 +180,9 @@ def test_hosts_starting_a_jobs_last_ranks_at_the_same_moment_start_the_job(pg_ur
             assert host is not None
             reports = [WorkerReport.model_validate(r) for r in _reports(answers[k], "running")]
             now = datetime.now(UTC)
-            jobs.advance_jobs(session, jobs.apply_worker_reports(session, host, reports, now), now)
+            jobs.advance_jobs(
+                session, jobs.apply_worker_reports(session, host, reports, now).to_advance, now
+            )
 
         first = sessions()
         first.begin()
@@ -246,7 +248,7 @@ def test_hosts_that_write_their_ranks_before_either_counts_start_the_job(
             host = session.get(Host, hosts[k]["id"])
             assert host is not None
             reports = [WorkerReport.model_validate(r) for r in _reports(answers[k], "running")]
-            pending.append(jobs.apply_worker_reports(session, host, reports, now))
+            pending.append(jobs.apply_worker_reports(session, host, reports, now).to_advance)
             session.flush()
         assert pending == [{job_id: 0}, {job_id: 0}]
         for k in (counts_first, 1 - counts_first):
@@ -278,6 +280,13 @@ def test_a_jobs_report_lock_is_held_only_from_the_count_to_the_commit(pg_url: st
         with statements(_engine(api)) as starts:
             _beat(api, hosts[0], _reports(answers[0], "running"))
     assert not [s for s in launching if "pg_advisory_xact_lock" in s or "GROUP BY" in s]
+    # nor are the jobs loaded whole, or the host's ranks read again, for ranks that only moved
+    for heartbeat in (
+        launching,
+        starts[: starts.index(next(s for s in starts if "advisory" in s))],
+    ):
+        assert not [s for s in heartbeat if s.startswith("SELECT jobs.id, jobs.name")]
+        assert len([s for s in heartbeat if s.startswith("SELECT workers.id, workers.job_id")]) == 2
     locks = [i for i, s in enumerate(starts) if "pg_advisory_xact_lock" in s]
     assert len(locks) == 1
     held = [" ".join(s.split()[:2]) for s in starts[locks[0] + 1 :]]
