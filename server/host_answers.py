@@ -13,19 +13,22 @@ What an answer depends on, and so what invalidates it (:func:`track`, on every s
 process: API workers and the controller alike):
 
 - the host's row (status, agent instance, name; its address is every job's rank 0 address, so
-  a changed address invalidates every host), its devices' (what job each holds, index, kind),
+  a changed address invalidates every host), its devices' (index, kind),
 - its ranks' rows (job, rank, state, device, host, worker credential),
 - their jobs' rows (status, attempt, rendezvous port, spec) and the number and places of their
   ranks (a rank added or removed changes the world size every host of the job is told).
 
-A flush that changes any of these notes the hosts concerned (a job's hosts: one query over its
-ranks and devices); when the transaction commits, they are dropped from this process's answers
+A flush that changes any of these notes the hosts concerned (a job's hosts: one query for the
+hosts of its live ranks, the only ones whose answers list it; a job that ends once all its ranks
+have reported their ends concerns no host); when the transaction commits, they are dropped from this process's answers
 and published on the ``hosts`` bus (``server.notify``), so every other API process, on this
 machine or (PostgreSQL) another, drops them within milliseconds. A heartbeat that changes
 anything is worked out in the database (its report differs from the last); the answer it gets
 is kept if nothing but its own commit changed the host meanwhile, since that answer was built
 after its own changes (``HostAnswers.put``'s ``own``), so the next heartbeat like it is answered
-from memory. An answer also expires after ``ttl_s`` whatever happens, so a lost
+from memory, and so is one with only some of its reports (``Answer.fewer_alike``): what an agent
+sends once a change has been carried (the real agent reports a state only until a heartbeat has
+taken it; the fleet bench drops a rank the answer no longer lists). An answer also expires after ``ttl_s`` whatever happens, so a lost
 notification (the bus is best effort) delays a change reaching an agent by at most that long.
 """
 
@@ -35,16 +38,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Connection, bindparam, event, inspect, select, text, union, update
+from sqlalchemy import Connection, bindparam, event, inspect, select, text, update
 from sqlalchemy.orm import Session, object_session, sessionmaker
-from sqlalchemy.sql.selectable import CompoundSelect
 
 from contract.agent import Heartbeat
-from contract.enums import JobStatus
+from contract.enums import JobStatus, WorkerState
 from server.models import Device, Host, Job, Worker
 
 log = logging.getLogger("evenflow.host_answers")
@@ -57,20 +59,28 @@ _CHANGED = "evenflow.changed_hosts"
 
 _RELEVANT: dict[type, frozenset[str]] = {
     Host: frozenset({"status", "agent_instance", "name", "address"}),
-    Device: frozenset({"job_id", "status", "index", "kind", "host_id"}),
+    Device: frozenset({"index", "kind", "host_id"}),
     Worker: frozenset({"job_id", "rank", "state", "device_id", "host_id", "token_hash"}),
     Job: frozenset({"status", "attempt", "master_port", "spec"}),
 }
 """The columns a heartbeat's answer reads (``server.services.hosts.heartbeat``); a change to any
-other (telemetry marks, pending reasons, last heartbeats) leaves every answer as it was."""
+other (telemetry marks, pending reasons, last heartbeats) leaves every answer as it was. What a
+device holds and its status are not among them: an answer lists the live ranks on the host's
+devices, and a device changes hands only with ranks placed on it or ended there (a rank's own
+change), so a job's devices released at its end change no answer."""
 
 _WORLD = frozenset({"job_id", "rank", "host_id"})
 """A rank's columns whose change concerns every host of its job (world size, rank 0 address)."""
 
-_HOSTS_OF_JOBS: CompoundSelect[Any] = union(
-    select(Worker.host_id).where(Worker.job_id.in_(bindparam("job_ids", expanding=True))),
-    select(Device.host_id).where(Device.job_id.in_(bindparam("job_ids", expanding=True))),
+_LIVE = tuple(s.value for s in WorkerState if not s.terminal)
+_HOSTS_OF_JOBS = (
+    select(Worker.host_id)
+    .where(Worker.job_id.in_(bindparam("job_ids", expanding=True)), Worker.state.in_(_LIVE))
+    .distinct()
 )
+"""The hosts whose answers list a job: those of its live ranks (as the flush left them). A host
+whose rank of the job ended earlier was told so then and is told nothing of the job since; one
+whose rank ends or moves in the same flush is concerned by that rank's own change."""
 
 
 def _changed(obj: Any, names: frozenset[str]) -> set[str]:
@@ -198,6 +208,20 @@ class Answer:
     raw: bytes | None = None
     """The request body the heartbeat came in, when known: a repeat of the same bytes is
     answered before the request is routed or parsed (``server.api.gate``)."""
+    fewer_alike: bool = False
+    """Whether a heartbeat with only some of its reports gets the same answer
+    (``server.services.hosts.Answered``)."""
+
+    def answers(self, heartbeat: Heartbeat) -> bool:
+        """Whether this answer is the one ``heartbeat`` gets: it repeats the one answered, or
+        (``fewer_alike``) repeats some of its reports and no others, from the same agent."""
+        if heartbeat == self.heartbeat:
+            return True
+        return (
+            self.fewer_alike
+            and heartbeat.instance == self.heartbeat.instance
+            and all(report in self.heartbeat.workers for report in heartbeat.workers)
+        )
 
 
 class HostAnswers:
@@ -217,19 +241,27 @@ class HostAnswers:
         self.hits = 0
         self.misses = 0
 
-    def get(self, host_id: int, heartbeat: Heartbeat, principal: object) -> bytes | None:
+    def get(
+        self, host_id: int, heartbeat: Heartbeat, principal: object, raw: bytes | None = None
+    ) -> bytes | None:
         """The answer to give again, when ``heartbeat`` repeats the last one answered for the
-        host, with the same token, and nothing has changed since."""
+        host (or only some of its reports, :meth:`Answer.answers`), with the same token, and
+        nothing has changed since. One with fewer reports takes the last one's place, its body
+        ``raw`` with it, so that its repeats are answered before the route."""
         answer = self._answers.get(host_id)
         if (
             answer is None
             or answer.expires < self.clock()
             or answer.principal != principal
-            or answer.heartbeat != heartbeat
+            or not answer.answers(heartbeat)
         ):
             self.misses += 1
             return None
         self.hits += 1
+        if heartbeat != answer.heartbeat:
+            with self._lock:
+                if self._answers.get(host_id) is answer:  # not dropped or replaced meanwhile
+                    self._answers[host_id] = replace(answer, heartbeat=heartbeat, raw=raw)
         return answer.body
 
     def get_raw(self, host_id: int, raw: bytes, principal: object) -> bytes | None:
@@ -261,9 +293,11 @@ class HostAnswers:
         generation: tuple[int, int],
         raw: bytes | None = None,
         own: frozenset[int] = frozenset(),
+        fewer_alike: bool = False,
     ) -> None:
         """Keep an answer, unless the host was invalidated since ``generation`` was taken;
-        ``raw``: the request body the heartbeat was read from.
+        ``raw``: the request body the heartbeat was read from; ``fewer_alike``: whether it also
+        answers a heartbeat with only some of the same reports (``Answer.fewer_alike``).
 
         ``own``: the hosts that the heartbeat's own transaction invalidated when it committed
         (``changed_so_far`` once it had flushed everything), for an answer built after those
@@ -282,7 +316,7 @@ class HostAnswers:
             if len(self._answers) >= self.maxsize:
                 self._answers.clear()
             expires = self.clock() + self.ttl_s
-            self._answers[host_id] = Answer(heartbeat, principal, body, expires, raw)
+            self._answers[host_id] = Answer(heartbeat, principal, body, expires, raw, fewer_alike)
 
     def invalidate(self, host_ids: Iterable[int]) -> None:
         """Drop the answers of ``host_ids`` (all of them with :data:`EVERY_HOST`)."""

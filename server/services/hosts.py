@@ -163,9 +163,23 @@ def list_hosts(session: Session, paging: Paging = Paging()) -> tuple[list[Host],
     return page(session, select(Host).order_by(Host.id).options(selectinload(Host.devices)), paging)
 
 
+class Answered(NamedTuple):
+    """A heartbeat's answer, and what it says of heartbeats like it."""
+
+    ack: HeartbeatAck
+    fewer_alike: bool
+    """Whether a heartbeat with only some of the same reports, sent after this one committed
+    and nothing else changed, gets this same answer and changes nothing: a report repeated
+    changes nothing once applied (an agent resends a heartbeat whose answer it lost), and one
+    left out changes nothing either, unless it is what kept a device held
+    (``jobs.release_replaced``). So an agent that reports a change once and then no more (it
+    reports a rank's new state until a heartbeat has carried it) is answered from memory on
+    the heartbeat after (``server.host_answers``)."""
+
+
 def heartbeat(
     session: Session, host_id: int, hb: Heartbeat, principal: Principal, now: datetime
-) -> HeartbeatAck:
+) -> Answered:
     """Record liveness and worker reports; answer with what the host must run or stop.
 
     A steady heartbeat (nothing changed) reads plain rows, not entities, and costs four
@@ -202,7 +216,7 @@ def heartbeat(
         for key, state in applied.moved.items():
             placed[key] = placed[key]._replace(state=state)
     on_devices = {(p.device_id, p.job_id) for p in placed.values()}
-    jobs.release_replaced(session, host, hb.workers, now, placed=on_devices)
+    held = jobs.release_replaced(session, host, hb.workers, now, placed=on_devices)
     ack = HeartbeatAck(
         host_id=host.id,
         status=HostStatus(host.status),
@@ -214,7 +228,7 @@ def heartbeat(
     jobs.advance_jobs(session, applied.to_advance, now)
     # last, and without the unit of work: nothing read above needs it flushed first
     session.connection().execute(_ALIVE, {"host_id": host.id, "now": now})
-    return ack
+    return Answered(ack, fewer_alike=not held)
 
 
 class Placed(NamedTuple):

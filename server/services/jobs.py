@@ -487,27 +487,32 @@ def release_replaced(
     now: datetime,
     *,
     placed: set[tuple[int | None, int]],
-) -> None:
+) -> bool:
     """Free the devices of ``host`` that a restarted job's earlier attempt still holds (no rank
     of the job is ``placed`` there: (device, job) of the host's ranks) once its agent reports
     none of that attempt's processes running: the heartbeat answer no longer lists them, so the
     agent stops them, and a process is reported launching or running for as long as it
-    lives."""
-    released = False
+    lives. Returns whether one of ``reports`` kept a device held (the same heartbeat without
+    it would have freed the device)."""
+    released = held = False
     for dev in host.devices:
         if dev.job_id is None or (dev.id, dev.job_id) in placed:
             continue
         attempt = session.scalar(select(Job.attempt).where(Job.id == dev.job_id))
-        if attempt is None or any(
+        if attempt is None:
+            continue
+        if any(
             r.job_id == dev.job_id and r.attempt < attempt and r.state in _PROCESS_LIVES
             for r in reports
         ):
+            held = True
             continue
         release(dev)
         released = True
     if released:
         session.flush()
         scheduler.request_placement(session)
+    return held
 
 
 def _release_ended_rank(session: Session, worker: Worker, now: datetime) -> None:

@@ -26,7 +26,7 @@ from contract.enums import Role
 from server.app import _flush_liveness, _write_liveness, create_app
 from server.context import AppContext, context_of
 from server.db import transaction
-from server.models import Host
+from server.models import Device, Host, Job, Worker
 from server.services import hosts
 from server.services.tokens import Principal
 from tests.harness import ADMIN_TOKEN, ROOT, Api, driven, make_settings, statements
@@ -136,6 +136,53 @@ def test_the_heartbeat_that_reports_a_change_keeps_its_answer(api: Api) -> None:
         again = _beat(api, host, report)
     assert answers.hits == hits + 1 and sql == []
     assert again.json() == changed.json() == _worked_out(api, int(host["id"]), report)
+
+
+def test_a_heartbeat_with_fewer_reports_is_answered_from_memory(api: Api) -> None:
+    """The real agent reports a rank's new state once, then nothing more of it: the heartbeat
+    after a change, with none (or some) of its reports, is answered from memory, and its bytes
+    repeated are answered before the route."""
+    host = api.register("h", devices=2)
+    api.submit(workers=2)
+    answers = _context(api).host_answers
+    report = _running(_beat(api, host, []).json())
+    changed = _beat(api, host, report).json()  # worked out: the ranks run now
+    hits = answers.hits
+    with statements(_context(api).engine) as sql:
+        some = _beat(api, host, report[1:])
+        quiet = _beat(api, host, [])
+        again = _beat(api, host, [])
+    assert sql == [] and answers.hits == hits + 3
+    assert some.json() == quiet.json() == again.json() == changed
+    assert changed == _worked_out(api, int(host["id"]), [], unchanged=True)
+    other = _beat(api, host, [{**report[0], "state": "succeeded"}])  # a new report: worked out
+    assert answers.hits == hits + 3
+    assert [a["rank"] for a in other.json()["assignments"]] == [report[1]["rank"]]
+
+
+def test_a_job_ending_after_its_ranks_reported_their_ends_keeps_its_hosts_answers(
+    api: Api,
+) -> None:
+    """A host told nothing more of a job (its rank reported succeeded) keeps its answer when
+    the job ends on another host's report and its devices are released."""
+    a, b = api.register("a", devices=1), api.register("b", devices=1)
+    job = api.submit(workers=2)
+    answers = _context(api).host_answers
+    reports = {}
+    for host in (a, b):
+        reports[host["name"]] = _running(_beat(api, host, []).json())
+        _beat(api, host, reports[host["name"]])
+    ended_a = [{**reports["a"][0], "state": "succeeded"}]
+    assert _beat(api, a, ended_a).json()["assignments"] == []
+    assert _beat(api, a, []).json()["assignments"] == []  # the agent's next: from memory
+    assert answers._answers.get(int(a["id"])) is not None
+    _beat(api, b, [{**reports["b"][0], "state": "succeeded"}])
+    status = api.client.get(f"/api/v1/jobs/{job['id']}", headers=api.headers()).json()["status"]
+    assert status == "succeeded"
+    assert answers._answers.get(int(a["id"])) is not None
+    hits = answers.hits
+    assert _beat(api, a, []).json() == _worked_out(api, int(a["id"]), [], unchanged=True)
+    assert answers.hits == hits + 1
 
 
 def test_a_job_starting_to_run_leaves_its_hosts_answers_kept(api: Api) -> None:
@@ -300,66 +347,102 @@ def test_a_change_committed_by_another_process_reaches_the_agent(api: Api, db_ur
 
 # ------------------------------------------------------------------------- the invariant
 
-OPS = st.lists(
-    st.one_of(
-        st.tuples(st.just("submit"), st.integers(1, 3)),
-        st.tuples(st.just("cancel"), st.integers(0, 3)),
-        st.tuples(st.just("report"), st.sampled_from(["running", "succeeded", "failed"])),
-        st.tuples(st.just("lost"), st.just(0)),
-        st.tuples(st.just("beat"), st.just(0)),
-    ),
-    min_size=1,
-    max_size=12,
+HOSTS = ("a", "b")
+OP = st.one_of(
+    st.tuples(st.just("submit"), st.integers(1, 4)),
+    st.tuples(st.just("cancel"), st.integers(0, 3)),
+    st.tuples(st.just("report"), st.sampled_from(["running", "succeeded", "failed"])),
+    st.tuples(st.just("fewer"), st.just(0)),
+    st.tuples(st.just("quiet"), st.just(0)),
+    st.tuples(st.just("lost"), st.just(0)),
+    st.tuples(st.just("beat"), st.just(0)),
 )
+OPS = st.lists(
+    st.tuples(OP, st.sampled_from(HOSTS)).map(lambda t: (*t[0], t[1])), min_size=1, max_size=14
+)
+"""What happens, and (for reports and beats) on which host's agent."""
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=OPS)
-def test_an_answer_from_memory_is_what_the_database_answers(ops: list[tuple[str, Any]]) -> None:
-    """Whatever happens between two heartbeats (jobs placed, cancelled, ended by a report,
-    restarted when the host is taken for lost), a heartbeat answered from memory gets exactly
-    what working it out in the database gives."""
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=OPS, order=st.permutations(HOSTS))
+def test_an_answer_from_memory_is_what_the_database_answers(
+    ops: list[tuple[str, Any, str]], order: list[str]
+) -> None:
+    """Whatever happens between two heartbeats (jobs placed over two hosts, cancelled, ended by
+    a report, restarted when the hosts are taken for lost), a heartbeat answered from memory,
+    its report repeated or with only some of it (the real agent's after a change), gets exactly
+    what working it out in the database gives, and working it out would change nothing."""
     with tempfile.TemporaryDirectory() as tmp:
         db = f"sqlite:///{Path(tmp) / 'e.db'}"
         with TestClient(create_app(make_settings(db))) as client:
             api = driven(client)
-            _invariant(api, ops)
+            _invariant(api, ops, order)
 
 
-def _invariant(api: Api, ops: list[tuple[str, Any]]) -> None:
+def _invariant(api: Api, ops: list[tuple[str, Any, str]], order: list[str]) -> None:
     context = _context(api)
     answers = context.host_answers
-    host = api.register("h", devices=4)
-    host_id = int(host["id"])
+    hosts_ = {name: api.register(name, devices=2) for name in HOSTS}
     jobs: list[int] = []
-    report: list[dict[str, Any]] = []
-    for op, arg in ops:
+    reports: dict[str, list[dict[str, Any]]] = {name: [] for name in HOSTS}
+    for op, arg, on in ops:
+        report = reports[on]
         if op == "submit":
             jobs.append(int(api.submit(workers=arg, max_restarts=5)["id"]))
         elif op == "cancel" and arg < len(jobs):
             api.client.post(f"/api/v1/jobs/{jobs[arg]}/cancel", headers=api.headers())
         elif op == "report" and report:
-            report = [{**report[0], "state": arg}, *report[1:]]
+            reports[on] = [{**report[0], "state": arg}, *report[1:]]
+        elif op == "fewer":
+            reports[on] = report[1:]
+        elif op == "quiet":
+            reports[on] = []
         elif op == "lost":
             with context.write_lock, transaction(context.sessions) as s:
                 hosts.mark_lost(s, datetime.now(UTC) + timedelta(seconds=600), after_s=30)
-        hits = answers.hits
-        r = _beat(api, host, report)
-        assert r.status_code == 200, r.text
-        if answers.hits > hits:  # from memory: the database must say the same
-            assert r.json() == _worked_out(api, host_id, report)
-        report = _running(r.json()) or report
+        for name in order if op != "beat" else [on]:
+            host, sent = hosts_[name], reports[name]
+            hits = answers.hits
+            r = _beat(api, host, sent)
+            assert r.status_code == 200, r.text
+            if answers.hits > hits:  # from memory: the database must say the same
+                assert r.json() == _worked_out(api, int(host["id"]), sent, unchanged=True)
+            reports[name] = _running(r.json()) or sent
 
 
-def _worked_out(api: Api, host_id: int, report: list[dict[str, Any]]) -> dict[str, Any]:
-    """The heartbeat's answer as the database gives it now, in a transaction rolled back."""
+def _worked_out(
+    api: Api, host_id: int, report: list[dict[str, Any]], unchanged: bool = False
+) -> dict[str, Any]:
+    """The heartbeat's answer as the database gives it now, in a transaction rolled back;
+    ``unchanged``: and it changes no rank, job or device."""
     context = _context(api)
     hb = Heartbeat.model_validate({"workers": report})
     principal = Principal(token_id=0, name="test", role=Role.ADMIN)
     with context.write_lock, context.sessions() as s:
-        ack = hosts.heartbeat(s, host_id, hb, principal, datetime.now(UTC))
+        before = _state(s)
+        ack = hosts.heartbeat(s, host_id, hb, principal, datetime.now(UTC)).ack
+        s.flush()
+        if unchanged:
+            assert _state(s) == before, "answered from memory, but the database changes things"
         s.rollback()
     return ack.model_dump(mode="json")
+
+
+def _state(s: Any) -> tuple[list[Any], ...]:
+    """What a heartbeat may change: ranks, jobs, devices."""
+    return (
+        [
+            tuple(r)
+            for r in s.execute(
+                select(Worker.id, Worker.state, Worker.device_id).order_by(Worker.id)
+            )
+        ],
+        [tuple(r) for r in s.execute(select(Job.id, Job.status, Job.attempt).order_by(Job.id))],
+        [
+            tuple(r)
+            for r in s.execute(select(Device.id, Device.job_id, Device.status).order_by(Device.id))
+        ],
+    )
 
 
 def test_liveness_not_written_is_written_by_the_next_flush(api: Api) -> None:

@@ -55,7 +55,8 @@ async def heartbeat(
 ) -> Response:
     """Report liveness and worker states; the answer lists the ranks this host must run or stop."""
     answers = context.host_answers
-    body = answers.get(host_id, req, principal)
+    raw = request.scope.get("state", {}).get(RAW_BODY_STATE)  # a repeat is answered there
+    body = answers.get(host_id, req, principal, raw)
     if body is not None:  # steady: the same report, nothing changed (``server.host_answers``)
         context.liveness.seen(host_id, now)
         context.metrics.heartbeat_answers.labels("memory").inc()
@@ -63,18 +64,19 @@ async def heartbeat(
     context.metrics.heartbeat_answers.labels("database").inc()
     generation = answers.generation(host_id)
 
-    def work(session: Session) -> tuple[HeartbeatAck, frozenset[int]]:
-        ack = hosts.heartbeat(session, host_id, req, principal, now)
+    def work(session: Session) -> tuple[hosts.Answered, frozenset[int]]:
+        answered = hosts.heartbeat(session, host_id, req, principal, now)
         session.flush()  # all of it: what the commit invalidates is known before it
-        return ack, changed_so_far(session)
+        return answered, changed_so_far(session)
 
-    ack, own = await in_transaction(context, work)
+    (ack, fewer_alike), own = await in_transaction(context, work)
     context.liveness.owned(host_id, principal.token_id)  # its next heartbeats noted on arrival
     body = ack.model_dump_json().encode()
     # an answer that minted launch credentials is never repeated: each one retires the last
     if ack.status is HostStatus.ACTIVE and not any(a.worker_token for a in ack.assignments):
-        raw = request.scope.get("state", {}).get(RAW_BODY_STATE)  # a repeat is answered there
-        answers.put(host_id, req, principal, body, generation, raw=raw, own=own)
+        answers.put(
+            host_id, req, principal, body, generation, raw=raw, own=own, fewer_alike=fewer_alike
+        )
     return Response(body, media_type="application/json")
 
 
