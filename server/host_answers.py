@@ -19,17 +19,19 @@ process: API workers and the controller alike):
   ranks (a rank added or removed changes the world size every host of the job is told).
 
 A flush that changes any of these notes the hosts concerned (a job's hosts: one query for the
-hosts of its live ranks, the only ones whose answers list it; a job that ends once all its ranks
-have reported their ends concerns no host); when the transaction commits, they are dropped from this process's answers
-and published on the ``hosts`` bus (``server.notify``), so every other API process, on this
-machine or (PostgreSQL) another, drops them within milliseconds. A heartbeat that changes
-anything is worked out in the database (its report differs from the last); the answer it gets
-is kept if nothing but its own commit changed the host meanwhile, since that answer was built
-after its own changes (``HostAnswers.put``'s ``own``), so the next heartbeat like it is answered
-from memory, and so is one with only some of its reports (``Answer.fewer_alike``): what an agent
-sends once a change has been carried (the real agent reports a state only until a heartbeat has
-taken it; the fleet bench drops a rank the answer no longer lists). An answer also expires after ``ttl_s`` whatever happens, so a lost
-notification (the bus is best effort) delays a change reaching an agent by at most that long.
+hosts of its live ranks, the only ones whose answers list it; a job that ends once all its
+ranks have reported their ends concerns no host); when the transaction commits, they are
+dropped from this process's answers and published on the ``hosts`` bus (``server.notify``), so
+every other API process, on this machine or (PostgreSQL) another, drops them within
+milliseconds. A heartbeat that changes anything is worked out in the database (its report
+differs from the last); the answer it gets is kept if nothing but its own commit changed the
+host meanwhile, since that answer was built after its own changes (``HostAnswers.put``'s
+``own``), so the next heartbeat like it is answered from memory, and so is one with only some
+of its reports (``Answer.fewer_alike``): what an agent sends once a change has been carried
+(the real agent reports a state only until a heartbeat has taken it; the fleet bench drops a
+rank the answer no longer lists). An answer also expires after ``ttl_s`` whatever happens, so
+a lost notification (the bus is best effort) delays a change reaching an agent by at most that
+long.
 """
 
 from __future__ import annotations
