@@ -343,27 +343,3 @@ def test_only_a_failure_report_goes_alone(alone: bool) -> None:
         datetime.now(UTC),
     )
     assert beat.alone is alone
-
-
-def test_a_heartbeat_worked_out_in_the_database_has_its_liveness_written_in_the_batch(
-    api: Api,
-) -> None:
-    """The heartbeat's own transaction no longer writes the host's time (a statement and a
-    row lock per heartbeat); the batch written every second does (``host_answers.Liveness``)."""
-    host_id = int(api.register("h", devices=1)["id"])  # type: ignore[call-overload]
-    api.submit(workers=1, global_batch=8)
-    context = context_of(api.client.app)  # type: ignore[arg-type]
-
-    def last_heartbeat() -> datetime:
-        with transaction(context.sessions) as s:
-            host = s.get(Host, host_id)
-            assert host is not None and host.last_heartbeat is not None
-            return host.last_heartbeat.replace(tzinfo=host.last_heartbeat.tzinfo or UTC)
-
-    registered = last_heartbeat()
-    sent = datetime.now(UTC)
-    r = api.client.post(f"/api/v1/hosts/{host_id}/heartbeat", json={}, headers=api.headers())
-    assert r.status_code == 200 and r.json()["assignments"][0]["worker_token"]  # a launch
-    with context.engine.begin() as conn:
-        assert context.liveness.flush(conn) >= 1
-    assert last_heartbeat() >= sent > registered
