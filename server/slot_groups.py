@@ -10,9 +10,8 @@ timed where such a heartbeat's time went at 1,250 hosts: waiting for a slot (p50
 session, a commit, the event loop's turn to take the result). So when heartbeats queue, the
 next slot freed takes every one waiting (up to ``max_group``) and works them out one after
 another in one transaction, with one hop and one commit (``run``'s ``work``). Nothing waits on
-purpose: a heartbeat that finds a slot free runs at once, alone, as before, and heartbeats that
-arrive together while slots are free run side by side; grouping happens only where heartbeats
-already waited for every slot (``_serve``).
+purpose: a heartbeat that finds a slot free runs at once, alone, as before; grouping happens
+only where heartbeats already waited.
 
 Each request is still answered as if alone: ``work`` gives each item its own outcome (an
 answer or an error), and a group whose transaction fails as a whole is worked again one item at
@@ -69,8 +68,6 @@ class SlotGroups(Generic[I, R]):
         """Called with the size of every group taken (a metric)."""
         self._queue: deque[_Queued[I, R]] = deque()
         self._servers: set[asyncio.Task[None]] = set()
-        self._holding = 0
-        """Servers holding a slot and about to take their share of the queue."""
 
     async def run(self, item: I, alone: bool = False) -> R:
         """``item``'s outcome, once the transaction it was worked out in has committed."""
@@ -81,9 +78,9 @@ class SlotGroups(Generic[I, R]):
         server.add_done_callback(self._servers.discard)
         return await queued.answer
 
-    def _take(self, share: int) -> list[_Queued[I, R]]:
-        """The next group: the first item queued, and, unless it goes alone, later ones that
-        may share, ``share`` in all at most; the others stay queued, in order."""
+    def _take(self) -> list[_Queued[I, R]]:
+        """The next group: the first item queued, and, unless it goes alone, every later one
+        that may share (up to ``max_group``); the others stay queued, in order."""
         if not self._queue:
             return []
         first = self._queue.popleft()
@@ -91,7 +88,7 @@ class SlotGroups(Generic[I, R]):
         if first.alone:
             return group
         kept: list[_Queued[I, R]] = []
-        while self._queue and len(group) < share:
+        while self._queue and len(group) < self.max_group:
             more = self._queue.popleft()
             (kept if more.alone else group).append(more)
         self._queue.extendleft(reversed(kept))
@@ -99,18 +96,7 @@ class SlotGroups(Generic[I, R]):
 
     async def _serve(self) -> None:
         async with self.slots:
-            # The servers that got a slot in this turn of the event loop count themselves,
-            # then share the queue: with ``n`` items queued and ``k`` such servers, each takes
-            # ``ceil(n / k)`` (at most ``max_group``). Items that arrived together while slots
-            # were free so run side by side, alone; only those that queued because every slot
-            # was taken (a server gets one as another lets it go: ``k`` is 1) go together.
-            self._holding += 1
-            try:
-                await asyncio.sleep(0)
-                share = min(self.max_group, -(-len(self._queue) // self._holding))
-            finally:
-                self._holding -= 1
-            group = self._take(share)
+            group = self._take()
             if not group:
                 return
             try:

@@ -78,20 +78,6 @@ def test_an_item_that_finds_a_slot_free_runs_at_once_alone() -> None:
     assert asyncio.run(main()) == [["a"], ["b"], ["c"]]
 
 
-def test_items_arriving_together_while_slots_are_free_run_side_by_side() -> None:
-    """Four items in one turn of the event loop and four slots free: four groups of one, not
-    one group of four; with two slots free, two groups of two."""
-
-    async def main(free: int) -> list[list[Any]]:
-        slots, seen = anyio.Semaphore(free), []
-        groups = _groups(slots, seen)
-        await asyncio.gather(*(groups.run(item) for item in ["a", "b", "c", "d"]))
-        return sorted(seen)
-
-    assert asyncio.run(main(4)) == [["a"], ["b"], ["c"], ["d"]]
-    assert asyncio.run(main(2)) == [["a", "b"], ["c", "d"]]
-
-
 def test_a_cancelled_request_leaves_its_group_answered() -> None:
     async def main() -> tuple[list[Any], list[list[Any]]]:
         slots, seen = anyio.Semaphore(1), []
