@@ -695,21 +695,6 @@ class Fleet:
                         out[key] = sample.value
         return out
 
-    async def totals(self, name: str) -> tuple[float, float]:
-        """A histogram's (count, sum) so far in the API process's ``/metrics`` (zeros when the
-        server has no such histogram)."""
-        async with self.http.get(self.base + "/metrics") as r:
-            body = await r.text()
-        count = total = 0.0
-        for family in text_string_to_metric_families(body):
-            if family.name == name:
-                for sample in family.samples:
-                    if sample.name.endswith("_count"):
-                        count = sample.value
-                    elif sample.name.endswith("_sum"):
-                        total = sample.value
-        return count, total
-
     async def sample_lag(self) -> None:
         engine = create_engine(self.db_url)
         try:
@@ -950,21 +935,6 @@ def slow_between(
     return out
 
 
-GROUPS = "evenflow_heartbeat_group_size"
-"""Heartbeats worked out in the database, by the transactions they shared (server.slot_groups)."""
-
-
-def groups_between(before: tuple[float, float], after: tuple[float, float]) -> dict[str, Any]:
-    """Transactions of heartbeats worked out in the database meanwhile, and heartbeats per
-    transaction on average."""
-    groups, beats = after[0] - before[0], after[1] - before[1]
-    return {
-        "transactions": round(groups),
-        "heartbeats": round(beats),
-        "per_transaction": round(beats / groups, 2) if groups else None,
-    }
-
-
 def share_from_memory(before: dict[str, float], after: dict[str, float]) -> float | None:
     """The share of the window's heartbeats answered from memory (``server.host_answers``)."""
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
@@ -1024,7 +994,6 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
         answers0 = await fleet.heartbeat_sources()
         lag0 = await fleet.loop_lag()
         served0 = await fleet.histogram("evenflow_http_request_seconds", "route")
-        groups0 = await fleet.totals(GROUPS)
         started = time.monotonic()
         out["measured_from_unix"] = round(time.time(), 1)
         measured_from = datetime.now(UTC)
@@ -1040,7 +1009,6 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
         answers1 = await fleet.heartbeat_sources()
         lag1 = await fleet.loop_lag()
         served1 = await fleet.histogram("evenflow_http_request_seconds", "route")
-        groups1 = await fleet.totals(GROUPS)
         lost = hosts_lost(db_url, measured_from)
         size1 = db_size(db_url)
         live = [j for j in fleet.jobs.values() if j.started and not j.finished]
@@ -1067,7 +1035,6 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
             "heartbeat": quantiles(s.latency["heartbeat"]),
             "heartbeat_p99_ms_by_10s": by_window(s, "heartbeat", started, 10.0),
             "heartbeats_answered_from_memory": share_from_memory(answers0, answers1),
-            "heartbeat_groups": groups_between(groups0, groups1),
             "generator_loop_lag_ms": quantiles_ms(s.loop_lag_ms),
             "generator_connection_waits": {
                 kind: {**quantiles(waits), "share": round(len(waits) / len(s.latency[kind]), 3)}

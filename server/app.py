@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import sys
 import threading
@@ -28,7 +27,6 @@ from contract.problems import explain
 from server.api import statuses
 from server.api.bodies import component_schemas
 from server.api.gate import DATABASE_DOWN, Gate, database_unavailable, error_response
-from server.api.heartbeats import work_heartbeats
 from server.api.routes import (
     audit,
     checkpoints,
@@ -57,7 +55,6 @@ from server.locks import WriterLock, bootstrap_lock, writer_lock_for
 from server.metrics import Metrics, MetricsMiddleware, measure_loop_lag
 from server.notify import PlanWaiters, open_bus, subscribe
 from server.services import tokens as token_service
-from server.slot_groups import SlotGroups
 from server.telemetry_writer import TelemetryWriter
 from server.throttle import FailureLimit
 
@@ -192,7 +189,7 @@ def _build_context(settings: Settings) -> AppContext:
     # SQLite takes one writer at a time, across this process and the controller process.
     write_lock = writer_lock_for(settings.database_url) or contextlib.nullcontext()
     metrics = Metrics(sessions)
-    context = AppContext(
+    return AppContext(
         settings=settings,
         engine=engine,
         sessions=sessions,
@@ -214,12 +211,6 @@ def _build_context(settings: Settings) -> AppContext:
         auth_failures=FailureLimit(settings.auth_failures_max, settings.auth_failures_window_s),
         telemetry_writer=TelemetryWriter(engine, write_lock, metrics.telemetry_group_posts.observe),
     )
-    context.heartbeat_groups = SlotGroups(
-        context.db_slots,
-        functools.partial(work_heartbeats, context),
-        on_group=metrics.heartbeat_group_size.observe,
-    )
-    return context
 
 
 def _lifespan(context: AppContext) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:

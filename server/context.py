@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 from sqlalchemy import Engine
@@ -22,12 +22,8 @@ from server.host_answers import HostAnswers, Liveness
 from server.live import StreamSlots, TelemetryNotifier
 from server.metrics import Metrics
 from server.notify import Bus, PlanWaiters
-from server.slot_groups import SlotGroups
 from server.telemetry_writer import TelemetryWriter
 from server.throttle import FailureLimit
-
-if TYPE_CHECKING:
-    from server.api.heartbeats import Beat, Worked
 
 
 @dataclass
@@ -69,9 +65,6 @@ class AppContext:
     SQLite's writers fewer than the threads they wait in): with more, every thread could sit
     waiting for a connection held by requests that wait for a thread (bench/fleet.py found it
     at 1,250 hosts)."""
-    heartbeat_groups: SlotGroups[Beat, Worked] = field(init=False)
-    """Heartbeats worked out in the database, in the ``db_slots``: those that queue together
-    share a transaction (``server.api.heartbeats``)."""
     telemetry_notifier: TelemetryNotifier = field(default_factory=TelemetryNotifier)
     stream_slots: StreamSlots = field(default_factory=lambda: StreamSlots(8))
     """Live streams open per token in this process (``create_app`` sets the cap)."""

@@ -39,8 +39,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
@@ -173,23 +172,6 @@ def changed_so_far(session: Session) -> frozenset[int]:
     """The hosts (:data:`EVERY_HOST` for all) whose answers the changes ``session`` has flushed
     so far concern: what its commit will invalidate, if nothing more is flushed before it."""
     return frozenset(session.info.get(_CHANGED, ()))
-
-
-@contextmanager
-def changes_of(session: Session) -> Iterator[set[int]]:
-    """The hosts whose answers the changes ``session`` flushes within the block concern (the
-    set is filled when the block ends); they count towards its commit's invalidations as
-    any others (:func:`changed_so_far`). For heartbeats sharing a transaction
-    (``server.slot_groups``): an answer built before another heartbeat of the group changed
-    its host is not kept."""
-    before: set[int] = session.info.pop(_CHANGED, set())
-    within: set[int] = set()
-    try:
-        yield within
-    finally:
-        within |= session.info.pop(_CHANGED, set())
-        if before or within:
-            session.info[_CHANGED] = before | within
 
 
 def track(sessions: sessionmaker[Session], *listeners: Callable[[set[int]], None]) -> None:

@@ -87,13 +87,6 @@ class Metrics:
             registry=self.registry,
             buckets=(1, 2, 4, 8, 16, 32, 64, 128),
         )
-        self.heartbeat_group_size = Histogram(
-            "evenflow_heartbeat_group_size",
-            "Heartbeats worked out in the database together in one transaction, having queued "
-            "for a database slot together (server.slot_groups)",
-            registry=self.registry,
-            buckets=(1, 2, 4, 8, 16),
-        )
         self.heartbeat_answers = Counter(
             "evenflow_heartbeat_answers",
             "Heartbeat answers, by where they came from: memory (the host's last heartbeat "

@@ -9,6 +9,7 @@ from datetime import UTC, datetime
 from typing import Annotated, TypeVar
 
 from fastapi import Depends, Path, Query, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
@@ -73,23 +74,24 @@ def _session(request: Request, context: Context, _slot: DbSlot) -> Iterator[Sess
 
 
 TRANSACTION_ATTEMPTS = 3
-"""Tries of ``retrying_transaction``'s work when another transaction is in its way (``retryable``)."""
+"""Tries of ``in_transaction``'s work when another transaction is in its way (``retryable``)."""
 
 
-def retrying_transaction(context: AppContext, work: Callable[[Session], T]) -> T:
-    """``work`` in one write transaction, in the calling (worker) thread: for the hottest
-    writes (heartbeats, ``server.api.heartbeats``), run in one worker-thread hop rather than a
-    ``SessionDep``'s three (open, route, commit), each queueing for a thread anew. A
-    transaction PostgreSQL aborts to break a deadlock, or whose rows another deleted between
-    its read and its write (a heartbeat's rank reports against the controller's restart of
-    their job: ``db.retryable``), is run again from the start, up to ``TRANSACTION_ATTEMPTS``
-    times, instead of answering 500: ``work`` changes nothing but the database."""
+async def in_transaction(context: AppContext, work: Callable[[Session], T]) -> T:
+    """``work`` in one write transaction in one worker-thread hop, inside a database slot: for
+    the hottest routes (heartbeats), which a ``SessionDep`` would take through three hops
+    (open, route, commit), each queueing for a thread anew. A transaction PostgreSQL aborts to
+    break a deadlock, or whose rows another deleted between its read and its write (a
+    heartbeat's rank reports against the controller's restart of their job: ``db.retryable``),
+    is run again from the start, up to ``TRANSACTION_ATTEMPTS`` times, instead of answering
+    500: ``work`` changes nothing but the database."""
 
     def once() -> T:
         with transaction(context, write=True) as session:
             return work(session)
 
-    return run_retrying(once, TRANSACTION_ATTEMPTS, "transaction")
+    async with context.db_slots:
+        return await run_in_threadpool(run_retrying, once, TRANSACTION_ATTEMPTS, "transaction")
 
 
 SessionDep = Annotated[Session, Depends(_session, scope="function")]

@@ -11,7 +11,6 @@ its workers), they are busy again until its agent reports those ranks ended.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, NamedTuple
@@ -165,8 +164,7 @@ def list_hosts(session: Session, paging: Paging = Paging()) -> tuple[list[Host],
 
 
 class Answered(NamedTuple):
-    """A heartbeat's answer, what it says of heartbeats like it, and the jobs it leaves to
-    advance (``finish``)."""
+    """A heartbeat's answer, and what it says of heartbeats like it."""
 
     ack: HeartbeatAck
     fewer_alike: bool
@@ -177,32 +175,16 @@ class Answered(NamedTuple):
     (``jobs.release_replaced``). So an agent that reports a change once and then no more (it
     reports a rank's new state until a heartbeat has carried it) is answered from memory on
     the heartbeat after (``server.host_answers``)."""
-    to_advance: dict[int, int]
-    """The jobs its reports may have started or ended (id: attempt reported), to advance last
-    in its transaction (``finish``)."""
 
 
 def heartbeat(
     session: Session, host_id: int, hb: Heartbeat, principal: Principal, now: datetime
 ) -> Answered:
-    """Record worker reports; answer with what the host must run or stop (``answer``), then
-    advance the jobs the reports concern (``finish``)."""
-    answered = answer(session, host_id, hb, principal, now)
-    finish(session, [answered], now)
-    return answered
+    """Record liveness and worker reports; answer with what the host must run or stop.
 
-
-def answer(
-    session: Session, host_id: int, hb: Heartbeat, principal: Principal, now: datetime
-) -> Answered:
-    """Record worker reports; answer with what the host must run or stop. The jobs the reports
-    may have started or ended are left to :func:`finish`, last in the transaction.
-
-    A steady heartbeat (nothing changed) reads plain rows, not entities, and costs three
+    A steady heartbeat (nothing changed) reads plain rows, not entities, and costs four
     statements whatever the host's history or the size of its jobs: the host with its devices,
-    its ranks, their jobs. The host's liveness is the caller's to note
-    (``host_answers.Liveness``, written in a batch), except for a host coming back from lost,
-    whose time is written here with its status: the reaper must not find it active and silent."""
+    its ranks, their jobs, and the liveness write."""
     host = get(session, host_id)
     _check_host_rights(principal, host.name)
     if host.agent_instance is not None and hb.instance != host.agent_instance:
@@ -218,7 +200,6 @@ def answer(
                 _back_online(session, dev)
         record(session, principal.name, "host.recovered", f"host:{host.id}")
         scheduler.request_placement(session)
-        session.connection().execute(_ALIVE, {"host_id": host.id, "now": now})
     reported = {r.job_id for r in hb.workers}
     placed = _placed_here(session, host, reported)
     changes = []
@@ -241,21 +222,13 @@ def answer(
         status=HostStatus(host.status),
         assignments=assignments(session, host, placed),
     )
-    return Answered(ack, fewer_alike=not held, to_advance=applied.to_advance)
-
-
-def finish(session: Session, answered: Iterable[Answered], now: datetime) -> None:
-    """Advance the jobs that heartbeats' reports (``answer``, in this transaction) may have
-    started or ended: after the answers, so that the jobs' report locks are held only from here
-    to the commit (``jobs.advance_jobs``), and taken once, in the order of the jobs' ids, for
-    every heartbeat of a group (``server.heartbeat_groups``). Advancing changes nothing an
-    answer says: a job that starts running is ``run`` either way, and one that succeeds has
-    none of its ranks live on any host."""
-    pending: dict[int, int] = {}
-    for one in answered:
-        for job_id, attempt in one.to_advance.items():
-            pending[job_id] = max(attempt, pending.get(job_id, attempt))
-    jobs.advance_jobs(session, pending, now)
+    # After the answer, so that the jobs' report locks are held only from here to the commit
+    # (``jobs.advance_jobs``). Advancing changes nothing the answer says: a job that starts
+    # running is ``run`` either way, and one that succeeds has none of its ranks live here.
+    jobs.advance_jobs(session, applied.to_advance, now)
+    # last, and without the unit of work: nothing read above needs it flushed first
+    session.connection().execute(_ALIVE, {"host_id": host.id, "now": now})
+    return Answered(ack, fewer_alike=not held)
 
 
 class Placed(NamedTuple):

@@ -4,6 +4,7 @@ controller's restart of their job, each holding rows the other wanted)."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from typing import Any
 
@@ -27,7 +28,7 @@ TOUCH = text("UPDATE hosts SET address = address WHERE id = :id")
 
 
 def _deadlocked(context: AppContext, first: int, second: int) -> tuple[Any, list[int], list[str]]:
-    """``retrying_transaction`` of work that locks host ``first`` then ``second`` while another
+    """``in_transaction`` of work that locks host ``first`` then ``second`` while another
     transaction locks them the other way round; the work's transaction is made the one
     PostgreSQL aborts (it checks for the deadlock first). Returns what the work returned (or
     raised), the attempts it saw and how the other transaction ended."""
@@ -61,7 +62,7 @@ def _deadlocked(context: AppContext, first: int, second: int) -> tuple[Any, list
     thread = threading.Thread(target=other)
     thread.start()
     try:
-        result: Any = deps.retrying_transaction(context, work)
+        result: Any = asyncio.run(deps.in_transaction(context, work))
     except OperationalError as exc:
         result = exc
     thread.join(30)
@@ -115,5 +116,5 @@ def test_work_whose_rows_another_transaction_deleted_runs_again(api: Api) -> Non
         session.flush()
         return len(ranks)
 
-    assert deps.retrying_transaction(context, work) == 0
+    assert asyncio.run(deps.in_transaction(context, work)) == 0
     assert attempts == [1, 2]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
+from sqlalchemy.orm import Session
 
 from contract.agent import Heartbeat, HeartbeatAck, HostRegister
 from contract.api import HostOut, Page
@@ -17,10 +18,11 @@ from server.api.deps import (
     SessionDep,
     SettingsDep,
     Viewer,
+    in_transaction,
 )
 from server.api.gate import RAW_BODY_STATE
-from server.api.heartbeats import Beat
 from server.api.statuses import declare
+from server.host_answers import changed_so_far
 from server.services import hosts
 
 router = APIRouter(prefix="/hosts", tags=["hosts"], route_class=JSONRoute)
@@ -61,23 +63,19 @@ async def heartbeat(
         return Response(body, media_type="application/json")
     context.metrics.heartbeat_answers.labels("database").inc()
     generation = answers.generation(host_id)
-    worked = await context.heartbeat_groups.run(Beat(host_id, req, principal, now))
-    ack, fewer_alike = worked.answered.ack, worked.answered.fewer_alike
-    context.liveness.seen(host_id, now)  # written with the others' (``host_answers.Liveness``)
+
+    def work(session: Session) -> tuple[hosts.Answered, frozenset[int]]:
+        answered = hosts.heartbeat(session, host_id, req, principal, now)
+        session.flush()  # all of it: what the commit invalidates is known before it
+        return answered, changed_so_far(session)
+
+    (ack, fewer_alike), own = await in_transaction(context, work)
     context.liveness.owned(host_id, principal.token_id)  # its next heartbeats noted on arrival
     body = ack.model_dump_json().encode()
     # an answer that minted launch credentials is never repeated: each one retires the last
-    keep = not worked.overtaken and not any(a.worker_token for a in ack.assignments)
-    if keep and ack.status is HostStatus.ACTIVE:
+    if ack.status is HostStatus.ACTIVE and not any(a.worker_token for a in ack.assignments):
         answers.put(
-            host_id,
-            req,
-            principal,
-            body,
-            generation,
-            raw=raw,
-            own=worked.own,
-            fewer_alike=fewer_alike,
+            host_id, req, principal, body, generation, raw=raw, own=own, fewer_alike=fewer_alike
         )
     return Response(body, media_type="application/json")
 
