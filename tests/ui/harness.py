@@ -87,6 +87,15 @@ def sign_in(page: Any, url: str, token: str, path: str = "/jobs") -> None:
     page.wait_for_url(f"{url}{path}", wait_until="domcontentloaded", timeout=30_000)
 
 
+def wait_until_live(page: Any) -> None:
+    """Wait for the job page's live stream to open. Its first load draws Plotly, reads six API
+    resources and draws the history before it opens the stream: on a loaded 2-core CI machine
+    that once took more than the 10 s an element gets (the stream itself was fine)."""
+    page.wait_for_function(
+        "document.querySelector('#live-state')?.dataset.state === 'live'", timeout=30_000
+    )
+
+
 # ----------------------------------------------------------------- what a rebalancer would do
 
 PER_SAMPLE_MS = [0.12, 0.2, 0.3, 0.45]

@@ -24,6 +24,7 @@ from tests.ui.harness import (
     open_page,
     record_straggler,
     sign_in,
+    wait_until_live,
 )
 from tests.ui.simulated import Cluster, Workers, emulated_iteration
 
@@ -95,7 +96,7 @@ def test_charts_load_history_and_gain_live_points(
 ) -> None:
     pg = page.page
     sign_in(pg, live_app.url, live_app.admin_token, path=f"/jobs/{running.id}")
-    pg.wait_for_function("document.querySelector('#live-state')?.dataset.state === 'live'")
+    wait_until_live(pg)
     assert pg.locator(".badge.emulated").is_visible()
     assert pg.locator("#emulated-note").is_visible()
     first_time = _points(pg, "iteration-time")
@@ -167,7 +168,7 @@ def test_each_posted_point_reaches_the_chart_live(
     job = cluster.submit(2, 64)
     cluster.mark_running(host, job)
     sign_in(pg, live_app.url, live_app.admin_token, path=f"/jobs/{job['id']}")
-    pg.wait_for_function("document.querySelector('#live-state')?.dataset.state === 'live'")
+    wait_until_live(pg)
     pg.evaluate(
         "() => { window.__drawn = {}; addEventListener('evenflow:drawn', e => "
         "{ window.__drawn[e.detail.iteration] ??= Date.now(); }); }"
@@ -185,7 +186,7 @@ def test_set_batches_override_from_preview_to_the_iteration_that_took_it(
     pg = page.page
     operator = cluster.token("operator", name="olga")
     sign_in(pg, live_app.url, operator, path=f"/jobs/{running.id}")
-    pg.wait_for_function("document.querySelector('#live-state')?.dataset.state === 'live'")
+    wait_until_live(pg)
     current = cluster.plan(running.id)
     assert pg.locator("#plan-version").inner_text() == f"v{current['version']} · automatic"
     wanted = [96, 72, 56, 32]

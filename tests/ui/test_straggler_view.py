@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tests.ui.harness import ARTIFACTS, LiveApp, Page, issue_plan, sign_in
+from tests.ui.harness import ARTIFACTS, LiveApp, Page, issue_plan, sign_in, wait_until_live
 from tests.ui.simulated import Cluster, emulated_iteration
 
 pytestmark = pytest.mark.browser
@@ -50,7 +50,7 @@ def test_heatmap_makes_the_slow_rank_obvious(
     job = _running_job(cluster)
     _post(cluster, job["id"], range(0, 60))
     sign_in(pg, live_app.url, live_app.admin_token, path=f"/jobs/{job['id']}")
-    pg.wait_for_function("document.querySelector('#live-state')?.dataset.state === 'live'")
+    wait_until_live(pg)
     # Before any live row: the speed and idle share from what the page loaded.
     assert pg.locator("#job-speed").inner_text() == "5,120 samples/s"  # 256 per 0.05 s
     assert pg.locator("#idle-summary").inner_text().endswith("% of worker time is idle.")
@@ -89,7 +89,7 @@ def test_measured_line_never_steps_back_when_the_page_opens_as_a_job_starts(
     _post(cluster, job["id"], range(0, 8), ranks={0})
     _post(cluster, job["id"], range(0, 3), ranks={1, 2, 3})
     sign_in(pg, live_app.url, live_app.admin_token, path=f"/jobs/{job['id']}")
-    pg.wait_for_function("document.querySelector('#live-state')?.dataset.state === 'live'")
+    wait_until_live(pg)
     _post(cluster, job["id"], range(3, 8), ranks={1, 2, 3})
     _post(cluster, job["id"], range(8, 12))
     measured = "d.data[4].x"  # 4 ranks, then the measured line
@@ -120,7 +120,7 @@ def test_plan_labels_close_together_do_not_overlap(
         records += emulated_iteration(it, version, [64] * 4, PER_SAMPLE, ts=now - 30 + it * 0.1)
     cluster.post_telemetry(job["id"], records)
     sign_in(pg, live_app.url, live_app.admin_token, path=f"/jobs/{job['id']}")
-    pg.wait_for_function("document.querySelector('#live-state')?.dataset.state === 'live'")
+    wait_until_live(pg)
     labels = _chart(
         pg,
         "iteration-time",
