@@ -57,7 +57,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import httpx
 import orjson
 import psutil
@@ -66,6 +65,7 @@ from sqlalchemy import create_engine, make_url, text
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.http_client import LeanClient
 from bench.ingest import database
 from bench.stack import TOKEN
 from contract.base import PROTOCOL_VERSION
@@ -78,6 +78,9 @@ SIZES = [2, 4, 8, 16, 32, 64, 128, 256]
 SIZE_WEIGHTS = [15, 15, 15, 15, 15, 12, 9, 4]
 GPU_MODELS = [("NVIDIA H100 80GB HBM3", 0.5), ("NVIDIA A100-SXM4-80GB", 1.0), ("Tesla V100", 2.0)]
 STRAGGLER_ONSET = 30
+CPU_SAMPLE_S = 3.0
+"""How often the CPU meter reads every process of the machine (psutil): each second, it took
+a twelfth of the generator. A process that exits loses at most this much of its CPU time."""
 STRAGGLER_FACTOR = 3.0
 JUMP_RECORDS = 3
 EVENTS_POLL_S = 0.1
@@ -105,7 +108,7 @@ class CpuMeter:
     machine first.
 
     Processes come and go (the pools close overflow connections, and their backends exit), so
-    the meter samples every process's CPU time (``sample``, about once a second) and adds up
+    the meter samples every process's CPU time (``sample``, every ``CPU_SAMPLE_S``) and adds up
     what each used while it was seen: one that exits loses at most what it used since the last
     sample. One that appears is counted from zero (it started within the window)."""
 
@@ -336,7 +339,7 @@ class Fleet:
         self.last_error: dict[str, str] = {}
         self._headers: dict[str, dict[str, str]] = {}
         """Per token, the headers of its requests (built once)."""
-        self.http: aiohttp.ClientSession
+        self.http: LeanClient
 
     async def request(
         self,
@@ -345,53 +348,33 @@ class Fleet:
         path: str,
         token: str = TOKEN,
         body: bytes | None = None,
-        **kw: Any,
+        params: dict[str, str] | None = None,
+        json: Any = None,
     ) -> tuple[int, Any]:
-        """``body``: JSON already encoded."""
+        """``body``: JSON already encoded (``json``: to encode). The answer's status and its
+        JSON (its text where it is an error), or 0 and None where none came."""
+        if json is not None:
+            body = orjson.dumps(json)
         t0 = time.perf_counter()
-        headers = self._headers.get(token)
-        if headers is None:
-            headers = self._headers[token] = {
-                "Authorization": f"Bearer {token}",
-                "Content-Type": "application/json",
-            }
         try:
-            async with self.http.request(
-                method,
-                self.base + path,
-                headers=headers,
-                data=body,
-                trace_request_ctx={"kind": kind},
-                **kw,
-            ) as r:
-                ok = r.status == 200 or r.status == 201
-                body = await r.json(loads=orjson.loads) if ok else await r.text()
-                status = r.status
-        except (aiohttp.ClientError, TimeoutError) as exc:
+            status, raw = await self.http.request(method, path, token, body, params, kind)
+        except (OSError, TimeoutError) as exc:
             self.stats.errors[f"{kind}: {type(exc).__name__}"] += 1
             self.last_error[kind] = repr(exc)[:300]
             return 0, None
-        self.stats.latency[kind].append(time.perf_counter() - t0)
-        self.stats.sent_at[kind].append(time.monotonic() - (time.perf_counter() - t0))
+        took = time.perf_counter() - t0
+        self.stats.latency[kind].append(took)
+        self.stats.sent_at[kind].append(time.monotonic() - took)
+        ok = status == 200 or status == 201
+        answer: Any = orjson.loads(raw) if ok and raw else raw.decode(errors="replace")
         if status >= 400:
             self.stats.errors[f"{kind}: {status}"] += 1
-            self.last_error[kind] = f"{status} {str(body)[:300]}"
-        return status, body
+            self.last_error[kind] = f"{status} {answer[:300]}"
+        return status, answer
 
-    def queue_trace(self) -> aiohttp.TraceConfig:
-        """Times the requests that wait for a free client connection (``Stats.queued_s``)."""
-        trace = aiohttp.TraceConfig()
-
-        async def queued(_s: Any, ctx: Any, _p: Any) -> None:
-            ctx.queued_at = time.perf_counter()
-
-        async def dequeued(_s: Any, ctx: Any, _p: Any) -> None:
-            kind = (ctx.trace_request_ctx or {}).get("kind", "other")
-            self.stats.queued_s[kind].append(time.perf_counter() - ctx.queued_at)
-
-        trace.on_connection_queued_start.append(queued)
-        trace.on_connection_queued_end.append(dequeued)
-        return trace
+    def queued(self, kind: str, seconds: float) -> None:
+        """A request that waited for a free client connection (``Stats.queued_s``)."""
+        self.stats.queued_s[kind].append(seconds)
 
     # -------------------------------------------------------------- setup
 
@@ -668,8 +651,8 @@ class Fleet:
 
     async def heartbeat_sources(self) -> dict[str, float]:
         """The server's heartbeat answers by source (``/metrics``: memory or database)."""
-        async with self.http.get(self.base + "/metrics") as r:
-            body = await r.text()
+        _, raw = await self.http.request("GET", "/metrics")
+        body = raw.decode()
         found = re.findall(r'evenflow_heartbeat_answers_total\{source="(\w+)"\} ([\d.e+]+)', body)
         return {source: float(n) for source, n in found}
 
@@ -684,8 +667,8 @@ class Fleet:
     async def histogram(self, name: str, label: str = "") -> dict[tuple[str, float], float]:
         """A histogram of the API process's ``/metrics`` so far: by (``label``'s value, bucket
         bound), the observations at most that bound."""
-        async with self.http.get(self.base + "/metrics") as r:
-            body = await r.text()
+        _, raw = await self.http.request("GET", "/metrics")
+        body = raw.decode()
         out: dict[tuple[str, float], float] = {}
         for family in text_string_to_metric_families(body):
             if family.name == name:
@@ -955,12 +938,8 @@ def after_onset(iteration: int | None) -> int | None:
 async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, Any]:
     fleet = Fleet(srv.base, args, db_url)
     limit = args.connections or 2 * args.hosts + 2 * args.jobs + 64
-    connector = aiohttp.TCPConnector(limit=limit, keepalive_timeout=20)
-    timeout = aiohttp.ClientTimeout(total=60)
-    session = aiohttp.ClientSession(
-        connector=connector, timeout=timeout, trace_configs=[fleet.queue_trace()]
-    )
-    async with session as fleet.http:
+    fleet.http = LeanClient(srv.base, limit, timeout_s=60.0, on_queued=fleet.queued)
+    try:
         t0 = time.monotonic()
         await fleet.register()
         out: dict[str, Any] = {"setup_s": round(time.monotonic() - t0, 1)}
@@ -990,7 +969,7 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
         fleet.stats = Stats()
         size0 = db_size(db_url)
         cpu = CpuMeter(srv.pid, make_url(db_url).database or "")
-        fleet.loop_task(cpu.sample_every(1.0, fleet.stop))
+        fleet.loop_task(cpu.sample_every(CPU_SAMPLE_S, fleet.stop))
         answers0 = await fleet.heartbeat_sources()
         lag0 = await fleet.loop_lag()
         served0 = await fleet.histogram("evenflow_http_request_seconds", "route")
@@ -1021,6 +1000,8 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
         out["straggler_grace_s"] = round(time.monotonic() - grace, 1)
         await fleet.shut_down()
         stored = stored_after_onset(db_url, [alone, *stragglers])
+    finally:
+        await fleet.http.close()
     s = window
     delays = [after_onset(j.detected_at_iteration) for j in stragglers if j.detected_at_iteration]
     detector = [after_onset(j.detector_iteration) for j in stragglers if j.detector_iteration]

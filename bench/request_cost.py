@@ -25,12 +25,12 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 from sqlalchemy import make_url
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.fleet import CpuMeter, Fleet, Server, server
+from bench.http_client import LeanClient
 from bench.ingest import database
 
 JOBS, JOB_SIZE, ROWS_PER_POST = 4, 64, 4
@@ -78,8 +78,8 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
         hosts=args.hosts, gpus=8, telemetry_per="rank", jobs=JOBS, job_seconds=(3600.0, 3600.0)
     )
     fleet = Fleet(srv.base, ns, db_url)
-    connector = aiohttp.TCPConnector(limit=64)
-    async with aiohttp.ClientSession(connector=connector) as fleet.http:
+    fleet.http = LeanClient(srv.base, 64)
+    try:
         await fleet.register()
         db = make_url(db_url).database or ""
         cpu, t0 = CpuMeter(srv.pid, db), time.monotonic()
@@ -142,6 +142,8 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
         )
         out["plan poll (unchanged, wait_s=0)"] = await metered(srv, db, n, poll)
         errors = dict(fleet.stats.errors)
+    finally:
+        await fleet.http.close()
     out["errors"] = errors
     out["fleet_of_issue_16"] = fleet_cost(out)
     return out
