@@ -30,11 +30,21 @@ RETRYABLE_SQLSTATES = frozenset({"40P01", "40001"})
 serializable: the same work again, from the start, may well succeed."""
 
 
+class ReadChanged(Exception):
+    """Rows a transaction read were gone when it read them again: on PostgreSQL (read
+    committed) each statement sees every commit made before it, so another transaction's
+    delete between two of them shows (a heartbeat read a rank as still to be launched, then
+    read it again to mint its credential, and meanwhile the controller had restarted or
+    cancelled its job). The whole transaction is worth running again (``run_retrying``): it
+    then reads the rows as they are now."""
+
+
 def retryable(exc: BaseException) -> bool:
     """A transaction the database aborted for another's sake (``RETRYABLE_SQLSTATES``), or
     whose rows another transaction deleted or changed between its read and its write (the
-    ORM's ``StaleDataError``: a job's restart deleting the ranks a heartbeat was reporting)."""
-    if isinstance(exc, StaleDataError):
+    ORM's ``StaleDataError``: a job's restart deleting the ranks a heartbeat was reporting;
+    ``ReadChanged``: between two of its reads)."""
+    if isinstance(exc, StaleDataError | ReadChanged):
         return True
     return isinstance(exc, DBAPIError) and (
         getattr(exc.orig, "sqlstate", None) in RETRYABLE_SQLSTATES
@@ -49,7 +59,7 @@ def run_retrying(work: Callable[[], T], attempts: int, what: str) -> T:
     while True:
         try:
             return work()
-        except (DBAPIError, StaleDataError) as exc:
+        except (DBAPIError, StaleDataError, ReadChanged) as exc:
             if attempt >= attempts or not retryable(exc):
                 raise
             log.info("%s aborted (%s); trying again", what, exc)

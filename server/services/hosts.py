@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session, joinedload, selectinload
 from contract.agent import WORKER_ORPHAN_EXIT_S, Assignment, Heartbeat, HeartbeatAck, HostRegister
 from contract.base import PROTOCOL_VERSION
 from contract.enums import DeviceKind, DeviceStatus, HostStatus, JobStatus, Role, WorkerState
+from server.db import ReadChanged
 from server.errors import Conflict, Forbidden, NotFound, ProtocolMismatch
 from server.models import Device, Host, Job, Worker
 from server.services import jobs, scheduler, tokens
@@ -314,6 +315,9 @@ def assignments(
         if to_launch
         else {}
     )
+    if len(launching) < len(to_launch):
+        gone = sorted(set(to_launch) - launching.keys())
+        raise ReadChanged(f"ranks {gone} to launch were deleted meanwhile (their job restarted)")
     out = []
     for p in live:
         device, job = devices[p.device_id], shapes[p.job_id]  # type: ignore[index]

@@ -5,9 +5,13 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import pytest
+from sqlalchemy import delete
+
 from contract.base import PROTOCOL_VERSION
 from contract.enums import Role
 from server.db import transaction
+from server.models import Worker
 from server.services import hosts
 from tests.harness import Api
 
@@ -206,3 +210,29 @@ def test_a_lost_host_that_returns_keeps_its_devices_busy_until_its_agent_reports
     assert {a["desired"] for a in ack["assignments"]} == {"stop"}
     _heartbeat(api, host, (job["id"], 0, "stopped"), (job["id"], 1, "stopped"))
     assert _devices(api) == [("free", None), ("free", None)]
+
+
+def test_ranks_deleted_between_a_heartbeats_reads_make_it_read_again(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank read as still to be launched, then gone when read again to mint its credential
+    (another transaction restarted its job between the two statements: bench/fleet.py saw it
+    at 1,250 hosts as a 500 with a KeyError): the heartbeat is worked out again from the
+    start, and answered with what is there then."""
+    host = api.register("h", devices=2)
+    job = api.submit(workers=2, global_batch=10)
+    real = hosts._placed_here
+    calls: list[int] = []
+
+    def placed_then_deleted(session: Any, *args: Any) -> Any:
+        placed = real(session, *args)
+        calls.append(len(placed))
+        if len(calls) == 1:  # as another transaction's commit would, between two statements
+            session.execute(delete(Worker).where(Worker.job_id == job["id"]))
+        return placed
+
+    monkeypatch.setattr(hosts, "_placed_here", placed_then_deleted)
+    ack = _heartbeat(api, host)
+    assert calls == [2, 2], "read again, in a transaction of its own"
+    launched = sorted((a["rank"], a["worker_token"] is not None) for a in ack["assignments"])
+    assert launched == [(0, True), (1, True)]  # the first try's delete was rolled back
