@@ -1,0 +1,46 @@
+"""/metrics counts and times every request by its route template and status, whatever raw path
+it came by; what a process remembers of raw paths to name them is bounded."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from server import metrics as metrics_module
+from server.context import context_of
+from tests.harness import Api
+
+
+def _count(text: str, method: str, route: str, status: int) -> float:
+    line = f'evenflow_http_requests_total{{method="{method}",route="{route}",status="{status}"}}'
+    found = re.search(re.escape(line) + r" ([\d.e+]+)", text)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_requests_are_counted_by_template_and_status_across_raw_paths(sqlite_api: Api) -> None:
+    api = sqlite_api
+    for job_id in (1, 2, 3, 1, 2, 1):  # three raw paths of one template, none of them a job
+        assert api.client.get(f"/api/v1/jobs/{job_id}", headers=api.headers()).status_code == 404
+    api.register("h", devices=1)
+    api.submit(workers=1, global_batch=8, place=False)
+    assert api.client.get("/api/v1/jobs/1", headers=api.headers()).status_code == 200
+    assert api.client.get("/no/such/page").status_code == 404
+    text = api.client.get("/metrics").text
+    assert _count(text, "GET", "/api/v1/jobs/{job_id}", 404) == 6
+    assert _count(text, "GET", "/api/v1/jobs/{job_id}", 200) == 1
+    assert _count(text, "GET", "unmatched", 404) == 1
+    timed = 'evenflow_http_request_seconds_count{route="/api/v1/jobs/{job_id}"} 7.0'
+    assert timed in text
+
+
+def test_the_paths_remembered_are_bounded_and_still_named_right_past_it(
+    sqlite_api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    metrics = context_of(sqlite_api.client.app).metrics  # type: ignore[arg-type]
+    monkeypatch.setattr(metrics_module, "REMEMBERED", 8)
+    names = [metrics.route_name(f"/api/v1/hosts/{i}/heartbeat") for i in range(50)]
+    assert set(names) == {"/api/v1/hosts/{host_id}/heartbeat"}
+    assert metrics.route_name("/api/v1/jobs/7/plan") == "/api/v1/jobs/{job_id}/plan"
+    assert metrics.route_name("/api/v1/jobs/7/nothing") == "unmatched"
+    assert len(metrics._names) <= 8
