@@ -348,14 +348,22 @@ _ALIVE_IF_NEWER = (
     .values(last_heartbeat=bindparam("seen"))
 )
 _ALIVE_IF_NEWER_PG = text(
-    "UPDATE hosts SET last_heartbeat = v.seen"
-    " FROM unnest(CAST(:ids AS integer[]), CAST(:seen AS timestamptz[])) AS v(id, seen)"
-    " WHERE hosts.id = v.id AND hosts.last_heartbeat < v.seen"
+    "WITH v AS (SELECT * FROM unnest(CAST(:ids AS integer[]), CAST(:seen AS timestamptz[]))"
+    " AS v(id, seen)),"
+    " free AS (SELECT hosts.id FROM hosts JOIN v ON hosts.id = v.id"
+    " FOR UPDATE OF hosts SKIP LOCKED),"
+    " written AS (UPDATE hosts SET last_heartbeat = v.seen FROM v, free"
+    " WHERE hosts.id = v.id AND hosts.id = free.id AND hosts.last_heartbeat < v.seen)"
+    " SELECT id FROM free"
 )
-"""PostgreSQL: every host's time in one statement (not one per host), so the flush, run on
-its own (autocommit), holds the rows for as long as the statement runs and no longer: a host's
-heartbeat worked out in the database meanwhile waited for the flush's transaction to end,
-statements and commit round trips of a thread in a busy process included."""
+"""PostgreSQL: every host's time in one statement (not one per host), run on its own
+(autocommit), so it holds the rows for as long as the statement runs and no longer; and it
+never waits for a row another transaction holds (a host's heartbeat worked out in the database,
+which writes its own time at its commit): it skips it, says which rows it took, and the
+others go out with the next flush. Waiting, it held every row it had already written while it
+waited, so heartbeats of those hosts queued behind it, holding their database slots; at 1,250
+hosts it waited up to 10 s at a time (``pg_stat_activity``: Lock/transactionid), no host's
+time was written meanwhile, and the reaper marked hundreds of heartbeating hosts lost."""
 
 
 class Liveness:
@@ -413,8 +421,9 @@ class Liveness:
     def flush(self, conn: Connection) -> int:
         """Write what was seen since the last flush on ``conn`` (the caller commits, unless it
         is in autocommit), and now for the hosts whose heartbeats are waiting for their
-        answers; returns how many hosts. Should the write or its commit fail, :meth:`restore`
-        puts the times back for the next flush."""
+        answers; returns how many hosts it wrote (on PostgreSQL, one whose row another
+        transaction holds is left for the next flush). Should the write or its commit fail,
+        :meth:`restore` puts the times back for the next flush."""
         now = datetime.now(UTC)
         with self._lock:
             seen, self._seen = self._seen, {}
@@ -422,8 +431,13 @@ class Liveness:
             self._flushing = seen
         if seen and conn.dialect.name == "postgresql":
             ids = sorted(seen)
-            conn.execute(_ALIVE_IF_NEWER_PG, {"ids": ids, "seen": [seen[h] for h in ids]})
-        elif seen:
+            params = {"ids": ids, "seen": [seen[h] for h in ids]}
+            taken = set(conn.execute(_ALIVE_IF_NEWER_PG, params).scalars())
+            held = {h: t for h, t in seen.items() if h not in taken}
+            if held:  # rows other transactions hold: with the next flush
+                self._put_back(held)
+            return len(seen) - len(held)
+        if seen:
             rows = [{"host_id": h, "seen": t} for h, t in sorted(seen.items())]
             conn.execute(_ALIVE_IF_NEWER, rows)
         return len(seen)
@@ -431,8 +445,12 @@ class Liveness:
     def restore(self) -> None:
         """The last flush was not committed: its times go out with the next one (a later
         heartbeat's time, seen meanwhile, wins)."""
+        self._put_back(self._flushing)
         with self._lock:
-            for host_id, at in self._flushing.items():
+            self._flushing = {}
+
+    def _put_back(self, times: dict[int, datetime]) -> None:
+        with self._lock:
+            for host_id, at in times.items():
                 if self._seen.get(host_id, at) <= at:
                     self._seen[host_id] = at
-            self._flushing = {}
