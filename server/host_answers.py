@@ -407,12 +407,18 @@ class Liveness:
             self._waiting[host_id] = self._waiting.get(host_id, 0) + 1
         return True
 
-    def answered(self, host_id: int) -> None:
-        """A heartbeat ``arrived`` noted has its answer (or failed)."""
+    def answered(self, host_id: int, now: datetime) -> None:
+        """A heartbeat ``arrived`` noted has its answer (or failed) ``now``: its host was alive
+        until then, so ``now`` goes out with the next flush. A heartbeat worked out in the
+        database writes its host's time of arrival at its commit, which may be seconds older
+        than what a flush wrote while it waited (bench/fleet.py, 1,250 hosts: hosts marked lost
+        right after such a heartbeat was answered)."""
         with self._lock:
             left = self._waiting.pop(host_id, 1) - 1
             if left:
                 self._waiting[host_id] = left
+            if self._seen.get(host_id, now) <= now:
+                self._seen[host_id] = now
 
     def pending(self) -> int:
         with self._lock:

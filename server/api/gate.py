@@ -202,7 +202,7 @@ class Gate:
             await self._answer_heartbeat(scope, receive, send, host_id, raw)
         finally:
             if alive:
-                liveness.answered(host_id)
+                liveness.answered(host_id, datetime.now(UTC))
 
     async def _answer_heartbeat(
         self, scope: Scope, receive: Receive, send: Send, host_id: int, raw: bytes

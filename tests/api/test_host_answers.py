@@ -568,3 +568,30 @@ def test_the_liveness_flush_skips_a_row_another_transaction_holds_and_writes_it_
         _flush_liveness(context)
         assert _last_heartbeat(context, ids[0]) == later
         assert context.liveness.pending() == 0
+
+
+def test_a_registered_hosts_first_heartbeats_are_noted_on_arrival_and_answered_time_kept(
+    sqlite_api: Api,
+) -> None:
+    """From its registration on, not only once the database has answered one of its heartbeats
+    (a fleet registering together queues its first heartbeats for slots: at 1,250 hosts hosts
+    were marked lost so); and once answered, the host was alive until the answer, which the
+    next flush writes (its own transaction wrote its time of arrival, maybe seconds older)."""
+    api, context = sqlite_api, _context(sqlite_api)
+    host = api.register("h", devices=1)
+    host_id = int(host["id"])
+    _flush_liveness(context)
+    answered: list[int] = []
+    with context.write_lock:  # the database is busy: its first heartbeat's transaction waits
+        beat = threading.Thread(target=lambda: answered.append(_beat(api, host, []).status_code))
+        beat.start()
+        deadline = time.monotonic() + 10
+        while not context.liveness.pending() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert context.liveness.pending() == 1, "noted on arrival"
+        time.sleep(0.3)
+        released = datetime.now(UTC)
+    beat.join(10)
+    assert answered == [200]
+    _flush_liveness(context)
+    assert _last_heartbeat(context, host_id) >= released

@@ -32,6 +32,7 @@ router = APIRouter(prefix="/hosts", tags=["hosts"], route_class=JSONRoute)
 def register(
     req: HostRegister,
     session: SessionDep,
+    context: Context,
     principal: Authenticated,
     now: Now,
     settings: SettingsDep,
@@ -39,9 +40,12 @@ def register(
     """Register (or refresh) a host and its devices; refused with 409 on a protocol mismatch,
     or while another agent instance holds the host and heartbeats (unless `replace`)."""
     live_after_s = settings.host_lost_after_s
-    return HostOut.model_validate(
-        hosts.register(session, req, principal, now, live_after_s=live_after_s)
-    )
+    host = hosts.register(session, req, principal, now, live_after_s=live_after_s)
+    # Its heartbeats are noted on arrival from the first, not only once one has been answered
+    # by the database: a fleet registering at once queues its first heartbeats for database
+    # slots, and 1,250 hosts so waiting were marked lost (bench/fleet.py).
+    context.liveness.owned(host.id, principal.token_id)
+    return HostOut.model_validate(host)
 
 
 @router.post("/{host_id}/heartbeat", response_model=HeartbeatAck, responses=declare(409))
