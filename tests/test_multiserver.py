@@ -149,16 +149,12 @@ def test_a_listener_reconnects_after_its_connection_is_killed(db_url: str) -> No
         _until_listening(db_url, 1)
         engine = create_engine(db_url, isolation_level="AUTOCOMMIT")
         with engine.connect() as c:  # what a database fail-over or an idle-session reaper does
-            killed = (
-                c.execute(
-                    text(
-                        "SELECT pid FROM pg_stat_activity "
-                        "WHERE datname = current_database() AND query LIKE 'LISTEN%'"
-                    )
+            killed = c.scalars(
+                text(
+                    "SELECT pid FROM pg_stat_activity "
+                    "WHERE datname = current_database() AND query LIKE 'LISTEN%'"
                 )
-                .scalars()
-                .all()
-            )
+            ).all()
             for pid in killed:
                 assert c.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid}).scalar()
         engine.dispose()
