@@ -666,6 +666,8 @@ class Fleet:
         _, raw = await self.http.request("GET", "/metrics")
         body = raw.decode()
         found = re.findall(r'evenflow_heartbeat_answers_total\{source="(\w+)"\} ([\d.e+]+)', body)
+        why = r'evenflow_heartbeat_database_reasons_total\{reason="(\w+)"\} ([\d.e+]+)'
+        found += [(f"database:{reason}", n) for reason, n in re.findall(why, body)]
         return {source: float(n) for source, n in found}
 
     async def loop_lag(self) -> dict[float, float]:
@@ -932,9 +934,21 @@ def slow_between(
 
 def share_from_memory(before: dict[str, float], after: dict[str, float]) -> float | None:
     """The share of the window's heartbeats answered from memory (``server.host_answers``)."""
-    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after if ":" not in k}
     total = sum(delta.values())
     return round(delta.get("memory", 0.0) / total, 3) if total else None
+
+
+def to_database(
+    before: dict[str, float], after: dict[str, float], seconds: float
+) -> dict[str, float]:
+    """Heartbeats a second worked out in the database during the window, by why memory had no
+    answer (``HostAnswers.why_missed``): what sends them there."""
+    out = {}
+    for k, n in after.items():
+        if k.startswith("database:"):
+            out[k.partition(":")[2]] = round((n - before.get(k, 0.0)) / seconds, 1)
+    return out
 
 
 def progress(line: str) -> None:
@@ -1028,6 +1042,7 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
             "heartbeat": quantiles(s.latency["heartbeat"]),
             "heartbeat_p99_ms_by_10s": by_window(s, "heartbeat", started, 10.0),
             "heartbeats_answered_from_memory": share_from_memory(answers0, answers1),
+            "heartbeats_per_s_to_database_by_reason": to_database(answers0, answers1, elapsed),
             "generator_loop_lag_ms": quantiles_ms(s.loop_lag_ms),
             "generator_connection_waits": {
                 kind: {**quantiles(waits), "share": round(len(waits) / len(s.latency[kind]), 3)}

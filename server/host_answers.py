@@ -266,6 +266,19 @@ class HostAnswers:
                     self._answers[host_id] = replace(answer, heartbeat=heartbeat, raw=raw)
         return answer.body
 
+    def why_missed(self, host_id: int, heartbeat: Heartbeat, principal: object) -> str:
+        """Why :meth:`get` had no answer for ``heartbeat``: ``none`` (none held: the host's
+        first heartbeat here, or a change dropped it), ``expired`` (``ttl_s`` passed),
+        ``token`` (another credential sent it) or ``report`` (it reports something new)."""
+        answer = self._answers.get(host_id)
+        if answer is None:
+            return "none"
+        if answer.expires < self.clock():
+            return "expired"
+        if answer.principal != principal:
+            return "token"
+        return "report"
+
     def get_raw(self, host_id: int, raw: bytes, principal: object) -> bytes | None:
         """The answer to give again when ``raw`` is, byte for byte, the body of the last
         heartbeat answered for the host, with the same token, and nothing has changed since

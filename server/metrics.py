@@ -98,6 +98,15 @@ class Metrics:
             ["source"],
             registry=self.registry,
         )
+        self.heartbeat_misses = Counter(
+            "evenflow_heartbeat_database_reasons",
+            "Heartbeats worked out in the database, by why memory had no answer: none (the "
+            "host's first here, or a change dropped its answer), expired (the answer's TTL, "
+            "EVENFLOW_HEARTBEAT_ANSWER_TTL_S), token (another credential) or report (something "
+            "new reported)",
+            ["reason"],
+            registry=self.registry,
+        )
         self.loop_lag = Histogram(
             "evenflow_event_loop_lag_seconds",
             "How late this API process's event loop ran a timer (one every "

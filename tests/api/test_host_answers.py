@@ -595,3 +595,35 @@ def test_a_registered_hosts_first_heartbeats_are_noted_on_arrival_and_answered_t
     assert answered == [200]
     _flush_liveness(context)
     assert _last_heartbeat(context, host_id) >= released
+
+
+def _reasons(api: Api) -> dict[str, float]:
+    """``evenflow_heartbeat_database_reasons_total`` by reason, as /metrics says."""
+    text = api.client.get("/metrics", headers=api.headers()).text
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("evenflow_heartbeat_database_reasons_total{"):
+            reason = line.split('reason="')[1].split('"')[0]
+            out[reason] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_metrics_say_why_each_heartbeat_went_to_the_database(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """None held (the first, or dropped by a change), the answer expired, another credential,
+    or a new report: and a repeat within the TTL goes nowhere."""
+    host = api.register("h", devices=2)
+    answers = _context(api).host_answers
+    assert _beat(api, host, []).status_code == 200  # the first: none held
+    assert _reasons(api) == {"none": 1.0}
+    assert _beat(api, host, []).status_code == 200  # kept: from memory
+    assert _reasons(api) == {"none": 1.0}
+    now = time.monotonic()
+    monkeypatch.setattr(answers, "clock", lambda: now + answers.ttl_s + 1)
+    assert _beat(api, host, []).status_code == 200  # past its TTL (and kept again)
+    assert _reasons(api) == {"none": 1.0, "expired": 1.0}
+    assert _beat(api, host, [], instance="agent-2").status_code == 200  # another report
+    assert _reasons(api) == {"none": 1.0, "expired": 1.0, "report": 1.0}
+    assert _beat(api, host, [], token=ADMIN_TOKEN, instance="agent-2").status_code == 200
+    assert _reasons(api) == {"none": 1.0, "expired": 1.0, "report": 1.0, "token": 1.0}

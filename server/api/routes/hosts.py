@@ -66,6 +66,7 @@ async def heartbeat(
         context.metrics.heartbeat_answers.labels("memory").inc()
         return Response(body, media_type="application/json")
     context.metrics.heartbeat_answers.labels("database").inc()
+    context.metrics.heartbeat_misses.labels(answers.why_missed(host_id, req, principal)).inc()
     generation = answers.generation(host_id)
 
     def work(session: Session) -> tuple[hosts.Answered, frozenset[int]]:
