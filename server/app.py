@@ -373,8 +373,8 @@ def _listen_for_plans(context: AppContext) -> Callable[[], None]:
             caches.plans.invalidate(job_id)
         waiters.notify(ids)
 
-    def on_connect() -> None:  # (again): what was sent while the LISTEN was down is lost
+    def on_lost() -> None:  # (the LISTEN started again, or a publisher failed to send)
         caches.plans.clear()
         waiters.notify_all()
 
-    return subscribe(context.plan_bus, on_ids, on_connect)
+    return subscribe(context.plan_bus, on_ids, on_lost)

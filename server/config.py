@@ -46,13 +46,14 @@ class Settings(BaseSettings):
     """The fewest silent hosts that can pause the reaper (``host_loss_pause_share``): a cluster
     of one or two hosts that loses them is not taken for the server's fault."""
 
-    heartbeat_answer_ttl_s: float = Field(default=60.0, ge=0)
+    heartbeat_answer_ttl_s: float = Field(default=600.0, ge=0)
     """A heartbeat that repeats the host's last one is answered from memory while nothing its
-    answer depends on has changed, and for at most this long (``server.host_answers``): the
-    bound on how late a change reaches an agent should a change notification be lost (the
-    notifications are not: they are a backstop). Every expiry costs a heartbeat worked out in the
-    database: at 15 s that was one heartbeat in seven at fleet scale (bench/fleet.py: 86% answered
-    from memory; 95% at 60 s). 0 works out every answer in the database."""
+    answer depends on has changed, and for at most this long (``server.host_answers``): a
+    backstop should a change be missed anyway (a publisher that failed to notify and died
+    before it could say so, ``server.notify.LOST``; a bug). Every expiry costs a heartbeat worked
+    out in the database: at 60 s, a third of those at fleet scale (bench/fleet.py, 1,250 hosts:
+    12 a second of 35, by ``evenflow_heartbeat_database_reasons_total``); at 15 s one heartbeat
+    in seven. 0 works out every answer in the database."""
 
     reaper_interval_s: float = Field(default=5.0, gt=0)
     """How often the server looks for lost hosts."""

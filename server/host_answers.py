@@ -29,9 +29,10 @@ host meanwhile, since that answer was built after its own changes (``HostAnswers
 ``own``), so the next heartbeat like it is answered from memory, and so is one with only some
 of its reports (``Answer.fewer_alike``): what an agent sends once a change has been carried
 (the real agent reports a state only until a heartbeat has taken it; the fleet bench drops a
-rank the answer no longer lists). An answer also expires after ``ttl_s`` whatever happens, so
-a lost notification (the bus is best effort) delays a change reaching an agent by at most that
-long.
+rank the answer no longer lists). A notification that could not be delivered is not lost
+silently: the listener is told, and drops every answer (``server.notify.LOST``, and a
+``LISTEN`` that broke). An answer also expires after ``ttl_s`` whatever happens, a backstop for
+a change missed anyway.
 """
 
 from __future__ import annotations

@@ -10,8 +10,12 @@ The bus is a directory of Unix datagram sockets, one per listening process, name
 the database (``$TMPDIR/evenflow-<uid>-<hash>/``); a publisher sends one datagram of comma
 separated job ids to each. That needs no broker and works on SQLite and PostgreSQL alike, for
 processes on one machine (the API workers and the controller ``evenflow server`` starts).
-Delivery is best effort: a lost datagram only means the long-poll notices the change at its
-next re-check (every ``RECHECK_S``) and the cache within its TTL, as before notifications.
+Delivery is best effort, but a loss is not silent: a publisher that could not send to a
+listener (its queue full; on PostgreSQL, the publishing connection down) sends it
+:data:`LOST` first when it next can, and a listener that lost its ``LISTEN`` knows it did; either
+way the listener's ``on_lost`` treats everything as changed (every cached answer dropped, every
+long-poll woken to re-read). So what a cache keeps from the buses' ids need not expire for fear
+of a lost notification (``server.host_answers``); a long-poll still re-reads every ``RECHECK_S``.
 
 On PostgreSQL the same ids travel by ``LISTEN``/``NOTIFY`` instead (:class:`PgNotifyBus`), so
 any number of ``evenflow server`` instances on different machines share one database: a plan
@@ -33,6 +37,7 @@ import tempfile
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import NamedTuple
 
 import psycopg
 from sqlalchemy import make_url
@@ -45,6 +50,14 @@ RECHECK_S = 1.0
 """A waiting long-poll re-reads the current plan this often even without a notification."""
 
 _names = itertools.count()
+
+LOST = "*"
+"""The payload a publisher sends before its next ids when it failed to send some to a listener:
+"you may have missed notifications". A listener's ``on_lost`` runs on it (``subscribe``)."""
+
+LOST_RETRY_S = 1.0
+"""How often a PostgreSQL bus that failed to send tries again to send :data:`LOST`, with
+nothing else to send (its database may be back)."""
 
 PLACEMENT = 0
 """The id a poke on the wake bus carries when it asks the controller for placement only (a job
@@ -126,6 +139,14 @@ def bus_dir(database_url: str, channel: str = "") -> Path | None:
     return Path(tempfile.gettempdir()) / f"evenflow-{os.getuid()}-{digest}{suffix}"
 
 
+class Received(NamedTuple):
+    """What a listener read off its socket: the ids, and whether a publisher said it failed to
+    send it some (:data:`LOST`)."""
+
+    ids: set[int]
+    lost: bool = False
+
+
 class PlanBus:
     """Job ids of committed plans, from any process to every other listening one."""
 
@@ -135,6 +156,9 @@ class PlanBus:
         self._path: Path | None = None
         self._lock = threading.Lock()
         self._out: socket.socket | None = None
+        self._owed: set[str] = set()
+        """Listeners' sockets a datagram could not be sent to (a full queue): each is sent
+        :data:`LOST` before the next one."""
 
     @classmethod
     def for_database(cls, database_url: str, channel: str = "") -> PlanBus:
@@ -173,17 +197,21 @@ class PlanBus:
         return self._sock
 
     @staticmethod
-    def read(sock: socket.socket) -> set[int]:
-        """Every job id waiting on ``sock``, without blocking."""
+    def read(sock: socket.socket) -> Received:
+        """Every job id waiting on ``sock``, without blocking, and whether a publisher said
+        it had failed to send some."""
         ids: set[int] = set()
+        lost = False
         while True:
             try:
                 data = sock.recv(65_536)
             except (BlockingIOError, InterruptedError):
-                return ids
+                return Received(ids, lost)
             for part in data.split(b","):
                 if part.isdigit():
                     ids.add(int(part))
+                elif part == LOST.encode():
+                    lost = True
 
     def publish(self, job_ids: Iterable[int]) -> None:
         """Send the ids to every other listener; never raises (best effort, see the module)."""
@@ -203,11 +231,16 @@ class PlanBus:
                 if self._path is not None and peer.path == str(self._path):
                     continue
                 try:
+                    if peer.path in self._owed:
+                        self._out.sendto(LOST.encode(), peer.path)
+                        self._owed.discard(peer.path)
                     self._out.sendto(message, peer.path)
                 except (ConnectionRefusedError, FileNotFoundError):  # its process is gone
+                    self._owed.discard(peer.path)
                     with contextlib.suppress(OSError):
                         os.unlink(peer.path)
-                except OSError:  # a full queue: that process re-checks within RECHECK_S
+                except OSError:  # a full queue: told so with the next datagram it can take
+                    self._owed.add(peer.path)
                     log.debug("plan bus: could not notify %s", peer.path, exc_info=True)
 
     def close(self) -> None:
@@ -255,7 +288,10 @@ class PgNotifyBus:
     fleet's API samples, inside the heartbeats' database slots). :meth:`subscribe` runs a thread
     that holds a ``LISTEN`` connection and hands each notification's ids to a callback,
     reconnecting when the connection is lost. Like :class:`PlanBus` it never raises into the
-    committing code: a lost notification only means the waiter notices at its next re-check.
+    committing code, and no loss is silent: ids it could not send (its connection down twice
+    over) are followed by :data:`LOST` once it can send again (tried every ``LOST_RETRY_S``
+    when nothing else comes), and a listener whose ``LISTEN`` broke runs ``on_lost`` when it
+    is back.
     Like :class:`PlanBus`, its listeners are not sent what it published itself (PostgreSQL tells
     every listener, the sender's own connection included: a notification from this bus's
     publishing connection is skipped), since the publisher has acted on it already: a
@@ -281,6 +317,8 @@ class PgNotifyBus:
         self._idle.set()
         self._own_pid: int | None = None
         """The server process id of this bus's publishing connection, while it has one."""
+        self._lost = False
+        """Ids published were not sent: :data:`LOST` goes out before the next."""
 
     @classmethod
     def for_database(cls, database_url: str, channel: str = "") -> PgNotifyBus:
@@ -310,13 +348,18 @@ class PgNotifyBus:
         while True:
             with self._wanted:
                 while not self._pending and not self._closing:
-                    self._wanted.wait()
-                if not self._pending:
+                    if self._lost:  # try again to say so, with nothing else to send
+                        if not self._wanted.wait(LOST_RETRY_S):
+                            break
+                    else:
+                        self._wanted.wait()
+                if not self._pending and (self._closing or not self._lost):
                     return
                 ids, self._pending = sorted(self._pending), set()
             try:
                 self._send(ids)
             except Exception:  # a bug must not end this process's notifications for good
+                self._lost = True
                 log.exception("plan bus: sending on %s failed", self.channel)
             with self._wanted:
                 if not self._pending:
@@ -327,30 +370,38 @@ class PgNotifyBus:
         return self._idle.wait(timeout)
 
     def _send(self, ids: list[int]) -> None:
+        """Send ``ids`` (:data:`LOST` first if an earlier send failed); on failure remember
+        that it did."""
         with self._lock:
             for attempt in range(2):  # once more on a fresh connection if the pooled one broke
                 try:
                     if self._out is None or self._out.closed:
                         self._out = psycopg.connect(self.conninfo, autocommit=True)
                         self._own_pid = self._out.info.backend_pid
-                    for payload in _payloads(ids):
+                    payloads = [LOST] if self._lost else []
+                    for payload in [*payloads, *_payloads(ids)]:
                         self._out.execute("SELECT pg_notify(%s, %s)", (self.channel, payload))
+                        if payload == LOST:
+                            self._lost = False
                     return
                 except (psycopg.Error, OSError):
                     self._drop_out()
                     if attempt:
-                        log.debug("plan bus: NOTIFY on %s failed", self.channel, exc_info=True)
+                        self._lost = True
+                        log.warning("plan bus: NOTIFY on %s failed", self.channel, exc_info=True)
 
     def subscribe(
         self,
         on_ids: Callable[[set[int]], None],
-        on_connect: Callable[[], None] | None = None,
+        on_lost: Callable[[], None] | None = None,
     ) -> None:
         """Call ``on_ids`` with each notification's job ids, from a thread, until :meth:`close`;
-        ``on_connect`` each time the ``LISTEN`` starts (anything sent while it was down is lost)."""
+        ``on_lost`` whenever some may have been missed: each time the ``LISTEN`` starts
+        (anything sent while it was down is lost), and when a publisher says it failed to send
+        some (:data:`LOST`)."""
         thread = threading.Thread(
             target=self._listen,
-            args=(on_ids, on_connect),
+            args=(on_ids, on_lost),
             name=f"{self.channel}-listen",
             daemon=True,
         )
@@ -358,18 +409,22 @@ class PgNotifyBus:
         thread.start()
 
     def _listen(
-        self, on_ids: Callable[[set[int]], None], on_connect: Callable[[], None] | None
+        self, on_ids: Callable[[set[int]], None], on_lost: Callable[[], None] | None
     ) -> None:
         while not self._stop.is_set():
             try:
                 with psycopg.connect(self.conninfo, autocommit=True) as conn:
                     conn.execute(f"LISTEN {self.channel}")
-                    if on_connect is not None:
-                        on_connect()
+                    if on_lost is not None:
+                        on_lost()
                     while not self._stop.is_set():
                         for note in conn.notifies(timeout=RECHECK_S / 2):
                             if note.pid == self._own_pid:
                                 continue  # this bus published it: acted on already
+                            if note.payload == LOST:
+                                if on_lost is not None:
+                                    on_lost()
+                                continue
                             ids = {int(p) for p in note.payload.split(",") if p.isdigit()}
                             if ids:
                                 on_ids(ids)
@@ -421,13 +476,14 @@ Bus = PlanBus | PgNotifyBus
 
 
 def subscribe(
-    bus: Bus, on_ids: Callable[[set[int]], None], on_connect: Callable[[], None] | None = None
+    bus: Bus, on_ids: Callable[[set[int]], None], on_lost: Callable[[], None] | None = None
 ) -> Callable[[], None]:
     """Call ``on_ids`` with the ids other processes publish on ``bus``: on this event loop from
-    a Unix socket, or from the LISTEN thread on PostgreSQL (``on_connect`` each time it starts
-    listening). Returns what stops the socket's reader (the bus's ``close`` stops the thread)."""
+    a Unix socket, or from the LISTEN thread on PostgreSQL; ``on_lost`` when some may have been
+    missed (on PostgreSQL also each time it starts listening). Returns what stops the socket's
+    reader (the bus's ``close`` stops the thread)."""
     if isinstance(bus, PgNotifyBus):
-        bus.subscribe(on_ids, on_connect)
+        bus.subscribe(on_ids, on_lost)
         return lambda: None
     sock = bus.listen()
     if sock is None:
@@ -435,9 +491,11 @@ def subscribe(
     loop = asyncio.get_running_loop()
 
     def on_message() -> None:
-        ids = bus.read(sock)
-        if ids:
-            on_ids(ids)
+        received = bus.read(sock)
+        if received.lost and on_lost is not None:
+            on_lost()
+        if received.ids:
+            on_ids(received.ids)
 
     fd = sock.fileno()  # (the socket may be closed by the time the reader is removed)
     loop.add_reader(fd, on_message)

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from sqlalchemy import create_engine, text
+from sqlalchemy import create_engine, make_url, text
 
 from evenflow.local_cluster import server_process
 from server.locks import CONTROLLER_LOCK_KEY
-from server.notify import PG_PAYLOAD_BYTES, PgNotifyBus, open_bus
+from server.notify import PG_PAYLOAD_BYTES, PgNotifyBus, PlanBus, Received, open_bus
 from tests.harness import ADMIN_TOKEN, ROOT, job_with_plan
 
 POSTGRES_ONLY = pytest.mark.parametrize(
@@ -164,6 +164,73 @@ def test_a_listener_reconnects_after_its_connection_is_killed(db_url: str) -> No
         _until_listening(db_url, 1, besides=killed)
         publisher.publish([42])
         inbox.wait_for({42})
+    finally:
+        listener.close()
+        publisher.close()
+
+
+@POSTGRES_ONLY
+def test_a_publisher_that_failed_to_send_says_so_once_it_can(db_url: str) -> None:
+    """Ids a publisher could not send (its NOTIFY connection down twice over) are not lost
+    silently: once it can send again it says so (``LOST``), with nothing else to send, and the
+    listener runs ``on_lost`` (what its caches drop everything on)."""
+    listener, publisher = open_bus(db_url, "hosts"), open_bus(db_url, "hosts")
+    assert isinstance(listener, PgNotifyBus) and isinstance(publisher, PgNotifyBus)
+    inbox, lost = Inbox(), threading.Event()
+    connects = 0
+
+    def on_lost() -> None:
+        nonlocal connects
+        connects += 1
+        if connects > 1:  # the first call is the LISTEN starting
+            lost.set()
+
+    good = publisher.conninfo
+    try:
+        listener.subscribe(inbox, on_lost)
+        _until_listening(db_url, 1)
+        publisher.conninfo = good.replace(f"@{_host_port(db_url)}", "@127.0.0.1:9")  # refused
+        publisher.publish([5])
+        assert publisher.flush(10.0)
+        assert publisher._lost and not lost.wait(0.5)  # not sent: nobody heard anything
+        publisher.conninfo = good  # the database is back: no new ids, yet it says so
+        assert lost.wait(10.0), "the listener was never told"
+        assert inbox.ids == set() and not publisher._lost
+        publisher.publish([6])  # and goes on as before
+        inbox.wait_for({6})
+        assert connects == 2
+    finally:
+        listener.close()
+        publisher.close()
+
+
+def _host_port(db_url: str) -> str:
+    url = make_url(db_url)
+    return f"{url.host}:{url.port or 5432}"
+
+
+def test_a_socket_listener_whose_queue_filled_is_told_with_the_next_datagram(
+    tmp_path: Path,
+) -> None:
+    """A datagram the socket bus could not send (the listener's queue full) is not lost
+    silently: the next one that gets through is preceded by ``LOST``."""
+    url = f"sqlite:///{tmp_path / 'x.db'}"
+    listener, publisher = PlanBus.for_database(url, "hosts"), PlanBus.for_database(url, "hosts")
+    try:
+        sock = listener.listen()
+        assert sock is not None
+        sent = 0
+        while not publisher._owed:  # a listener that does not read: its queue fills
+            publisher.publish([1])
+            sent += 1
+            assert sent < 100_000, "the queue never filled"
+        full = listener.read(sock)
+        assert full.ids == {1} and not full.lost  # what was queued, before any loss
+        publisher.publish([2])
+        after = listener.read(sock)
+        assert after == Received({2}, lost=True)
+        publisher.publish([3])
+        assert listener.read(sock) == Received({3}, lost=False)  # told once
     finally:
         listener.close()
         publisher.close()

@@ -627,3 +627,9 @@ def test_metrics_say_why_each_heartbeat_went_to_the_database(
     assert _reasons(api) == {"none": 1.0, "expired": 1.0, "report": 1.0}
     assert _beat(api, host, [], token=ADMIN_TOKEN, instance="agent-2").status_code == 200
     assert _reasons(api) == {"none": 1.0, "expired": 1.0, "report": 1.0, "token": 1.0}
+
+
+def test_an_answer_is_kept_ten_minutes_by_default() -> None:
+    """Its TTL is a backstop only (a lost notification is told, ``server.notify.LOST``): at
+    60 s it sent a third of a fleet's database heartbeats there (bench/fleet.py)."""
+    assert make_settings("sqlite://").heartbeat_answer_ttl_s == 600.0
