@@ -11,7 +11,6 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
-import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
@@ -43,6 +42,7 @@ from server.api.routes import (
     tokens,
 )
 from server.api.routes.ui import MAX_LOGIN_BODY, mount_dashboard
+from server.api.slots import DbSlots
 from server.cache import Caches
 from server.config import Settings
 from server.context import AppContext
@@ -207,7 +207,7 @@ def _build_context(settings: Settings) -> AppContext:
         # now: over the wake bus to a controller process, or directly when it is a thread here.
         wake_controller=lambda job_id: wake_bus.publish([job_id]),
         stream_slots=StreamSlots(settings.max_streams_per_token),
-        db_slots=anyio.Semaphore(min(settings.db_concurrency, 3 * settings.db_pool_size)),
+        db_slots=DbSlots(min(settings.db_concurrency, 3 * settings.db_pool_size)),
         auth_failures=FailureLimit(settings.auth_failures_max, settings.auth_failures_window_s),
         telemetry_writer=TelemetryWriter(engine, write_lock, metrics.telemetry_group_posts.observe),
     )

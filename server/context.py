@@ -11,11 +11,11 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
-import anyio
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.applications import Starlette
 
+from server.api.slots import DbSlots
 from server.cache import Caches
 from server.config import Settings
 from server.host_answers import HostAnswers, Liveness
@@ -57,14 +57,15 @@ class AppContext:
     """Bad credentials per client address (the API's gate and ``/login``)."""
     telemetry_writer: TelemetryWriter
     """Telemetry posts, stored in groups (one transaction for the posts that arrive together)."""
-    db_slots: anyio.Semaphore = field(default_factory=lambda: anyio.Semaphore(16))
+    db_slots: DbSlots = field(default_factory=lambda: DbSlots(16))
     """Requests doing database work at once in this process (``create_app`` sets the bound,
     ``Settings.db_concurrency``). A request holds its slot from before its session opens until
     after it closes, across the worker-thread hops between, so the bound keeps the requests
     holding pool connections fewer than the worker threads they need to give them back (and
     SQLite's writers fewer than the threads they wait in): with more, every thread could sit
     waiting for a connection held by requests that wait for a thread (bench/fleet.py found it
-    at 1,250 hosts)."""
+    at 1,250 hosts). A freed slot goes to any other request before a heartbeat
+    (``server.api.slots``)."""
     telemetry_notifier: TelemetryNotifier = field(default_factory=TelemetryNotifier)
     stream_slots: StreamSlots = field(default_factory=lambda: StreamSlots(8))
     """Live streams open per token in this process (``create_app`` sets the cap)."""

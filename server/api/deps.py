@@ -84,13 +84,14 @@ async def in_transaction(context: AppContext, work: Callable[[Session], T]) -> T
     break a deadlock, or whose rows another deleted between its read and its write (a
     heartbeat's rank reports against the controller's restart of their job: ``db.retryable``),
     is run again from the start, up to ``TRANSACTION_ATTEMPTS`` times, instead of answering
-    500: ``work`` changes nothing but the database."""
+    500: ``work`` changes nothing but the database. Its slot comes after those of any other
+    request waiting (``server.api.slots``): a person's waits behind no heartbeat."""
 
     def once() -> T:
         with transaction(context, write=True) as session:
             return work(session)
 
-    async with context.db_slots:
+    async with context.db_slots.take(first=False):  # after any person's request waiting
         return await run_in_threadpool(run_retrying, once, TRANSACTION_ATTEMPTS, "transaction")
 
 

@@ -14,7 +14,6 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-import anyio
 import pytest
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
@@ -23,6 +22,7 @@ from sqlalchemy import event, select, update
 
 from contract.agent import Heartbeat
 from contract.enums import Role
+from server.api.slots import DbSlots
 from server.app import _flush_liveness, _write_liveness, create_app
 from server.context import AppContext, context_of
 from server.db import transaction
@@ -524,7 +524,7 @@ def test_liveness_is_written_while_every_database_slot_is_taken(sqlite_api: Api)
     later = _last_heartbeat(context, host_id) + timedelta(seconds=5)
 
     async def busy() -> None:
-        slots = anyio.Semaphore(1)
+        slots = DbSlots(1)
         context.db_slots = slots
         async with slots:  # every slot taken
             context.liveness.seen(host_id, later)
