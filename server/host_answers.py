@@ -2,9 +2,9 @@
 
 Every host heartbeats every 2 s; at fleet scale (1,250 hosts) that is 625 requests a second,
 almost all of them *steady*: the agent reports what it reported last time and the answer is
-the one it got last time. Working that answer out costs four statements and a commit (about
-2.3 ms of an API process's CPU, ``bench/request_cost.py``), which alone needs more than the one
-core an API process has. So each API process keeps, per host, the last heartbeat it answered
+the one it got last time. Working that answer out costs three statements and a commit (with a
+fourth that wrote the host's time, about 2.3 ms of an API process's CPU,
+``bench/request_cost.py``), which alone needs more than the one core an API process has. So each API process keeps, per host, the last heartbeat it answered
 and its answer (:class:`HostAnswers`), and answers the same heartbeat again from memory while
 nothing the answer depends on has changed. Liveness, the one thing a steady heartbeat still
 writes, goes to the database in batches (:class:`Liveness`).
@@ -372,9 +372,9 @@ _ALIVE_IF_NEWER_PG = text(
 )
 """PostgreSQL: every host's time in one statement (not one per host), run on its own
 (autocommit), so it holds the rows for as long as the statement runs and no longer; and it
-never waits for a row another transaction holds (a host's heartbeat worked out in the database,
-which writes its own time at its commit): it skips it, says which rows it took, and the
-others go out with the next flush. Waiting, it held every row it had already written while it
+never waits for a row another transaction holds (a host coming back, whose heartbeat writes its
+status and time at its commit; the reaper marking hosts lost): it skips it, says which rows it
+took, and the others go out with the next flush. Waiting, it held every row it had already written while it
 waited, so heartbeats of those hosts queued behind it, holding their database slots; at 1,250
 hosts it waited up to 10 s at a time (``pg_stat_activity``: Lock/transactionid), no host's
 time was written meanwhile, and the reaper marked hundreds of heartbeating hosts lost."""
@@ -382,8 +382,9 @@ time was written meanwhile, and the reaper marked hundreds of heartbeating hosts
 
 class Liveness:
     """Last heartbeat times of hosts, noted when their heartbeats arrive and written in one
-    statement per :data:`LIVENESS_FLUSH_S` rather than one per heartbeat. A time never moves
-    back (a heartbeat answered by the database meanwhile may have written a later one).
+    statement per :data:`LIVENESS_FLUSH_S` rather than one per heartbeat, those the database
+    worked out too (only a host coming back writes its time with its status). A time never
+    moves back (one written meanwhile may be later).
 
     A heartbeat is noted on arrival (``arrived``, in the gate), before it waits for anything,
     when it comes with the credential that the host's last heartbeat answered by the database
@@ -404,8 +405,11 @@ class Liveness:
         self._lock = threading.Lock()
 
     def seen(self, host_id: int, now: datetime) -> None:
+        """A heartbeat of the host was answered, having arrived at ``now`` (a later time noted
+        already stays)."""
         with self._lock:
-            self._seen[host_id] = now
+            if self._seen.get(host_id, now) <= now:
+                self._seen[host_id] = now
 
     def owned(self, host_id: int, token_id: int) -> None:
         """The host's heartbeat with this credential was authorised and answered."""
@@ -423,10 +427,9 @@ class Liveness:
 
     def answered(self, host_id: int, now: datetime) -> None:
         """A heartbeat ``arrived`` noted has its answer (or failed) ``now``: its host was alive
-        until then, so ``now`` goes out with the next flush. A heartbeat worked out in the
-        database writes its host's time of arrival at its commit, which may be seconds older
-        than what a flush wrote while it waited (bench/fleet.py, 1,250 hosts: hosts marked lost
-        right after such a heartbeat was answered)."""
+        until then, so ``now`` goes out with the next flush: not only its time of arrival,
+        which may be seconds older than what a flush wrote while it waited (bench/fleet.py,
+        1,250 hosts: hosts marked lost right after such a heartbeat was answered)."""
         with self._lock:
             left = self._waiting.pop(host_id, 1) - 1
             if left:

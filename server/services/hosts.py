@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
-from sqlalchemy import Row, bindparam, exists, func, or_, select, update
+from sqlalchemy import Row, bindparam, exists, func, or_, select
 from sqlalchemy.orm import Session, joinedload, selectinload
 
 from contract.agent import WORKER_ORPHAN_EXIT_S, Assignment, Heartbeat, HeartbeatAck, HostRegister
@@ -183,9 +183,13 @@ def heartbeat(
 ) -> Answered:
     """Record liveness and worker reports; answer with what the host must run or stop.
 
-    A steady heartbeat (nothing changed) reads plain rows, not entities, and costs four
+    A steady heartbeat (nothing changed) reads plain rows, not entities, and costs three
     statements whatever the host's history or the size of its jobs: the host with its devices,
-    its ranks, their jobs, and the liveness write."""
+    its ranks and their jobs. It writes nothing: the host's time goes out with the caller's
+    liveness batch (``server.host_answers.Liveness``), as a heartbeat answered from memory's
+    does; only a host coming back (lost before) has its time written here, with its status, so
+    that the reaper never finds it active with the time it was lost at. Written here, the time
+    held the host's row to the commit, and the batch skipped it meanwhile."""
     host = get(session, host_id)
     _check_host_rights(principal, host.name)
     if host.agent_instance is not None and hb.instance != host.agent_instance:
@@ -196,6 +200,7 @@ def heartbeat(
         )
     if host.status != HostStatus.ACTIVE.value:
         host.status = HostStatus.ACTIVE
+        host.last_heartbeat = now
         for dev in host.devices:
             if dev.status == DeviceStatus.OFFLINE.value:
                 _back_online(session, dev)
@@ -227,8 +232,6 @@ def heartbeat(
     # (``jobs.advance_jobs``). Advancing changes nothing the answer says: a job that starts
     # running is ``run`` either way, and one that succeeds has none of its ranks live here.
     jobs.advance_jobs(session, applied.to_advance, now)
-    # last, and without the unit of work: nothing read above needs it flushed first
-    session.connection().execute(_ALIVE, {"host_id": host.id, "now": now})
     return Answered(ack, fewer_alike=not held)
 
 
@@ -278,7 +281,6 @@ _JOB_SHAPES = select(
     .scalar_subquery()
     .label("rank0_address"),
 ).where(Job.id.in_(bindparam("job_ids", expanding=True)))
-_ALIVE = update(Host).where(Host.id == bindparam("host_id")).values(last_heartbeat=bindparam("now"))
 
 
 def _placed_here(session: Session, host: Host, reported: set[int]) -> dict[tuple[int, int], Placed]:

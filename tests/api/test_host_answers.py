@@ -233,8 +233,9 @@ def test_a_flush_writes_every_hosts_liveness_in_one_statement(api: Api) -> None:
     with transaction(context.sessions) as s:
         before = {h: t for h, t in s.execute(select(Host.id, Host.last_heartbeat))}
     later = datetime.now(UTC) + timedelta(seconds=60)
-    for i, host_id in enumerate(ids):
+    for i, host_id in enumerate(ids[1:], start=1):
         context.liveness.seen(host_id, later + timedelta(seconds=i))
+        context.liveness.seen(host_id, later)  # an earlier heartbeat's, answered after: kept out
     context.liveness.seen(ids[0], before[ids[0]] - timedelta(seconds=60))  # older: not written
     writes: list[tuple[str, bool]] = []
 
@@ -633,3 +634,31 @@ def test_an_answer_is_kept_ten_minutes_by_default() -> None:
     """Its TTL is a backstop only (a lost notification is told, ``server.notify.LOST``): at
     60 s it sent a third of a fleet's database heartbeats there (bench/fleet.py)."""
     assert make_settings("sqlite://").heartbeat_answer_ttl_s == 600.0
+
+
+def test_a_heartbeat_the_database_works_out_writes_no_time_unless_its_host_comes_back(
+    api: Api,
+) -> None:
+    """Its time goes out with the liveness batch, as one answered from memory's does, so its
+    transaction holds no host row; a host that was lost has its status and time written
+    together, so the reaper never finds it active at the time it was lost at."""
+    host = api.register("h", devices=1)
+    host_id = int(host["id"])
+    context = _context(api)
+    _flush_liveness(context)
+    context.host_answers.invalidate([host_id])  # the next one goes to the database
+    before = _last_heartbeat(context, host_id)
+    with statements(context.engine) as sql:
+        assert _beat(api, host, []).status_code == 200
+    assert sql and not [s for s in sql if s.lstrip().upper().startswith(("UPDATE", "INSERT"))]
+    assert _last_heartbeat(context, host_id) == before
+    _flush_liveness(context)
+    assert _last_heartbeat(context, host_id) > before
+    lost_at = datetime.now(UTC) - timedelta(hours=1)
+    with transaction(context.sessions) as s:
+        s.execute(update(Host).values(status="lost", last_heartbeat=lost_at))
+    context.host_answers.invalidate([host_id])  # (as the reaper's own change does)
+    assert _beat(api, host, []).status_code == 200  # comes back: no flush needed
+    with transaction(context.sessions) as s:
+        status, at = s.execute(select(Host.status, Host.last_heartbeat)).one()
+    assert status == "active" and at.replace(tzinfo=UTC) > lost_at + timedelta(minutes=59)

@@ -75,6 +75,7 @@ async def heartbeat(
         return answered, changed_so_far(session)
 
     (ack, fewer_alike), own = await in_transaction(context, work)
+    context.liveness.seen(host_id, now)  # written with the next batch, as from memory
     context.liveness.owned(host_id, principal.token_id)  # its next heartbeats noted on arrival
     body = ack.model_dump_json().encode()
     # an answer that minted launch credentials is never repeated: each one retires the last
