@@ -386,9 +386,10 @@ class PgNotifyBus:
                     return
                 except (psycopg.Error, OSError):
                     self._drop_out()
-                    if attempt:
+                    if attempt:  # said once, not at every retry while the database is away
+                        level = logging.DEBUG if self._lost else logging.WARNING
+                        log.log(level, "plan bus: NOTIFY on %s failed", self.channel, exc_info=True)
                         self._lost = True
-                        log.warning("plan bus: NOTIFY on %s failed", self.channel, exc_info=True)
 
     def subscribe(
         self,
