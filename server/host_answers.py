@@ -4,9 +4,10 @@ Every host heartbeats every 2 s; at fleet scale (1,250 hosts) that is 625 reques
 almost all of them *steady*: the agent reports what it reported last time and the answer is
 the one it got last time. Working that answer out costs three statements and a commit (with a
 fourth that wrote the host's time, about 2.3 ms of an API process's CPU,
-``bench/request_cost.py``), which alone needs more than the one core an API process has. So each API process keeps, per host, the last heartbeat it answered
-and its answer (:class:`HostAnswers`), and answers the same heartbeat again from memory while
-nothing the answer depends on has changed. Liveness, the one thing a steady heartbeat still
+``bench/request_cost.py``), which alone needs more than the one core an API process has. So
+each API process keeps, per host, the last heartbeat it answered and its answer
+(:class:`HostAnswers`), and answers the same heartbeat again from memory while nothing the
+answer depends on has changed. Liveness, the one thing a steady heartbeat still
 writes, goes to the database in batches (:class:`Liveness`).
 
 What an answer depends on, and so what invalidates it (:func:`track`, on every session of the
@@ -260,12 +261,7 @@ class HostAnswers:
         nothing has changed since. One with fewer reports takes the last one's place, its body
         ``raw`` with it, so that its repeats are answered before the route."""
         answer = self._answers.get(host_id)
-        if (
-            answer is None
-            or answer.expires < self.clock()
-            or answer.principal != principal
-            or not answer.answers(heartbeat)
-        ):
+        if answer is None or self._why_not(answer, heartbeat, principal) is not None:
             self.misses += 1
             return None
         self.hits += 1
@@ -282,11 +278,17 @@ class HostAnswers:
         answer = self._answers.get(host_id)
         if answer is None:
             return "none"
+        return self._why_not(answer, heartbeat, principal) or "report"
+
+    def _why_not(self, answer: Answer, heartbeat: Heartbeat, principal: object) -> str | None:
+        """Why ``answer`` is not the one ``heartbeat`` gets, or None when it is."""
         if answer.expires < self.clock():
             return "expired"
         if answer.principal != principal:
             return "token"
-        return "report"
+        if not answer.answers(heartbeat):
+            return "report"
+        return None
 
     def get_raw(self, host_id: int, raw: bytes, principal: object) -> bytes | None:
         """The answer to give again when ``raw`` is, byte for byte, the body of the last
@@ -382,10 +384,10 @@ _ALIVE_IF_NEWER_PG = text(
 (autocommit), so it holds the rows for as long as the statement runs and no longer; and it
 never waits for a row another transaction holds (a host coming back, whose heartbeat writes its
 status and time at its commit; the reaper marking hosts lost): it skips it, says which rows it
-took, and the others go out with the next flush. Waiting, it held every row it had already written while it
-waited, so heartbeats of those hosts queued behind it, holding their database slots; at 1,250
-hosts it waited up to 10 s at a time (``pg_stat_activity``: Lock/transactionid), no host's
-time was written meanwhile, and the reaper marked hundreds of heartbeating hosts lost."""
+took, and the others go out with the next flush. Waiting, it held every row it had already
+written while it waited, so heartbeats of those hosts queued behind it, holding their database
+slots; at 1,250 hosts it waited up to 10 s at a time (``pg_stat_activity``:
+Lock/transactionid), no host's time was written meanwhile, and the reaper marked hundreds of heartbeating hosts lost."""
 
 
 class Liveness:

@@ -5,8 +5,9 @@ At 1,250 hosts the heartbeats a change sends to the database (a job's start or e
 hosts) queue for slots by the hundred, for seconds at a time. In one queue in arrival order, a
 job submitted from the CLI or the dashboard, and the status polls after it, waited behind all of
 them: 10 to 30 s a request at p50, and 18 to 49 s from a 64-worker job's submission to its
-placement, with the devices free; with this, 1 to 2.5 s and 2 to 6.5 s (bench/fleet.py). Heartbeats are the fleet's background: a host counts as alive
-from its heartbeat's arrival, however long the answer takes (``server.host_answers.Liveness``).
+placement, with the devices free; with this, 1 to 2.5 s and 2 to 6.5 s (bench/fleet.py).
+Heartbeats are the fleet's background: a host counts as alive from its heartbeat's arrival,
+however long the answer takes (``server.host_answers.Liveness``).
 So requests that ask ``first`` (every route but the heartbeat's database work) are handed a
 freed slot before any heartbeat waiting; among each kind, the first come is the first served.
 """
@@ -27,7 +28,6 @@ class DbSlots:
     def __init__(self, n: int) -> None:
         if n < 1:
             raise ValueError(f"database slots must be at least 1, not {n}")
-        self.total = n
         self.value = n
         """Slots free now."""
         self._first: deque[asyncio.Future[None]] = deque()
