@@ -387,7 +387,8 @@ status and time at its commit; the reaper marking hosts lost): it skips it, says
 took, and the others go out with the next flush. Waiting, it held every row it had already
 written while it waited, so heartbeats of those hosts queued behind it, holding their database
 slots; at 1,250 hosts it waited up to 10 s at a time (``pg_stat_activity``:
-Lock/transactionid), no host's time was written meanwhile, and the reaper marked hundreds of heartbeating hosts lost."""
+Lock/transactionid), no host's time was written meanwhile, and the reaper marked hundreds of
+heartbeating hosts lost."""
 
 
 class Liveness:
