@@ -40,6 +40,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import psutil
@@ -49,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("EVENFLOW_LOG_LEVEL", "warning")
 
 from fastapi.testclient import TestClient
+from sqlalchemy import event as sa_event
 from sqlalchemy import func, select
 
 from bench.ingest import database
@@ -89,6 +91,26 @@ def _timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             _calls[name] += 1
 
     return wrapper
+
+
+_statements: dict[str, int] = defaultdict(int)
+_SERVER = str(Path(__file__).resolve().parents[1] / "server")
+
+
+def _count_statement(*_: Any) -> None:
+    """A statement sent while measuring, counted by the server code that sent it (the first
+    frame in ``server/`` outside its database helpers)."""
+    if not _measuring:
+        return
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if path.startswith(_SERVER) and not path.endswith(("/db.py", "/host_answers.py")):
+            name = f"{Path(path).stem}.{frame.f_code.co_name}:{frame.f_lineno}"
+            _statements[name] += 1
+            return
+        frame = frame.f_back
+    _statements["(elsewhere)"] += 1
 
 
 def instrument() -> None:
@@ -236,6 +258,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ctx = context_of(client.app)  # type: ignore[arg-type]
         sim = Sim(client, sizes, args.policy, args.seed, args.round_s)
         controller = Controller(ctx.settings, engine=ctx.engine, sessions=ctx.sessions)
+        sa_event.listen(ctx.engine, "before_cursor_execute", _count_statement)
         controller.state.min_decision_interval_s = 0.0  # rounds stand for 2 s apart
         pg = PgCpu(url.rsplit("/", 1)[1])
         for _ in range(args.warmup):
@@ -291,6 +314,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "postgres_cpu_ms_per_swept_job": ms(pg_cpu),
         "phases_ms_per_swept_job": phases,
         "calls": dict(sorted(_calls.items())),
+        "statements_per_swept_job": round(sum(_statements.values()) / swept, 2),
+        "statements_per_swept_job_by_caller": {
+            name: round(n / swept, 2)
+            for name, n in sorted(_statements.items(), key=lambda kv: -kv[1])
+        },
         "controller_cpu_ms_per_sweep_by_size": {
             size: round(1000 * t / args.rounds, 2) for size, t in sorted(per_size.items())
         },

@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
+import psycopg
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import Engine, create_engine, event
@@ -93,7 +94,24 @@ def make_engine(url: str, *, pool_size: int = 16) -> Engine:
             cur.close()
 
         return engine
-    return create_engine(url, pool_size=pool_size, max_overflow=2 * pool_size, pool_pre_ping=True)
+    engine = create_engine(url, pool_size=pool_size, max_overflow=2 * pool_size, pool_pre_ping=True)
+    if engine.dialect.driver == "psycopg":
+        event.listen(engine, "before_cursor_execute", _binary_results)
+    return engine
+
+
+BINARY_RESULTS = "evenflow_binary_results"
+"""An execution option: psycopg hands this statement's rows over in PostgreSQL's binary format
+(``driver_rows``). Parsing text is most of what fetching a row costs on both sides: for the
+controller's read of 10,000 new telemetry rows, 8.7 ms of the client's CPU in text and 5.4 in
+binary, and about 4.6 and 3.0 ms of the server's (it formats floats as text)."""
+
+
+def _binary_results(
+    _conn: Any, cursor: Any, _statement: str, _params: Any, context: Any, _many: bool
+) -> None:
+    if context is not None and context.execution_options.get(BINARY_RESULTS):
+        cursor.format = psycopg.pq.Format.BINARY
 
 
 def checkpoint(engine: Engine) -> None:
@@ -125,8 +143,11 @@ def driver_rows(
     the controller's hottest read (a sweep's new telemetry rows, thousands a job), where
     building a SQLAlchemy ``Row`` per row was a quarter of reading them
     (``bench/controller_cost.py``). Executed as any statement is (compiled once, the engine's
-    events fired), only fetched from the cursor."""
-    result = session.connection().execute(statement, dict(params))
+    events fired), only fetched from the cursor; on psycopg, in binary (``BINARY_RESULTS``:
+    the same Python values)."""
+    result = session.connection().execute(
+        statement, dict(params), execution_options={BINARY_RESULTS: True}
+    )
     try:
         return list(result.cursor.fetchall())
     finally:

@@ -93,12 +93,22 @@ class StrEnumColumn(TypeDecorator[E]):
     def __init__(self, enum: type[E], length: int) -> None:
         super().__init__(length)
         self.enum = enum
+        self._members: dict[str, E] = {m.value: m for m in enum}
+        """Value -> member: a read looks its member up here. Calling the enum class goes
+        through ``EnumType.__call__`` at a microsecond a value, a fifth of a fleet
+        controller's placement pass (10,000 devices loaded with their kind and status)."""
 
     def process_bind_param(self, value: E | str | None, dialect: Dialect) -> str | None:
-        return None if value is None else self.enum(value).value
+        if value is None:
+            return None
+        member = self._members.get(value)  # a member hashes and compares as its value
+        return (member if member is not None else self.enum(value)).value
 
     def process_result_value(self, value: str | None, dialect: Dialect) -> E | None:
-        return None if value is None else self.enum(value)
+        if value is None:
+            return None
+        member = self._members.get(value)
+        return member if member is not None else self.enum(value)  # unknown: ValueError
 
 
 PENDING_REASON_LENGTH = 500

@@ -234,6 +234,46 @@ def test_posts_that_arrive_while_one_is_written_share_the_next_transaction(
     assert groups == [1, 21]  # the first alone, the rest queued behind it together
 
 
+def test_an_urgent_post_is_written_ahead_of_the_posts_queued_before_it(
+    api: Api, jobs: Jobs
+) -> None:
+    """The writer's next transaction after the one under way is the urgent posts' alone (a
+    straggler's onset), then the others in the order they came."""
+    engine = context_of(api.client.app).engine  # type: ignore[arg-type]
+    held, groups = Held(), list[int]()
+    writer = TelemetryWriter(engine, held, groups.append)
+    first = Post(jobs.running, _batch([(0, 0)], 1.0, True), ADMIN)
+    regular = [Post(jobs.running, _batch([(r, 1)], 2.0, True), ADMIN) for r in range(4)]
+    urgent = [Post(jobs.running, _urgent(_batch([(r, 2)], 3.0, True)), ADMIN) for r in (1, 2)]
+    queued = [*regular[:2], urgent[0], *regular[2:], urgent[1]]
+
+    async def post_all() -> list[Any]:
+        answers = [asyncio.ensure_future(writer.store(first))]
+        await asyncio.to_thread(held.entered.wait, 10)  # the writer has taken the first
+        answers += [asyncio.ensure_future(writer.store(p)) for p in queued]
+        await asyncio.sleep(0.2)
+        held.lock.release()
+        return await asyncio.gather(*answers)
+
+    held.lock.acquire()
+    try:
+        answers = asyncio.run(post_all())
+    finally:
+        writer.close()
+    assert answers == [(1, 0)] * 7
+    assert groups == [1, 2, 4]  # the one under way; the urgent two; the rest
+    with engine.connect() as conn:
+        marks = conn.execute(
+            text("SELECT compute_ms FROM iteration_telemetry WHERE job_id = :j ORDER BY id"),
+            {"j": jobs.running},
+        ).scalars()
+        assert list(marks) == [1.0, 3.0, 3.0, 2.0, 2.0, 2.0, 2.0]
+
+
+def _urgent(batch: TelemetryBatch) -> TelemetryBatch:
+    return batch.model_copy(update={"urgent": True})
+
+
 def test_a_group_that_fails_is_written_post_by_post(
     api: Api, jobs: Jobs, monkeypatch: pytest.MonkeyPatch
 ) -> None:
