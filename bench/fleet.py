@@ -310,6 +310,11 @@ class Job:
     """Iterations the job had run past the slowdown's first slow iteration when the event was
     first seen: the end-to-end delay on the job's own clock (``detected_at_iteration`` counts
     the iterations *posted*, which move in steps of up to ten, every ``FLUSH_S``)."""
+    urgent_post_wall: tuple[float, float] | None = None
+    """When the straggler's urgent post went out and when it was answered (its rows stored),
+    on the wall clock: where the detection delay at load goes (``detection_breakdown``)."""
+    stored_wall: float | None = None
+    """When the server stored the straggler's event (its ``created_at``)."""
     detector_iteration: int | None = None
     """The iteration at which the server's detector raised it (the event's
     ``detail.detected_iteration``): the detector's own delay, without the posting cadence, the
@@ -581,7 +586,10 @@ class Fleet:
                 continue
             urgent = urgent_at is not None and job.sent < urgent_at <= done
             job.in_flight = done
+            sent_at = time.time()
             await self.post_iterations(job, job.sent + 1, done, urgent)
+            if urgent:
+                job.urgent_post_wall = (sent_at, time.time())
             job.sent = done
         job.finished = True
         self.stats.jobs_finished += 1
@@ -864,9 +872,28 @@ def stored_after_onset(db_url: str, jobs: list[Job]) -> dict[int, float]:
     out = {}
     for job_id, at in rows:
         job = started[job_id]
-        stored = at.timestamp()  # timestamptz: PostgreSQL hands back aware times
+        stored = job.stored_wall = at.timestamp()  # timestamptz: aware times
         onset = job.trained_from_wall + (STRAGGLER_ONSET + 1) / job.rate
         out[job_id] = round((stored - onset) * job.rate, 1)
+    return out
+
+
+def detection_breakdown(jobs: list[Job]) -> list[dict[str, float]]:
+    """Per straggler job whose event was stored, where its delay went, in seconds: the urgent
+    post's round trip (the API storing its rows) and from its answer to the event's commit (the
+    wake-up reaching the controller and its sweep), with the job's rate (iterations/s)."""
+    out = []
+    for j in jobs:
+        if j.urgent_post_wall is None or j.stored_wall is None:
+            continue
+        sent, answered = j.urgent_post_wall
+        out.append(
+            {
+                "rate": j.rate,
+                "post_s": round(answered - sent, 2),
+                "then_stored_s": round(j.stored_wall - answered, 2),
+            }
+        )
     return out
 
 
@@ -1083,6 +1110,7 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
             "stored_alone_iterations": stored.get(alone.id),
             "stored_at_load_iterations": [stored[j.id] for j in stragglers if j.id in stored],
             "stragglers_not_stored": sum(1 for j in stragglers if j.id not in stored),
+            "detection_breakdown": detection_breakdown(stragglers),
             "db_growth_mb_per_hour": round((size1 - size0) / 2**20 * 3600 / elapsed, 1),
             "db_mb_per_worker_day": round(
                 (size1 - size0) / 2**20 * 86_400 / elapsed / max(1, workers), 2
