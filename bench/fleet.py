@@ -241,10 +241,11 @@ def controller_rounds(log: Path) -> list[dict[str, float]]:
         r"controller rounds: (\d+) in (\d+) s, live jobs (\d+)-(\d+), "
         r"swept per round ([\d.]+), round ms p50 ([\d.]+) p99 ([\d.]+) max ([\d.]+)"
         r"(?:; cpu s: rounds ([\d.]+), placement ([\d.]+) \((\d+) passes\))?"
+        r"(?:; urgent jobs (\d+), waited ms p50 ([\d.]+) max ([\d.]+))?"
     )
     out = []
     for m in pattern.finditer(log.read_text(errors="replace")):
-        rounds, secs, _lo, hi, swept, p50, p99, mx, cpu, placement, passes = m.groups()
+        rounds, secs, _lo, hi, swept, p50, p99, mx, cpu, placement, passes, *urgent = m.groups()
         window: dict[str, float] = {
             "rounds": int(rounds),
             "seconds": int(secs),
@@ -259,6 +260,12 @@ def controller_rounds(log: Path) -> list[dict[str, float]]:
                 "rounds_cpu_s": float(cpu),
                 "placement_cpu_s": float(placement),
                 "placement_passes": int(passes),
+            }
+        if urgent[0] is not None:  # jobs poked as urgent, and how long they waited for a round
+            window |= {
+                "urgent_jobs": int(urgent[0]),
+                "urgent_wait_ms_p50": float(urgent[1]),
+                "urgent_wait_ms_max": float(urgent[2]),
             }
         out.append(window)
     return out

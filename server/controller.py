@@ -115,6 +115,8 @@ class Controller:
         self._urgent_lock = threading.Lock()
         self._hot: dict[int, float] = {}
         """Job -> until when it is hot (``HOT_S``) for having been poked."""
+        self._poked_at: dict[int, float] = {}
+        """Urgent job -> when it was first poked since a round last took it (``RoundStats``)."""
         self._hot_seen: dict[int, int] = {}
         """Hot job -> its newest telemetry row id when a round last looked."""
         self._place_wake = threading.Event()
@@ -149,16 +151,23 @@ class Controller:
             ids.discard(PLACEMENT)
             if not ids:
                 return
-        until = time.monotonic() + HOT_S
+        now = time.monotonic()
+        until = now + HOT_S
         with self._urgent_lock:
             self._urgent |= ids
             self._hot.update(dict.fromkeys(ids, until))
+            for job_id in ids:
+                self._poked_at.setdefault(job_id, now)
         self._sweep_now = True
         self._wake.set()
 
     def _take_urgent(self) -> list[int]:
+        now = time.monotonic()
         with self._urgent_lock:
             ids, self._urgent = sorted(self._urgent), set()
+            waits = [now - self._poked_at.pop(j) for j in ids if j in self._poked_at]
+        for wait in waits:
+            self.round_stats.add_urgent_wait(1000 * wait)
         return ids
 
     def _pause(self, stop: threading.Event, seconds: float) -> bool:
@@ -357,20 +366,22 @@ class Controller:
 
     def roll_up_telemetry(self, budget_s: float = ROLL_UP_BUDGET_S) -> int:
         """Roll up telemetry older than each job's retention window, a chunk per short
-        transaction, for at most ``budget_s`` (the next pass goes on where this one stopped).
-        Returns the raw rows removed."""
+        transaction, for at most ``budget_s`` (the next pass goes on where this one stopped),
+        and not while a job poked as urgent waits for its sweep (``poke``: a straggler's
+        detection waited out two seconds of roll-up at 1,250 hosts). Returns the raw rows
+        removed."""
         deadline = time.monotonic() + budget_s
         with transaction(self.sessions) as s:
             jobs = self.retention.candidates(s)
         removed = 0
         for job_id in jobs:
-            while time.monotonic() < deadline:
+            while time.monotonic() < deadline and not self._urgent:
                 with self.write_lock, transaction(self.sessions) as s:
                     moved = self.retention.roll_up(s, job_id)
                 removed += moved
                 if not moved:
                     break
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= deadline or self._urgent:
                 break
         if removed:
             log.info("rolled up %d telemetry rows", removed)
@@ -459,6 +470,12 @@ class RoundStats:
         self._lock = threading.Lock()
         self._passes = 0
         self._placement_cpu = 0.0
+        self._urgent_ms: list[float] = []
+
+    def add_urgent_wait(self, ms: float) -> None:
+        """A job poked as urgent waited ``ms`` for a round to take it up (the work under way
+        when the poke came: a job's sweep, the reaper, a roll-up)."""
+        self._urgent_ms.append(ms)
 
     def add_placement(self, cpu_s: float) -> None:
         """A placement pass took ``cpu_s`` of its thread's CPU (any thread may call it)."""
@@ -478,10 +495,11 @@ class RoundStats:
         with self._lock:
             passes, placement_cpu = self._passes, self._placement_cpu
             self._passes, self._placement_cpu = 0, 0.0
+        urgent = sorted(self._urgent_ms) or [0.0]
         log.info(
             "controller rounds: %d in %.0f s, live jobs %d-%d, swept per round %.1f, "
             "round ms p50 %.1f p99 %.1f max %.1f; cpu s: rounds %.1f, placement %.1f "
-            "(%d passes)",
+            "(%d passes); urgent jobs %d, waited ms p50 %.1f max %.1f",
             len(ordered),
             now - self._since,
             min(self._jobs),
@@ -493,8 +511,12 @@ class RoundStats:
             self._cpu,
             placement_cpu,
             passes,
+            len(self._urgent_ms),
+            urgent[len(urgent) // 2],
+            urgent[-1],
         )
         self._since, self._ms, self._jobs, self._swept = now, [], [], []
+        self._urgent_ms = []
         self._cpu = 0.0
 
 

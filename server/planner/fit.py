@@ -242,13 +242,62 @@ def fit_model(
     ``max_batch`` and ``granularity`` only shape the suggested exploration.
     """
     rows = _checked(observations, half_life_iterations)
-    if not rows:
+    x = np.array([o.batch_size for o in rows], dtype=np.float64)
+    y = np.array([o.compute_ms for o in rows], dtype=np.float64)
+    its = np.array([o.iteration for o in rows], dtype=np.float64)
+    return _fit(x, y, its, half_life_iterations, fit_floor, max_batch, granularity)
+
+
+def fit_arrays(
+    batch_sizes: npt.ArrayLike,
+    compute_ms: npt.ArrayLike,
+    iterations: npt.ArrayLike,
+    *,
+    half_life_iterations: float | None = 100.0,
+    fit_floor: bool = True,
+    max_batch: int | None = None,
+    granularity: int = 1,
+) -> ModelFit:
+    """``fit_model`` of the observations ``zip(batch_sizes, compute_ms, iterations)`` given as
+    columns: the same fit to the last bit, without an ``Observation`` per row (the control loop
+    keeps each job's fit window as arrays, ``rebalancer.FitWindow``)."""
+    x = np.asarray(batch_sizes, dtype=np.float64)
+    y = np.asarray(compute_ms, dtype=np.float64)
+    its = np.asarray(iterations, dtype=np.float64)
+    if not x.shape == y.shape == its.shape or x.ndim != 1:
+        raise InvalidInput(
+            "observation columns must be 1-d and of one length", field="observations"
+        )
+    bad = (x < 0) | ~np.isfinite(y) | (y < 0)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        o = Observation(int(x[i]), float(y[i]), int(its[i]))
+        raise InvalidInput(f"bad observation {o!r}", field="observations")
+    _check_half_life(half_life_iterations)
+    some = x >= 1
+    if not some.all():
+        x, y, its = x[some], y[some], its[some]
+    return _fit(x, y, its, half_life_iterations, fit_floor, max_batch, granularity)
+
+
+def _fit(
+    x: FloatArray,
+    y: FloatArray,
+    its: FloatArray,
+    half_life_iterations: float | None,
+    fit_floor: bool,
+    max_batch: int | None,
+    granularity: int,
+) -> ModelFit:
+    """``fit_model`` of checked observations with a batch size of at least 1, as columns."""
+    n = len(x)
+    if not n:
         return ModelFit(False, None, "no observations with a batch size >= 1", 0, 0, 0, 0)
-    x, y, w = _weighted(rows, half_life_iterations)
+    w = _weights(its, half_life_iterations)
     scale = max(float(np.median(y)), 1e-9)
     sizes = np.unique(x)
     if len(sizes) < 2:
-        return _not_identifiable(x, y, w, len(rows), 0, max_batch, granularity)
+        return _not_identifiable(x, y, w, n, 0, max_batch, granularity)
 
     # Stage 1, robust: choose the form (line, or floor up to a knee) on all observations.
     notes: list[str] = []
@@ -262,7 +311,7 @@ def fit_model(
     trimmed = int((~keep).sum())
     x, y, w = x[keep], y[keep], w[keep]
     if len(np.unique(x)) < 2:
-        return _not_identifiable(x, y, w, len(rows), trimmed, max_batch, granularity)
+        return _not_identifiable(x, y, w, n, trimmed, max_batch, granularity)
     model = _fit_form(x, y, w, knee, scale, robust=False, notes=notes)
     if model is None:  # the floor does not survive trimming: fall back to the line
         knee = None
@@ -283,7 +332,7 @@ def fit_model(
         identifiable=True,
         model=model,
         reason=f"fitted on {len(x)} observations at {distinct} batch sizes, R^2 {r2:.3f}",
-        observations=len(rows),
+        observations=n,
         used=len(x),
         trimmed=trimmed,
         distinct_batch_sizes=distinct,
@@ -302,21 +351,21 @@ def _checked(
     for o in rows:
         if o.batch_size < 0 or not math.isfinite(o.compute_ms) or o.compute_ms < 0:
             raise InvalidInput(f"bad observation {o!r}", field="observations")
-    if half_life_iterations is not None and not half_life_iterations > 0:
-        raise InvalidInput("half_life_iterations must be positive", field="half_life_iterations")
+    _check_half_life(half_life_iterations)
     return [o for o in rows if o.batch_size >= 1]
 
 
-def _weighted(
-    rows: list[Observation], half_life_iterations: float | None
-) -> tuple[FloatArray, FloatArray, FloatArray]:
-    """Batch sizes, compute times and recency weights (ages from the latest iteration)."""
-    x = np.array([o.batch_size for o in rows], dtype=np.float64)
-    y = np.array([o.compute_ms for o in rows], dtype=np.float64)
-    its = np.array([o.iteration for o in rows], dtype=np.float64)
+def _check_half_life(half_life_iterations: float | None) -> None:
+    if half_life_iterations is not None and not half_life_iterations > 0:
+        raise InvalidInput("half_life_iterations must be positive", field="half_life_iterations")
+
+
+def _weights(its: FloatArray, half_life_iterations: float | None) -> FloatArray:
+    """Recency weights of observations at iterations ``its`` (ages from the latest)."""
     age = its.max() - its
-    w = np.ones_like(x) if half_life_iterations is None else 0.5 ** (age / half_life_iterations)
-    return x, y, w
+    if half_life_iterations is None:
+        return np.ones_like(its)
+    return 0.5 ** (age / half_life_iterations)  # type: ignore[no-any-return]
 
 
 def _inliers(

@@ -22,6 +22,7 @@ from server.services.rebalancer import (
     REREAD_IDS,
     FitWindow,
     LastDecision,
+    NewColumns,
     NewRows,
     Progress,
     Tracker,
@@ -145,11 +146,13 @@ def sweep(session: Session, state: LoopState, *, watch: bool = True) -> list[tup
 
 def take_in(session: Session, state: LoopState, job: Job) -> Progress:
     """Read the job's new telemetry rows once (``NewRows``) and hand them to its tracker, fit
-    window and straggler watch; the job's progress."""
+    window and straggler watch, as columns (``NewColumns``); the job's progress."""
     rows = state.readers.setdefault(job.id, NewRows()).read(session, job)
-    progress = state.trackers.setdefault(job.id, Tracker()).absorb(session, job, rows)
-    state.windows.setdefault(job.id, FitWindow()).add(session, job, rows, rebalancer.FIT_WINDOW)
-    state.watches.setdefault(job.id, Watch()).add(rows)
+    columns = NewColumns(rows) if rows else None
+    progress = state.trackers.setdefault(job.id, Tracker()).absorb(session, job, rows, columns)
+    window = state.windows.setdefault(job.id, FitWindow())
+    window.add(session, job, rows, rebalancer.FIT_WINDOW, columns)
+    state.watches.setdefault(job.id, Watch()).add(rows, columns)
     return progress
 
 

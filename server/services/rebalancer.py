@@ -15,12 +15,14 @@ Frozen jobs and the ``equal`` policy are never re-planned automatically.
 
 from __future__ import annotations
 
-from bisect import bisect_right, insort
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from operator import attrgetter
+from operator import countOf, itemgetter
+from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 from sqlalchemy import bindparam, func, select
 from sqlalchemy.orm import Session
 
@@ -28,6 +30,7 @@ from contract.enums import PlanSource, PolicyName
 from server.db import driver_rows
 from server.models import IterationTelemetry, Job, Plan, Worker
 from server.planner import ModelFit, Observation, fit_model
+from server.planner.fit import fit_arrays
 from server.planner.rebalance import RebalanceDecision, RebalanceInput, decide
 from server.services import memory, plans, retention
 
@@ -100,6 +103,62 @@ straggler watch's replay (``stragglers.REPLAY``), not the raw history a retentio
 raw history)."""
 
 
+Ints = npt.NDArray[np.int64]
+Floats = npt.NDArray[np.float64]
+
+
+class NewColumns:
+    """A sweep's new rows (``NewRows``) as columns, built once for the tracker, the fit window
+    and the straggler watch, which take them as arrays: row by row in Python, the three were
+    a fifth of a fleet controller's time at 1,250 hosts (``bench/fleet.py``), for work that is
+    the same for every row. The nullable columns (an out-of-memory report, a pass size, a peak)
+    are mostly empty, and are looked at row by row only where they are not."""
+
+    __slots__ = ("batch", "compute", "iteration", "probe", "rank", "rows", "version")
+
+    def __init__(self, rows: Sequence[NewRow]) -> None:
+        self.rows = rows
+        self.rank: Ints = self._column(1, np.int64)
+        self.iteration: Ints = self._column(2, np.int64)
+        self.version: Ints = self._column(3, np.int64)
+        self.probe: npt.NDArray[np.bool_] = self._column(4, np.bool_)
+        self.batch: Ints = self._column(6, np.int64)
+        self.compute: Floats = self._column(7, np.float64)
+
+    def _column(self, i: int, dtype: Any) -> Any:
+        # a column at a time from the rows, in C (zip(*rows) was twice as long)
+        return np.fromiter(map(itemgetter(i), self.rows), dtype=dtype, count=len(self.rows))
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def _empty(self, column: int) -> bool:
+        return countOf(map(itemgetter(column), self.rows), None) == len(self.rows)
+
+    def ooms(self) -> list[tuple[int, int, int]]:
+        """``(rank, iteration, pass size)`` of the rows that report running out of memory."""
+        if self._empty(5):
+            return []
+        return [(r[1], r[2], r[5]) for r in self.rows if r[5] is not None]
+
+    def pass_sizes(self) -> Ints | None:
+        """Each row's pass size, 0 where it has none; None when no row has one."""
+        if self._empty(8):
+            return None
+        return np.fromiter((r[8] or 0 for r in self.rows), dtype=np.int64, count=len(self.rows))
+
+    def memory_rows(self) -> list[tuple[int, memory.MemoryRow]]:
+        """``(iteration, memory row)`` of the rows that measured a peak or ran out of memory
+        (``memory.KeptMemory``)."""
+        if self._empty(5) and self._empty(9):
+            return []
+        return [
+            (r[2], (r[1], r[3], r[6], r[9], bool(r[4]), r[8], r[5]))
+            for r in self.rows
+            if r[5] is not None or (r[9] is not None and r[6] > 0)
+        ]
+
+
 @dataclass
 class NewRows:
     """A job's telemetry rows added since the last look, by id. The control loop reads them
@@ -140,6 +199,26 @@ class NewRows:
         return rows
 
 
+def _last_by_key(keys: Ints, values: Ints) -> Iterator[tuple[int, int]]:
+    """``(key, largest value)`` of each distinct key, keys ascending."""
+    if not len(keys):
+        return iter(())
+    order = np.lexsort((values, keys))
+    k, v = keys[order], values[order]
+    last = np.flatnonzero(np.append(k[1:] != k[:-1], True))
+    return zip(k[last].tolist(), v[last].tolist(), strict=True)
+
+
+def _first_by_key(keys: Ints, values: Ints) -> Iterator[tuple[int, int]]:
+    """``(key, smallest value)`` of each distinct key, keys ascending."""
+    if not len(keys):
+        return iter(())
+    order = np.lexsort((values, keys))
+    k, v = keys[order], values[order]
+    first = np.flatnonzero(np.insert(k[1:] != k[:-1], 0, True))
+    return zip(k[first].tolist(), v[first].tolist(), strict=True)
+
+
 @dataclass
 class Tracker:
     """A job's progress, kept up to date from the telemetry rows added since the last look
@@ -164,20 +243,31 @@ class Tracker:
     stays listed, ``departed``), and a restart starts a new tracker. Loading the workers to
     count them was a tenth of a steady sweep (256 entities per round for a 256-rank job)."""
 
-    def absorb(self, session: Session, job: Job, rows: Sequence[NewRow]) -> Progress:
-        """Take in rows not taken before (``NewRows``); the job's progress."""
+    def absorb(
+        self,
+        session: Session,
+        job: Job,
+        rows: Sequence[NewRow],
+        columns: NewColumns | None = None,
+    ) -> Progress:
+        """Take in rows not taken before (``NewRows``; ``columns``: the same as columns, when
+        the caller has them); the job's progress."""
         if not self.started:  # history older than the raw window is rolled up
             self.first_of_version.update(retention.first_iteration_of_versions(session, job.id))
             self.started = True
-        seen, firsts = self.max_iteration, self.first_of_version
-        for _, rank, iteration, version, probe, oom, _, _, _, _ in rows:
-            if oom is not None:  # (job, rank, iteration) is unique; NewRows hands a row out once
-                self.ooms.append((rank, iteration, oom))
-            if not probe and seen.get(rank, -1) < iteration:
-                seen[rank] = iteration
-            first = firsts.get(version)
-            if first is None or iteration < first:
-                firsts[version] = iteration
+        if rows:
+            cols = columns if columns is not None else NewColumns(rows)
+            # (job, rank, iteration) is unique, and NewRows hands a row out once
+            self.ooms += cols.ooms()
+            seen, firsts = self.max_iteration, self.first_of_version
+            counted = ~cols.probe
+            for rank, newest in _last_by_key(cols.rank[counted], cols.iteration[counted]):
+                if seen.get(rank, -1) < newest:
+                    seen[rank] = newest
+            for version, oldest in _first_by_key(cols.version, cols.iteration):
+                first = firsts.get(version)
+                if first is None or oldest < first:
+                    firsts[version] = oldest
         return self.progress(session, job)
 
     def progress(self, session: Session, job: Job) -> Progress:
@@ -214,18 +304,23 @@ def fits(
     key = (len(job.workers), spec.max_batch_per_worker, spec.policy.granularity)
     if kept is not None and kept.fitted is not None and kept.fitted[0] == key:
         return list(kept.fitted[1])
-    by_rank = kept.observations() if kept is not None else observed(session, job, window)
-    made = [
-        fit_model(
-            by_rank[r],
-            half_life_iterations=HALF_LIFE,
-            max_batch=spec.max_batch_per_worker,
-            granularity=spec.policy.granularity,
-        )
-        if by_rank.get(r)
-        else None
-        for r in range(len(job.workers))
-    ]
+    options: dict[str, Any] = {
+        "half_life_iterations": HALF_LIFE,
+        "max_batch": spec.max_batch_per_worker,
+        "granularity": spec.policy.granularity,
+    }
+    if kept is not None:
+        columns = kept.by_rank()
+        made = [
+            fit_arrays(*columns[r], **options) if r in columns else None
+            for r in range(len(job.workers))
+        ]
+    else:
+        by_rank = observed(session, job, window)
+        made = [
+            fit_model(by_rank[r], **options) if by_rank.get(r) else None
+            for r in range(len(job.workers))
+        ]
     if kept is not None:
         kept.fitted = (key, made)
     return list(made)
@@ -263,7 +358,12 @@ def _converted(
             yield rank, _one_pass(batch, compute, iteration, cap)
 
 
-_BY_ITERATION = attrgetter("iteration")
+def _no_ints() -> Ints:
+    return np.empty(0, dtype=np.int64)
+
+
+def _no_floats() -> Floats:
+    return np.empty(0, dtype=np.float64)
 
 
 @dataclass
@@ -274,12 +374,18 @@ class FitWindow:
     Read whole for each decision and each refresh of the normal models, the window was the
     controller's largest cost in the fleet bench; kept, each row is read and converted once.
 
-    Per rank, in iteration order (a row that turns up late, on PostgreSQL, takes its place),
-    as ``observed`` reads them."""
+    Kept as columns, in the order the rows came (``NewColumns``: an ``Observation`` per row was
+    a tenth of a fleet controller's time); per rank, in iteration order (a row that turns up
+    late, on PostgreSQL, takes its place after those of its iteration), as ``observed`` reads
+    them."""
 
     newest: int | None = None
     """The newest iteration of any row taken (the window ends there)."""
-    by_rank: dict[int, list[Observation]] = field(default_factory=dict)
+    rank: Ints = field(default_factory=_no_ints)
+    batch: Ints = field(default_factory=_no_ints)
+    """Each observation's batch size as the single-pass model sees it (``_one_pass``)."""
+    compute: Floats = field(default_factory=_no_floats)
+    iteration: Ints = field(default_factory=_no_ints)
     caps: dict[int, list[int | None] | None] = field(default_factory=dict)
     """The memory caps of the plan versions met so far (None: none); plans never change."""
     memory: memory.KeptMemory = field(default_factory=memory.KeptMemory)
@@ -288,49 +394,107 @@ class FitWindow:
     """``fits`` of the window as it is, with what they were made for (ranks, cap,
     granularity): a sweep that both decides (``propose``) and refreshes the straggler watch's
     normal models fits each rank once. Dropped when rows come in."""
+    _grouped: dict[int, tuple[Ints, Floats, Ints]] | None = None
+    """``by_rank`` of the window as it is (dropped when rows come in)."""
 
-    def add(self, session: Session, job: Job, rows: Sequence[NewRow], window: int) -> None:
-        """Take in rows not taken before (``NewRows``) and let the oldest leave."""
+    def add(
+        self,
+        session: Session,
+        job: Job,
+        rows: Sequence[NewRow],
+        window: int,
+        columns: NewColumns | None = None,
+    ) -> None:
+        """Take in rows not taken before (``NewRows``; ``columns``: the same as columns) and
+        let the oldest leave."""
         if not rows:
             return
-        self.fitted = None
-        newest = max(r[2] for r in rows)
+        cols = columns if columns is not None else NewColumns(rows)
+        self.fitted = self._grouped = None
+        newest = int(cols.iteration.max())
         self.newest = newest if self.newest is None else max(self.newest, newest)
         cutoff = self.newest - window
-        versions = {r[3] for r in rows} - set(self.caps)
+        versions = set(np.unique(cols.version).tolist()) - set(self.caps)
         if versions:
             known = memory.caps_by_version(session, job.id)
             self.caps.update({v: known.get(v) for v in versions})
-        caps = self.plan_caps()
-        fresh = rows if min(r[2] for r in rows) > cutoff else [r for r in rows if r[2] > cutoff]
-        by_rank = self.by_rank
-        for rank, obs in _converted(fresh, caps):
-            kept = by_rank.get(rank)
-            if kept is None:
-                kept = by_rank[rank] = []
-            if kept and kept[-1].iteration > obs.iteration:
-                insort(kept, obs, key=_BY_ITERATION)
-            else:
-                kept.append(obs)
-        for kept in self.by_rank.values():
-            if kept and kept[0].iteration <= cutoff:
-                del kept[: bisect_right(kept, cutoff, key=_BY_ITERATION)]
-        self.memory.add(
-            [
-                (r[2], (r[1], r[3], r[6], r[9], bool(r[4]), r[8], r[5]))
-                for r in rows
-                if r[5] is not None or (r[9] is not None and r[6] > 0)
-            ],
-            self.newest,
-        )
+        fresh = (cols.iteration > cutoff) & (cols.batch > 0)
+        batch, compute = _one_passes(cols, fresh, self.plan_caps())
+        kept = self.iteration > cutoff
+        if not kept.all():
+            self.rank, self.batch = self.rank[kept], self.batch[kept]
+            self.compute, self.iteration = self.compute[kept], self.iteration[kept]
+        self.rank = np.concatenate((self.rank, cols.rank[fresh]))
+        self.batch = np.concatenate((self.batch, batch))
+        self.compute = np.concatenate((self.compute, compute))
+        self.iteration = np.concatenate((self.iteration, cols.iteration[fresh]))
+        self.memory.add(cols.memory_rows(), self.newest)
 
     def plan_caps(self) -> dict[int, list[int | None]]:
         """The memory caps of the plan versions met so far, by version (plans with caps)."""
         return {v: c for v, c in self.caps.items() if c}
 
+    def by_rank(self) -> dict[int, tuple[Ints, Floats, Ints]]:
+        """Per rank with observations, its ``(batch sizes, compute ms, iterations)`` in
+        iteration order (of one iteration, in the order they came: a stable sort)."""
+        if self._grouped is None:
+            order = np.lexsort((self.iteration, self.rank))
+            ranks = self.rank[order]
+            cuts = np.flatnonzero(ranks[1:] != ranks[:-1]) + 1
+            starts = [0, *cuts.tolist()]
+            ends = [*cuts.tolist(), len(order)]
+            batch, compute, iteration = (
+                self.batch[order],
+                self.compute[order],
+                self.iteration[order],
+            )
+            self._grouped = {
+                int(ranks[a]): (batch[a:b], compute[a:b], iteration[a:b])
+                for a, b in zip(starts, ends, strict=True)
+                if b > a
+            }
+        return self._grouped
+
     def observations(self) -> dict[int, list[Observation]]:
         """Per rank, the window's observations (ranks with some)."""
-        return {rank: list(kept) for rank, kept in self.by_rank.items() if kept}
+        return {
+            rank: [
+                Observation(b, c, i)
+                for b, c, i in zip(x.tolist(), y.tolist(), its.tolist(), strict=True)
+            ]
+            for rank, (x, y, its) in self.by_rank().items()
+        }
+
+
+def _one_passes(
+    cols: NewColumns, fresh: npt.NDArray[np.bool_], caps: dict[int, list[int | None]]
+) -> tuple[Ints, Floats]:
+    """``(batch, compute ms)`` of the ``fresh`` rows as the single-pass model sees them
+    (``_one_pass``, with ``_converted``'s caps: the row's pass size, else its plan's cap for
+    the rank unless it is a probe), as arrays."""
+    batch, compute = cols.batch[fresh], cols.compute[fresh]
+    sizes = cols.pass_sizes()
+    cap = np.zeros(len(batch), dtype=np.int64) if sizes is None else sizes[fresh]
+    if caps:
+        planned = (cap == 0) & ~cols.probe[fresh]
+        if planned.any():
+            version, rank = cols.version[fresh], cols.rank[fresh]
+            for v, of_ranks in caps.items():
+                rows = planned & (version == v)
+                if rows.any():
+                    table = np.array([c or 0 for c in of_ranks], dtype=np.int64)
+                    r = rank[rows]
+                    inside = r < len(table)
+                    cap[rows] = np.where(inside, table[np.where(inside, r, 0)], 0)
+    split = (cap > 0) & (batch > cap)
+    if not split.any():
+        return batch, compute
+    b, c = batch[split], cap[split]
+    k = -(-b // c)
+    batch, compute = batch.copy(), compute.copy()
+    batch[split] = np.maximum(1, np.round(b / k)).astype(np.int64)
+    compute[split] = compute[split] / k
+    return batch, compute
 
 
 def _cap_in(caps: list[int | None] | None, rank: int) -> int | None:

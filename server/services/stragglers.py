@@ -16,9 +16,13 @@ from __future__ import annotations
 
 import logging
 import statistics
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 from sqlalchemy import bindparam, func, select
 from sqlalchemy.orm import Session
 
@@ -29,7 +33,7 @@ from server.models import StragglerEvent as EventRow
 from server.planner import PerfModel
 from server.services import plans, rebalancer
 from server.services.audit import record
-from server.services.rebalancer import FitWindow, NewRow, Progress
+from server.services.rebalancer import FitWindow, NewColumns, NewRow, Progress
 from server.stragglers import (
     Change,
     Decision,
@@ -61,6 +65,46 @@ REPLAY = rebalancer.FIRST_READ_ITERATIONS
 """Iterations replayed into a fresh detector (after a restart or for a new job)."""
 
 
+class Pending:
+    """A watch's kept timings, as columns (``NewColumns``): rank, iteration, batch, compute ms
+    and plan version of each row with samples not fed to the detector yet."""
+
+    __slots__ = ("batch", "compute", "iteration", "rank", "version")
+
+    def __init__(self) -> None:
+        self.rank = np.empty(0, dtype=np.int64)
+        self.iteration = np.empty(0, dtype=np.int64)
+        self.batch = np.empty(0, dtype=np.int64)
+        self.compute = np.empty(0, dtype=np.float64)
+        self.version = np.empty(0, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.rank)
+
+    def add(self, cols: NewColumns, rows: npt.NDArray[np.bool_]) -> None:
+        if not rows.any():
+            return
+        self.rank = np.concatenate((self.rank, cols.rank[rows]))
+        self.iteration = np.concatenate((self.iteration, cols.iteration[rows]))
+        self.batch = np.concatenate((self.batch, cols.batch[rows]))
+        self.compute = np.concatenate((self.compute, cols.compute[rows]))
+        self.version = np.concatenate((self.version, cols.version[rows]))
+
+    def keep(self, rows: npt.NDArray[np.bool_]) -> None:
+        if rows.all():
+            return
+        self.rank, self.iteration = self.rank[rows], self.iteration[rows]
+        self.batch, self.compute, self.version = (
+            self.batch[rows],
+            self.compute[rows],
+            self.version[rows],
+        )
+
+    def drop_through(self, iteration: int) -> None:
+        """Forget the rows of iterations up to ``iteration``."""
+        self.keep(self.iteration > iteration)
+
+
 @dataclass
 class Watch:
     """What the watch remembers about one job between rounds."""
@@ -82,9 +126,9 @@ class Watch:
     quiet_since: dict[int, int] = field(default_factory=dict)
     """rank -> the iteration its last event ended: its fits mix slow and normal timings until a
     whole fit window has passed after that."""
-    pending: dict[int, list[tuple[int, int, float, int]]] = field(default_factory=dict)
-    """iteration -> ``(rank, batch, compute ms, plan version)`` of the rows with samples not fed
-    to the detector yet (``add``): an iteration is fed once every rank has reported it."""
+    pending: Pending = field(default_factory=lambda: Pending())
+    """The rows with samples of iterations not fed to the detector yet (``add``): an iteration
+    is fed once every rank has reported it."""
     newest: int = -1
     """The newest iteration of any row added."""
     normal_version: int = 0
@@ -99,23 +143,18 @@ class Watch:
     """``(device ids, every one a CPU)`` of the job's workers: what ``ladder_config`` needs to
     know about the devices, read once per set of devices rather than a device a round."""
 
-    def add(self, rows: Sequence[NewRow]) -> None:
-        """Keep the new rows (``NewRows``, read once per sweep by the control loop) with samples
-        of iterations not fed yet; a fresh watch starts ``REPLAY`` iterations back."""
+    def add(self, rows: Sequence[NewRow], columns: NewColumns | None = None) -> None:
+        """Keep the new rows (``NewRows``, read once per sweep by the control loop;
+        ``columns``: the same as columns) with samples of iterations not fed yet; a fresh watch
+        starts ``REPLAY`` iterations back."""
         if not rows:
             return
-        self.newest = max(self.newest, max(r[2] for r in rows))
+        cols = columns if columns is not None else NewColumns(rows)
+        self.newest = max(self.newest, int(cols.iteration.max()))
         after = self.after()
-        pending = self.pending
-        for _, rank, iteration, version, _, _, batch, compute, _, _ in rows:
-            if batch > 0 and iteration > after:
-                group = pending.get(iteration)
-                if group is None:
-                    group = pending[iteration] = []
-                group.append((rank, batch, compute, version))
+        self.pending.add(cols, (cols.batch > 0) & (cols.iteration > after))
         if self.fed_through < 0:  # the replay's start moves with the newest iteration
-            for iteration in [i for i in pending if i <= after]:
-                del pending[iteration]
+            self.pending.drop_through(after)
 
     def after(self) -> int:
         """The last iteration already fed to the detector (on a fresh watch: ``REPLAY`` back)."""
@@ -133,27 +172,46 @@ def _take(session: Session, job: Job, watch: Watch, through: int) -> Timings:
     catches up over rounds instead of holding the interpreter for one long round. Each carries
     the rank's batch in its plan, so the detector judges an epoch's final partial batch at its
     size."""
-    after = watch.after()
-    groups: list[tuple[int, list[tuple[int, int, float, int]]]] = []
-    taken = 0
-    for iteration in sorted(i for i in watch.pending if i <= through):
-        group = watch.pending[iteration]
-        if iteration > after:
-            if taken and taken + len(group) > MAX_TIMINGS_PER_ROUND:
-                break  # one iteration wider than the cap still goes through whole
-            group.sort()
-            groups.append((iteration, group))
-            taken += len(group)
-        del watch.pending[iteration]
-    versions = {v for _, group in groups for _, _, _, v in group}
+    p = watch.pending
+    due = p.iteration <= through
+    if not due.any():
+        watch.plan_sizes = {}
+        return []
+    fresh = np.flatnonzero(due & (p.iteration > watch.after()))
+    order = fresh[np.lexsort((p.rank[fresh], p.iteration[fresh]))]
+    its = p.iteration[order]
+    ends = [*(np.flatnonzero(its[1:] != its[:-1]) + 1).tolist(), len(order)]
+    # whole iterations, the first even if wider than the cap
+    whole = max(1, bisect_right(ends, MAX_TIMINGS_PER_ROUND)) if len(order) else 0
+    ends = ends[:whole]
+    taken = order[: ends[-1]] if ends else order
+    last = int(its[ends[-1] - 1]) if ends else through
+    ranks, versions = p.rank[taken], p.version[taken]
+    batches, computes = p.batch[taken].tolist(), p.compute[taken].tolist()
+    p.keep(~(due & (p.iteration <= last)))  # older ones were fed already: dropped
+    if not len(taken):
+        watch.plan_sizes = {}
+        return []
+    wanted = set(np.unique(versions).tolist())
     known = watch.plan_sizes
-    planned = {v: known[v] for v in versions if v in known}
-    planned |= _planned(session, job, versions - set(known))
+    planned = {v: known[v] for v in wanted if v in known}
+    planned |= _planned(session, job, wanted - set(known))
     watch.plan_sizes = planned
-    return [
-        (iteration, [(r, b, c, _at(planned.get(v), r)) for r, b, c, v in group])
-        for iteration, group in groups
-    ]
+    sizes = np.full(len(taken), -1, dtype=np.int64)
+    for v, of_ranks in planned.items():
+        rows = versions == v
+        table = np.array(of_ranks, dtype=np.int64)
+        r = ranks[rows]
+        inside = (r >= 0) & (r < len(table))
+        sizes[rows] = np.where(inside, table[np.where(inside, r, 0)], -1) if len(table) else -1
+    sized: list[Any] = sizes.tolist()
+    if (sizes < 0).any():  # a version or rank its plan does not size: None
+        sized = [None if s < 0 else s for s in sized]
+    samples: list[tuple[int, int, float, int | None]] = list(
+        zip(ranks.tolist(), batches, computes, sized, strict=True)
+    )
+    starts = [0, *ends[:-1]]
+    return [(int(its[a]), samples[a:b]) for a, b in zip(starts, ends, strict=True)]
 
 
 def _planned(session: Session, job: Job, versions: set[int]) -> dict[int, list[int]]:

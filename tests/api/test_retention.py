@@ -262,13 +262,13 @@ def test_a_fresh_control_loop_reads_a_long_jobs_recent_iterations_not_its_histor
     assert {o.iteration for obs in window.values() for o in obs} == set(
         range(1500 - rebalancer.FIT_WINDOW, 1500)
     )
-    assert min(state.watches[job].pending) == 1500 - recent
+    assert int(state.watches[job].pending.iteration.min()) == 1500 - recent
     _post(api, job, range(1500, 1510), 2)
     with transaction(context_of(api.client.app).sessions) as s:  # type: ignore[arg-type]
         j = s.get(Job, job)
         assert j is not None
         rows = state.readers[job].read(s, j)
-    assert sorted({r[2] for r in rows})  # (id, rank, iteration, ...) == list(range(1500, 1510))
+    assert sorted({r[2] for r in rows}) == list(range(1500, 1510))  # (id, rank, iteration, ...)
 
 
 def test_the_kept_speed_history_reads_what_the_whole_history_says(

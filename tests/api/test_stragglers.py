@@ -522,13 +522,16 @@ def test_a_window_is_fitted_once_until_rows_come_in(
     c = Cluster(api, "minmax", slow={})
     c.run(30)
     calls: list[int] = []
-    fit = rebalancer.fit_model
 
-    def counting(*a: Any, **kw: Any) -> Any:
-        calls.append(1)
-        return fit(*a, **kw)
+    def counting(fit: Any) -> Any:
+        def counted(*a: Any, **kw: Any) -> Any:
+            calls.append(1)
+            return fit(*a, **kw)
 
-    monkeypatch.setattr(rebalancer, "fit_model", counting)
+        return counted
+
+    for name in ("fit_model", "fit_arrays"):  # a whole read's fits, and a kept window's
+        monkeypatch.setattr(rebalancer, name, counting(getattr(rebalancer, name)))
     sessions = api.client.app.state.context.sessions  # type: ignore[attr-defined]
     window = c.state.windows[c.job]
     with transaction(sessions) as s:

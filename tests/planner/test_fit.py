@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from server.planner import InvalidInput, PerfModel
-from server.planner.fit import Observation, explore_batches, fit_model
+from server.planner.fit import Observation, explore_batches, fit_arrays, fit_model
 
 
 def synthetic(
@@ -200,3 +200,39 @@ def test_any_valid_observations_give_a_fit_or_a_reason_never_an_error(
         assert fit.reason
     else:
         assert fit.trimmed <= fit.observations // 2, "outliers are a minority by definition"
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    data=st.lists(
+        st.tuples(
+            st.integers(0, 64),
+            st.floats(0.0, 1e4, allow_nan=False),
+            st.integers(0, 400),
+        ),
+        max_size=80,
+    ),
+    half_life=st.sampled_from([None, 2.0, 50.0]),
+    max_batch=st.sampled_from([None, 64]),
+)
+def test_a_fit_of_columns_is_the_fit_of_the_same_observations(
+    data: list[tuple[int, float, int]], half_life: float | None, max_batch: int | None
+) -> None:
+    """``fit_arrays`` (the control loop's kept window, as arrays) fits to the last bit what
+    ``fit_model`` fits of the same observations in the same order, batch 0 rows included."""
+    obs = [Observation(b, ms, it) for b, ms, it in data]
+    columns = [np.array(c) for c in zip(*data, strict=True)] if data else [np.array([])] * 3
+    want = fit_model(obs, half_life_iterations=half_life, max_batch=max_batch)
+    got = fit_arrays(*columns, half_life_iterations=half_life, max_batch=max_batch)
+    assert got == want
+
+
+def test_bad_columns_are_refused_as_bad_observations_are() -> None:
+    with pytest.raises(InvalidInput, match="bad observation"):
+        fit_arrays(np.array([8, 8]), np.array([3.0, float("nan")]), np.array([0, 1]))
+    with pytest.raises(InvalidInput, match="bad observation"):
+        fit_arrays(np.array([-1]), np.array([3.0]), np.array([0]))
+    with pytest.raises(InvalidInput, match="one length"):
+        fit_arrays(np.array([8, 16]), np.array([3.0]), np.array([0, 1]))
+    with pytest.raises(InvalidInput, match="positive"):
+        fit_arrays(np.array([8]), np.array([3.0]), np.array([0]), half_life_iterations=0)
