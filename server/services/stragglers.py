@@ -126,7 +126,7 @@ class Watch:
     quiet_since: dict[int, int] = field(default_factory=dict)
     """rank -> the iteration its last event ended: its fits mix slow and normal timings until a
     whole fit window has passed after that."""
-    pending: Pending = field(default_factory=lambda: Pending())
+    pending: Pending = field(default_factory=Pending)
     """The rows with samples of iterations not fed to the detector yet (``add``): an iteration
     is fed once every rank has reported it."""
     newest: int = -1
