@@ -35,6 +35,8 @@ log = logging.getLogger("evenflow.locks")
 CONTROLLER_LOCK_KEY = int.from_bytes(b"evenflow", "big", signed=True)
 # The key servers take while they migrate and bootstrap: b"ef-boot!".
 BOOTSTRAP_LOCK_KEY = int.from_bytes(b"ef-boot!", "big", signed=True)
+# The key every telemetry insert takes, to its commit: b"ef-telem" (``telemetry.ingest_many``).
+TELEMETRY_ORDER_LOCK_KEY = int.from_bytes(b"ef-telem", "big", signed=True)
 
 
 @contextmanager

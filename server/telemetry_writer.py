@@ -43,9 +43,10 @@ MAX_GROUP_ROWS = 20_000
 # Urgent posts (a worker's iteration time jumped: a straggler may have begun) go first: the
 # writer's next transaction is theirs alone, ahead of the posts queued before them. At 1,250
 # hosts a post waited 0.8 s at p50 for the groups ahead of it, which was most of a straggler's
-# detection delay at load (bench/fleet.py). One thread still writes every group, so a process's
-# rows are committed in the order of their ids, and a host's relay posts a job's rows one post
-# at a time, so no rank's urgent rows overtake its own earlier ones.
+# detection delay at load (bench/fleet.py). One thread still writes every group, and every
+# insert holds a lock to its commit on PostgreSQL (``telemetry._PG_ID_ORDER``), so rows are
+# committed in the order of their ids across processes; a host's relay posts a job's rows one
+# post at a time, so no rank's urgent rows overtake its own earlier ones.
 
 
 @dataclass

@@ -70,7 +70,10 @@ class Progress:
 
 REREAD_IDS = 5000
 """On PostgreSQL ids are handed out before commit, so a row can become visible after rows with
-larger ids: readers by id look this many ids back again (``NewRows``)."""
+larger ids: readers by id look this many ids back again (``NewRows``). Every telemetry insert
+holds a lock to its commit that keeps ids committing in order across processes and servers
+(``telemetry._PG_ID_ORDER``); the margin stays for rows written without it (a server of an
+earlier version beside this one during a rolling upgrade)."""
 
 _NEW = select(
     IterationTelemetry.id,

@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session
 from contract.agent import TELEMETRY_FIELDS, TelemetryBatch
 from contract.enums import JobStatus, Role
 from server.errors import Conflict, EvenflowError, Invalid, NotFound
+from server.locks import TELEMETRY_ORDER_LOCK_KEY
 from server.models import Host, IterationTelemetry, Job, Worker
 from server.pg_arrays import Kind, packed
 from server.services.jobs import check_may_write_ranks
@@ -247,9 +248,23 @@ _SQLITE_INSERT = (
 )
 
 
+_PG_ID_ORDER = f"SELECT pg_advisory_xact_lock({TELEMETRY_ORDER_LOCK_KEY})"
+"""Taken by every telemetry insert and held to its commit, so that rows commit in the order of
+their ids whichever process or server writes them. PostgreSQL hands out ids as a statement
+inserts, before its commit: two API processes (``--workers``) or two servers, each with its
+writer, commit groups of up to ``server.telemetry_writer.MAX_GROUP_ROWS`` rows in either order, and a reader by id
+(the controller's ``NewRows``) that saw the later group first moved its mark past the earlier
+one's ids, by more than its re-read margin (``REREAD_IDS``): those rows were never read. Held
+from the insert to the commit only (the group's reads come before it): one insert at a time
+across the database: one writer's pace (about 100k rows/s, ``bench/ingest.py``), five times
+the 1,250-host fleet's 20k."""
+
+
 def _insert_postgresql(conn: Connection, rows: _Rows) -> dict[int, int]:
-    """One statement for the group. Every row inserted (the usual case) credits each post with
-    its span; else the keys it returns say which post each stored row was."""
+    """One statement for the group, after the lock that orders ids (``_PG_ID_ORDER``). Every
+    row inserted (the usual case) credits each post with its span; else the keys it returns
+    say which post each stored row was."""
+    conn.exec_driver_sql(_PG_ID_ORDER)
     params: dict[str, Any] = {
         c: packed(values, kind)
         for c, values, kind in zip(COLUMNS, rows.columns, _PG_TYPES, strict=True)

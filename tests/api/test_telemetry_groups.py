@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -165,10 +166,96 @@ def test_a_group_is_one_transaction_and_its_statements_do_not_grow_with_it(
     with statements(engine) as sql, engine.begin() as conn:
         outcomes = telemetry.ingest_many(conn, posts)
     assert outcomes == [(1, 0)] * 32
-    # the jobs' states, the agents' ranks, one insert (SQLite: one executemany per post)
+    # the jobs' states, the agents' ranks, one insert (SQLite: one executemany per post);
+    # on PostgreSQL the id-order lock before the insert
+    pg = engine.dialect.name == "postgresql"
     inserts = [s for s in sql if "INSERT INTO iteration_telemetry" in s]
-    assert len(sql) - len(inserts) == 2
-    assert len(inserts) == (1 if engine.dialect.name == "postgresql" else 32)
+    locks = [s for s in sql if "pg_advisory_xact_lock" in s]
+    assert len(locks) == (1 if pg else 0)
+    assert len(sql) - len(inserts) - len(locks) == 2
+    assert len(inserts) == (1 if pg else 32)
+    if pg:
+        assert sql.index(locks[0]) == sql.index(inserts[0]) - 1
+
+
+@pytest.mark.parametrize(
+    "db_url", [pytest.param("postgresql", marks=pytest.mark.postgres)], indirect=True
+)
+def test_groups_of_two_writers_commit_in_the_order_of_their_ids(api: Api, jobs: Jobs) -> None:
+    """Two processes' writers (two connections here): while one group is inserted and not yet
+    committed, the other's insert waits for that commit, so no reader by id ever sees a group
+    before one with smaller ids (``telemetry._PG_ID_ORDER``). Without the lock the second
+    committed at once, ids above the first's, and a reader moved its mark past the first's
+    rows while they were still invisible to it (``NewRows``)."""
+    engine = context_of(api.client.app).engine  # type: ignore[arg-type]
+    first = [
+        Post(jobs.running, _batch([(r, it) for it in range(50)], 1.0, True), ADMIN)
+        for r in range(2)
+    ]
+    second = [
+        Post(jobs.running, _batch([(r, it) for it in range(50)], 2.0, True), ADMIN)
+        for r in range(2, 4)
+    ]
+    inserted, commit = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def write_first() -> None:
+        try:
+            with engine.begin() as conn:
+                assert telemetry.ingest_many(conn, first) == [(50, 0), (50, 0)]
+                inserted.set()
+                commit.wait(30)
+        except BaseException as exc:
+            errors.append(exc)
+            inserted.set()
+
+    def write_second() -> None:
+        try:
+            with engine.begin() as conn:
+                assert telemetry.ingest_many(conn, second) == [(50, 0), (50, 0)]
+        except BaseException as exc:
+            errors.append(exc)
+
+    one = threading.Thread(target=write_first)
+    one.start()
+    assert inserted.wait(30)
+    two = threading.Thread(target=write_second)
+    two.start()
+    try:
+        waiting = _waits_for_advisory_lock(engine)
+        committed_meanwhile = _by_mark(engine).get(2.0)
+    finally:
+        commit.set()
+        one.join(30)
+        two.join(30)
+    assert not errors, errors
+    assert waiting, "the second writer's insert did not wait for the first's commit"
+    assert committed_meanwhile is None, "the second group committed before the first"
+    spans = _by_mark(engine)
+    assert spans[1.0][1] < spans[2.0][0]  # the first group's ids all below the second's
+
+
+def _waits_for_advisory_lock(engine: Engine, timeout_s: float = 10.0) -> bool:
+    """Whether a session of this database comes to wait for an advisory lock."""
+    sql = text(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+        " AND wait_event_type = 'Lock' AND wait_event = 'advisory'"
+    )
+    deadline = time.monotonic() + timeout_s
+    with engine.connect() as conn:
+        while time.monotonic() < deadline:
+            if conn.execute(sql).scalar_one():
+                return True
+            conn.rollback()
+            time.sleep(0.02)
+    return False
+
+
+def _by_mark(engine: Engine) -> dict[float, tuple[int, int]]:
+    """The (min, max) ids of the committed rows of each post mark (their ``compute_ms``)."""
+    with engine.connect() as conn:
+        sql = "SELECT compute_ms, min(id), max(id) FROM iteration_telemetry GROUP BY compute_ms"
+        return {float(m): (int(lo), int(hi)) for m, lo, hi in conn.execute(text(sql))}
 
 
 # ------------------------------------------------------------------ the writer and its thread
