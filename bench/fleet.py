@@ -1043,6 +1043,7 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
         answers0 = await fleet.heartbeat_sources()
         lag0 = await fleet.loop_lag()
         served0 = await fleet.histogram("evenflow_http_request_seconds", "route")
+        phases0 = await fleet.histogram("evenflow_heartbeat_database_seconds", "phase")
         started = time.monotonic()
         out["measured_from_unix"] = round(time.time(), 1)
         measured_from = datetime.now(UTC)
@@ -1058,6 +1059,7 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
         answers1 = await fleet.heartbeat_sources()
         lag1 = await fleet.loop_lag()
         served1 = await fleet.histogram("evenflow_http_request_seconds", "route")
+        phases1 = await fleet.histogram("evenflow_heartbeat_database_seconds", "phase")
         lost = hosts_lost(db_url, measured_from)
         size1 = db_size(db_url)
         live = [j for j in fleet.jobs.values() if j.started and not j.finished]
@@ -1095,6 +1097,8 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
             },
             "api_loop_lag": lag_between(lag0, lag1),
             "server_slow_requests": slow_between(served0, served1),
+            # where a heartbeat worked out in the database spent its time (same bucket bounds)
+            "heartbeat_database_phases": slow_between(phases0, phases1),
             "telemetry": quantiles(s.latency["telemetry"]),
             "plan_poll": quantiles(s.latency["plan-poll"]),
             "errors": dict(s.errors),

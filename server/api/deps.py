@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from datetime import UTC, datetime
@@ -11,6 +12,7 @@ from typing import Annotated, TypeVar
 from fastapi import Depends, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import Histogram
 from sqlalchemy.orm import Session
 
 from contract.base import MAX_ID
@@ -77,7 +79,9 @@ TRANSACTION_ATTEMPTS = 3
 """Tries of ``in_transaction``'s work when another transaction is in its way (``retryable``)."""
 
 
-async def in_transaction(context: AppContext, work: Callable[[Session], T]) -> T:
+async def in_transaction(
+    context: AppContext, work: Callable[[Session], T], phases: Histogram | None = None
+) -> T:
     """``work`` in one write transaction in one worker-thread hop, inside a database slot: for
     the hottest routes (heartbeats), which a ``SessionDep`` would take through three hops
     (open, route, commit), each queueing for a thread anew. A transaction PostgreSQL aborts to
@@ -85,14 +89,35 @@ async def in_transaction(context: AppContext, work: Callable[[Session], T]) -> T
     heartbeat's rank reports against the controller's restart of their job: ``db.retryable``),
     is run again from the start, up to ``TRANSACTION_ATTEMPTS`` times, instead of answering
     500: ``work`` changes nothing but the database. Its slot comes after those of any other
-    request waiting (``server.api.slots``): a person's waits behind no heartbeat."""
+    request waiting (``server.api.slots``): a person's waits behind no heartbeat.
+
+    ``phases`` (a histogram labelled by phase) is told where the time went: ``slot`` (waiting
+    for a database slot), ``thread`` (from the slot to a worker thread running the work: the
+    process's other threads and event loop holding the CPU or the GIL) and ``transaction``
+    (the work and its commit, tries again included: statements, lock waits, the database)."""
+    ran: list[float] = []
 
     def once() -> T:
         with transaction(context, write=True) as session:
             return work(session)
 
+    def timed() -> T:
+        ran.append(time.perf_counter())
+        try:
+            return run_retrying(once, TRANSACTION_ATTEMPTS, "transaction")
+        finally:
+            ran.append(time.perf_counter())
+
+    asked = time.perf_counter()
     async with context.db_slots.take(first=False):  # after any person's request waiting
-        return await run_in_threadpool(run_retrying, once, TRANSACTION_ATTEMPTS, "transaction")
+        slot = time.perf_counter()
+        try:
+            return await run_in_threadpool(timed)
+        finally:
+            if phases is not None and len(ran) == 2:
+                phases.labels("slot").observe(slot - asked)
+                phases.labels("thread").observe(ran[0] - slot)
+                phases.labels("transaction").observe(ran[1] - ran[0])
 
 
 SessionDep = Annotated[Session, Depends(_session, scope="function")]

@@ -18,6 +18,7 @@ import pytest
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import event, select, update
 
 from contract.agent import Heartbeat
@@ -662,3 +663,41 @@ def test_a_heartbeat_the_database_works_out_writes_no_time_unless_its_host_comes
     with transaction(context.sessions) as s:
         status, at = s.execute(select(Host.status, Host.last_heartbeat)).one()
     assert status == "active" and at.replace(tzinfo=UTC) > lost_at + timedelta(minutes=59)
+
+
+def _phases(api: Api) -> dict[str, tuple[float, float]]:
+    """``evenflow_heartbeat_database_seconds`` by phase, as /metrics says: (count, sum)."""
+    text = api.client.get("/metrics", headers=api.headers()).text
+    out: dict[str, tuple[float, float]] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "evenflow_heartbeat_database_seconds":
+            for s in family.samples:
+                count, total = out.get(s.labels.get("phase", ""), (0.0, 0.0))
+                if s.name.endswith("_count"):
+                    count = s.value
+                elif s.name.endswith("_sum"):
+                    total = s.value
+                else:
+                    continue
+                out[s.labels["phase"]] = (count, total)
+    return out
+
+
+def test_metrics_say_where_a_database_heartbeats_time_went(sqlite_api: Api) -> None:
+    """Each heartbeat worked out in the database is timed once per phase; one waiting for the
+    database (its write lock held) has that wait in its transaction, not in its slot or its
+    thread hop; one answered from memory is timed in none."""
+    api, context = sqlite_api, _context(sqlite_api)
+    host = api.register("h", devices=1)
+    assert _phases(api) == {}
+    with context.write_lock:
+        beat = threading.Thread(target=lambda: _beat(api, host, []))
+        beat.start()
+        time.sleep(0.3)
+    beat.join(10)
+    phases = _phases(api)
+    assert {p: n for p, (n, _) in phases.items()} == {"slot": 1, "thread": 1, "transaction": 1}
+    assert phases["transaction"][1] >= 0.3
+    assert phases["slot"][1] < 0.3 and phases["thread"][1] < 0.3
+    assert _beat(api, host, []).status_code == 200  # the same again: from memory
+    assert _phases(api) == phases

@@ -74,7 +74,7 @@ async def heartbeat(
         session.flush()  # all of it: what the commit invalidates is known before it
         return answered, changed_so_far(session)
 
-    (ack, fewer_alike), own = await in_transaction(context, work)
+    (ack, fewer_alike), own = await in_transaction(context, work, context.metrics.heartbeat_phases)
     context.liveness.seen(host_id, now)  # written with the next batch, as from memory
     context.liveness.owned(host_id, principal.token_id)  # its next heartbeats noted on arrival
     body = ack.model_dump_json().encode()
