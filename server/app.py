@@ -136,6 +136,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         static_url="/vendor/docs",
         # Swagger UI would fetch a validity badge from validator.swagger.io: no other host.
         swagger_ui_parameters={"validatorUrl": None},
+        telemetry={
+            "tracing": context.settings.opentelemetry,
+            "metrics": context.settings.opentelemetry,
+            "logs": context.settings.opentelemetry,
+        },
     )
     app.state.context = context
 

@@ -102,6 +102,12 @@ class Settings(BaseSettings):
     others wait without holding a worker thread or a connection. At most 32: it must stay
     below the worker threads (40) and the pool's connections (``3 * db_pool_size``)."""
 
+    opentelemetry: bool = False
+    """FastAPI's own OpenTelemetry spans, metrics and logs of each request, for a process whose
+    OpenTelemetry SDK is configured (``opentelemetry-instrument``). Off, FastAPI does not even
+    ask: asking on every request whether a provider is set (three reads of the environment)
+    was 3% of the fleet bench's API process; Evenflow's own metrics are at ``/metrics``."""
+
     allowed_origins: Annotated[tuple[str, ...], NoDecode] = ()
     """Origins besides the server's own (scheme, host and port as a request sees them) from
     which a browser session may write, comma-separated (``https://evenflow.example.com``):

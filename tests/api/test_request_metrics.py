@@ -4,12 +4,16 @@ it came by; what a process remembers of raw paths to name them is bounded."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
+from fastapi.testclient import TestClient
+from opentelemetry import trace
 
 from server import metrics as metrics_module
+from server.app import create_app
 from server.context import context_of
-from tests.harness import Api
+from tests.harness import Api, driven, make_settings
 
 
 def _count(text: str, method: str, route: str, status: int) -> float:
@@ -44,3 +48,23 @@ def test_the_paths_remembered_are_bounded_and_still_named_right_past_it(
     assert metrics.route_name("/api/v1/jobs/7/plan") == "/api/v1/jobs/{job_id}/plan"
     assert metrics.route_name("/api/v1/jobs/7/nothing") == "unmatched"
     assert len(metrics._names) <= 8
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+def test_fastapis_opentelemetry_is_asked_about_only_when_enabled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, enabled: bool
+) -> None:
+    """Off by default: a request does not ask OpenTelemetry for its providers (which reads the
+    environment each time); ``EVENFLOW_OPENTELEMETRY`` turns FastAPI's own telemetry on."""
+    asked: list[str] = []
+    real = trace.get_tracer_provider
+    monkeypatch.setattr(trace, "get_tracer_provider", lambda: asked.append("trace") or real())
+    if enabled:
+        monkeypatch.setenv("EVENFLOW_OPENTELEMETRY", "true")
+    settings = make_settings(f"sqlite:///{tmp_path / 'e.db'}")
+    assert settings.opentelemetry is enabled
+    with TestClient(create_app(settings)) as client:
+        asked.clear()
+        api = driven(client)
+        assert api.client.get("/api/v1/jobs", headers=api.headers()).status_code == 200
+    assert bool(asked) is enabled
