@@ -375,7 +375,7 @@ _ALIVE_IF_NEWER_PG = text(
     "WITH v AS (SELECT * FROM unnest(CAST(:ids AS integer[]), CAST(:seen AS timestamptz[]))"
     " AS v(id, seen)),"
     " free AS (SELECT hosts.id FROM hosts JOIN v ON hosts.id = v.id"
-    " FOR UPDATE OF hosts SKIP LOCKED),"
+    " FOR NO KEY UPDATE OF hosts SKIP LOCKED),"
     " written AS (UPDATE hosts SET last_heartbeat = v.seen FROM v, free"
     " WHERE hosts.id = v.id AND hosts.id = free.id AND hosts.last_heartbeat < v.seen)"
     " SELECT id FROM free"
@@ -388,7 +388,12 @@ took, and the others go out with the next flush. Waiting, it held every row it h
 written while it waited, so heartbeats of those hosts queued behind it, holding their database
 slots; at 1,250 hosts it waited up to 10 s at a time (``pg_stat_activity``:
 Lock/transactionid), no host's time was written meanwhile, and the reaper marked hundreds of
-heartbeating hosts lost."""
+heartbeating hosts lost.
+
+``NO KEY UPDATE``, the lock its own update takes (the time is no key): ``FOR UPDATE`` also
+conflicts with the ``KEY SHARE`` lock that a row referencing the host takes to its commit (a
+rank placed there, inserted with its job's placement), so every host a placement pass was
+placing ranks on was skipped, again each flush while passes followed one another."""
 
 
 class Liveness:

@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
-from sqlalchemy import event, select, update
+from sqlalchemy import event, insert, select, text, update
 
 from contract.agent import Heartbeat
 from contract.enums import Role
@@ -570,6 +570,36 @@ def test_the_liveness_flush_skips_a_row_another_transaction_holds_and_writes_it_
         _flush_liveness(context)
         assert _last_heartbeat(context, ids[0]) == later
         assert context.liveness.pending() == 0
+
+
+@pytest.mark.postgres
+def test_the_liveness_flush_writes_a_host_that_ranks_are_being_placed_on(pg_url: str) -> None:
+    """A row inserted that references the host (a rank placed there, by the controller's
+    placement pass) holds a ``KEY SHARE`` lock on the host's row to its commit: the flush,
+    which changes no key, writes the host's time anyway, and does not wait for it."""
+    with TestClient(create_app(make_settings(pg_url))) as client:
+        api = driven(client)
+        context = _context(api)
+        host_id = int(api.register("h", devices=1)["id"])  # type: ignore[call-overload]
+        job_id = int(api.submit(workers=1, global_batch=8, place=False)["id"])  # type: ignore[call-overload]
+        _flush_liveness(context)
+        later = _last_heartbeat(context, host_id) + timedelta(seconds=5)
+        with context.engine.connect() as placing:  # a placement inserting a rank on the host
+            placing.execute(
+                insert(Worker).values(job_id=job_id, rank=0, host_id=host_id, state="assigned")
+            )
+            locks = (
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'tuple' OR mode = 'RowShareLock'"
+            )
+            assert placing.execute(text(locks)).scalar_one() >= 1
+            context.liveness.seen(host_id, later)
+            done = threading.Event()
+            flush = threading.Thread(target=lambda: (_flush_liveness(context), done.set()))
+            flush.start()
+            assert done.wait(10), "the flush waited for the placement"
+            assert _last_heartbeat(context, host_id) == later
+            assert context.liveness.pending() == 0
+            placing.rollback()
 
 
 def test_a_registered_hosts_first_heartbeats_are_noted_on_arrival_and_answered_time_kept(
