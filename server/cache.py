@@ -338,10 +338,13 @@ job's plan from the database every second (bench/fleet.py: a tenth of the API pr
 at 200 jobs)."""
 
 
-PLAN_LOADS = 4
-"""Jobs' plans read at once on misses (one read per job however many polls miss it): a fleet's
-jobs whose plans change together otherwise took a pooled connection each, past the pool, and
-the connections opened past it are closed after one use (``Settings.db_pool_size``)."""
+PLAN_REFRESH_AFTER_S = 4.0
+"""A cached plan older than this is read again in the background while it is polled, with the
+other plans due (``TTLCache.get_or_load_batched``: one read for all of them, on the cache's own
+thread). Read one job at a time, four at once, in the shared worker threads, each plan as it
+expired, 200 jobs' long-polls needed 40 reads a second; the fleet bench's API managed about 10,
+so its plan polls, asking for 10 s, were held 30 to 60 s waiting for the reads, and some ran past
+the client's 60 s."""
 
 
 class Caches:
@@ -357,7 +360,9 @@ class Caches:
         self.tokens: TTLCache[str, Any] = TTLCache(
             token_ttl_s, refresh_after_s=min(TOKEN_REFRESH_AFTER_S, token_ttl_s)
         )
-        self.plans: TTLCache[int, tuple[int, bytes]] = TTLCache(plan_ttl_s, max_loads=PLAN_LOADS)
+        self.plans: TTLCache[int, tuple[int, bytes]] = TTLCache(
+            plan_ttl_s, refresh_after_s=min(PLAN_REFRESH_AFTER_S, plan_ttl_s)
+        )
         self.plan_listeners: list[Callable[[set[int]], None]] = []
         """Called with the job ids of every commit that made plans, after the cache is cleared."""
         self.credential_listeners: list[Callable[[list[int]], None]] = []

@@ -93,9 +93,10 @@ class Settings(BaseSettings):
     """Connections kept open per process; up to twice as many more open under load, each
     opened for one use and closed after it. Keep it above ``db_concurrency`` by the API's own
     users of connections: the telemetry writer, the token checks' thread, liveness flushes and
-    plan loads (``cache.PLAN_LOADS``), seven in all. At 16, as many as the slots, with plan
-    loads unbounded, the fleet bench's API opened and closed about 25 PostgreSQL connections
-    a second, each a new backend process that warms its caches on its first statements."""
+    the plan reads' thread (``cache.PLAN_REFRESH_AFTER_S``), four in all. At 16, as many as the
+    slots, with plan loads unbounded, the fleet bench's API opened and closed about 25
+    PostgreSQL connections a second, each a new backend process that warms its caches on its
+    first statements."""
 
     db_concurrency: int = Field(default=16, ge=1, le=32)
     """Requests doing database work at once per API process (``AppContext.db_slots``); the

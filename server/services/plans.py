@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -99,6 +101,25 @@ def current(session: Session, job_id: int) -> Plan:
         raise NotFound(f"job {job_id} has no plan yet (it is waiting for devices)")
     plan = session.scalars(select(Plan).where(Plan.job_id == job_id, Plan.version == version)).one()
     return plan
+
+
+def current_many(session: Session, job_ids: Collection[int]) -> dict[int, Plan | NotFound]:
+    """The plan in force of each job of ``job_ids``, in one read, or why there is none (as
+    :func:`current` raises it)."""
+    rows = session.execute(
+        select(Job.id, Job.plan_version, Plan)
+        .outerjoin(Plan, (Plan.job_id == Job.id) & (Plan.version == Job.plan_version))
+        .where(Job.id.in_(sorted(job_ids)))
+    )
+    found: dict[int, Plan | NotFound] = {}
+    for job_id, version, plan in rows:
+        if version is None or plan is None:
+            found[job_id] = NotFound(f"job {job_id} has no plan yet (it is waiting for devices)")
+        else:
+            found[job_id] = plan
+    for job_id in job_ids:
+        found.setdefault(job_id, NotFound(f"job {job_id} not found"))
+    return found
 
 
 def after(session: Session, job_id: int, version: int) -> list[Plan]:

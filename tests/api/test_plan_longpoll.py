@@ -3,6 +3,8 @@ committed anywhere (this process, another process on the same database), or 304 
 
 from __future__ import annotations
 
+import asyncio
+import json
 import subprocess
 import sys
 import threading
@@ -14,10 +16,12 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from contract.enums import PlanSource
+from server.api.routes import plans as plan_routes
 from server.db import session_factory, transaction
+from server.errors import NotFound
 from server.models import Job
 from server.services import plans
-from tests.harness import ROOT, Api
+from tests.harness import ROOT, Api, statements
 
 # A plan made in a process of its own, wired the way the controller process is.
 OTHER_PROCESS = """
@@ -207,3 +211,61 @@ def test_a_plan_whose_notification_was_lost_is_seen_when_the_listen_comes_back(
     answer = waiting.result(timeout=10)
     assert answer.status_code == 200 and answer.json()["reason"] == "unannounced"
     assert time.monotonic() - cached_at < 4.0, "seen only when the cached plan expired"
+
+
+def test_current_many_says_for_each_job_what_current_says(api: Api) -> None:
+    """The batched read of plans answers each job as the one-job read does: its plan, or the
+    same refusal (no such job, no plan yet)."""
+    api.register("h", devices=3)
+    placed = int(api.submit(workers=3, global_batch=60)["id"])  # type: ignore[call-overload]
+    waiting = int(api.submit(workers=3, global_batch=60)["id"])  # type: ignore[call-overload]
+    sessions = session_factory(api.client.app.state.context.engine)  # type: ignore[attr-defined]
+    with transaction(sessions) as s:
+        job = s.get(Job, placed)
+        assert job is not None
+        plans.create(s, job, [10, 20, 30], PlanSource.MANUAL, "a newer one", by="test")
+    ids = [placed, waiting, 10_000]
+    with sessions() as s:
+        many = plans.current_many(s, ids)
+        assert sorted(many) == sorted(ids)
+        for job_id in ids:
+            try:
+                one: object = plans.current(s, job_id)
+            except NotFound as refused:
+                got = many[job_id]
+                assert isinstance(got, NotFound) and got.message == refused.message
+            else:
+                got = many[job_id]
+                assert not isinstance(got, NotFound)
+                assert (got.id, got.version, got.batch_sizes) == (
+                    one.id,  # type: ignore[attr-defined]
+                    one.version,  # type: ignore[attr-defined]
+                    one.batch_sizes,  # type: ignore[attr-defined]
+                )
+
+
+def test_plans_missed_together_are_read_in_one_query(api: Api) -> None:
+    """Jobs whose cached plans are gone (a fleet's plans change together) are read in one
+    statement, however many there are, not one each; each poll still gets its own job's plan,
+    and a job without one its 404."""
+    api.register("h", devices=6)
+    jobs = [int(api.submit(workers=1, global_batch=8)["id"]) for _ in range(5)]  # type: ignore[call-overload]
+    context = api.client.app.state.context  # type: ignore[attr-defined]
+    expected = {
+        j: api.client.get(f"/api/v1/jobs/{j}/plan", headers=api.headers()).json() for j in jobs
+    }
+    context.caches.plans.clear()
+
+    async def poll_all() -> list[object]:
+        return await asyncio.gather(
+            *(plan_routes._current(context, j) for j in [*jobs, 10_000]), return_exceptions=True
+        )
+
+    with statements(context.engine) as sql:
+        got = asyncio.run(poll_all())
+    plan_reads = [s for s in sql if "FROM jobs" in s and "plans" in s]
+    assert len(plan_reads) == 1, sql
+    for job_id, answer in zip(jobs, got[:-1], strict=True):
+        assert isinstance(answer, tuple)
+        assert json.loads(answer[1]) == expected[job_id]
+    assert isinstance(got[-1], NotFound) and "job 10000 not found" in got[-1].message

@@ -62,15 +62,25 @@ async def current_plan(
 
 
 async def _current(context: AppContext, job_id: int) -> tuple[int, bytes]:
-    """The cached (version, body) of the job's current plan; concurrent misses share one load."""
+    """The cached (version, body) of the job's current plan. Misses of different jobs share
+    one read, on the cache's own thread, and a plan still polled is read again ahead of its
+    expiry, so a long-poll's re-checks never wait for a read (``cache.PLAN_REFRESH_AFTER_S``)."""
     sessions = context.sessions
-    return await context.caches.plans.get_or_load(job_id, lambda: _load_current(sessions, job_id))
+    return await context.caches.plans.get_or_load_batched(
+        job_id, lambda job_ids: _load_current(sessions, job_ids)
+    )
 
 
-def _load_current(sessions: sessionmaker[Session], job_id: int) -> tuple[int, bytes]:
+def _load_current(
+    sessions: sessionmaker[Session], job_ids: list[int]
+) -> dict[int, tuple[int, bytes] | Exception]:
     with sessions() as session:
-        plan = plans.current(session, job_id)
-        return plan.version, PlanOut.model_validate(plan).model_dump_json().encode()
+        return {
+            job_id: plan
+            if isinstance(plan, Exception)
+            else (plan.version, PlanOut.model_validate(plan).model_dump_json().encode())
+            for job_id, plan in plans.current_many(session, job_ids).items()
+        }
 
 
 @router.get("/{job_id}/models")
