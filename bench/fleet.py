@@ -695,6 +695,14 @@ class Fleet:
         found += [(f"database:{reason}", n) for reason, n in re.findall(why, body)]
         return {source: float(n) for source, n in found}
 
+    async def liveness_hosts(self) -> dict[str, float]:
+        """The hosts' times the API's liveness flushes wrote and left for the next, so far."""
+        _, raw = await self.http.request("GET", "/metrics")
+        found = re.findall(
+            r'evenflow_liveness_hosts_total\{outcome="(\w+)"\} ([\d.e+]+)', raw.decode()
+        )
+        return {outcome: float(n) for outcome, n in found}
+
     async def loop_lag(self) -> dict[float, float]:
         """The API process's event-loop lag so far (``/metrics``): observations at most each
         bucket's bound, by bound."""
@@ -1044,6 +1052,8 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
         lag0 = await fleet.loop_lag()
         served0 = await fleet.histogram("evenflow_http_request_seconds", "route")
         phases0 = await fleet.histogram("evenflow_heartbeat_database_seconds", "phase")
+        flushes0 = await fleet.histogram("evenflow_liveness_flush_seconds")
+        alive0 = await fleet.liveness_hosts()
         started = time.monotonic()
         out["measured_from_unix"] = round(time.time(), 1)
         measured_from = datetime.now(UTC)
@@ -1060,6 +1070,8 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
         lag1 = await fleet.loop_lag()
         served1 = await fleet.histogram("evenflow_http_request_seconds", "route")
         phases1 = await fleet.histogram("evenflow_heartbeat_database_seconds", "phase")
+        flushes1 = await fleet.histogram("evenflow_liveness_flush_seconds")
+        alive1 = await fleet.liveness_hosts()
         lost = hosts_lost(db_url, measured_from)
         size1 = db_size(db_url)
         live = [j for j in fleet.jobs.values() if j.started and not j.finished]
@@ -1099,6 +1111,12 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
             "server_slow_requests": slow_between(served0, served1),
             # where a heartbeat worked out in the database spent its time (same bucket bounds)
             "heartbeat_database_phases": slow_between(phases0, phases1),
+            # the API's writes of hosts' heartbeat times (one a second): how many, how long,
+            # and the hosts written or left for the next (rows other transactions held)
+            "liveness_flushes": {
+                **slow_between(flushes0, flushes1).get("", {}),
+                **{k: v - alive0.get(k, 0.0) for k, v in alive1.items()},
+            },
             "telemetry": quantiles(s.latency["telemetry"]),
             "plan_poll": quantiles(s.latency["plan-poll"]),
             "errors": dict(s.errors),

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import sys
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any
@@ -290,18 +291,25 @@ async def _write_liveness(context: AppContext) -> None:
 
 def _flush_liveness(context: AppContext) -> None:
     """One statement on PostgreSQL, in autocommit (``host_answers._ALIVE_IF_NEWER_PG``); a
-    transaction under the writer lock on SQLite."""
+    transaction under the writer lock on SQLite. Timed, its connection's checkout included,
+    with the hosts it wrote and those it left for the next (``/metrics``): a flush that comes
+    late or skips hosts is what lets the reaper take heartbeating hosts for silent."""
+    started = time.perf_counter()
+    liveness, metrics = context.liveness, context.metrics
     try:
         if context.engine.dialect.name == "postgresql":
             autocommit = context.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
             with autocommit as conn:
-                context.liveness.flush(conn)
-            return
-        with context.write_lock, context.engine.begin() as conn:
-            context.liveness.flush(conn)
+                written = liveness.flush(conn)
+        else:
+            with context.write_lock, context.engine.begin() as conn:
+                written = liveness.flush(conn)
     except Exception:
-        context.liveness.restore()
+        liveness.restore()
         raise
+    metrics.liveness_flush.observe(time.perf_counter() - started)
+    metrics.liveness_hosts.labels("written").inc(written)
+    metrics.liveness_hosts.labels("held").inc(liveness.held)
 
 
 def _close(context: AppContext) -> None:

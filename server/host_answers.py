@@ -419,6 +419,8 @@ class Liveness:
         self._waiting: dict[int, int] = {}
         """Host id -> its heartbeats noted on arrival and not answered yet."""
         self._lock = threading.Lock()
+        self.held = 0
+        """Hosts the last flush left for the next (their rows held by other transactions)."""
 
     def seen(self, host_id: int, now: datetime) -> None:
         """A heartbeat of the host was answered, having arrived at ``now`` (a later time noted
@@ -475,7 +477,9 @@ class Liveness:
             held = {h: t for h, t in seen.items() if h not in taken}
             if held:  # rows other transactions hold: with the next flush
                 self._put_back(held)
+            self.held = len(held)
             return len(seen) - len(held)
+        self.held = 0
         if seen:
             rows = [{"host_id": h, "seen": t} for h, t in sorted(seen.items())]
             conn.execute(_ALIVE_IF_NEWER, rows)

@@ -117,6 +117,20 @@ class Metrics:
             registry=self.registry,
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2.5, 5, 10, 30),
         )
+        self.liveness_flush = Histogram(
+            "evenflow_liveness_flush_seconds",
+            "Each write of the hosts' heartbeat times noted in memory (one a second while any "
+            "are noted; server.host_answers.Liveness), its connection's checkout included",
+            registry=self.registry,
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+        )
+        self.liveness_hosts = Counter(
+            "evenflow_liveness_hosts",
+            "Hosts' heartbeat times flushed, by outcome: written, or held (another "
+            "transaction held the host's row; left for the next flush)",
+            ["outcome"],
+            registry=self.registry,
+        )
         self.loop_lag = Histogram(
             "evenflow_event_loop_lag_seconds",
             "How late this API process's event loop ran a timer (one every "

@@ -731,3 +731,39 @@ def test_metrics_say_where_a_database_heartbeats_time_went(sqlite_api: Api) -> N
     assert phases["slot"][1] < 0.3 and phases["thread"][1] < 0.3
     assert _beat(api, host, []).status_code == 200  # the same again: from memory
     assert _phases(api) == phases
+
+
+@pytest.mark.postgres
+def test_metrics_count_the_hosts_each_liveness_flush_wrote_and_left(pg_url: str) -> None:
+    """Each flush is timed, and the hosts it wrote and those it left for the next (a row
+    another transaction held) are counted: what says, at load, whether heartbeating hosts
+    were written in time for the reaper."""
+    with TestClient(create_app(make_settings(pg_url))) as client:
+        api = driven(client)
+        context = _context(api)
+        ids = [int(api.register(f"h{i}", devices=1)["id"]) for i in range(2)]  # type: ignore[call-overload]
+        _flush_liveness(context)
+        before = _liveness_metrics(api)
+        later = datetime.now(UTC) + timedelta(seconds=5)
+        with context.engine.connect() as holder:  # another transaction holds the first row
+            holder.execute(update(Host).where(Host.id == ids[0]).values(address=Host.address))
+            for h in ids:
+                context.liveness.seen(h, later)
+            _flush_liveness(context)
+            after = _liveness_metrics(api)  # (the app's own flushes, once a second, may add
+            holder.rollback()  # to the held and the flushes, never to the one written)
+        assert after["written"] - before["written"] == 1
+        assert after["held"] - before.get("held", 0.0) >= 1
+        assert after["flushes"] - before["flushes"] >= 1
+
+
+def _liveness_metrics(api: Api) -> dict[str, float]:
+    text = api.client.get("/metrics", headers=api.headers()).text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "evenflow_liveness_hosts_total":
+                out[s.labels["outcome"]] = s.value
+            elif s.name == "evenflow_liveness_flush_seconds_count":
+                out["flushes"] = s.value
+    return out
