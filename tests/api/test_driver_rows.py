@@ -3,6 +3,7 @@ SQLite and PostgreSQL alike (named bind parameters, positional on SQLite)."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from psycopg import pq
@@ -52,9 +53,11 @@ def test_on_postgresql_driver_rows_come_in_binary_with_the_same_values(api: Api)
             assert driver_rows(session, select(literal(1.5)), {}) == [(1.5,)]
         return
     formats: list[tuple[str, object]] = []
+    me = threading.get_ident()
 
     def note(_c: Any, cursor: Any, statement: str, *_: Any) -> None:
-        formats.append((statement, cursor.format))
+        if threading.get_ident() == me:  # not the app's own threads' statements meanwhile
+            formats.append((statement, cursor.format))
 
     values = select(
         literal(7, Integer),
