@@ -19,7 +19,7 @@ from contract.api import HostOut, JobOut, TokenCreate
 from contract.base import PROTOCOL_VERSION
 from contract.enums import DeviceKind, Role, WorkerState
 from evenflow.cli import main
-from tests.harness import LiveServer
+from tests.harness import LiveServer, wait_placed
 
 
 @pytest.fixture
@@ -230,7 +230,8 @@ def test_plan_override_events_watch_and_devices(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("COLUMNS", "80")
-    client = ApiClient(make_http(env.url, env.admin_token))
+    http = make_http(env.url, env.admin_token)
+    client = ApiClient(http)
     host = _cpu_host(client, "watch-host")
     long_name = "a-rather-long-job-name-that-does-not-fit-in-a-column-" + "z" * 40
     spec = tmp_path / "job.yaml"
@@ -240,6 +241,8 @@ def test_plan_override_events_watch_and_devices(
     job = _json(capsys, "jobs", "submit", str(spec))
     assert isinstance(job, dict)
     job_id = str(job["id"])
+    # Listed once placed: a pending job's reason column would fold into the name's lines.
+    wait_placed(http, f"/api/v1/jobs/{job_id}", int(job_id))
 
     assert main(["jobs", "list"]) == 0
     listed = capsys.readouterr().out
