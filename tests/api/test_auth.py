@@ -4,15 +4,21 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from fastapi.testclient import TestClient
 from pydantic import SecretStr
+from sqlalchemy import Engine, event
 
 from contract.base import PROTOCOL_VERSION
 from contract.enums import Role
 from server.app import create_app
 from server.context import context_of
+from server.errors import Unauthorized
+from server.services import tokens
 from tests.harness import Api, make_settings
 
 
@@ -204,3 +210,65 @@ def test_a_revocation_through_one_server_reaches_another_at_once(db_url: str) ->
             time.sleep(0.02)
         assert r.status_code == 401 and "revoked" in r.json()["detail"]
         assert b.get("/api/v1/jobs", headers=api_b.headers(keep)).status_code == 200
+
+
+def test_credentials_read_together_name_each_principal_or_refusal(api: Api) -> None:
+    """The token cache's batched read (``tokens.authenticate_keys``): API tokens and worker
+    credentials together in two statements, each key its own principal or refusal."""
+    context = context_of(api.client.app)  # type: ignore[arg-type]
+    host = api.register("h", devices=2)
+    job = api.submit(workers=2)
+    beat = api.client.post(
+        f"/api/v1/hosts/{host['id']}/heartbeat",
+        json={"workers": []},
+        headers=api.headers(host["_token"]),
+    ).json()
+    rank0, rank1 = (a["worker_token"] for a in beat["assignments"])
+    viewer = api.token(Role.VIEWER, name="looker")
+    gone = api.token(Role.VIEWER, name="gone")
+    listed = api.client.get("/api/v1/tokens", headers=api.headers()).json()["items"]
+    gone_id = next(t["id"] for t in listed if t["name"] == "gone")
+    assert api.client.delete(f"/api/v1/tokens/{gone_id}", headers=api.headers()).status_code == 200
+    secrets = [viewer, gone, "ef_unknown", rank0, rank1, "efw_unknown", host["_token"]]
+    keys = [tokens.cache_key(s) for s in secrets]
+    with _all_statements(context.engine) as sql:
+        found = tokens.authenticate_keys(context.sessions, keys)
+    assert len(sql) == 2
+    principal = {s: found[k] for s, k in zip(secrets, keys, strict=True)}
+    assert principal[viewer] == tokens.Principal(
+        token_id=principal[viewer].token_id,  # type: ignore[union-attr]
+        name="looker",
+        role=Role.VIEWER,
+        host=None,
+    )
+    assert isinstance(principal[gone], Unauthorized) and "revoked" in principal[gone].message
+    assert isinstance(principal["ef_unknown"], Unauthorized)
+    assert principal["ef_unknown"].message == "unknown token"
+    for rank, secret in enumerate((rank0, rank1)):
+        worker = principal[secret]
+        assert isinstance(worker, tokens.Principal)
+        assert (worker.role, worker.job_id, worker.rank) == (Role.WORKER, job["id"], rank)
+    assert isinstance(principal["efw_unknown"], Unauthorized)
+    agent = principal[host["_token"]]
+    assert isinstance(agent, tokens.Principal)
+    assert (agent.role, agent.host) == (Role.AGENT, "h")
+    # only worker credentials: one statement
+    with _all_statements(context.engine) as sql:
+        tokens.authenticate_keys(context.sessions, keys[3:5])
+    assert len(sql) == 1 and "api_tokens" not in sql[0]
+
+
+@contextmanager
+def _all_statements(engine: Engine) -> Iterator[list[str]]:
+    """Every statement ``engine`` runs meanwhile (``harness.statements`` leaves out the
+    credential look-ups, which are what is counted here)."""
+    seen: list[str] = []
+
+    def note(_conn: Any, _cursor: Any, sql: str, *_: Any) -> None:
+        seen.append(sql)
+
+    event.listen(engine, "before_cursor_execute", note)
+    try:
+        yield seen
+    finally:
+        event.remove(engine, "before_cursor_execute", note)
