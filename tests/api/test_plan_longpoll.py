@@ -269,3 +269,36 @@ def test_plans_missed_together_are_read_in_one_query(api: Api) -> None:
         assert isinstance(answer, tuple)
         assert json.loads(answer[1]) == expected[job_id]
     assert isinstance(got[-1], NotFound) and "job 10000 not found" in got[-1].message
+
+
+def test_a_refresh_reencodes_only_the_plans_whose_version_moved(api: Api) -> None:
+    """A refresh of cached plans reads the jobs' versions, and the plan rows of those whose
+    version is not the cached one only: the others keep their bodies. What each job gets is
+    what a read without the cache gives."""
+    api.register("h", devices=6)
+    jobs = [int(api.submit(workers=2, global_batch=16)["id"]) for _ in range(3)]  # type: ignore[call-overload]
+    context = api.client.app.state.context  # type: ignore[attr-defined]
+    sessions = context.sessions
+    first = plan_routes._load_current(sessions, [*jobs, 10_000])
+    held = {j: v for j, v in first.items() if isinstance(v, tuple)}
+    assert sorted(held) == jobs and isinstance(first[10_000], NotFound)
+
+    with statements(context.engine) as sql:
+        again = plan_routes._load_current(sessions, jobs, held.get)
+    assert again == held
+    assert len(sql) == 1 and "plans" not in sql[0].split("FROM")[1], sql
+
+    with transaction(sessions) as s:
+        job = s.get(Job, jobs[1])
+        assert job is not None
+        plans.create(s, job, [4, 12], PlanSource.MANUAL, "moved", by="test")
+    with statements(context.engine) as sql:
+        moved = plan_routes._load_current(sessions, [*jobs, 10_000], held.get)
+    uncached = plan_routes._load_current(sessions, [*jobs, 10_000])
+    assert [moved[j] for j in jobs] == [uncached[j] for j in jobs]  # as without the cache
+    assert str(moved[10_000]) == str(uncached[10_000]) == "job 10000 not found"
+    new_version, body = moved[jobs[1]]  # type: ignore[misc]
+    assert new_version == held[jobs[1]][0] + 1 and json.loads(body)["batch_sizes"] == [4, 12]
+    assert moved[jobs[0]] is held[jobs[0]] and moved[jobs[2]] is held[jobs[2]]
+    plan_reads = [s for s in sql if "plans" in s.split("FROM")[1]]
+    assert len(sql) == 2 and len(plan_reads) == 1, sql
