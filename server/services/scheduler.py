@@ -36,11 +36,12 @@ from datetime import datetime
 from functools import cache, cached_property
 from typing import Any
 
-from sqlalchemy import Select, func, select
+from sqlalchemy import Select, func, select, update
 from sqlalchemy.orm import Session
 
 from contract.enums import DeviceKind, DeviceStatus, HostStatus, JobStatus, PlanSource, WorkerState
 from contract.spec import JobSpec
+from server.db import ReadChanged
 from server.errors import Invalid
 from server.models import (
     PENDING_REASON_LENGTH,
@@ -74,15 +75,44 @@ def _profiles() -> tuple[GpuProfile, ...]:
     return load_gpu_profiles()
 
 
-def free_devices(session: Session) -> list[Device]:
-    return list(
-        session.scalars(
-            select(Device)
-            .join(Host)
-            .where(Device.status == DeviceStatus.FREE.value, Host.status == HostStatus.ACTIVE.value)
-            .order_by(Host.id, Device.kind, Device.index)
-        )
+@dataclass(slots=True)
+class Free:
+    """A free device on a live host, as a placement pass reads it: a row, not an entity.
+    Loaded as entities, the free devices of a 10,000-device fleet were two thirds of a pass's
+    time (py-spy on the fleet bench's controller); the devices a job is given are written
+    with one statement (``_take``)."""
+
+    id: int
+    host_id: int
+    kind: str
+    index: int
+    model: str
+    memory_mb: int
+
+
+_FREE = (
+    select(Device.id, Device.host_id, Device.kind, Device.index, Device.model, Device.memory_mb)
+    .join(Host)
+    .where(Device.status == DeviceStatus.FREE.value, Host.status == HostStatus.ACTIVE.value)
+    .order_by(Host.id, Device.kind, Device.index)
+)
+
+
+def free_devices(session: Session) -> list[Free]:
+    return [Free(*row) for row in session.execute(_FREE)]
+
+
+def _take(session: Session, job: Job, chosen: list[Free]) -> None:
+    """Give ``chosen`` to ``job``: busy with it, in one statement, if each is still free
+    (else ``ReadChanged``: the pass runs again on what is free now)."""
+    ids = [d.id for d in chosen]
+    taken = session.execute(
+        update(Device)
+        .where(Device.id.in_(ids), Device.status == DeviceStatus.FREE.value)
+        .values(status=DeviceStatus.BUSY.value, job_id=job.id)
     )
+    if taken.rowcount != len(ids):  # type: ignore[attr-defined]
+        raise ReadChanged(f"devices {ids} for job {job.id} were not all free any more")
 
 
 def _recent_jobs(session: Session) -> list[tuple[int, bool, dict[str, Any]]]:
@@ -245,14 +275,14 @@ class Pool:
     two million of them (``bench/placement_pass.py``)."""
 
     def __init__(
-        self, session: Session, free: list[Device], history: SpeedHistory | None = None
+        self, session: Session, free: list[Free], history: SpeedHistory | None = None
     ) -> None:
         self.speeds = Speeds(session, history)
         self.by_id = {d.id: d for d in free}
         """Every device free when the pass began (the jobs' choices take from them)."""
         self._made: dict[str, dict[int, FreeDevice]] = {}
 
-    def candidates(self, spec: JobSpec, usable: list[Device]) -> list[FreeDevice]:
+    def candidates(self, spec: JobSpec, usable: list[Free]) -> list[FreeDevice]:
         """The ``usable`` devices for ``spec``'s workload, in their order."""
         key = self.speeds.key(spec)
         made = self._made.get(key)
@@ -261,7 +291,7 @@ class Pool:
         return [made[d.id] for d in usable]
 
 
-def candidate_map(free: Iterable[Device], measured: dict[int, float]) -> dict[int, FreeDevice]:
+def candidate_map(free: Iterable[Free], measured: dict[int, float]) -> dict[int, FreeDevice]:
     """Each device as the planner sees it, by id: its measured speed on the workload, or the
     published-figures prior for its model."""
     return {
@@ -278,8 +308,8 @@ def candidate_map(free: Iterable[Device], measured: dict[int, float]) -> dict[in
 
 
 def choose_devices(
-    session: Session, job: Job, spec: JobSpec, usable: list[Device], pool: Pool
-) -> list[Device] | None:
+    session: Session, job: Job, spec: JobSpec, usable: list[Free], pool: Pool
+) -> list[Free] | None:
     """Devices for one job among the ``usable`` ones of the pass's ``pool``, or None if it
     cannot start now."""
     if spec.devices is not None:
@@ -312,7 +342,7 @@ def choose_devices(
 
 
 def _best_of_kinds(
-    request: JobRequest, cands: list[FreeDevice], by_id: dict[int, Device]
+    request: JobRequest, cands: list[FreeDevice], by_id: dict[int, Free]
 ) -> Placement | None:
     """The best placement on devices of one kind (never CPU and CUDA ranks in one job)."""
     groups: dict[str, list[FreeDevice]] = defaultdict(list)
@@ -515,7 +545,7 @@ class Hold:
     need: int
 
     @classmethod
-    def of(cls, session: Session, job: Job, spec: JobSpec, free: list[Device]) -> Hold | None:
+    def of(cls, session: Session, job: Job, spec: JobSpec, free: list[Free]) -> Hold | None:
         """What ``job`` keeps, or None where holding would not bring its start closer: it is
         not short of free devices (no placement fits them for another reason), or too few of
         its devices exist on live hosts for it to start at all."""
@@ -535,7 +565,7 @@ class Hold:
                     .group_by(Device.kind)
                 )
             }
-            by_kind: dict[str, list[Device]] = defaultdict(list)
+            by_kind: dict[str, list[Free]] = defaultdict(list)
             for d in free:
                 by_kind[d.kind].append(d)
             # The kind it would start on soonest: most free, of those with enough devices.
@@ -547,7 +577,7 @@ class Hold:
             return None
         return cls(job.id, job.priority, frozenset(d.id for d in kept), need)
 
-    def rest(self, free: list[Device]) -> list[Device]:
+    def rest(self, free: list[Free]) -> list[Free]:
         return [d for d in free if d.id not in self.device_ids]
 
     def keeps(self, reason: str) -> str:
@@ -572,7 +602,7 @@ class Hold:
         )
 
 
-def _enough(spec: JobSpec, free: list[Device]) -> bool:
+def _enough(spec: JobSpec, free: list[Free]) -> bool:
     """Whether ``free`` has devices enough for the job to start, by count: all it names, or
     ``workers`` of one kind."""
     if spec.devices is not None:
@@ -631,8 +661,8 @@ def place_pending(
         free = [d for d in free if d.id not in taken]
         if landscape is not None:
             landscape = landscape.taken(job.id, taken)
+        _take(session, job, chosen)
         for rank, dev in enumerate(chosen):
-            dev.status, dev.job_id = DeviceStatus.BUSY, job.id
             session.add(
                 Worker(
                     job_id=job.id,

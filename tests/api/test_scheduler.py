@@ -4,21 +4,22 @@ measured speeds over priors, explicit devices."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from sqlalchemy import select
+from sqlalchemy import select, update
 
 from contract.base import PROTOCOL_VERSION
-from contract.enums import HostStatus, Role
+from contract.enums import DeviceStatus, HostStatus, Role
 from contract.spec import JobSpec
 from server.app import create_app
 from server.context import context_of
-from server.db import transaction
-from server.models import PENDING_REASON_LENGTH, Host
+from server.db import ReadChanged, transaction
+from server.models import PENDING_REASON_LENGTH, Device, Host, Worker
 from server.services import scheduler
 from tests.harness import Api, driven, make_settings
 
@@ -289,3 +290,52 @@ def test_without_the_hold_any_job_that_fits_starts(no_hold_api: Api) -> None:
     assert _job(api, big)["status"] == "pending"
     assert not _job(api, big)["pending_reason"].startswith("first in the queue")
     assert _job(api, small)["status"] == "starting"
+
+
+def test_a_device_taken_between_the_read_and_the_write_makes_the_pass_run_again(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A placement pass reads the free devices as rows and writes the ones it gives a job in
+    one statement, only while they are still free: one that went offline meanwhile (its host
+    lost) stops the pass (``ReadChanged``, retried by the controller) with nothing written, and
+    the pass run again places the job on what is free then."""
+    host = _host(api, "h", ["NVIDIA H100 80GB HBM3"] * 2 + ["Tesla K80"] * 2)
+    job = api.submit(workers=2, place=False)
+    context = context_of(api.client.app)  # type: ignore[arg-type]
+    read = scheduler.free_devices
+
+    def then_one_goes_offline(session: Any) -> list[scheduler.Free]:
+        free = read(session)
+        fast = next(d for d in free if d.model.startswith("NVIDIA H100"))
+        with transaction(context.sessions) as other:
+            other.execute(
+                update(Device).where(Device.id == fast.id).values(status=DeviceStatus.OFFLINE)
+            )
+        return free
+
+    with monkeypatch.context() as patched:
+        patched.setattr(scheduler, "free_devices", then_one_goes_offline)
+        with (
+            pytest.raises(ReadChanged, match="were not all free"),
+            transaction(context.sessions) as s,
+        ):
+            scheduler.place_pending(s, datetime.now(UTC))
+    with context.sessions() as s:
+        assert s.scalars(select(Worker).where(Worker.job_id == job["id"])).all() == []
+        busy = s.scalars(select(Device).where(Device.status == DeviceStatus.BUSY)).all()
+        assert busy == []
+    assert api.place() == [job["id"]]
+    offline = {
+        d["id"]
+        for d in api.client.get(f"/api/v1/hosts/{host['id']}", headers=api.headers()).json()[
+            "devices"
+        ]
+        if d["status"] == "offline"
+    }
+    assert len(offline) == 1
+    chosen = _devices_of(api, job)
+    assert len(chosen) == 2 and not chosen & offline
+    with context.sessions() as s:
+        held = s.scalars(select(Device).where(Device.job_id == job["id"])).all()
+        assert {d.id for d in held} == chosen
+        assert {d.status for d in held} == {DeviceStatus.BUSY.value}
