@@ -86,16 +86,6 @@ class Settings(BaseSettings):
     own, so it never competes with request handling for the GIL). Either way, at most one
     controller per database is active."""
 
-    controller_nice: int = Field(default=10, ge=0, le=19)
-    """How much lower the controller process's CPU priority is than its server's (``os.nice``,
-    applied by ``python -m server.controller`` as it starts; 0: the same). The API process
-    answers every host's heartbeat and post while they wait; the controller's rounds are work
-    that can wait a little. On a machine with fewer free cores than busy processes (the fleet
-    bench: API, controller, PostgreSQL and the generator on 2 cores) the scheduler gave each an
-    equal share, and the heartbeats queued behind the controller's rounds: at 1,250 hosts the
-    heartbeat p99 went from 419 and 181 ms to 165 and 131 ms at 10, side by side, with the same
-    straggler detection delay (2 iterations) and round times."""
-
     run_migrations: bool = True
     """Apply Alembic migrations on start."""
 

@@ -593,10 +593,7 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(sig, lambda *_: stop.set())
     if args.parent_pid is not None:
         threading.Thread(target=_orphan_watch, args=(args.parent_pid, stop), daemon=True).start()
-    settings = Settings()
-    if settings.controller_nice:  # the request path first (``Settings.controller_nice``)
-        os.nice(settings.controller_nice)
-    run_process(settings, stop)
+    run_process(Settings(), stop)
 
 
 def _orphan_watch(parent: int, stop: threading.Event) -> None:
