@@ -232,12 +232,13 @@ def telemetry_record(rank: int, iteration: int) -> TelemetryRecord:
 
 
 @contextmanager
-def statements(engine: Engine) -> Iterator[list[str]]:
-    """The SQL ``engine`` runs meanwhile, credential look-ups left out."""
+def statements(engine: Engine, *, credentials: bool = False) -> Iterator[list[str]]:
+    """The SQL ``engine`` runs meanwhile, the API tokens' look-ups left out unless
+    ``credentials``."""
     seen: list[str] = []
 
     def note(_conn: Any, _cursor: Any, sql: str, *_: Any) -> None:
-        if "api_tokens" not in sql:
+        if credentials or "api_tokens" not in sql:
             seen.append(sql)
 
     event.listen(engine, "before_cursor_execute", note)

@@ -4,14 +4,10 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 from fastapi.testclient import TestClient
 from pydantic import SecretStr
-from sqlalchemy import Engine, event
 
 from contract.base import PROTOCOL_VERSION
 from contract.enums import Role
@@ -19,7 +15,7 @@ from server.app import create_app
 from server.context import context_of
 from server.errors import Unauthorized
 from server.services import tokens
-from tests.harness import Api, make_settings
+from tests.harness import Api, make_settings, statements
 
 
 def test_health_needs_no_token(api: Api) -> None:
@@ -231,7 +227,7 @@ def test_credentials_read_together_name_each_principal_or_refusal(api: Api) -> N
     assert api.client.delete(f"/api/v1/tokens/{gone_id}", headers=api.headers()).status_code == 200
     secrets = [viewer, gone, "ef_unknown", rank0, rank1, "efw_unknown", host["_token"]]
     keys = [tokens.cache_key(s) for s in secrets]
-    with _all_statements(context.engine) as sql:
+    with statements(context.engine, credentials=True) as sql:
         found = tokens.authenticate_keys(context.sessions, keys)
     assert len(sql) == 2
     principal = {s: found[k] for s, k in zip(secrets, keys, strict=True)}
@@ -253,22 +249,6 @@ def test_credentials_read_together_name_each_principal_or_refusal(api: Api) -> N
     assert isinstance(agent, tokens.Principal)
     assert (agent.role, agent.host) == (Role.AGENT, "h")
     # only worker credentials: one statement
-    with _all_statements(context.engine) as sql:
+    with statements(context.engine, credentials=True) as sql:
         tokens.authenticate_keys(context.sessions, keys[3:5])
     assert len(sql) == 1 and "api_tokens" not in sql[0]
-
-
-@contextmanager
-def _all_statements(engine: Engine) -> Iterator[list[str]]:
-    """Every statement ``engine`` runs meanwhile (``harness.statements`` leaves out the
-    credential look-ups, which are what is counted here)."""
-    seen: list[str] = []
-
-    def note(_conn: Any, _cursor: Any, sql: str, *_: Any) -> None:
-        seen.append(sql)
-
-    event.listen(engine, "before_cursor_execute", note)
-    try:
-        yield seen
-    finally:
-        event.remove(engine, "before_cursor_execute", note)
