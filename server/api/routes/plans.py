@@ -79,17 +79,19 @@ def _load_current(
 ) -> dict[int, tuple[int, bytes] | Exception]:
     """Each job's (version, body), or why it has none. A refresh finds most plans as they
     were (200 jobs' plans are read again every few seconds, and change a few times a job):
-    the jobs' versions are read first, and a plan still at the version ``cached`` holds keeps
-    its body, neither read nor encoded again (a plan's rows, validated and encoded each
-    refresh, were a twentieth of the fleet bench's API process)."""
+    the versions of the jobs ``cached`` holds are read first (none held: no such read), and a
+    plan still at its cached version keeps its body, neither read nor encoded again (a plan's
+    rows, validated and encoded each refresh, were a twentieth of the fleet bench's API
+    process)."""
     out: dict[int, tuple[int, bytes] | Exception] = {}
+    held = {job_id: hit for job_id in job_ids if (hit := cached(job_id)) is not None}
     with sessions() as session:
-        versions = plans.current_versions(session, job_ids)
+        versions = plans.current_versions(session, held) if held else {}
         to_read = []
         for job_id in job_ids:
-            held = cached(job_id)
-            if held is not None and job_id in versions and versions[job_id] == held[0]:
-                out[job_id] = held
+            hit = held.get(job_id)
+            if hit is not None and versions.get(job_id) == hit[0]:
+                out[job_id] = hit
             else:
                 to_read.append(job_id)
         if to_read:
