@@ -47,7 +47,7 @@ from server.api.slots import DbSlots
 from server.cache import Caches
 from server.config import Settings
 from server.context import AppContext
-from server.controller import Controller
+from server.controller import CONTROLLER_THREAD, Controller
 from server.db import make_engine, migrate, session_factory, transaction
 from server.errors import EvenflowError
 from server.host_answers import LIVENESS_FLUSH_S, HostAnswers, Liveness, track
@@ -251,7 +251,7 @@ def _lifespan(context: AppContext) -> Callable[[FastAPI], AbstractAsyncContextMa
             )
             context.wake_controller = lambda job_id: loop.poke((job_id,))
             controller = threading.Thread(
-                target=loop.run, args=(stop,), name="evenflow-controller", daemon=True
+                target=loop.run, args=(stop,), name=CONTROLLER_THREAD, daemon=True
             )
             controller.start()
         try:

@@ -68,6 +68,11 @@ registered, a job submitted) are each answered at once."""
 
 PLACE_BURST = 4
 
+CONTROLLER_THREAD = "evenflow-controller"
+"""The name of the thread an app runs its controller on (``Settings.controller = 'thread'``)."""
+PLACEMENT_THREAD = "placement"
+"""The name of the controller's placement thread (``Controller.placements``)."""
+
 PLACE_EVERY_S = 5.0
 """...and at least this often, asked or not: the reasons of the jobs still waiting are brought
 up to date."""
@@ -207,7 +212,7 @@ class Controller:
     def _rounds(self, stop: threading.Event, lock: ControllerLock) -> None:
         done = threading.Event()  # this controller's turn is over: the placement thread ends
         placer = threading.Thread(
-            target=self.placements, args=(stop, done), name="placement", daemon=True
+            target=self.placements, args=(stop, done), name=PLACEMENT_THREAD, daemon=True
         )
         placer.start()
         try:

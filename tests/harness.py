@@ -29,6 +29,7 @@ from contract.base import PROTOCOL_VERSION
 from contract.enums import Role
 from server.config import Settings
 from server.context import context_of
+from server.controller import CONTROLLER_THREAD, PLACEMENT_THREAD
 from server.db import transaction
 from server.services import scheduler
 
@@ -231,13 +232,20 @@ def telemetry_record(rank: int, iteration: int) -> TelemetryRecord:
     )
 
 
+_CONTROLLER_THREADS = frozenset({CONTROLLER_THREAD, PLACEMENT_THREAD})
+
+
 @contextmanager
 def statements(engine: Engine, *, credentials: bool = False) -> Iterator[list[str]]:
     """The SQL ``engine`` runs meanwhile, the API tokens' look-ups left out unless
-    ``credentials``."""
+    ``credentials``, and so are those of the app's own controller threads: their rounds run
+    every half second and were counted with the work measured when one came in the middle
+    (a heartbeat's 8 statements read as 10 in CI)."""
     seen: list[str] = []
 
     def note(_conn: Any, _cursor: Any, sql: str, *_: Any) -> None:
+        if threading.current_thread().name in _CONTROLLER_THREADS:
+            return
         if credentials or "api_tokens" not in sql:
             seen.append(sql)
 
