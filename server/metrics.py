@@ -112,7 +112,9 @@ class Metrics:
             "Heartbeats worked out in the database, where their time went: slot (waiting for "
             "one of the API process's database slots, after any other request waiting), "
             "thread (from the slot to a worker thread running it: the process's CPU) and "
-            "transaction (its statements and commit: lock waits and the database included)",
+            "transaction (its statements and commit: lock waits and the database included); "
+            "report_lock (within transaction, of those that took jobs' report locks: the wait "
+            "for them)",
             ["phase"],
             registry=self.registry,
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2.5, 5, 10, 30),

@@ -14,6 +14,7 @@ the next failure fails the job with every reason listed. A rank that exits with
 from __future__ import annotations
 
 import signal
+import time
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -274,6 +275,11 @@ _REPORTS_LOCK = text("SELECT pg_advisory_xact_lock(:cls, :job_id)").bindparams(
 )
 
 
+REPORT_LOCK_WAIT = "evenflow.report_lock_wait_s"
+"""Where a session notes the seconds it waited for jobs' report locks (``_lock_reports``), for
+the heartbeat's timing by phase (``evenflow_heartbeat_database_seconds{phase="report_lock"}``)."""
+
+
 def _lock_reports(session: Session, job_ids: Iterable[int]) -> None:
     """Take the jobs' report locks (PostgreSQL), in id order as every host takes them, held to
     the commit. Hosts whose last ranks of a job start (or end) at the same moment would each
@@ -283,8 +289,11 @@ def _lock_reports(session: Session, job_ids: Iterable[int]) -> None:
     job's row: the controller updates job rows in its sweeps, and a row lock made heartbeats
     and sweeps wait for each other. (SQLite has one writer at a time: no such race.)"""
     if session.get_bind().dialect.name == "postgresql":
+        asked = time.perf_counter()
         for job_id in sorted(job_ids):
             session.execute(_REPORTS_LOCK, {"job_id": job_id})
+        waited = time.perf_counter() - asked
+        session.info[REPORT_LOCK_WAIT] = session.info.get(REPORT_LOCK_WAIT, 0.0) + waited
 
 
 @dataclass(frozen=True)

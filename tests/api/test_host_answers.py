@@ -28,7 +28,7 @@ from server.app import _flush_liveness, _write_liveness, create_app
 from server.context import AppContext, context_of
 from server.db import transaction
 from server.models import Device, Host, Job, Worker
-from server.services import hosts
+from server.services import hosts, jobs
 from server.services.tokens import Principal
 from tests.harness import ADMIN_TOKEN, ROOT, Api, driven, make_settings, statements
 
@@ -313,7 +313,7 @@ import sys
 from datetime import UTC, datetime, timedelta
 from server.controller import connect
 from server.db import transaction
-from server.services import hosts
+from server.services import hosts, jobs
 
 engine, sessions, buses = connect(sys.argv[1])
 with transaction(sessions) as s:
@@ -731,6 +731,32 @@ def test_metrics_say_where_a_database_heartbeats_time_went(sqlite_api: Api) -> N
     assert phases["slot"][1] < 0.3 and phases["thread"][1] < 0.3
     assert _beat(api, host, []).status_code == 200  # the same again: from memory
     assert _phases(api) == phases
+
+
+@pytest.mark.postgres
+def test_metrics_time_a_heartbeats_wait_for_its_jobs_report_lock(pg_url: str) -> None:
+    """A rank's running report that may start its job takes the job's report lock; the wait
+    for it, while another transaction holds it, is its own phase (within the transaction).
+    A heartbeat that takes no lock (a launch) is timed in no such phase."""
+    with TestClient(create_app(make_settings(pg_url))) as client:
+        api = driven(client)
+        host = api.register("h", devices=1)
+        job = api.submit(workers=1, global_batch=8)
+        report = _running(_beat(api, host, []).json())  # the launch: no report lock
+        assert "report_lock" not in _phases(api)
+        lock = text("SELECT pg_advisory_xact_lock(:cls, :job_id)")
+        with _context(api).engine.connect() as holder:
+            holder.execute(lock, {"cls": jobs.REPORTS_LOCK_CLASS, "job_id": int(job["id"])})
+            beat = threading.Thread(target=lambda: _beat(api, host, report))
+            beat.start()
+            time.sleep(0.6)  # (its own way to the lock takes some of that)
+            holder.rollback()
+        beat.join(10)
+        waited = _phases(api)
+        assert waited["report_lock"][0] == 1 and waited["report_lock"][1] >= 0.3
+        assert waited["transaction"][1] >= waited["report_lock"][1]
+        got = api.client.get(f"/api/v1/jobs/{job['id']}", headers=api.headers()).json()
+        assert got["status"] == "running"
 
 
 @pytest.mark.postgres

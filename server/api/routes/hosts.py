@@ -23,7 +23,7 @@ from server.api.deps import (
 from server.api.gate import RAW_BODY_STATE
 from server.api.statuses import declare
 from server.host_answers import changed_so_far
-from server.services import hosts
+from server.services import hosts, jobs
 
 router = APIRouter(prefix="/hosts", tags=["hosts"], route_class=JSONRoute)
 
@@ -69,12 +69,15 @@ async def heartbeat(
     context.metrics.heartbeat_misses.labels(answers.why_missed(host_id, req, principal)).inc()
     generation = answers.generation(host_id)
 
-    def work(session: Session) -> tuple[hosts.Answered, frozenset[int]]:
+    def work(session: Session) -> tuple[hosts.Answered, frozenset[int], float | None]:
         answered = hosts.heartbeat(session, host_id, req, principal, now)
         session.flush()  # all of it: what the commit invalidates is known before it
-        return answered, changed_so_far(session)
+        return answered, changed_so_far(session), session.info.get(jobs.REPORT_LOCK_WAIT)
 
-    (ack, fewer_alike), own = await in_transaction(context, work, context.metrics.heartbeat_phases)
+    phases = context.metrics.heartbeat_phases
+    (ack, fewer_alike), own, locked = await in_transaction(context, work, phases)
+    if locked is not None:  # (the last try's: a try run again started a new session)
+        phases.labels("report_lock").observe(locked)
     context.liveness.seen(host_id, now)  # written with the next batch, as from memory
     context.liveness.owned(host_id, principal.token_id)  # its next heartbeats noted on arrival
     body = ack.model_dump_json().encode()
