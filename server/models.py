@@ -160,6 +160,12 @@ class Device(Base):
     host: Mapped[Host] = relationship(back_populates="devices")
 
 
+def departed_ranks(departures: list[dict[str, Any]] | None, attempt: int) -> frozenset[int]:
+    """The ranks of ``attempt`` that have left their job for good, of a job's ``departures``
+    (``Job.departed``, for a caller that read the columns as a row)."""
+    return frozenset(int(d["rank"]) for d in departures or [] if d["attempt"] == attempt)
+
+
 class Job(Base):
     __tablename__ = "jobs"
 
@@ -209,9 +215,7 @@ class Job(Base):
     @property
     def departed(self) -> frozenset[int]:
         """Ranks of the current attempt that have left the job for good."""
-        return frozenset(
-            int(d["rank"]) for d in self.departures or [] if d["attempt"] == self.attempt
-        )
+        return departed_ranks(self.departures, self.attempt)
 
 
 class Worker(Base):

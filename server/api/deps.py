@@ -27,6 +27,7 @@ from server.services.paging import DEFAULT_LIMIT, MAX_LIMIT, MAX_OFFSET, Paging
 from server.services.tokens import Principal
 
 T = TypeVar("T")
+R = TypeVar("R")
 log = logging.getLogger(__name__)
 
 _bearer = HTTPBearer(
@@ -80,7 +81,11 @@ TRANSACTION_ATTEMPTS = 3
 
 
 async def in_transaction(
-    context: AppContext, work: Callable[[Session], T], phases: Histogram | None = None
+    context: AppContext,
+    work: Callable[[Session], T],
+    phases: Histogram | None = None,
+    *,
+    then: Callable[[T], Callable[[Session], object] | None] | None = None,
 ) -> T:
     """``work`` in one write transaction in one worker-thread hop, inside a database slot: for
     the hottest routes (heartbeats), which a ``SessionDep`` would take through three hops
@@ -94,17 +99,26 @@ async def in_transaction(
     ``phases`` (a histogram labelled by phase) is told where the time went: ``slot`` (waiting
     for a database slot), ``thread`` (from the slot to a worker thread running the work: the
     process's other threads and event loop holding the CPU or the GIL) and ``transaction``
-    (the work and its commit, tries again included: statements, lock waits, the database)."""
+    (the work and its commit, tries again included: statements, lock waits, the database).
+
+    ``then``, given what the work returned once it has committed, may hand more work, done in
+    a transaction of its own after it, in the same slot and thread hop and timed with it (a
+    heartbeat's jobs advanced once its reports have committed: ``jobs.ready_to_advance``).
+    Should that fail, the request fails, though the first transaction stays committed."""
     ran: list[float] = []
 
-    def once() -> T:
+    def once(work: Callable[[Session], R]) -> R:
         with transaction(context, write=True) as session:
             return work(session)
 
     def timed() -> T:
         ran.append(time.perf_counter())
         try:
-            return run_retrying(once, TRANSACTION_ATTEMPTS, "transaction")
+            done = run_retrying(lambda: once(work), TRANSACTION_ATTEMPTS, "transaction")
+            more = then(done) if then is not None else None
+            if more is not None:
+                run_retrying(lambda: once(more), TRANSACTION_ATTEMPTS, "transaction")
+            return done
         finally:
             ran.append(time.perf_counter())
 

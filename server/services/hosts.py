@@ -11,8 +11,10 @@ its workers), they are busy again until its agent reports those ranks ended.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 from sqlalchemy import Row, bindparam, exists, func, or_, select
@@ -176,6 +178,9 @@ class Answered(NamedTuple):
     (``jobs.release_replaced``). So an agent that reports a change once and then no more (it
     reports a rank's new state until a heartbeat has carried it) is answered from memory on
     the heartbeat after (``server.host_answers``)."""
+    to_advance: Mapping[int, int] = MappingProxyType({})
+    """The jobs (id: attempt) its reports may have moved on, to advance once it has committed
+    (``jobs.ready_to_advance``, ``jobs.advance_jobs``)."""
 
 
 def heartbeat(
@@ -209,8 +214,11 @@ def heartbeat(
     reported = {r.job_id for r in hb.workers}
     placed = _placed_here(session, host, reported)
     changes = []
+    again: dict[int, int] = {}
     for report in hb.workers:
         known = placed.get((report.job_id, report.rank))
+        if known is not None and known.state == report.state and _may_advance(known):
+            again[known.job_id] = known.attempt  # a report carried before, its job not moved
         if known is not None and (known.attempt != report.attempt or known.state == report.state):
             continue  # an earlier attempt's, or nothing new: the common case, with no query
         changes.append(report)
@@ -228,11 +236,20 @@ def heartbeat(
         status=HostStatus(host.status),
         assignments=assignments(session, host, placed),
     )
-    # After the answer, so that the jobs' report locks are held only from here to the commit
-    # (``jobs.advance_jobs``). Advancing changes nothing the answer says: a job that starts
-    # running is ``run`` either way, and one that succeeds has none of its ranks live here.
-    jobs.advance_jobs(session, applied.to_advance, now)
-    return Answered(ack, fewer_alike=not held)
+    # The jobs are advanced by the caller once this commits (``jobs.ready_to_advance``).
+    # Advancing changes nothing the answer says: a job that starts running is ``run`` either
+    # way, and one that succeeds has none of its ranks live here.
+    return Answered(ack, fewer_alike=not held, to_advance=again | applied.to_advance)
+
+
+def _may_advance(rank: Placed) -> bool:
+    """Whether a rank's state, reported again, may still move its job on: running in a job
+    that starts, or succeeded in a live one. A heartbeat whose reports committed and whose
+    jobs' advance then failed (the database went away, the process died) was not answered;
+    the agent sends the same reports again, and they advance the jobs then."""
+    if rank.job_status == JobStatus.STARTING.value:
+        return rank.state in (WorkerState.RUNNING.value, WorkerState.SUCCEEDED.value)
+    return rank.state == WorkerState.SUCCEEDED.value and rank.job_status == JobStatus.RUNNING.value
 
 
 class Placed(NamedTuple):
@@ -245,6 +262,8 @@ class Placed(NamedTuple):
     device_id: int | None
     attempt: int
     """Its job's current attempt."""
+    job_status: str
+    """Its job's status."""
 
 
 _LIVE = (WorkerState.ASSIGNED.value, WorkerState.LAUNCHING.value, WorkerState.RUNNING.value)
@@ -253,12 +272,12 @@ _LIVE = (WorkerState.ASSIGNED.value, WorkerState.LAUNCHING.value, WorkerState.RU
 # more than running it (bench: the shapes read took a sixth of a heartbeat's server time).
 _PLACED_COLUMNS = (Worker.id, Worker.job_id, Worker.rank, Worker.state, Worker.device_id)
 _PLACED_LIVE = (
-    select(*_PLACED_COLUMNS, Job.attempt)
+    select(*_PLACED_COLUMNS, Job.attempt, Job.status)
     .join(Job, Worker.job_id == Job.id)
     .where(Worker.host_id == bindparam("host_id"), Worker.state.in_(_LIVE))
 )
 _PLACED_LIVE_OR_JOBS = (
-    select(*_PLACED_COLUMNS, Job.attempt)
+    select(*_PLACED_COLUMNS, Job.attempt, Job.status)
     .join(Job, Worker.job_id == Job.id)
     .where(
         Worker.host_id == bindparam("host_id"),

@@ -35,7 +35,15 @@ from contract.enums import (
 from contract.spec import JobSpec
 from server.cache import mark_tokens_changed
 from server.errors import Conflict, Forbidden, Invalid, NotFound
-from server.models import Checkpoint, Device, Host, IterationTelemetry, Job, Worker
+from server.models import (
+    Checkpoint,
+    Device,
+    Host,
+    IterationTelemetry,
+    Job,
+    Worker,
+    departed_ranks,
+)
 from server.services import departures, events, scheduler
 from server.services.audit import record
 from server.services.tokens import Principal
@@ -282,12 +290,11 @@ the heartbeat's timing by phase (``evenflow_heartbeat_database_seconds{phase="re
 
 def _lock_reports(session: Session, job_ids: Iterable[int]) -> None:
     """Take the jobs' report locks (PostgreSQL), in id order as every host takes them, held to
-    the commit. Hosts whose last ranks of a job start (or end) at the same moment would each
-    count the others' ranks as not running (or done) yet, in their own snapshots, and leave the
-    job STARTING (or RUNNING) for good: the fleet bench found 32 of 200 jobs so at 1,250 hosts.
-    With the lock, the next host's count sees this one's ranks. An advisory lock, not the
-    job's row: the controller updates job rows in its sweeps, and a row lock made heartbeats
-    and sweeps wait for each other. (SQLite has one writer at a time: no such race.)"""
+    the commit: one host at a time moves a job on (``advance_jobs``, once its reports have
+    committed and it found the job ready) or handles a failure (``_apply_with_failures``, which
+    must see every other report of the job). An advisory lock, not the job's row: the
+    controller updates job rows in its sweeps, and a row lock made heartbeats and sweeps wait
+    for each other. (SQLite has one writer at a time: no such race.)"""
     if session.get_bind().dialect.name == "postgresql":
         asked = time.perf_counter()
         for job_id in sorted(job_ids):
@@ -302,7 +309,7 @@ class Applied:
 
     to_advance: dict[int, int] = field(default_factory=dict)
     """The jobs (id: attempt reported) that may now start running or succeed, for the caller
-    to advance last in its transaction (``advance_jobs``)."""
+    to look at once this transaction has committed (``ready_to_advance``, ``advance_jobs``)."""
     moved: dict[tuple[int, int], WorkerState] | None = field(default_factory=dict)
     """The ranks (job, rank) moved, by their new state: nothing else about the host's ranks
     changed. None after a failure, which may have restarted a job or let a rank go."""
@@ -325,13 +332,11 @@ def apply_worker_reports(
     at once, and a statement or two per report made the fleet's start a burst of thousands of
     round trips.
 
-    A job that may now start running or succeed is left to the caller, to advance last in its
-    transaction (``advance_jobs``): the job's report lock is then held for the few statements
-    from there to the commit, not for the whole heartbeat. A whole fleet job's hosts report
-    its start (and its end) within one heartbeat period, one at a time under that lock; held
-    for the whole heartbeat, it queued a 256-rank job's 32 hosts for seconds, holding the
-    API's database slots meanwhile (``bench/fleet.py``). A rank reported launching (or running
-    in a job already running) cannot advance its job: it takes no lock and counts no ranks.
+    A job that may now start running or succeed is left to the caller, to look at once this
+    transaction has committed (``ready_to_advance``, then ``advance_jobs`` for those ready):
+    a whole fleet job's hosts report its start (and its end) within one heartbeat period, and
+    only the last of them takes the job's report lock. A rank reported launching (or running
+    in a job already running) cannot advance its job: it counts no ranks.
 
     A heartbeat that reports a failure takes its jobs' locks first and advances them here
     (``_apply_with_failures``), as the failure's handling (a restart) must see every other
@@ -416,15 +421,43 @@ def _apply_with_failures(
             _advance_job(session, job, report, now)
 
 
+def ready_to_advance(session: Session, pending: Mapping[int, int]) -> dict[int, int]:
+    """Of the jobs ``apply_worker_reports`` left (id: the attempt reported), those that their
+    ranks, as committed now, move on (to running, or to their success): read without any lock,
+    in a transaction after the reports' own commit, so that only those go on to
+    ``advance_jobs`` and its locks.
+
+    Hosts reporting a job's ranks at once each commit theirs, then read. Whichever of them
+    commits last reads after every one of their commits, so it sees every rank as it was
+    reported and finds the job ready; the ones before it read too early, find it not, and
+    take no lock. (Read inside the reports' own transaction, each could miss the others'
+    uncommitted ranks and none would find it ready; so the count was made under the job's
+    lock, and a 256-rank job's 32 hosts queued on it, holding the API's database slots,
+    ``bench/fleet.py``.)"""
+    if not pending:
+        return {}
+    ready = {}
+    for job_id, status, attempt, gone in session.execute(_LIVE_JOBS, {"job_ids": sorted(pending)}):
+        if attempt != pending[job_id]:
+            continue
+        departed = departed_ranks(gone, attempt)
+        if _moves(JobStatus(status), _rank_states(session, job_id, departed)) is not None:
+            ready[job_id] = attempt
+    return ready
+
+
+_LIVE_JOBS = select(Job.id, Job.status, Job.attempt, Job.departures).where(
+    Job.id.in_(bindparam("job_ids", expanding=True)),
+    Job.status.in_([s.value for s in JobStatus if not s.terminal]),
+)
+
+
 def advance_jobs(session: Session, pending: Mapping[int, int], now: datetime) -> None:
-    """Advance the jobs ``apply_worker_reports`` left (id: the attempt reported), last in the
-    heartbeat's transaction: this one's ranks are written first, then the jobs' report locks
-    are taken and their rank states counted. Two hosts each write their ranks, then count
-    under the lock: whichever counts second sees the first's ranks, committed before its lock
-    was let go, however their writes interleaved."""
+    """Advance the jobs ``ready_to_advance`` found (id: the attempt reported), under their
+    report locks: two hosts that both found a job ready count its ranks again in turn, and the
+    second finds it moved already (as the first committed it before letting the lock go)."""
     if not pending:
         return
-    session.flush()
     _lock_reports(session, pending)
     fresh = session.scalars(  # as committed before the locks were granted
         select(Job).where(Job.id.in_(sorted(pending))).execution_options(populate_existing=True)
@@ -476,23 +509,31 @@ def _advance_job(session: Session, job: Job, report: WorkerReport, now: datetime
 def _advance_live(session: Session, job: Job, now: datetime) -> None:
     """A live job whose ranks moved: succeed when every rank still in the job did, run once
     every rank runs."""
-    status = JobStatus(job.status)
-    states = _rank_states(session, job)
-    if all(s is WorkerState.SUCCEEDED for s in states):
-        if status is JobStatus.STARTING:
+    to = _moves(JobStatus(job.status), _rank_states(session, job.id, job.departed))
+    if to is JobStatus.SUCCEEDED:
+        if job.status == JobStatus.STARTING.value:
             transition(job, JobStatus.RUNNING)
         finish(session, job, JobStatus.SUCCEEDED, now)
-    elif status is JobStatus.STARTING and all(
-        s in (WorkerState.RUNNING, WorkerState.SUCCEEDED) for s in states
-    ):
+    elif to is JobStatus.RUNNING:
         transition(job, JobStatus.RUNNING)
         job.started_at = now
 
 
-def _rank_states(session: Session, job: Job) -> set[WorkerState]:
-    """The states of the job's ranks still in it, in one aggregate read: at every rank's start
-    and end, loading a 256-rank job's workers was most of a fleet's heartbeat work."""
-    rows = session.execute(_RANK_STATES, {"job_id": job.id, "departed": sorted(job.departed)})
+def _moves(status: JobStatus, states: set[WorkerState]) -> JobStatus | None:
+    """Where a live job in ``status`` goes with its ranks in ``states`` (those still in it):
+    succeeded once all succeeded, running once a starting job's all run; None: nowhere yet."""
+    if all(s is WorkerState.SUCCEEDED for s in states):
+        return JobStatus.SUCCEEDED
+    if status is JobStatus.STARTING and states <= {WorkerState.RUNNING, WorkerState.SUCCEEDED}:
+        return JobStatus.RUNNING
+    return None
+
+
+def _rank_states(session: Session, job_id: int, departed: Collection[int]) -> set[WorkerState]:
+    """The states of the job's ranks still in it (not ``departed``), in one aggregate read: at
+    every rank's start and end, loading a 256-rank job's workers was most of a fleet's
+    heartbeat work."""
+    rows = session.execute(_RANK_STATES, {"job_id": job_id, "departed": sorted(departed)})
     return {WorkerState(state) for (state,) in rows}
 
 

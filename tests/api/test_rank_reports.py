@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import tempfile
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -13,7 +15,8 @@ import pytest
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sqlalchemy import Engine, select, text, update
+from sqlalchemy import Engine, event, select
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 
 from contract.agent import WORKER_EXIT_FATAL, WorkerReport
@@ -160,135 +163,169 @@ def _outcome(api: Api, job_ids: list[int]) -> list[Any]:
 # ------------------------------------------------------- hosts starting one job at once
 
 
-@pytest.mark.postgres
-def test_hosts_starting_a_jobs_last_ranks_at_the_same_moment_start_the_job(pg_url: str) -> None:
-    """Two hosts report a job's two ranks running in transactions that overlap: the second
-    waits for the first's commit and counts its rank, so the job runs, while the job's row
-    stays free for others to update. (Each counting the
-    other's rank as not running yet, in its own snapshot, left the job STARTING for good.)"""
-    with TestClient(create_app(make_settings(pg_url))) as client:
-        api = driven(client)
-        hosts = [api.register(f"h{i}", devices=1) for i in range(2)]
-        job_id = int(api.submit(workers=2)["id"])
-        answers = [_beat(api, host, []) for host in hosts]
-        for host, answer in zip(hosts, answers, strict=True):
-            _beat(api, host, _reports(answer, "launching"))
-        sessions = session_factory(_engine(api))
-
-        def report_running(session: Session, k: int) -> None:
-            host = session.get(Host, hosts[k]["id"])
-            assert host is not None
-            reports = [WorkerReport.model_validate(r) for r in _reports(answers[k], "running")]
-            now = datetime.now(UTC)
-            jobs.advance_jobs(
-                session, jobs.apply_worker_reports(session, host, reports, now).to_advance, now
-            )
-
-        first = sessions()
-        first.begin()
-        report_running(first, 0)
-        first.flush()
-        # The lock is the reports' own: the job's row stays free for the controller's sweeps
-        with transaction(sessions) as other:
-            other.execute(
-                update(Job).where(Job.id == job_id).values(frozen=False),
-                execution_options={"synchronize_session": False},
-            )
-        second_done = threading.Event()
-
-        def second() -> None:
-            with transaction(sessions) as session:
-                report_running(session, 1)
-            second_done.set()
-
-        thread = threading.Thread(target=second)
-        thread.start()
-        # The second must wait for the first's commit (it would be done within this long)
-        assert not second_done.wait(1.0)
-        first.commit()
-        first.close()
-        thread.join(30)
-        assert second_done.is_set()
-        with transaction(sessions) as session:
-            job = session.get(Job, job_id)
-            assert job is not None
-            assert (job.status, job.started_at is not None) == ("running", True)
-
-
-def _started_on_two_hosts(api: Api) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
-    """A 2-rank job on two 1-device hosts, each rank reported launching: (hosts, their first
-    answers, the job's id)."""
-    hosts = [api.register(f"h{i}", devices=1) for i in range(2)]
-    job_id = int(api.submit(workers=2)["id"])
+def _started_on_hosts(api: Api, n: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
+    """A job of ``n`` ranks on ``n`` new 1-device hosts, each rank reported launching:
+    (hosts, their first answers, the job's id)."""
+    hosts = [api.register(f"h{i}-{_names.pop()}", devices=1) for i in range(n)]
+    job_id = int(api.submit(workers=n)["id"])
     answers = [_beat(api, host, []) for host in hosts]
     for host, answer in zip(hosts, answers, strict=True):
         _beat(api, host, _reports(answer, "launching"))
     return hosts, answers, job_id
 
 
+_names = list(range(10_000))
+
+
+def _schedules(n: int) -> st.SearchStrategy[list[tuple[int, str]]]:
+    """Every interleaving of ``n`` hosts' heartbeats, each host's steps in its own order: its
+    ranks written in an open transaction, that committed, then its job looked at (and advanced
+    if ready) in a transaction of its own."""
+    steps = ("write", "commit", "advance")
+
+    @st.composite
+    def draw(data: st.DrawFn) -> list[tuple[int, str]]:
+        left = {k: list(steps) for k in range(n)}
+        out = []
+        while left:
+            k = data(st.sampled_from(sorted(left)))
+            out.append((k, left[k].pop(0)))
+            if not left[k]:
+                del left[k]
+        return out
+
+    return draw()
+
+
 @pytest.mark.postgres
-@pytest.mark.parametrize("counts_first", [0, 1])
-def test_hosts_that_write_their_ranks_before_either_counts_start_the_job(
-    pg_url: str, counts_first: int
-) -> None:
-    """Each heartbeat writes its ranks unlocked and counts the job's ranks last, under the
-    job's lock (``jobs.advance_jobs``): when both have written before either counts, the one
-    that counts first sees the other's rank as not running yet (not committed), and the one
-    that counts second sees the first's, committed before its lock was let go."""
-    with TestClient(create_app(make_settings(pg_url))) as client:
+def test_hosts_reporting_a_jobs_last_ranks_at_once_start_it_in_any_order(pg_url: str) -> None:
+    """Each heartbeat writes its ranks, commits, and only then looks at its job, without a
+    lock: in every interleaving of three hosts' heartbeats the job runs, since the host that
+    commits last looks after every commit. A host that looked before another's commit found
+    the job not ready and took no lock. (Looked at inside the reports' own transaction, each
+    could count the others' ranks as not running, in its snapshot, and leave the job STARTING
+    for good; so the count was made under the job's lock, and a fleet job's 32 hosts queued.)"""
+    with TestClient(create_app(make_settings(pg_url, controller="none"))) as client:
         api = driven(client)
-        hosts, answers, job_id = _started_on_two_hosts(api)
         sessions = session_factory(_engine(api))
-        now = datetime.now(UTC)
-        open_ = [sessions() for _ in hosts]
-        pending = []
-        for k, session in enumerate(open_):  # both write their ranks, neither has counted
-            session.begin()
-            session.execute(text("SET LOCAL lock_timeout = '10s'"))  # a regression fails, not hangs
-            host = session.get(Host, hosts[k]["id"])
-            assert host is not None
-            reports = [WorkerReport.model_validate(r) for r in _reports(answers[k], "running")]
-            pending.append(jobs.apply_worker_reports(session, host, reports, now).to_advance)
-            session.flush()
-        assert pending == [{job_id: 0}, {job_id: 0}]
-        for k in (counts_first, 1 - counts_first):
-            jobs.advance_jobs(open_[k], pending[k], now)
-            open_[k].commit()
-            open_[k].close()
+
+        @settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(schedule=_schedules(3))
+        def check(schedule: list[tuple[int, str]]) -> None:
+            hosts, answers, job_id = _started_on_hosts(api, 3)
+            now = datetime.now(UTC)
+            open_: dict[int, Session] = {}
+            pending: dict[int, dict[int, int]] = {}
+            locked = []
+            committed: set[int] = set()
+            for k, step in schedule:
+                if step == "write":
+                    session = open_[k] = sessions()
+                    session.begin()
+                    host = session.get(Host, hosts[k]["id"])
+                    assert host is not None
+                    reports = [
+                        WorkerReport.model_validate(r) for r in _reports(answers[k], "running")
+                    ]
+                    pending[k] = jobs.apply_worker_reports(session, host, reports, now).to_advance
+                    session.flush()
+                elif step == "commit":
+                    open_.pop(k).commit()
+                    committed.add(k)
+                else:
+                    with transaction(sessions) as session:
+                        ready = jobs.ready_to_advance(session, pending[k])
+                        jobs.advance_jobs(session, ready, now)
+                        if jobs.REPORT_LOCK_WAIT in session.info:
+                            locked.append(k)
+                    if len(committed) < 3:
+                        assert ready == {}, "ready before every rank was committed"
             with transaction(sessions) as session:
                 job = session.get(Job, job_id)
                 assert job is not None
-                status = job.status
-            assert status == ("starting" if k == counts_first else "running")
+                assert (job.status, job.started_at is not None) == ("running", True), schedule
+            assert 1 <= len(locked) <= 3
+
+        check()
+
+
+@contextmanager
+def _heartbeat_sql(engine: Engine) -> Iterator[list[str]]:
+    """The statements and commits (``COMMIT``) of the thread that writes a heartbeat's ranks,
+    in order: the API's other threads (liveness flushes, token checks) left out."""
+    seen: list[tuple[int, str]] = []
+
+    def statement(_conn: Any, _cursor: Any, sql: str, *_: Any) -> None:
+        seen.append((threading.get_ident(), sql))
+
+    def commit(_conn: Any) -> None:
+        seen.append((threading.get_ident(), "COMMIT"))
+
+    out: list[str] = []
+    event.listen(engine, "before_cursor_execute", statement)
+    event.listen(engine, "commit", commit)
+    try:
+        yield out
+    finally:
+        event.remove(engine, "before_cursor_execute", statement)
+        event.remove(engine, "commit", commit)
+    writer = next(t for t, sql in seen if sql.startswith("UPDATE workers"))
+    out.extend(sql for t, sql in seen if t == writer)
 
 
 @pytest.mark.postgres
-def test_a_jobs_report_lock_is_held_only_from_the_count_to_the_commit(pg_url: str) -> None:
-    """The heartbeat that starts the job takes its report lock after the answer is built, and
-    runs three statements under it before the commit (the job as committed, its rank states
-    counted, the job's start written: the host's time goes out with the liveness batch, not
-    under the lock); a rank reported launching takes
-    no lock and counts nothing. (Taken first, the lock was held for the whole heartbeat, and a
-    fleet job's hosts queued behind it for seconds.)"""
+def test_only_the_heartbeat_that_finds_its_job_ready_takes_its_report_lock(pg_url: str) -> None:
+    """The first host's running report commits and then finds the job not ready: no lock. The
+    last one's commits, then finds it ready and takes the lock, under which the job is read
+    as committed, its ranks counted again and its start written."""
     with TestClient(create_app(make_settings(pg_url))) as client:
         api = driven(client)
-        hosts = [api.register(f"h{i}", devices=1) for i in range(2)]
-        api.submit(workers=2)
-        answers = [_beat(api, host, []) for host in hosts]
-        with statements(_engine(api)) as launching:
-            _beat(api, hosts[0], _reports(answers[0], "launching"))
-        _beat(api, hosts[1], _reports(answers[1], "running"))
-        with statements(_engine(api)) as starts:
-            _beat(api, hosts[0], _reports(answers[0], "running"))
-    assert not [s for s in launching if "pg_advisory_xact_lock" in s or "GROUP BY" in s]
-    # nor are the jobs loaded whole, or the host's ranks read again, for ranks that only moved
-    for heartbeat in (
-        launching,
-        starts[: starts.index(next(s for s in starts if "advisory" in s))],
-    ):
-        assert not [s for s in heartbeat if s.startswith("SELECT jobs.id, jobs.name")]
-        assert len([s for s in heartbeat if s.startswith("SELECT workers.id, workers.job_id")]) == 2
-    locks = [i for i, s in enumerate(starts) if "pg_advisory_xact_lock" in s]
-    assert len(locks) == 1
-    held = [" ".join(s.split()[:2]) for s in starts[locks[0] + 1 :]]
-    assert held == ["SELECT jobs.id,", "SELECT workers.state", "UPDATE jobs"]
+        hosts, answers, job_id = _started_on_hosts(api, 2)
+        sql: dict[int, list[str]] = {}
+        for k in (0, 1):
+            with _heartbeat_sql(_engine(api)) as sql[k]:
+                _beat(api, hosts[k], _reports(answers[k], "running"))
+        status = api.client.get(f"/api/v1/jobs/{job_id}", headers=api.headers()).json()["status"]
+    assert status == "running"
+    for k in (0, 1):  # the job looked at in a transaction of its own, after the reports'
+        write = sql[k].index(next(s for s in sql[k] if s.startswith("UPDATE workers")))
+        look = sql[k].index(next(s for s in sql[k] if "GROUP BY workers.state" in s))
+        assert "COMMIT" in sql[k][write:look]
+    assert not [s for s in sql[0] if "pg_advisory_xact_lock" in s]
+    locks = [i for i, s in enumerate(sql[1]) if "pg_advisory_xact_lock" in s]
+    assert len(locks) == 1 and locks[0] > look
+    held = [" ".join(s.split()[:2]) for s in sql[1][locks[0] + 1 :]]
+    assert held == ["SELECT jobs.id,", "SELECT workers.state", "UPDATE jobs", "COMMIT"]
+
+
+def test_reports_whose_jobs_advance_failed_advance_them_when_sent_again(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last rank's running report commits, then the database goes away before its job
+    is looked at: the heartbeat is answered 503, so the agent sends the same report again,
+    and that one (the rank already running) starts the job."""
+    host = api.register("h", devices=1)
+    job_id = int(api.submit(workers=1)["id"])
+    answer = _beat(api, host, [])
+    _beat(api, host, _reports(answer, "launching"))
+    looked = jobs.ready_to_advance
+
+    def gone(*_: Any) -> dict[int, int]:
+        raise sa_exc.OperationalError("SELECT", {}, Exception("server closed the connection"))
+
+    monkeypatch.setattr(jobs, "ready_to_advance", gone)
+    running = _reports(answer, "running")
+    r = api.client.post(
+        f"/api/v1/hosts/{host['id']}/heartbeat",
+        json={"workers": running},
+        headers=api.headers(host["_token"]),
+    )
+    assert r.status_code == 503, r.text
+    with transaction(session_factory(_engine(api))) as session:
+        job = session.get(Job, job_id)
+        assert job is not None and job.status == "starting"
+        assert {w.state for w in job.workers} == {"running"}  # the reports committed
+    monkeypatch.setattr(jobs, "ready_to_advance", looked)
+    _beat(api, host, running)
+    status = api.client.get(f"/api/v1/jobs/{job_id}", headers=api.headers()).json()["status"]
+    assert status == "running"

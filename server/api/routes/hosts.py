@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from fastapi import APIRouter, Request, Response
 from sqlalchemy.orm import Session
 
@@ -69,15 +71,29 @@ async def heartbeat(
     context.metrics.heartbeat_misses.labels(answers.why_missed(host_id, req, principal)).inc()
     generation = answers.generation(host_id)
 
-    def work(session: Session) -> tuple[hosts.Answered, frozenset[int], float | None]:
+    def work(session: Session) -> tuple[hosts.Answered, frozenset[int]]:
         answered = hosts.heartbeat(session, host_id, req, principal, now)
         session.flush()  # all of it: what the commit invalidates is known before it
-        return answered, changed_so_far(session), session.info.get(jobs.REPORT_LOCK_WAIT)
+        return answered, changed_so_far(session)
+
+    locked: list[float] = []
+
+    def then(done: tuple[hosts.Answered, frozenset[int]]) -> Callable[[Session], None] | None:
+        pending = done[0].to_advance
+        if not pending:
+            return None
+
+        def advance(session: Session) -> None:  # once the reports have committed
+            jobs.advance_jobs(session, jobs.ready_to_advance(session, pending), now)
+            if (waited := session.info.get(jobs.REPORT_LOCK_WAIT)) is not None:
+                locked[:] = [waited]  # (the last try's: a try run again has a new session)
+
+        return advance
 
     phases = context.metrics.heartbeat_phases
-    (ack, fewer_alike), own, locked = await in_transaction(context, work, phases)
-    if locked is not None:  # (the last try's: a try run again started a new session)
-        phases.labels("report_lock").observe(locked)
+    (ack, fewer_alike, _), own = await in_transaction(context, work, phases, then=then)
+    if locked:
+        phases.labels("report_lock").observe(locked[0])
     context.liveness.seen(host_id, now)  # written with the next batch, as from memory
     context.liveness.owned(host_id, principal.token_id)  # its next heartbeats noted on arrival
     body = ack.model_dump_json().encode()
