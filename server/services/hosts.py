@@ -217,10 +217,16 @@ def heartbeat(
     again: dict[int, int] = {}
     for report in hb.workers:
         known = placed.get((report.job_id, report.rank))
-        if known is not None and known.state == report.state and _may_advance(known):
-            again[known.job_id] = known.attempt  # a report carried before, its job not moved
-        if known is not None and (known.attempt != report.attempt or known.state == report.state):
-            continue  # an earlier attempt's, or nothing new: the common case, with no query
+        if known is not None and known.attempt != report.attempt:
+            continue  # an earlier attempt's
+        if known is not None and known.state == report.state:
+            # Nothing new, the common case, with no query. A report carried before may still
+            # move its job on: one whose reports committed and whose jobs' advance then
+            # failed (the database went away, the process died) was not answered, and the
+            # agent sends the same reports again; they advance the jobs then.
+            if jobs.may_move(JobStatus(known.job_status), report.state):
+                again[known.job_id] = known.attempt
+            continue
         changes.append(report)
     applied = jobs.apply_worker_reports(session, host, changes, now)
     if applied.moved is None:  # a failure may have restarted a job: its ranks may be gone
@@ -240,16 +246,6 @@ def heartbeat(
     # Advancing changes nothing the answer says: a job that starts running is ``run`` either
     # way, and one that succeeds has none of its ranks live here.
     return Answered(ack, fewer_alike=not held, to_advance=again | applied.to_advance)
-
-
-def _may_advance(rank: Placed) -> bool:
-    """Whether a rank's state, reported again, may still move its job on: running in a job
-    that starts, or succeeded in a live one. A heartbeat whose reports committed and whose
-    jobs' advance then failed (the database went away, the process died) was not answered;
-    the agent sends the same reports again, and they advance the jobs then."""
-    if rank.job_status == JobStatus.STARTING.value:
-        return rank.state in (WorkerState.RUNNING.value, WorkerState.SUCCEEDED.value)
-    return rank.state == WorkerState.SUCCEEDED.value and rank.job_status == JobStatus.RUNNING.value
 
 
 class Placed(NamedTuple):

@@ -373,10 +373,19 @@ def apply_worker_reports(
     to_advance = {
         job_id: report.attempt
         for job_id, (report, status) in last.items()
-        if report.state is WorkerState.SUCCEEDED
-        or (report.state is WorkerState.RUNNING and status is JobStatus.STARTING)
+        if may_move(status, report.state)
     }
     return Applied(to_advance, moved)
+
+
+def may_move(status: JobStatus, state: WorkerState) -> bool:
+    """Whether a rank in ``state`` may move its job, in ``status``, on: a rank succeeded in a
+    live job, or running in a starting one. Any other rank's report counts no ranks."""
+    if status.terminal:
+        return False
+    return state is WorkerState.SUCCEEDED or (
+        state is WorkerState.RUNNING and status is JobStatus.STARTING
+    )
 
 
 def _apply_with_failures(
