@@ -333,6 +333,9 @@ class Stats:
     latency: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     sent_at: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     """When each request of ``latency`` was sent (monotonic), in the same order."""
+    app_s: dict[str, list[float | None]] = field(default_factory=lambda: defaultdict(list))
+    """The app's own time on each request of ``latency`` (its ``Server-Timing``), in the same
+    order; None where an answer carried none."""
     errors: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     lag_s: list[float] = field(default_factory=list)
     queued_s: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
@@ -381,7 +384,9 @@ class Fleet:
             body = orjson.dumps(json)
         t0 = time.perf_counter()
         try:
-            status, raw = await self.http.request(method, path, token, body, params, kind)
+            status, raw, app_s = await self.http.request_timed(
+                method, path, token, body, params, kind
+            )
         except (OSError, TimeoutError) as exc:
             self.stats.errors[f"{kind}: {type(exc).__name__}"] += 1
             self.last_error[kind] = repr(exc)[:300]
@@ -389,6 +394,7 @@ class Fleet:
         took = time.perf_counter() - t0
         self.stats.latency[kind].append(took)
         self.stats.sent_at[kind].append(time.monotonic() - took)
+        self.stats.app_s[kind].append(app_s)
         ok = status == 200 or status == 201
         answer: Any = orjson.loads(raw) if ok and raw else raw.decode(errors="replace")
         if status >= 400:
@@ -932,6 +938,33 @@ def by_window(stats: Stats, kind: str, started: float, window_s: float) -> list[
     return [quantiles(windows[w]).get("p99_ms", 0.0) for w in sorted(windows)]
 
 
+def inside_and_outside(stats: Stats, kind: str) -> dict[str, Any]:
+    """Where the requests of ``kind`` spent their latency: the app's own time (its
+    ``Server-Timing``) and the rest outside it (the generator, the kernel, uvicorn, the event
+    loop's queue before the app saw the request), over all of them and over the slowest 1%
+    (the tail the p99 is read in): whether a slow tail is the server's work or a queue
+    before it."""
+    pairs = [
+        (latency, app)
+        for latency, app in zip(stats.latency[kind], stats.app_s[kind], strict=True)
+        if app is not None
+    ]
+    if not pairs:
+        return {}
+    pairs.sort()
+    tail = pairs[min(len(pairs) - 1, int(len(pairs) * 0.99)) :]
+    return {
+        "app": quantiles([app for _, app in pairs]),
+        "outside_app": quantiles([max(0.0, latency - app) for latency, app in pairs]),
+        "slowest_1pct": {
+            "n": len(tail),
+            "latency_p50_ms": round(1000 * statistics.median(lat for lat, _ in tail), 1),
+            "app_p50_ms": round(1000 * statistics.median(app for _, app in tail), 1),
+            "app_max_ms": round(1000 * max(app for _, app in tail), 1),
+        },
+    }
+
+
 def quantiles_ms(values: list[float]) -> dict[str, float]:
     """p50/p99 of values already in milliseconds."""
     out = quantiles([v / 1000 for v in values])
@@ -1099,6 +1132,7 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
             "job_seconds": list(args.job_seconds),
             "heartbeat": quantiles(s.latency["heartbeat"]),
             "heartbeat_p99_ms_by_10s": by_window(s, "heartbeat", started, 10.0),
+            "heartbeat_inside_and_outside_app": inside_and_outside(s, "heartbeat"),
             "heartbeats_answered_from_memory": share_from_memory(answers0, answers1),
             "heartbeats_per_s_to_database_by_reason": to_database(answers0, answers1, elapsed),
             "generator_loop_lag_ms": quantiles_ms(s.loop_lag_ms),
