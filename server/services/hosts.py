@@ -409,7 +409,10 @@ def mark_lost(
 
     On PostgreSQL the silent hosts' rows are locked as they are read, skipping those locked
     already: a host whose heartbeat is being written right now is not silent, and waiting for
-    it (or deadlocking with it) would hold the sweep up."""
+    it (or deadlocking with it) would hold the sweep up. Their devices are locked next, and a
+    host any of whose devices another transaction holds (a placement pass taking them) is left
+    for the next sweep (``_lockable``). Both locks are ``NO KEY UPDATE``, what the sweep's own
+    updates take (no key changes)."""
     cutoff = now - timedelta(seconds=after_s)
     if heard_since is not None and heard_since > cutoff:
         return LostSweep([], 0, 0)  # no host has been silent that long under this controller
@@ -418,7 +421,7 @@ def mark_lost(
             select(Host)
             .where(Host.status == HostStatus.ACTIVE.value, Host.last_heartbeat < cutoff)
             .order_by(Host.id)
-            .with_for_update(skip_locked=True)
+            .with_for_update(skip_locked=True, key_share=True)
         )
     )
     if not silent:
@@ -430,9 +433,36 @@ def mark_lost(
     if guard.pauses(sweep.silent, sweep.active):
         sweep.lost, sweep.paused = [], True
         return sweep
-    for host in silent:
+    sweep.lost = _lockable(session, silent)
+    for host in sweep.lost:
         _lose(session, host, now)
     return sweep
+
+
+_LOCK_DEVICES = (
+    select(Device.id)
+    .where(Device.host_id.in_(bindparam("host_ids", expanding=True)))
+    .order_by(Device.id)
+    .with_for_update(skip_locked=True, key_share=True)
+)
+_DEVICES_OF = select(Device.id, Device.host_id).where(
+    Device.host_id.in_(bindparam("host_ids", expanding=True))
+)
+
+
+def _lockable(session: Session, silent: list[Host]) -> list[Host]:
+    """The ``silent`` hosts all of whose devices this transaction could lock (PostgreSQL:
+    ``FOR NO KEY UPDATE SKIP LOCKED``; SQLite has one writer, so all). Waiting for a device
+    another transaction holds deadlocked with the controller's placement pass at 1,250 hosts
+    (bench/fleet.py): the pass had taken a silent host's free devices (``scheduler._take``) and
+    was inserting its ranks there, whose reference to the host waited for the sweep's lock on
+    the host's row, while the sweep waited for the devices; PostgreSQL aborted the sweep, three
+    times running. A device held means the host is being placed on or written; the next sweep
+    sees it again."""
+    params = {"host_ids": [h.id for h in silent]}
+    locked = set(session.scalars(_LOCK_DEVICES, params))
+    held = {host_id for id_, host_id in session.execute(_DEVICES_OF, params) if id_ not in locked}
+    return [h for h in silent if h.id not in held]
 
 
 def _lose(session: Session, host: Host, now: datetime) -> None:

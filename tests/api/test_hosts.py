@@ -6,14 +6,16 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import delete
+from fastapi.testclient import TestClient
+from sqlalchemy import delete, insert, text, update
 
 from contract.base import PROTOCOL_VERSION
 from contract.enums import Role
+from server.app import create_app
 from server.db import transaction
-from server.models import Worker
+from server.models import Device, Worker
 from server.services import hosts
-from tests.harness import Api
+from tests.harness import Api, driven, make_settings
 
 
 def test_register_lists_devices_and_refresh_keeps_ids(api: Api) -> None:
@@ -236,3 +238,49 @@ def test_ranks_deleted_between_a_heartbeats_reads_make_it_read_again(
     assert calls == [2, 2], "read again, in a transaction of its own"
     launched = sorted((a["rank"], a["worker_token"] is not None) for a in ack["assignments"])
     assert launched == [(0, True), (1, True)]  # the first try's delete was rolled back
+
+
+@pytest.mark.postgres
+def test_the_lost_host_sweep_leaves_a_host_being_placed_on_and_blocks_no_placement(
+    pg_url: str,
+) -> None:
+    """A placement pass midway on a silent host (it took the host's free device and is about
+    to insert its rank there, whose reference to the host takes a ``KEY SHARE`` lock): the
+    sweep neither waits for the device nor makes the pass wait for the host's row; it marks
+    the other silent host lost and leaves this one for the next sweep. Each waiting for the
+    other, they deadlocked at 1,250 hosts (bench/fleet.py), and PostgreSQL aborted the sweep
+    three times running."""
+    with TestClient(create_app(make_settings(pg_url, controller="none"))) as client:
+        api = driven(client)
+        sessions = client.app.state.context.sessions  # type: ignore[attr-defined]
+        engine = client.app.state.context.engine  # type: ignore[attr-defined]
+        placed_on = api.register("a", devices=2)
+        api.register("b", devices=2)
+        device = int(placed_on["devices"][0]["id"])  # type: ignore[index]
+        job_id = int(api.submit(workers=1, global_batch=8, place=False)["id"])  # type: ignore[call-overload]
+        later = datetime.now(UTC) + timedelta(seconds=600)
+        with engine.connect() as placing:
+            placing.execute(text("SET LOCAL lock_timeout = '5s'"))
+            placing.execute(
+                update(Device).where(Device.id == device).values(status="busy", job_id=job_id)
+            )
+            with sessions() as s:
+                s.execute(text("SET LOCAL lock_timeout = '5s'"))  # waiting would fail the test
+                sweep = hosts.mark_lost(s, later, after_s=30)
+                assert [h.name for h in sweep.lost] == ["b"]
+                assert (sweep.silent, sweep.paused) == (2, False)
+                placing.execute(  # the pass goes on while the sweep holds its rows
+                    insert(Worker).values(
+                        job_id=job_id,
+                        rank=0,
+                        host_id=int(placed_on["id"]),  # type: ignore[call-overload]
+                        device_id=device,
+                        state="assigned",
+                    )
+                )
+                s.commit()
+            placing.rollback()
+        with transaction(sessions) as s:
+            assert [h.name for h in hosts.mark_lost(s, later, after_s=30).lost] == ["a"]
+        got = api.client.get(f"/api/v1/hosts/{placed_on['id']}", headers=api.headers()).json()
+        assert [d["status"] for d in got["devices"]] == ["offline", "offline"]
