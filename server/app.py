@@ -243,6 +243,7 @@ def _lifespan(context: AppContext) -> Callable[[FastAPI], AbstractAsyncContextMa
         ]
         liveness = asyncio.ensure_future(_write_liveness(context))
         lag = asyncio.ensure_future(measure_loop_lag(context.metrics.loop_lag))
+        context.metrics.gc_pauses.start()
         stop = threading.Event()
         controller: threading.Thread | None = None
         if settings.controller == "thread":
@@ -257,6 +258,7 @@ def _lifespan(context: AppContext) -> Callable[[FastAPI], AbstractAsyncContextMa
         try:
             yield
         finally:
+            context.metrics.gc_pauses.stop()
             for task in (liveness, lag):
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import re
 import time
 from collections.abc import Iterator
@@ -34,6 +35,34 @@ async def measure_loop_lag(histogram: Histogram, every_s: float = LOOP_LAG_EVERY
         asked = loop.time() + every_s
         await asyncio.sleep(every_s)
         histogram.observe(max(0.0, loop.time() - asked))
+
+
+class GcPauses:
+    """Times each of this process's garbage collections into a histogram labelled by
+    generation (a ``gc.callbacks`` hook, ``watch``). A collection holds the interpreter: the
+    event loop and every thread wait for it, so a long one delays every request in flight at
+    once, the kind of pause the event-loop lag samples only now and then (``start``)."""
+
+    def __init__(self, histogram: Histogram) -> None:
+        self.histogram = histogram
+        self._started: float | None = None
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        elif self._started is not None:
+            took = time.perf_counter() - self._started
+            self._started = None
+            self.histogram.labels(str(info["generation"])).observe(took)
+
+    def start(self) -> None:
+        """Time the collections from now (an app's start) until ``stop``."""
+        if self not in gc.callbacks:
+            gc.callbacks.append(self)
+
+    def stop(self) -> None:
+        if self in gc.callbacks:
+            gc.callbacks.remove(self)
 
 
 class _StateCollector(Collector):
@@ -141,6 +170,16 @@ class Metrics:
             "API process, or another server, takes part of its load).",
             registry=self.registry,
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+        )
+        self.gc_pauses = GcPauses(
+            Histogram(
+                "evenflow_gc_pause_seconds",
+                "Each garbage collection of this process, by generation: the interpreter, its "
+                "event loop and every thread of it wait for it to end.",
+                ["generation"],
+                registry=self.registry,
+                buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+            )
         )
         self.registry.register(_StateCollector(sessions))
         self._templates: list[tuple[re.Pattern[str], str]] = []

@@ -1,15 +1,16 @@
 """The API process's event-loop lag in /metrics: how long a request arriving now would wait
-before the server could read it."""
+before the server could read it; and its garbage collections' pauses, which hold it all."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import time
 
 from prometheus_client import CollectorRegistry, Histogram
 
-from server.metrics import measure_loop_lag
+from server.metrics import GcPauses, measure_loop_lag
 from tests.harness import Api
 
 NAME = "evenflow_event_loop_lag_seconds"
@@ -48,3 +49,39 @@ def test_the_app_measures_its_loop_all_along(api: Api) -> None:
     first = count()
     time.sleep(0.5)
     assert count() >= first + 2
+
+
+def test_the_app_times_its_garbage_collections_by_generation(api: Api) -> None:
+    """A full collection holds the whole process (loop and threads): /metrics has each one's
+    pause under its generation, from the app's start until it stops."""
+
+    def collections(generation: str) -> float:
+        for line in api.client.get("/metrics").text.splitlines():
+            if line.startswith(f'evenflow_gc_pause_seconds_count{{generation="{generation}"}}'):
+                return float(line.split()[-1])
+        return 0.0
+
+    before = collections("2")
+    kept = [[i] for i in range(200_000)]  # containers for the collector to walk
+    gc.collect()
+    gc.collect()
+    assert collections("2") >= before + 2
+    total = next(
+        float(line.split()[-1])
+        for line in api.client.get("/metrics").text.splitlines()
+        if line.startswith('evenflow_gc_pause_seconds_sum{generation="2"}')
+    )
+    assert total > 0 and len(kept) == 200_000
+
+
+def test_gc_pauses_stop_being_timed_once_stopped() -> None:
+    registry = CollectorRegistry()
+    histogram = Histogram("gc_seconds", "gc", ["generation"], registry=registry)
+    pauses = GcPauses(histogram)
+    pauses.start()
+    pauses.start()  # once only
+    gc.collect()
+    pauses.stop()
+    gc.collect()
+    assert registry.get_sample_value("gc_seconds_count", {"generation": "2"}) == 1
+    assert pauses not in gc.callbacks
