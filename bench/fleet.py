@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import random
@@ -52,7 +53,7 @@ import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -78,6 +79,9 @@ SIZES = [2, 4, 8, 16, 32, 64, 128, 256]
 SIZE_WEIGHTS = [15, 15, 15, 15, 15, 12, 9, 4]
 GPU_MODELS = [("NVIDIA H100 80GB HBM3", 0.5), ("NVIDIA A100-SXM4-80GB", 1.0), ("Tesla V100", 2.0)]
 STRAGGLER_ONSET = 30
+DRAIN_S = 10.0
+"""After the measured window, how long its requests still in flight are waited for: a request
+sent in it and answered later counts in it, unless it took longer than this past its end."""
 SUBMITTERS = 16
 """Job submissions in flight at once while the fleet fills up (``Fleet.keep_jobs``)."""
 CPU_SAMPLE_S = 3.0
@@ -344,9 +348,25 @@ class Stats:
     loop_lag_ms: list[float] = field(default_factory=list)
     """How late the generator's own event loop woke a 100 ms sleep: latency it adds to every
     figure above (a saturated machine delays the generator too)."""
+    gc_pauses_ms: dict[int, list[float]] = field(default_factory=lambda: defaultdict(list))
+    """The generator's garbage collections, by generation: how long each held its loop."""
     records: int = 0
     jobs_finished: int = 0
     jobs_submitted: int = 0
+
+    def sent_between(self, start: float, end: float) -> Stats:
+        """These stats with only the requests sent from ``start`` to ``end`` (monotonic): a
+        window's requests are those it sent, not those that ended in it (one sent in the
+        ramp before it and answered in it is the ramp's)."""
+        out = replace(self, latency=defaultdict(list), sent_at=defaultdict(list))
+        out.app_s = defaultdict(list)
+        for kind, sent in self.sent_at.items():
+            for at, latency, app in zip(sent, self.latency[kind], self.app_s[kind], strict=True):
+                if start <= at <= end:
+                    out.sent_at[kind].append(at)
+                    out.latency[kind].append(latency)
+                    out.app_s[kind].append(app)
+        return out
 
 
 class Fleet:
@@ -367,6 +387,7 @@ class Fleet:
         self._headers: dict[str, dict[str, str]] = {}
         """Per token, the headers of its requests (built once)."""
         self.http: LeanClient
+        self._gc_started: float | None = None
 
     async def request(
         self,
@@ -401,6 +422,16 @@ class Fleet:
             self.stats.errors[f"{kind}: {status}"] += 1
             self.last_error[kind] = f"{status} {answer[:300]}"
         return status, answer
+
+    def on_gc(self, phase: str, info: dict[str, int]) -> None:
+        """A ``gc.callbacks`` hook: each collection's pause of the generator
+        (``Stats.gc_pauses_ms``), which delays every request whose answer is due meanwhile."""
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        elif self._gc_started is not None:
+            pause = 1000 * (time.perf_counter() - self._gc_started)
+            self.stats.gc_pauses_ms[info["generation"]].append(pause)
+            self._gc_started = None
 
     def queued(self, kind: str, seconds: float) -> None:
         """A request that waited for a free client connection (``Stats.queued_s``)."""
@@ -965,6 +996,18 @@ def inside_and_outside(stats: Stats, kind: str) -> dict[str, Any]:
     }
 
 
+def write_requests(stats: Stats, started: float, path: Path) -> None:
+    """Every request of ``stats`` as a JSON line: kind, when it was sent (seconds after
+    ``started``), its latency and the app's own time (seconds; None where none came)."""
+    with path.open("w") as out:
+        for kind, latencies in stats.latency.items():
+            for at, latency, app in zip(
+                stats.sent_at[kind], latencies, stats.app_s[kind], strict=True
+            ):
+                line = {"kind": kind, "at": round(at - started, 4), "s": latency, "app": app}
+                out.write(json.dumps(line) + "\n")
+
+
 def quantiles_ms(values: list[float]) -> dict[str, float]:
     """p50/p99 of values already in milliseconds."""
     out = quantiles([v / 1000 for v in values])
@@ -995,8 +1038,8 @@ def slow_between(
     before: dict[tuple[str, float], float], after: dict[tuple[str, float], float]
 ) -> dict[str, dict[str, float]]:
     """Per route, the window's requests, the bucket bounds its median and 99th percentile are
-    within, and how many the API process took more than 2.5, 10 and 30 s over
-    (``evenflow_http_request_seconds``: the server's own time, from the app's first look at the
+    within, the bound all of them are within, and how many the API process took more than
+    2.5, 10 and 30 s over (``evenflow_http_request_seconds``: the server's own time, from the app's first look at the
     request, its headers parsed, to its response's end; a plan long-poll's includes its wait).
     A request slow at the client that the server did not take long over waited outside the
     app: in the kernel, uvicorn, the event loop or the generator (its own loop lags too)."""
@@ -1011,6 +1054,7 @@ def slow_between(
             for q in (0.5, 0.99):
                 bound = min(le for le, n in at_most.items() if n >= q * total)
                 out[route][f"p{q * 100:g}_s_at_most"] = bound
+            out[route]["max_s_at_most"] = min(le for le, n in at_most.items() if n >= total)
             for bound in (2.5, 10.0, 30.0):
                 if bound in at_most:
                     out[route][f"over_{bound:g}s"] = total - at_most[bound]
@@ -1050,6 +1094,7 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
     fleet = Fleet(srv.base, args, db_url)
     limit = args.connections or 2 * args.hosts + 2 * args.jobs + 64
     fleet.http = LeanClient(srv.base, limit, timeout_s=60.0, on_queued=fleet.queued)
+    gc.callbacks.append(fleet.on_gc)
     try:
         t0 = time.monotonic()
         await fleet.register()
@@ -1078,14 +1123,21 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
         out["ramp"]["heartbeat_p99_ms_by_10s"] = by_window(fleet.stats, "heartbeat", ramp_from, 10)
         # The running fleet: jobs finish and new ones start throughout.
         fleet.stats = Stats()
-        size0 = db_size(db_url)
-        cpu = CpuMeter(srv.pid, make_url(db_url).database or "")
+        # The generator's own stalls count in every latency it measures: what it has built so
+        # far (hosts, jobs, connections) is left out of its garbage collections (gen-2 passes
+        # held its loop up to 0.7 s), and it reads the database in threads, never on its loop
+        # (a read there waited seconds on the saturated PostgreSQL, and every answer due
+        # meanwhile with it).
+        gc.freeze()
+        size0 = await asyncio.to_thread(db_size, db_url)
+        cpu = await asyncio.to_thread(CpuMeter, srv.pid, make_url(db_url).database or "")
         fleet.loop_task(cpu.sample_every(CPU_SAMPLE_S, fleet.stop))
         answers0 = await fleet.heartbeat_sources()
         lag0 = await fleet.loop_lag()
         served0 = await fleet.histogram("evenflow_http_request_seconds", "route")
         phases0 = await fleet.histogram("evenflow_heartbeat_database_seconds", "phase")
         flushes0 = await fleet.histogram("evenflow_liveness_flush_seconds")
+        gc0 = await fleet.histogram("evenflow_gc_pause_seconds", "generation")
         alive0 = await fleet.liveness_hosts()
         started = time.monotonic()
         out["measured_from_unix"] = round(time.time(), 1)
@@ -1104,11 +1156,16 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
         served1 = await fleet.histogram("evenflow_http_request_seconds", "route")
         phases1 = await fleet.histogram("evenflow_heartbeat_database_seconds", "phase")
         flushes1 = await fleet.histogram("evenflow_liveness_flush_seconds")
+        gc1 = await fleet.histogram("evenflow_gc_pause_seconds", "generation")
         alive1 = await fleet.liveness_hosts()
-        lost = hosts_lost(db_url, measured_from)
-        size1 = db_size(db_url)
+        lost = await asyncio.to_thread(hosts_lost, db_url, measured_from)
+        size1 = await asyncio.to_thread(db_size, db_url)
         live = [j for j in fleet.jobs.values() if j.started and not j.finished]
-        window, fleet.stats = fleet.stats, Stats()
+        # the window's requests still in flight come in (up to DRAIN_S after it ended)
+        await asyncio.sleep(max(0.0, started + elapsed + DRAIN_S - time.monotonic()))
+        window, fleet.stats = fleet.stats.sent_between(started, started + elapsed), Stats()
+        if args.requests_to is not None:
+            write_requests(window, started, args.requests_to)
         grace = time.monotonic()
         while time.monotonic() - grace < args.straggler_grace_s and any(
             j.detected_at_iteration is None and not j.finished for j in stragglers
@@ -1118,6 +1175,7 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
         await fleet.shut_down()
         stored = stored_after_onset(db_url, [alone, *stragglers])
     finally:
+        gc.callbacks.remove(fleet.on_gc)
         await fleet.http.close()
     s = window
     delays = [after_onset(j.detected_at_iteration) for j in stragglers if j.detected_at_iteration]
@@ -1135,7 +1193,14 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
             "heartbeat_inside_and_outside_app": inside_and_outside(s, "heartbeat"),
             "heartbeats_answered_from_memory": share_from_memory(answers0, answers1),
             "heartbeats_per_s_to_database_by_reason": to_database(answers0, answers1, elapsed),
-            "generator_loop_lag_ms": quantiles_ms(s.loop_lag_ms),
+            "generator_loop_lag_ms": {
+                **quantiles_ms(s.loop_lag_ms),
+                "max_ms": round(max(s.loop_lag_ms, default=0.0), 1),
+            },
+            "generator_gc_pauses": {
+                str(gen): {"n": len(ms), "max_ms": round(max(ms), 1), "total_ms": round(sum(ms))}
+                for gen, ms in sorted(s.gc_pauses_ms.items())
+            },
             "generator_connection_waits": {
                 kind: {**quantiles(waits), "share": round(len(waits) / len(s.latency[kind]), 3)}
                 for kind, waits in s.queued_s.items()
@@ -1145,6 +1210,8 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
             "server_slow_requests": slow_between(served0, served1),
             # where a heartbeat worked out in the database spent its time (same bucket bounds)
             "heartbeat_database_phases": slow_between(phases0, phases1),
+            # the API process's garbage collections by generation: each holds all of it
+            "api_gc_pauses": slow_between(gc0, gc1),
             # the API's writes of hosts' heartbeat times (one a second): how many, how long,
             # and the hosts written or left for the next (rows other transactions held)
             "liveness_flushes": {
@@ -1240,6 +1307,14 @@ def main() -> None:
         default=90.0,
         help="after the measured window the fleet runs on, unmeasured, until every straggler "
         "job's event has shown or this many seconds (at full fleet their start takes a while)",
+    )
+    ap.add_argument(
+        "--requests-to",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="also write every measured request as a JSON line (kind, sent at in seconds into "
+        "the window, latency and the app's own time in seconds), to look into a tail",
     )
     args = ap.parse_args()
     if args.jobs is None:
