@@ -598,6 +598,9 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(sig, lambda *_: stop.set())
     if args.parent_pid is not None:
         threading.Thread(target=_orphan_watch, args=(args.parent_pid, stop), daemon=True).start()
+    from server.serve import settle_heap  # (serve starts this module as a process)
+
+    settle_heap()  # its rounds hold the interpreter too: the same collections as the API's
     run_process(Settings(), stop)
 
 

@@ -11,6 +11,7 @@ import time
 from prometheus_client import CollectorRegistry, Histogram
 
 from server.metrics import GcPauses, measure_loop_lag
+from server.serve import GC_YOUNG_OBJECTS, settle_heap
 from tests.harness import Api
 
 NAME = "evenflow_event_loop_lag_seconds"
@@ -85,3 +86,18 @@ def test_gc_pauses_stop_being_timed_once_stopped() -> None:
     gc.collect()
     assert registry.get_sample_value("gc_seconds_count", {"generation": "2"}) == 1
     assert pauses not in gc.callbacks
+
+
+def test_a_server_process_freezes_its_start_and_collects_its_young_less_often() -> None:
+    """``settle_heap`` (the API's and the controller's processes, once started): what exists
+    then is out of the collector's view, and the youngest generation is collected every
+    ``GC_YOUNG_OBJECTS`` allocations instead of Python's 700."""
+    before = gc.get_threshold()
+    try:
+        settle_heap()
+        assert gc.get_freeze_count() > 0
+        assert gc.get_threshold() == (GC_YOUNG_OBJECTS, *before[1:])
+        assert before[0] < GC_YOUNG_OBJECTS
+    finally:
+        gc.unfreeze()  # the test process goes on: its garbage must stay collectable
+        gc.set_threshold(*before)
