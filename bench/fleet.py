@@ -33,7 +33,11 @@ on the whole inventory (before the load, and at load first in the queue, given u
 the cores used by each kind of process, the API process's event-loop lag (its ``/metrics``:
 how long a request waited before the server could read it), the requests that waited in the
 generator for a client connection (``--connections``; their wait is inside their latency),
-and database growth.
+and database growth. A window's requests are those sent in it (answered up to ``DRAIN_S``
+after it). Each heartbeat's latency is split into the app's own time (its ``Server-Timing``)
+and the rest, over all of them and over the slowest 1%; the API's and the generator's garbage
+collections are reported with their pauses (each holds a whole process), and the generator's
+loop lag with its maximum. ``--requests-to`` writes every request of the window as a line.
 """
 
 from __future__ import annotations

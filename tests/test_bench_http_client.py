@@ -1,6 +1,7 @@
 """The fleet bench's lean HTTP client (``bench/http_client.py``) against a real uvicorn server
 and against a raw socket server that misbehaves on purpose: bodies both ways, chunked answers,
-kept-alive connections, the server closing, the connection cap and timeouts."""
+kept-alive connections, the server closing, the connection cap and timeouts, and the app's own
+time from its Server-Timing header."""
 
 from __future__ import annotations
 
@@ -52,6 +53,10 @@ def _app() -> FastAPI:
         await asyncio.sleep(0.3)
         return {"ok": 1}
 
+    @app.get("/timed")
+    async def timed() -> Response:
+        return Response(b"t", headers={"Server-Timing": "app;dur=250.500"})
+
     return app
 
 
@@ -83,6 +88,19 @@ def test_bodies_headers_and_query_round_trip(server_url: str) -> None:
             assert await client.request("GET", "/unchanged") == (304, b"")
             # one request at a time: all of them went over the one kept-alive connection
             assert client.connections == 1
+        finally:
+            await client.close()
+
+    asyncio.run(go())
+
+
+def test_the_apps_own_time_comes_with_the_answer_when_it_sends_one(server_url: str) -> None:
+    async def go() -> None:
+        client = LeanClient(server_url, limit=1)
+        try:
+            assert await client.request_timed("GET", "/timed") == (200, b"t", 0.2505)
+            # the next answer on the same connection carries none: none, not the last one's
+            assert await client.request_timed("GET", "/unchanged") == (304, b"", None)
         finally:
             await client.close()
 
