@@ -344,6 +344,9 @@ class Stats:
     app_s: dict[str, list[float | None]] = field(default_factory=lambda: defaultdict(list))
     """The app's own time on each request of ``latency`` (its ``Server-Timing``), in the same
     order; None where an answer carried none."""
+    fresh: dict[str, list[float | None]] = field(default_factory=lambda: defaultdict(list))
+    """How long opening its connection took, for each request of ``latency`` that opened the
+    one it went on (None for the others), in the same order."""
     errors: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     lag_s: list[float] = field(default_factory=list)
     queued_s: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
@@ -363,13 +366,15 @@ class Stats:
         window's requests are those it sent, not those that ended in it (one sent in the
         ramp before it and answered in it is the ramp's)."""
         out = replace(self, latency=defaultdict(list), sent_at=defaultdict(list))
-        out.app_s = defaultdict(list)
+        out.app_s, out.fresh = defaultdict(list), defaultdict(list)
         for kind, sent in self.sent_at.items():
-            for at, latency, app in zip(sent, self.latency[kind], self.app_s[kind], strict=True):
+            rows = zip(sent, self.latency[kind], self.app_s[kind], self.fresh[kind], strict=True)
+            for at, latency, app, fresh in rows:
                 if start <= at <= end:
                     out.sent_at[kind].append(at)
                     out.latency[kind].append(latency)
                     out.app_s[kind].append(app)
+                    out.fresh[kind].append(fresh)
         return out
 
 
@@ -409,7 +414,7 @@ class Fleet:
             body = orjson.dumps(json)
         t0 = time.perf_counter()
         try:
-            status, raw, app_s = await self.http.request_timed(
+            status, raw, app_s, fresh = await self.http.request_timed(
                 method, path, token, body, params, kind
             )
         except (OSError, TimeoutError) as exc:
@@ -420,6 +425,7 @@ class Fleet:
         self.stats.latency[kind].append(took)
         self.stats.sent_at[kind].append(time.monotonic() - took)
         self.stats.app_s[kind].append(app_s)
+        self.stats.fresh[kind].append(fresh)
         ok = status == 200 or status == 201
         answer: Any = orjson.loads(raw) if ok and raw else raw.decode(errors="replace")
         if status >= 400:
@@ -1002,14 +1008,16 @@ def inside_and_outside(stats: Stats, kind: str) -> dict[str, Any]:
 
 def write_requests(stats: Stats, started: float, path: Path) -> None:
     """Every request of ``stats`` as a JSON line: kind, when it was sent (seconds after
-    ``started``), its latency and the app's own time (seconds; None where none came)."""
+    ``started``), its latency and the app's own time (seconds; None where none came), and
+    how long opening its connection took (None where it went on one already open)."""
     with path.open("w") as out:
         for kind, latencies in stats.latency.items():
-            for at, latency, app in zip(
-                stats.sent_at[kind], latencies, stats.app_s[kind], strict=True
-            ):
+            rows = zip(
+                stats.sent_at[kind], latencies, stats.app_s[kind], stats.fresh[kind], strict=True
+            )
+            for at, latency, app, fresh in rows:
                 line = {"kind": kind, "at": round(at - started, 4), "s": latency, "app": app}
-                out.write(json.dumps(line) + "\n")
+                out.write(json.dumps({**line, "connect": fresh}) + "\n")
 
 
 def quantiles_ms(values: list[float]) -> dict[str, float]:

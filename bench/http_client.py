@@ -24,6 +24,7 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import NamedTuple
 from urllib.parse import urlencode, urlsplit
 
 import httptools
@@ -49,6 +50,8 @@ class _Connection(asyncio.Protocol):
         """The app's time on the answer being read, from its ``Server-Timing`` header."""
         self.reusable = True
         self.idle_since = time.monotonic()
+        self.served = 0
+        """Requests sent on it so far."""
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -93,6 +96,7 @@ class _Connection(asyncio.Protocol):
     async def send(self, request: bytes) -> tuple[int, bytes]:
         assert self.transport is not None and self.waiter is None
         self.app_s = None
+        self.served += 1
         self.waiter = asyncio.get_running_loop().create_future()
         self.transport.write(request)
         return await self.waiter
@@ -101,6 +105,18 @@ class _Connection(asyncio.Protocol):
         self.reusable = False
         if self.transport is not None:
             self.transport.close()
+
+
+class Timed(NamedTuple):
+    """An answer (``LeanClient.request_timed``)."""
+
+    status: int
+    body: bytes
+    app_s: float | None
+    """The app's own time on it, from its ``Server-Timing`` (None where it had none)."""
+    connect_s: float | None
+    """How long opening its connection took, where the request opened the one it went on
+    (its latency has it); None where it went on one already open."""
 
 
 class LeanClient:
@@ -147,8 +163,8 @@ class LeanClient:
     ) -> tuple[int, bytes]:
         """The answer's status and body. Raises ``OSError`` (refused, reset, closed) or
         ``TimeoutError`` for a request that got no whole answer."""
-        status, answer, _ = await self.request_timed(method, path, token, body, params, kind)
-        return status, answer
+        timed = await self.request_timed(method, path, token, body, params, kind)
+        return timed.status, timed.body
 
     async def request_timed(
         self,
@@ -158,9 +174,8 @@ class LeanClient:
         body: bytes | None = None,
         params: dict[str, str] | None = None,
         kind: str = "other",
-    ) -> tuple[int, bytes, float | None]:
-        """As ``request``, with the app's own time on it (its ``Server-Timing``; None where
-        the answer had none)."""
+    ) -> Timed:
+        """As ``request``, with the app's own time on it and what opening its connection took."""
         if params:
             path = f"{path}?{urlencode(params)}"
         length = b"" if body is None else b"Content-Length: %d\r\n" % len(body)
@@ -178,9 +193,11 @@ class LeanClient:
         conn: _Connection | None = None
         try:
             async with asyncio.timeout(self.timeout_s):
+                t0 = time.perf_counter()
                 conn = await self._take()
+                connect_s = time.perf_counter() - t0 if conn.served == 0 else None
                 status, answer = await conn.send(request)
-                return status, answer, conn.app_s
+                return Timed(status, answer, conn.app_s, connect_s)
         finally:
             if conn is not None:
                 self._give_back(conn)
@@ -189,7 +206,11 @@ class LeanClient:
     async def _take(self) -> _Connection:
         now = time.monotonic()
         while self._idle:
-            conn = self._idle.pop()  # the most recently used: least likely to be closing
+            # The least recently used: every open connection stays in use, as each agent's own
+            # does. Taking the most recent one left the rest idle until they aged out, so a
+            # burst of requests at once opened hundreds anew, and the first request on a new
+            # connection waited seconds for the server at 1,250 hosts (bench/fleet.py).
+            conn = self._idle.popleft()
             if conn.reusable and now - conn.idle_since < IDLE_CLOSE_S:
                 return conn
             self._drop(conn)

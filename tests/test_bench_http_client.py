@@ -98,9 +98,11 @@ def test_the_apps_own_time_comes_with_the_answer_when_it_sends_one(server_url: s
     async def go() -> None:
         client = LeanClient(server_url, limit=1)
         try:
-            assert await client.request_timed("GET", "/timed") == (200, b"t", 0.2505)
+            first = await client.request_timed("GET", "/timed")
+            assert first[:3] == (200, b"t", 0.2505)
+            assert first.connect_s is not None and first.connect_s >= 0  # it opened one
             # the next answer on the same connection carries none: none, not the last one's
-            assert await client.request_timed("GET", "/unchanged") == (304, b"", None)
+            assert await client.request_timed("GET", "/unchanged") == (304, b"", None, None)
         finally:
             await client.close()
 
