@@ -75,6 +75,7 @@ from bench.ingest import database
 from bench.stack import TOKEN
 from contract.base import PROTOCOL_VERSION
 from evenflow.local_cluster import free_port
+from server.metrics import GcPauses
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 HEARTBEAT_S = 2.0
@@ -344,7 +345,7 @@ class Stats:
     app_s: dict[str, list[float | None]] = field(default_factory=lambda: defaultdict(list))
     """The app's own time on each request of ``latency`` (its ``Server-Timing``), in the same
     order; None where an answer carried none."""
-    fresh: dict[str, list[float | None]] = field(default_factory=lambda: defaultdict(list))
+    connect_s: dict[str, list[float | None]] = field(default_factory=lambda: defaultdict(list))
     """How long opening its connection took, for each request of ``latency`` that opened the
     one it went on (None for the others), in the same order."""
     errors: dict[str, int] = field(default_factory=lambda: defaultdict(int))
@@ -366,15 +367,17 @@ class Stats:
         window's requests are those it sent, not those that ended in it (one sent in the
         ramp before it and answered in it is the ramp's)."""
         out = replace(self, latency=defaultdict(list), sent_at=defaultdict(list))
-        out.app_s, out.fresh = defaultdict(list), defaultdict(list)
+        out.app_s, out.connect_s = defaultdict(list), defaultdict(list)
         for kind, sent in self.sent_at.items():
-            rows = zip(sent, self.latency[kind], self.app_s[kind], self.fresh[kind], strict=True)
-            for at, latency, app, fresh in rows:
+            rows = zip(
+                sent, self.latency[kind], self.app_s[kind], self.connect_s[kind], strict=True
+            )
+            for at, latency, app, connect in rows:
                 if start <= at <= end:
                     out.sent_at[kind].append(at)
                     out.latency[kind].append(latency)
                     out.app_s[kind].append(app)
-                    out.fresh[kind].append(fresh)
+                    out.connect_s[kind].append(connect)
         return out
 
 
@@ -396,7 +399,6 @@ class Fleet:
         self._headers: dict[str, dict[str, str]] = {}
         """Per token, the headers of its requests (built once)."""
         self.http: LeanClient
-        self._gc_started: float | None = None
 
     async def request(
         self,
@@ -414,7 +416,7 @@ class Fleet:
             body = orjson.dumps(json)
         t0 = time.perf_counter()
         try:
-            status, raw, app_s, fresh = await self.http.request_timed(
+            status, raw, app_s, connect_s = await self.http.request_timed(
                 method, path, token, body, params, kind
             )
         except (OSError, TimeoutError) as exc:
@@ -425,7 +427,7 @@ class Fleet:
         self.stats.latency[kind].append(took)
         self.stats.sent_at[kind].append(time.monotonic() - took)
         self.stats.app_s[kind].append(app_s)
-        self.stats.fresh[kind].append(fresh)
+        self.stats.connect_s[kind].append(connect_s)
         ok = status == 200 or status == 201
         answer: Any = orjson.loads(raw) if ok and raw else raw.decode(errors="replace")
         if status >= 400:
@@ -433,15 +435,10 @@ class Fleet:
             self.last_error[kind] = f"{status} {answer[:300]}"
         return status, answer
 
-    def on_gc(self, phase: str, info: dict[str, int]) -> None:
-        """A ``gc.callbacks`` hook: each collection's pause of the generator
-        (``Stats.gc_pauses_ms``), which delays every request whose answer is due meanwhile."""
-        if phase == "start":
-            self._gc_started = time.perf_counter()
-        elif self._gc_started is not None:
-            pause = 1000 * (time.perf_counter() - self._gc_started)
-            self.stats.gc_pauses_ms[info["generation"]].append(pause)
-            self._gc_started = None
+    def on_gc(self, generation: int, seconds: float) -> None:
+        """Each of the generator's garbage collections (``Stats.gc_pauses_ms``): its pause
+        delays every request whose answer is due meanwhile."""
+        self.stats.gc_pauses_ms[generation].append(1000 * seconds)
 
     def queued(self, kind: str, seconds: float) -> None:
         """A request that waited for a free client connection (``Stats.queued_s``)."""
@@ -1013,11 +1010,15 @@ def write_requests(stats: Stats, started: float, path: Path) -> None:
     with path.open("w") as out:
         for kind, latencies in stats.latency.items():
             rows = zip(
-                stats.sent_at[kind], latencies, stats.app_s[kind], stats.fresh[kind], strict=True
+                stats.sent_at[kind],
+                latencies,
+                stats.app_s[kind],
+                stats.connect_s[kind],
+                strict=True,
             )
-            for at, latency, app, fresh in rows:
+            for at, latency, app, connect in rows:
                 line = {"kind": kind, "at": round(at - started, 4), "s": latency, "app": app}
-                out.write(json.dumps({**line, "connect": fresh}) + "\n")
+                out.write(json.dumps({**line, "connect": connect}) + "\n")
 
 
 def quantiles_ms(values: list[float]) -> dict[str, float]:
@@ -1051,8 +1052,9 @@ def slow_between(
 ) -> dict[str, dict[str, float]]:
     """Per route, the window's requests, the bucket bounds its median and 99th percentile are
     within, the bound all of them are within, and how many the API process took more than
-    2.5, 10 and 30 s over (``evenflow_http_request_seconds``: the server's own time, from the app's first look at the
-    request, its headers parsed, to its response's end; a plan long-poll's includes its wait).
+    2.5, 10 and 30 s over (``evenflow_http_request_seconds``: the server's own time, from the
+    app's first look at the request, its headers parsed, to its response's end; a plan
+    long-poll's includes its wait).
     A request slow at the client that the server did not take long over waited outside the
     app: in the kernel, uvicorn, the event loop or the generator (its own loop lags too)."""
     out: dict[str, dict[str, float]] = {}
@@ -1106,7 +1108,8 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
     fleet = Fleet(srv.base, args, db_url)
     limit = args.connections or 2 * args.hosts + 2 * args.jobs + 64
     fleet.http = LeanClient(srv.base, limit, timeout_s=60.0, on_queued=fleet.queued)
-    gc.callbacks.append(fleet.on_gc)
+    gc_pauses = GcPauses(fleet.on_gc)
+    gc_pauses.start()
     try:
         t0 = time.monotonic()
         await fleet.register()
@@ -1187,7 +1190,7 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
         await fleet.shut_down()
         stored = stored_after_onset(db_url, [alone, *stragglers])
     finally:
-        gc.callbacks.remove(fleet.on_gc)
+        gc_pauses.stop()
         await fleet.http.close()
     s = window
     delays = [after_onset(j.detected_at_iteration) for j in stragglers if j.detected_at_iteration]
@@ -1326,7 +1329,8 @@ def main() -> None:
         default=None,
         metavar="PATH",
         help="also write every measured request as a JSON line (kind, sent at in seconds into "
-        "the window, latency and the app's own time in seconds), to look into a tail",
+        "the window, latency, the app's own time and its connect where it opened one, in "
+        "seconds), to look into a tail",
     )
     args = ap.parse_args()
     if args.jobs is None:

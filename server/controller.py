@@ -36,6 +36,7 @@ from server.db import checkpoint, make_engine, run_retrying, session_factory, tr
 from server.host_answers import track
 from server.locks import ControllerLock, writer_lock_for
 from server.notify import PLACEMENT, Bus, PgNotifyBus, open_bus
+from server.serve import settle_heap
 from server.services import control_loop, retention, scheduler
 from server.services import hosts as host_service
 from server.services.audit import record
@@ -598,8 +599,6 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(sig, lambda *_: stop.set())
     if args.parent_pid is not None:
         threading.Thread(target=_orphan_watch, args=(args.parent_pid, stop), daemon=True).start()
-    from server.serve import settle_heap  # (serve starts this module as a process)
-
     settle_heap()  # its rounds hold the interpreter too: the same collections as the API's
     run_process(Settings(), stop)
 

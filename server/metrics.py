@@ -6,7 +6,7 @@ import asyncio
 import gc
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -38,14 +38,20 @@ async def measure_loop_lag(histogram: Histogram, every_s: float = LOOP_LAG_EVERY
 
 
 class GcPauses:
-    """Times each of this process's garbage collections into a histogram labelled by
-    generation (a ``gc.callbacks`` hook, ``watch``). A collection holds the interpreter: the
-    event loop and every thread wait for it, so a long one delays every request in flight at
-    once, the kind of pause the event-loop lag samples only now and then (``start``)."""
+    """Times each of this process's garbage collections, telling ``observe`` (generation,
+    seconds) of each; a ``gc.callbacks`` hook from ``start`` to ``stop``. A collection holds
+    the interpreter: the event loop and every thread wait for it, so a long one delays every
+    request in flight at once, the kind of pause the event-loop lag samples only now and
+    then."""
 
-    def __init__(self, histogram: Histogram) -> None:
-        self.histogram = histogram
+    def __init__(self, observe: Callable[[int, float], None]) -> None:
+        self.observe = observe
         self._started: float | None = None
+
+    @classmethod
+    def into(cls, histogram: Histogram) -> GcPauses:
+        """Into ``histogram``, labelled by generation."""
+        return cls(lambda generation, took: histogram.labels(str(generation)).observe(took))
 
     def __call__(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
@@ -53,7 +59,7 @@ class GcPauses:
         elif self._started is not None:
             took = time.perf_counter() - self._started
             self._started = None
-            self.histogram.labels(str(info["generation"])).observe(took)
+            self.observe(info["generation"], took)
 
     def start(self) -> None:
         """Time the collections from now (an app's start) until ``stop``."""
@@ -171,7 +177,7 @@ class Metrics:
             registry=self.registry,
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
         )
-        self.gc_pauses = GcPauses(
+        self.gc_pauses = GcPauses.into(
             Histogram(
                 "evenflow_gc_pause_seconds",
                 "Each garbage collection of this process, by generation: the interpreter, its "

@@ -78,7 +78,7 @@ def test_the_app_times_its_garbage_collections_by_generation(api: Api) -> None:
 def test_gc_pauses_stop_being_timed_once_stopped() -> None:
     registry = CollectorRegistry()
     histogram = Histogram("gc_seconds", "gc", ["generation"], registry=registry)
-    pauses = GcPauses(histogram)
+    pauses = GcPauses.into(histogram)
     pauses.start()
     pauses.start()  # once only
     gc.collect()
