@@ -70,6 +70,17 @@ class Settings(BaseSettings):
     controller_report_s: float = Field(default=60.0, gt=0)
     """How often the controller logs a summary of its round times."""
 
+    controller_nice: int = Field(default=10, ge=0, le=19)
+    """How much lower the controller process's CPU priority is than the server's (``nice``),
+    for ``python -m server.controller``, which ``evenflow server`` runs
+    (``server.serve.ControllerProcess``; the solver it runs for placement inherits it). Its
+    rounds are background work that can wait a moment; the fleet's heartbeats and telemetry
+    are answers that hosts wait on. On a control-plane machine whose cores are all busy, at the
+    same nice the rounds (half a core at 200 jobs) took their share from the API and
+    PostgreSQL whenever a burst of job starts and ends came, and every request waited for
+    CPU (``bench/fleet.py``, 1,250 hosts on 2 cores: heartbeat p99 0.12 to 2.7 s at nice 0,
+    0.06 to 0.6 s at 10; README, "A twenty-third day"). 0: the server's priority."""
+
     telemetry_keep_iterations: int = Field(default=20_000, ge=100)
     """Raw telemetry kept per job: its newest this many iterations. Older rows are rolled up
     into per-rank aggregates per bucket of iterations (``server.services.retention``)."""

@@ -594,13 +594,16 @@ def main(argv: list[str] | None = None) -> None:
         level=args.log_level.upper(),
         format="%(asctime)s evenflow-controller %(levelname)s %(message)s",
     )
+    settings = Settings()
+    # Before any thread starts: on Linux a nice value is each thread's, and new ones inherit it.
+    os.nice(settings.controller_nice)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     if args.parent_pid is not None:
         threading.Thread(target=_orphan_watch, args=(args.parent_pid, stop), daemon=True).start()
     settle_heap()  # its rounds hold the interpreter too: the same collections as the API's
-    run_process(Settings(), stop)
+    run_process(settings, stop)
 
 
 def _orphan_watch(parent: int, stop: threading.Event) -> None:

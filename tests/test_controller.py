@@ -69,6 +69,7 @@ def test_evenflow_server_runs_the_controller_in_its_own_process(tmp_path: Path) 
         "EVENFLOW_DATABASE_URL": f"sqlite:///{tmp_path / 'cp.db'}",
         "EVENFLOW_ADMIN_TOKEN": ADMIN_TOKEN,
         "EVENFLOW_REBALANCE_INTERVAL_S": "0.1",
+        "EVENFLOW_CONTROLLER_NICE": "3",
     }
     h = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
     with server_process(env) as (root, proc):
@@ -82,6 +83,10 @@ def test_evenflow_server_runs_the_controller_in_its_own_process(tmp_path: Path) 
         ).stdout.split()
         assert len(children) == 1
         _until_locked(ControllerLock(make_engine(env["EVENFLOW_DATABASE_URL"])))
+        # Its rounds give way to the API's requests: it runs 3 nicer than the server.
+        server_nice = _nice(proc.pid)
+        assert _nice(int(children[0])) == min(19, server_nice + 3)
+        assert server_nice == os.getpriority(os.PRIO_PROCESS, 0)
         # A job whose first plans explore: the controller (not the API process) makes them,
         # and a long-poll on the API process hears of each.
         devices = [{"index": i, "kind": "cpu", "model": "CPU", "memory_mb": 1024} for i in range(2)]
@@ -116,6 +121,12 @@ def test_evenflow_server_runs_the_controller_in_its_own_process(tmp_path: Path) 
     lock = ControllerLock(make_engine(env["EVENFLOW_DATABASE_URL"]))
     assert lock.try_acquire()
     lock.release()
+
+
+def _nice(pid: int) -> int:
+    """A process's nice value (``/proc/PID/stat``'s 19th field)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2 :].split()[16])
 
 
 def _until_locked(probe: ControllerLock) -> None:
