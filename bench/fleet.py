@@ -30,8 +30,9 @@ detector's own, the event's ``detected_iteration``; the 10 straggler jobs are su
 30% into the window, and the fleet runs on after it, unmeasured, until each has shown,
 ``--straggler-grace-s``), placement time of a 64-worker job
 on the whole inventory (before the load, and at load first in the queue, given up after 30 s),
-the cores used by each kind of process, the API process's event-loop lag (its ``/metrics``:
-how long a request waited before the server could read it), the requests that waited in the
+the cores used by each kind of process (and the controller's nice value), the API process's
+event-loop lag (its ``/metrics``: how long a request waited before the server could read
+it), the requests that waited in the
 generator for a client connection (``--connections``; their wait is inside their latency),
 and database growth. A window's requests are those sent in it (answered up to ``DRAIN_S``
 after it). Each heartbeat's latency is split into the app's own time (its ``Server-Timing``)
@@ -191,6 +192,15 @@ class CpuMeter:
             if p.name().lower().startswith("cbc"):
                 return "solver"
         return "api"
+
+    def controller_nice(self) -> int | None:
+        """The controller process's nice value (``EVENFLOW_CONTROLLER_NICE`` above the
+        server's), None if it is not running."""
+        for p in self.server.children():
+            with contextlib.suppress(psutil.Error):
+                if self._kind(p) == "controller":
+                    return int(p.nice())
+        return None
 
     def cores_used(self) -> dict[str, float]:
         """Mean cores busy per kind since the meter started (2.0 = both of this machine's)."""
@@ -1146,6 +1156,7 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
         gc.freeze()
         size0 = await asyncio.to_thread(db_size, db_url)
         cpu = await asyncio.to_thread(CpuMeter, srv.pid, make_url(db_url).database or "")
+        out["controller_nice"] = cpu.controller_nice()
         fleet.loop_task(cpu.sample_every(CPU_SAMPLE_S, fleet.stop))
         answers0 = await fleet.heartbeat_sources()
         lag0 = await fleet.loop_lag()

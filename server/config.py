@@ -78,8 +78,9 @@ class Settings(BaseSettings):
     are answers that hosts wait on. On a control-plane machine whose cores are all busy, at the
     same nice the rounds (half a core at 200 jobs) took their share from the API and
     PostgreSQL whenever a burst of job starts and ends came, and every request waited for
-    CPU (``bench/fleet.py``, 1,250 hosts on 2 cores: heartbeat p99 0.12 to 2.7 s at nice 0,
-    0.06 to 0.6 s at 10; README, "A twenty-third day"). 0: the server's priority."""
+    CPU (``bench/fleet.py``, 1,250 hosts on 2 cores: heartbeat p99 0.12 to 2.8 s at nice 0,
+    0.06 to 1.3 s at 10, lower in 9 of 11 neighbouring runs, detection no worse; README, "A
+    twenty-third day"). 0: the server's priority."""
 
     telemetry_keep_iterations: int = Field(default=20_000, ge=100)
     """Raw telemetry kept per job: its newest this many iterations. Older rows are rolled up
