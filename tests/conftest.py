@@ -6,10 +6,14 @@ Without a reachable PostgreSQL they skip with the reason, except under CI=true, 
 
 from __future__ import annotations
 
+import sys
+import threading
+import traceback
 import uuid
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, text
@@ -94,3 +98,27 @@ def live_server(tmp_path: Path) -> Iterator[LiveServer]:
     app = create_app(make_settings(f"sqlite:///{tmp_path / 'live.db'}", rebalance_interval_s=0.2))
     with serving(app) as url:
         yield LiveServer(url, ADMIN_TOKEN)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A test whose request to a server in this process timed out gets every thread's stack
+    at that moment in its report: what the server was doing instead of answering (CI saw a
+    heartbeat and a metrics post time out at 10 s, once each, in tests that pass alone)."""
+    report = yield
+    if call.when == "call" and call.excinfo and call.excinfo.errisinstance(httpx.TimeoutException):
+        report.sections.append(("threads when the request timed out", thread_stacks()))
+    return report
+
+
+def thread_stacks() -> str:
+    """Every thread's name and stack, the caller's own left out."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    me = threading.get_ident()
+    return "\n".join(
+        f"--- {names.get(ident, ident)}\n{''.join(traceback.format_stack(frame))}"
+        for ident, frame in sys._current_frames().items()
+        if ident != me
+    )
