@@ -278,14 +278,16 @@ class Plan(Base):
 
 
 class IterationTelemetry(Base):
-    """One rank's timing of one iteration. (job, rank, iteration) is unique: retries dedupe."""
+    """One rank's timing of one iteration. (job, iteration, rank) is unique: retries dedupe."""
 
     __tablename__ = "iteration_telemetry"
     __table_args__ = (
-        UniqueConstraint("job_id", "rank", "iteration"),
-        Index("ix_iteration_telemetry_job_iteration", "job_id", "iteration"),
+        # Also the index of every read of a job's iterations (a range, all ranks or one): no
+        # query reads by rank first, and each index is one more b-tree every row updates
+        # (migration 0028 dropped a (job_id, iteration) index beside it).
+        UniqueConstraint("job_id", "iteration", "rank"),
         # The control loop reads a job's rows newer than an id every round: a range scan
-        # here, instead of every row of the job through the index above.
+        # here, instead of every row of the job through the key above.
         Index("ix_iteration_telemetry_job_id_id", "job_id", "id"),
     )
 

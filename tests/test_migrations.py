@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from alembic import command
+from fastapi.testclient import TestClient
 from sqlalchemy import inspect
 
+from server.app import create_app
 from server.db import alembic_config, make_engine, migrate
+from tests.harness import driven, make_settings
 
 
 def test_models_and_migrations_agree(db_url: str) -> None:
@@ -34,3 +39,73 @@ def test_sqlite_runs_in_wal_mode(tmp_path: object) -> None:
         assert c.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
         assert c.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
     engine.dispose()
+
+
+def _post(client: TestClient, job: int, iterations: range) -> dict[str, Any]:
+    records = [
+        {
+            "rank": rank,
+            "iteration": it,
+            "plan_version": 1,
+            "batch_size": 16,
+            "data_ms": 1.0,
+            "compute_ms": 10.0 + rank,
+            "sync_ms": 2.0,
+            "ts": 1_700_000_000.0 + it,
+        }
+        for it in iterations
+        for rank in (0, 1)
+    ]
+    r = client.post(
+        f"/api/v1/jobs/{job}/telemetry",
+        json={"records": records},
+        headers=driven(client).headers(),
+    )
+    assert r.status_code == 200, r.text
+    answer: dict[str, Any] = r.json()
+    return answer
+
+
+def _telemetry_key(db_url: str) -> tuple[list[tuple[str, ...]], list[tuple[str, ...]]]:
+    """The unique keys and the indexes of ``iteration_telemetry``, as column tuples."""
+    engine = make_engine(db_url)
+    found = inspect(engine)
+    unique = [tuple(u["column_names"]) for u in found.get_unique_constraints("iteration_telemetry")]
+    indexes = [
+        tuple(i["column_names"])  # type: ignore[arg-type]
+        for i in found.get_indexes("iteration_telemetry")
+        if not i.get("unique")
+    ]
+    engine.dispose()
+    return unique, indexes
+
+
+def test_the_telemetry_keys_new_order_keeps_rows_and_dedupes_both_ways(db_url: str) -> None:
+    """Migration 0028 (the unique key in (job_id, iteration, rank) order, no (job_id,
+    iteration) index) and back, over stored rows: none lost, and a retried post stores nothing
+    again on either side."""
+    with TestClient(create_app(make_settings(db_url))) as client:
+        api = driven(client)
+        api.register("h", devices=2)
+        job = int(api.submit(workers=2, global_batch=32)["id"])  # type: ignore[call-overload]
+        assert _post(client, job, range(10)) == {"accepted": 20, "duplicates": 0}
+    assert _telemetry_key(db_url) == (
+        [("job_id", "iteration", "rank")],
+        [("job_id", "id")],
+    )
+    engine = make_engine(db_url)
+    command.downgrade(alembic_config(engine), "0027_departures")
+    engine.dispose()
+    unique, indexes = _telemetry_key(db_url)
+    assert unique == [("job_id", "rank", "iteration")]
+    assert sorted(indexes) == [("job_id", "id"), ("job_id", "iteration")]
+    with TestClient(create_app(make_settings(db_url, run_migrations=False))) as client:
+        assert _post(client, job, range(5, 15)) == {"accepted": 10, "duplicates": 10}
+    with TestClient(create_app(make_settings(db_url))) as client:  # upgrades to head again
+        assert _post(client, job, range(12, 20)) == {"accepted": 10, "duplicates": 6}
+        rows = client.get(
+            f"/api/v1/jobs/{job}/telemetry?limit=1000", headers=driven(client).headers()
+        ).json()["items"]
+    assert [(r["iteration"], r["rank"]) for r in rows] == [
+        (it, rank) for it in range(20) for rank in (0, 1)
+    ]
