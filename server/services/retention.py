@@ -114,7 +114,7 @@ def due_span(session: Session, job: Job, window: Window, now: float) -> tuple[in
 
 def _first_iteration_since(session: Session, job_id: int, lo: int, hi: int, since_ts: float) -> int:
     """The first iteration whose row was written at or after ``since_ts``: a bisection over
-    the (job, iteration) index, a few dozen seeks instead of a scan of the job's rows
+    the (job, iteration, rank) key, a few dozen seeks instead of a scan of the job's rows
     (iterations end in time order on every rank)."""
 
     def ts_at(iteration: int) -> float:

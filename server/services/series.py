@@ -225,7 +225,7 @@ def rows_after(
 ) -> list[tuple[int, list[Any]]]:
     """Telemetry rows of a job with id above ``after_id``, oldest first, as (id, row) with the
     row's values in ``STREAM_COLUMNS`` order."""
-    # ``job_id + 0`` keeps SQLite from choosing the (job_id, iteration) index, which would
+    # ``job_id + 0`` keeps SQLite from choosing an index that starts with job_id, which would
     # scan the job's whole history; the primary key range holds only the new rows.
     q = (
         select(T.id, *(getattr(T, c) for c in STREAM_COLUMNS))
