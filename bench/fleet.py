@@ -55,6 +55,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -136,6 +137,8 @@ class CpuMeter:
         time (a run read 3.9 cores of controller on this 2-core machine)."""
         self.peak_mb: dict[str, float] = defaultdict(float)
         """Per kind, the most resident memory its processes held together at one sample."""
+        self._sampling = threading.Lock()
+        """One sample at a time: the periodic one and ``cores_used``'s run in threads."""
         self.sample(first=True)
 
     def _ours(self) -> list[tuple[psutil.Process, str]]:
@@ -164,6 +167,10 @@ class CpuMeter:
         return out
 
     def sample(self, first: bool = False) -> None:
+        with self._sampling:
+            self._sample(first)
+
+    def _sample(self, first: bool) -> None:
         held: dict[str, float] = defaultdict(float)
         for p, kind in self._ours():
             with contextlib.suppress(psutil.Error, OSError, ValueError):
@@ -203,7 +210,9 @@ class CpuMeter:
         return None
 
     def cores_used(self) -> dict[str, float]:
-        """Mean cores busy per kind since the meter started (2.0 = both of this machine's)."""
+        """Mean cores busy per kind since the meter started (2.0 = both of this machine's).
+        It scans the machine's processes: call it in a thread, not on the generator's loop
+        (whose stalls count in the latency of every request in flight)."""
         self.sample()
         secs = time.monotonic() - self.t0
         used: dict[str, float] = defaultdict(float)
@@ -1175,7 +1184,7 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
         out["placement_s_64_workers_at_load"] = await fleet.placement_time(64)
         await asyncio.sleep(max(0.0, args.seconds - (time.monotonic() - started)))
         elapsed = time.monotonic() - started
-        out["cores_used"] = cpu.cores_used()
+        out["cores_used"] = await asyncio.to_thread(cpu.cores_used)
         out["peak_resident_mb"] = {k: round(v) for k, v in sorted(cpu.peak_mb.items())}
         answers1 = await fleet.heartbeat_sources()
         lag1 = await fleet.loop_lag()
