@@ -10,6 +10,7 @@ from sqlalchemy import inspect
 
 from server.app import create_app
 from server.db import alembic_config, make_engine, migrate
+from tests.api.test_telemetry import _rec
 from tests.harness import driven, make_settings
 
 
@@ -42,20 +43,7 @@ def test_sqlite_runs_in_wal_mode(tmp_path: object) -> None:
 
 
 def _post(client: TestClient, job: int, iterations: range) -> dict[str, Any]:
-    records = [
-        {
-            "rank": rank,
-            "iteration": it,
-            "plan_version": 1,
-            "batch_size": 16,
-            "data_ms": 1.0,
-            "compute_ms": 10.0 + rank,
-            "sync_ms": 2.0,
-            "ts": 1_700_000_000.0 + it,
-        }
-        for it in iterations
-        for rank in (0, 1)
-    ]
+    records = [_rec(rank, it) for it in iterations for rank in (0, 1)]
     r = client.post(
         f"/api/v1/jobs/{job}/telemetry",
         json={"records": records},
