@@ -131,7 +131,8 @@ def test_the_tracker_and_the_watch_keep_what_row_by_row_code_kept(
 
 def _play(script: list[tuple[list[NewRow], int]], cap: int, sizes: dict[int, list[int]]) -> None:
     job: Any = SimpleNamespace(id=1, plan_version=1)
-    tracker = Tracker(started=True, excluded=(1, frozenset()), world=4)
+    plan: Any = SimpleNamespace(version=1, excluded=[])  # the plan in force, read already
+    tracker = Tracker(started=True, plan=plan, world=4)
     ref_tracker: dict[str, Any] = {"max_iteration": {}, "first_of_version": {}, "ooms": []}
     watch = Watch()
     ref: dict[str, Any] = {"fed_through": -1, "newest": -1, "pending": {}}

@@ -268,6 +268,7 @@ def _rebalance(session: Session, job: Job, state: LoopState, progress: Progress)
         job,
         current_from_guesses=last is not None and last.exploring,
         kept=state.windows.get(job.id),
+        progress=progress,
     )
     memo[job.id] = LastDecision(p.complete_through, decision.exploring)
     version = rebalancer.apply(session, job, decision, PlanSource.AUTOMATIC, by="rebalancer")

@@ -66,6 +66,11 @@ class Progress:
     """First iteration reported under the plan in force (None: no rank has used it yet)."""
     complete_through: int | None
     """Last iteration every rank has reported."""
+    world: int | None = None
+    """The job's number of ranks (``Tracker.world``); None: count ``job.workers``."""
+    plan: Plan | None = None
+    """The plan in force as the tracker last read it (``Tracker.plan``; plans never change
+    once made); None: read it (``plans.current``)."""
 
 
 REREAD_IDS = 5000
@@ -238,9 +243,10 @@ class Tracker:
     back, counts from there: a fresh control loop decides after ``FIRST_LOOK`` in any case)."""
     ooms: list[tuple[int, int, int]] = field(default_factory=list)
     """(rank, iteration, pass size) of out-of-memory reports not handled yet."""
-    excluded: tuple[int | None, frozenset[int]] = (None, frozenset())
-    """``(plan version, its ranks out of the all-reduce group)``: plans never change once
-    made, so a round reads them only when the job has a new one."""
+    plan: Plan | None = None
+    """The plan in force, read when the job has a new one (plans never change once made): a
+    round needs its sizes and the ranks it keeps out of the all-reduce group, and read it
+    twice per sweep of a settled job before (``plans.current``: two queries)."""
     world: int | None = None
     """The job's number of ranks, counted once: an attempt keeps its ranks (one that leaves
     stays listed, ``departed``), and a restart starts a new tracker. Loading the workers to
@@ -276,10 +282,13 @@ class Tracker:
     def progress(self, session: Session, job: Job) -> Progress:
         """Ranks out of the all-reduce group under the plan in force (they only probe now and
         then) do not hold ``complete_through`` back."""
-        if job.plan_version and self.excluded[0] != job.plan_version:
-            out = session.scalar(_EXCLUDED, {"job_id": job.id, "version": job.plan_version})
-            self.excluded = (job.plan_version, frozenset(int(r) for r in out or []))
-        excluded = self.excluded[1] if job.plan_version else frozenset()
+        if not job.plan_version:
+            self.plan = None
+        elif self.plan is None or self.plan.version != job.plan_version:
+            self.plan = session.scalars(
+                _PLAN, {"job_id": job.id, "version": job.plan_version}
+            ).one_or_none()
+        excluded = frozenset(int(r) for r in self.plan.excluded or []) if self.plan else frozenset()
         if self.world is None:
             self.world = session.scalar(_WORLD, {"job_id": job.id}) or 0
         active = [r for r in range(self.world) if r not in excluded]
@@ -288,23 +297,28 @@ class Tracker:
             min(seen[r] for r in active) if active and all(r in seen for r in active) else None
         )
         effective = self.first_of_version.get(job.plan_version) if job.plan_version else None
-        return Progress(effective, complete)
+        return Progress(effective, complete, self.world, self.plan)
 
 
 _WORLD = select(func.count(Worker.id)).where(Worker.job_id == bindparam("job_id"))
-_EXCLUDED = select(Plan.excluded).where(
-    Plan.job_id == bindparam("job_id"), Plan.version == bindparam("version")
-)
+_PLAN = select(Plan).where(Plan.job_id == bindparam("job_id"), Plan.version == bindparam("version"))
 
 
 def fits(
-    session: Session, job: Job, *, window: int = FIT_WINDOW, kept: FitWindow | None = None
+    session: Session,
+    job: Job,
+    *,
+    window: int = FIT_WINDOW,
+    kept: FitWindow | None = None,
+    world: int | None = None,
 ) -> list[ModelFit | None]:
     """A fitted model per rank from the recent window (None for a rank never seen with samples).
     ``kept``: the job's window as the control loop keeps it up to date (``FitWindow.add``);
-    without it the window is read whole."""
+    without it the window is read whole. ``world``: the job's number of ranks, if known
+    (``Progress.world``), else its workers are loaded to count them."""
     spec = job.job_spec
-    key = (len(job.workers), spec.max_batch_per_worker, spec.policy.granularity)
+    world = len(job.workers) if world is None else world
+    key = (world, spec.max_batch_per_worker, spec.policy.granularity)
     if kept is not None and kept.fitted is not None and kept.fitted[0] == key:
         return list(kept.fitted[1])
     options: dict[str, Any] = {
@@ -314,16 +328,10 @@ def fits(
     }
     if kept is not None:
         columns = kept.by_rank()
-        made = [
-            fit_arrays(*columns[r], **options) if r in columns else None
-            for r in range(len(job.workers))
-        ]
+        made = [fit_arrays(*columns[r], **options) if r in columns else None for r in range(world)]
     else:
         by_rank = observed(session, job, window)
-        made = [
-            fit_model(by_rank[r], **options) if by_rank.get(r) else None
-            for r in range(len(job.workers))
-        ]
+        made = [fit_model(by_rank[r], **options) if by_rank.get(r) else None for r in range(world)]
     if kept is not None:
         kept.fitted = (key, made)
     return list(made)
@@ -514,6 +522,15 @@ def _one_pass(batch: int, compute_ms: float, iteration: int, cap: int | None) ->
     return Observation(max(1, round(batch / k)), compute_ms / k, iteration)
 
 
+def in_force(session: Session, job: Job, progress: Progress | None = None) -> Plan:
+    """The job's plan in force: the one ``progress`` carries when it is still that
+    (``Tracker.plan``), else read (``plans.current``)."""
+    known = progress.plan if progress is not None else None
+    if known is not None and known.version == job.plan_version:
+        return known
+    return plans.current(session, job.id)
+
+
 def controls(job: Job) -> tuple[dict[int, int], frozenset[int]]:
     c = job.controls or {}
     pins = {int(r): int(b) for r, b in (c.get("pins") or {}).items()}
@@ -529,14 +546,17 @@ def propose(
     pins: dict[int, int] | None = None,
     excluded: frozenset[int] | None = None,
     kept: FitWindow | None = None,
+    progress: Progress | None = None,
 ) -> RebalanceDecision:
     """What the rebalancer would do now (nothing is stored). ``pins``/``excluded`` replace the
     job's standing controls, for previews of an override (which then says which ranks stay
     out of the all-reduce group); without them, ranks out of the group under the plan in
     force stay out (``plans.out_of_group``). ``kept``: the job's fit window as the control
-    loop keeps it (``fits``)."""
+    loop keeps it (``fits``); ``progress``: the job's progress as its tracker knows it (the
+    plan in force and the number of ranks, read already)."""
     spec = job.job_spec
-    current = plans.current(session, job.id)
+    current = in_force(session, job, progress)
+    world = progress.world if progress is not None else None
     standing_pins, standing_excluded = controls(job)
     if excluded is None:
         standing_excluded |= plans.out_of_group(job, current)
@@ -545,7 +565,7 @@ def propose(
         RebalanceInput(
             global_batch=spec.global_batch,
             current=tuple(current.batch_sizes),
-            fits=tuple(fits(session, job, kept=kept)),
+            fits=tuple(fits(session, job, kept=kept, world=world)),
             policy=policy,
             granularity=spec.policy.granularity,
             max_batch=spec.max_batch_per_worker,

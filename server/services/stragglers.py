@@ -28,7 +28,7 @@ from sqlalchemy.orm import Session
 
 from contract.enums import PlanSource, PolicyName
 from contract.spec import JobSpec
-from server.models import Device, IterationTelemetry, Job, Plan
+from server.models import Device, IterationTelemetry, Job, Plan, Worker
 from server.models import StragglerEvent as EventRow
 from server.planner import PerfModel
 from server.services import plans, rebalancer
@@ -139,9 +139,10 @@ class Watch:
     plan_sizes: dict[int, list[int]] = field(default_factory=dict)
     """Plan version -> its batch sizes, for the versions the last timings read ran under
     (plans never change once made: a sweep reads only versions it has not seen)."""
-    gloo: tuple[tuple[int, ...], bool] | None = None
-    """``(device ids, every one a CPU)`` of the job's workers: what ``ladder_config`` needs to
-    know about the devices, read once per set of devices rather than a device a round."""
+    gloo: bool | None = None
+    """Whether every device of the job's workers is a CPU: what ``ladder_config`` needs to know
+    about the devices, read once per attempt (which keeps its devices; a restart is a new
+    attempt, and the control loop starts a new watch: ``LoopState.follow``)."""
 
     def add(self, rows: Sequence[NewRow], columns: NewColumns | None = None) -> None:
         """Keep the new rows (``NewRows``, read once per sweep by the control loop;
@@ -231,7 +232,12 @@ def _at(sizes: list[int] | None, rank: int) -> int | None:
 
 
 def _refresh_normal(
-    session: Session, job: Job, watch: Watch, through: int, window: FitWindow | None
+    session: Session,
+    job: Job,
+    watch: Watch,
+    through: int,
+    window: FitWindow | None,
+    world: int | None = None,
 ) -> None:
     """Take the rebalancer's fits as the normal models of ranks that have been quiet (no open
     event, none ended within a fit window): a fit spanning a slowdown would absorb it. From the
@@ -239,7 +245,7 @@ def _refresh_normal(
     straggling = {e.rank for e in watch.detector.open_events()}
     for rank in straggling:
         watch.quiet_since[rank] = through
-    for rank, fit in enumerate(rebalancer.fits(session, job, kept=window)):
+    for rank, fit in enumerate(rebalancer.fits(session, job, kept=window, world=world)):
         if rank in straggling or fit is None or not fit.identifiable or fit.model is None:
             continue
         if (
@@ -389,35 +395,35 @@ def ladder_config(
     return replace(config, regroup_ms=regroup, resync_ms=resync)
 
 
-_DEVICE_KINDS = select(Device.id, Device.kind).where(
-    Device.id.in_(bindparam("ids", expanding=True))
+_JOB_DEVICE_KINDS = (
+    select(Device.kind)
+    .join(Worker, Worker.device_id == Device.id)
+    .where(Worker.job_id == bindparam("job_id"))
 )
 
 
 def _on_gloo(session: Session, job: Job, watch: Watch | None) -> bool:
-    """Whether every device of the job's workers is a CPU (none: not gloo). One query for all
-    of them (a ``session.get`` per device was a third of a 256-rank job's round)."""
-    ids = tuple(w.device_id for w in job.workers if w.device_id is not None)
-    if watch is not None and watch.gloo is not None and watch.gloo[0] == ids:
-        return watch.gloo[1]
-    kinds: dict[int, str] = {}
-    if ids:
-        kinds = {
-            int(i): str(k) for i, k in session.execute(_DEVICE_KINDS, {"ids": sorted(set(ids))})
-        }
-    gloo = bool(ids) and all(kinds.get(i) == "cpu" for i in ids)
+    """Whether every device of the job's workers is a CPU (none: not gloo). One query of the
+    devices' kinds alone, once per attempt with a ``watch``: a ``session.get`` per device was
+    a third of a 256-rank job's round, and loading the job's workers (their log tails too) to
+    list the devices a tenth of a settled fleet job's sweep (``bench/fleet.py``)."""
+    if watch is not None and watch.gloo is not None:
+        return watch.gloo
+    kinds = [str(k) for k in session.scalars(_JOB_DEVICE_KINDS, {"job_id": job.id})]
+    gloo = bool(kinds) and all(k == "cpu" for k in kinds)
     if watch is not None:
-        watch.gloo = (ids, gloo)
+        watch.gloo = gloo
     return gloo
 
 
 def _mitigate(
-    session: Session, job: Job, spec: JobSpec, watch: Watch, iteration: int
+    session: Session, job: Job, spec: JobSpec, watch: Watch, iteration: int, progress: Progress
 ) -> int | None:
     """Ask the ladder; store its plan if it makes one. Returns the new plan version."""
-    if len(watch.normal) < len(job.workers):
+    world = _world(job, progress)
+    if len(watch.normal) < world:
         return None  # models not identified yet: the rebalancer is still exploring
-    current = plans.current(session, job.id)
+    current = rebalancer.in_force(session, job, progress)
     out = plans.out_of_group(job, current)
     if not out.issuperset(watch.ladder.excluded):
         # An operator's override brought back a rank the ladder had taken out (or it left the
@@ -454,7 +460,7 @@ def _mitigate(
         if _idle(watch.ladder, iteration, config):
             watch.rested = (_ladder_inputs(job, watch), iteration)
         return None
-    sizes = [decision.new_batch_sizes[r] for r in range(len(job.workers))]
+    sizes = [decision.new_batch_sizes[r] for r in range(world)]
     group_out = sorted(set(watch.ladder.excluded) - set(excluded))  # plans.create adds departed
     plan = plans.create(
         session,
@@ -477,13 +483,19 @@ def _mitigate(
     return plan.version
 
 
-def _steady(job: Job, watch: Watch) -> bool:
+def _world(job: Job, progress: Progress) -> int:
+    """The job's number of ranks: counted by its tracker (``Progress.world``), which loading
+    the job's workers to count them cost a query of every rank's row per sweep."""
+    return len(job.workers) if progress.world is None else progress.world
+
+
+def _steady(job: Job, watch: Watch, progress: Progress) -> bool:
     """Nothing new for the normal models to learn but more of the same (``REFRESH_STEADY``)."""
     return (
         watch.refreshed_plan is not None
         and watch.refreshed_plan == job.plan_version
         and not watch.stirred
-        and len(watch.normal) >= len(job.workers)
+        and len(watch.normal) >= _world(job, progress)
         and not watch.detector.open_events()
     )
 
@@ -561,9 +573,9 @@ def watch_job(
     if (
         caught_up
         and since >= REFRESH_EVERY
-        and (since >= REFRESH_STEADY or not _steady(job, watch))
+        and (since >= REFRESH_STEADY or not _steady(job, watch, progress))
     ):
-        _refresh_normal(session, job, watch, complete, window)
+        _refresh_normal(session, job, watch, complete, window, progress.world)
         watch.refreshed_through = complete
         seen = progress.effective_from is not None and (
             complete - progress.effective_from >= rebalancer.HALF_LIFE
@@ -573,5 +585,5 @@ def watch_job(
     if mitigate and spec.policy.name is PolicyName.ADAPTIVE:
         if not updates and _ladder_rests(job, watch, complete):
             return None
-        return _mitigate(session, job, spec, watch, complete)
+        return _mitigate(session, job, spec, watch, complete, progress)
     return None

@@ -6,18 +6,20 @@ background loop would."""
 
 from __future__ import annotations
 
+import itertools
 import random
 import threading
 from typing import Any
 
 import pytest
+from sqlalchemy import select
 
 from contract.enums import PlanSource
 from server.db import transaction
 from server.models import Job
 from server.services import control_loop, rebalancer, stragglers
 from server.stragglers import LadderConfig
-from tests.harness import Api
+from tests.harness import Api, statements
 
 PER_SAMPLE = [1.0, 1.0, 2.0, 4.0]
 INTERCEPT = 5.0
@@ -317,6 +319,46 @@ def test_a_settled_job_is_not_priced_every_round_yet_a_slowdown_is_answered_at_o
     assert any(p["reason"].startswith("straggler ladder") for p in c.plans()[settled:])
 
 
+def test_a_sweep_the_ladder_is_asked_in_reads_neither_workers_nor_the_plan_again(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a straggler's event is open the ladder is asked every round. Those rounds take the
+    job's number of ranks and its plan in force from its tracker, which read them once (the
+    plan again only when a new one is made): loading the job's workers and the plan
+    (``plans.current``) every round was a fifth of a settled fleet job's sweep."""
+    c = Cluster(api, "adaptive", slow={2: (60, 100_000, 3.0)})
+    c.run(60)
+    engine = api.client.app.state.context.engine  # type: ignore[attr-defined]
+    sweep, decide = control_loop.sweep, stragglers.decide
+    rounds: list[tuple[int | None, list[str], int, bool]] = []
+    asked: list[int] = []
+
+    def watched(s: Any, state: Any, **kw: Any) -> Any:
+        version = s.scalar(select(Job.plan_version).where(Job.id == c.job))
+        with statements(engine) as sql:
+            made = sweep(s, state, **kw)
+        rounds.append((version, sql, len(asked), bool(made)))
+        return made
+
+    def counting(*a: Any, **kw: Any) -> Any:
+        asked.append(1)
+        return decide(*a, **kw)
+
+    monkeypatch.setattr(control_loop, "sweep", watched)
+    monkeypatch.setattr(stragglers, "decide", counting)
+    c.run(40)
+    (event,) = c.events()
+    assert event["rank"] == 2 and event["end_iteration"] is None
+    checked = 0
+    for (before, _, was_asked, _), (version, sql, now_asked, made) in itertools.pairwise(rounds):
+        if made or version != before or now_asked == was_asked:
+            continue  # a plan made (its checks load the workers), a new plan, or no ladder
+        assert [q for q in sql if "workers" in q] == []
+        assert [q for q in sql if "FROM plans" in q] == []
+        checked += 1
+    assert checked >= 10, f"only {checked} of {len(rounds)} rounds asked the ladder unchanged"
+
+
 def test_the_ladder_reads_the_devices_once(api: Api) -> None:
     """One query for every worker's device (not one per device), none while they stay put."""
     from sqlalchemy import event as sa_event
@@ -357,9 +399,9 @@ def test_a_steady_job_refits_its_normal_models_less_often_until_something_happen
     refits: list[int] = []
     refresh = stragglers._refresh_normal
 
-    def counting(session: Any, job: Any, watch: Any, through: int, window: Any) -> None:
+    def counting(session: Any, job: Any, watch: Any, through: int, *a: Any) -> None:
         refits.append(through)
-        refresh(session, job, watch, through, window)
+        refresh(session, job, watch, through, *a)
 
     monkeypatch.setattr(stragglers, "_refresh_normal", counting)
     c = Cluster(api, "adaptive", slow={2: (200, 300, 3.0)})
