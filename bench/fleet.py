@@ -30,7 +30,9 @@ detector's own, the event's ``detected_iteration``; the 10 straggler jobs are su
 30% into the window, and the fleet runs on after it, unmeasured, until each has shown,
 ``--straggler-grace-s``), placement time of a 64-worker job
 on the whole inventory (before the load, and at load first in the queue, given up after 30 s),
-the cores used by each kind of process (and the controller's nice value), the API process's
+the cores used by each kind of process (and the controller's nice value), how fast the machine
+ran a bare Python loop before and after (``machine_speed_m_steps``: this machine is shared, and
+only runs at a like speed compare), the API process's
 event-loop lag (its ``/metrics``: how long a request waited before the server could read
 it), the requests that waited in the
 generator for a client connection (``--connections``; their wait is inside their latency),
@@ -1113,6 +1115,24 @@ def to_database(
     return out
 
 
+SPIN_S = 3.0
+SPIN_STEP = 100_000
+
+
+def machine_speed(seconds: float = SPIN_S) -> float:
+    """Millions of steps of a bare Python loop one process ran in ``seconds``: how much of a
+    core this shared machine gives Python right now. Its other tenants change it through a
+    day by a factor of two and more, and every figure of a fleet run with it, so a run is
+    compared only with runs beside it at a like speed (``machine_speed_m_steps``, taken
+    before the server starts and after it stops)."""
+    end, turns = time.monotonic() + seconds, 0
+    while time.monotonic() < end:
+        for _ in range(SPIN_STEP):
+            pass
+        turns += 1
+    return round(turns * SPIN_STEP / 1e6, 1)
+
+
 def progress(line: str) -> None:
     """Where the run is, on stderr (the result is printed on stdout at the end)."""
     print(f"{datetime.now(UTC):%H:%M:%S} {line}", file=sys.stderr, flush=True)
@@ -1357,8 +1377,11 @@ def main() -> None:
         args.jobs = max(1, round(args.hosts * 200 / 1250))
     with database("postgresql") as db_url, tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "server.log"
+        speed = machine_speed()
+        progress(f"machine speed {speed} M steps in {SPIN_S:.0f} s")
         with server(db_url, args.workers, log) as srv:
             out = asyncio.run(run(srv, db_url, args))
+        out["machine_speed_m_steps"] = [speed, machine_speed()]
         out["controller_rounds"] = controller_rounds(log)
         stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
         kept = Path(__file__).resolve().parent / "results" / f"fleet-{args.hosts}h-{stamp}.log"
