@@ -272,10 +272,12 @@ def controller_rounds(log: Path) -> list[dict[str, float]]:
         r"swept per round ([\d.]+), round ms p50 ([\d.]+) p99 ([\d.]+) max ([\d.]+)"
         r"(?:; cpu s: rounds ([\d.]+), placement ([\d.]+) \((\d+) passes\))?"
         r"(?:; urgent jobs (\d+), waited ms p50 ([\d.]+) max ([\d.]+))?"
+        r"(?:; paced s ([\d.]+))?"
     )
     out = []
     for m in pattern.finditer(log.read_text(errors="replace")):
-        rounds, secs, _lo, hi, swept, p50, p99, mx, cpu, placement, passes, *urgent = m.groups()
+        rounds, secs, _lo, hi, swept, p50, p99, mx, cpu, placement, passes, *rest = m.groups()
+        urgent, paced = rest[:3], rest[3]
         window: dict[str, float] = {
             "rounds": int(rounds),
             "seconds": int(secs),
@@ -297,6 +299,8 @@ def controller_rounds(log: Path) -> list[dict[str, float]]:
                 "urgent_wait_ms_p50": float(urgent[1]),
                 "urgent_wait_ms_max": float(urgent[2]),
             }
+        if paced is not None:  # how long the rounds waited for their pace (controller_cores)
+            window["paced_s"] = float(paced)
         out.append(window)
     return out
 
@@ -1133,6 +1137,15 @@ def machine_speed(seconds: float = SPIN_S) -> float:
     return round(turns * SPIN_STEP / 1e6, 1)
 
 
+def controller_cores() -> float:
+    """The server's ``EVENFLOW_CONTROLLER_CORES`` (it inherits this process's environment), or
+    the setting's default: how much of a core the controller's rounds may take, 0 unpaced."""
+    from server.config import Settings
+
+    given = os.environ.get("EVENFLOW_CONTROLLER_CORES")
+    return float(given) if given else float(Settings.model_fields["controller_cores"].default)
+
+
 def progress(line: str) -> None:
     """Where the run is, on stderr (the result is printed on stdout at the end)."""
     print(f"{datetime.now(UTC):%H:%M:%S} {line}", file=sys.stderr, flush=True)
@@ -1186,6 +1199,7 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
         size0 = await asyncio.to_thread(db_size, db_url)
         cpu = await asyncio.to_thread(CpuMeter, srv.pid, make_url(db_url).database or "")
         out["controller_nice"] = cpu.controller_nice()
+        out["controller_cores"] = controller_cores()
         fleet.loop_task(cpu.sample_every(CPU_SAMPLE_S, fleet.stop))
         answers0 = await fleet.heartbeat_sources()
         lag0 = await fleet.loop_lag()

@@ -82,6 +82,16 @@ class Settings(BaseSettings):
     0.06 to 1.3 s at 10, lower in 9 of 11 neighbouring runs, detection no worse; README, "A
     twenty-third day"). 0: the server's priority."""
 
+    controller_cores: float = Field(default=0.0, ge=0)
+    """How much of a core the controller's rounds may take, averaged over a round: a job's
+    sweep waits (``server.controller.CpuPace``) until the CPU the sweeps before it took is
+    paid back at this rate. Urgent work is never held (a job poked for a straggler, or hot:
+    ``server.controller.HOT_S``); its CPU still counts. At fleet scale every job has new
+    telemetry every round, and rounds run back to back: the controller took whatever the
+    machine left (0.4 to 0.5 of a core at 200 jobs on 2 cores), and the more often it swept
+    a job the more each of its rows cost (8.5 us a row at 12 sweeps a second, 16 us at 31:
+    ``bench/fleet.py``). 0: not paced."""
+
     telemetry_keep_iterations: int = Field(default=20_000, ge=100)
     """Raw telemetry kept per job: its newest this many iterations. Older rows are rolled up
     into per-rank aggregates per bucket of iterations (``server.services.retention``)."""

@@ -22,7 +22,7 @@ import signal
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
 from datetime import UTC, datetime
 from typing import Any
@@ -130,6 +130,8 @@ class Controller:
         self.speed_history = scheduler.SpeedHistory()
         """Recent jobs' measured speeds, brought up to date by each placement pass."""
         self.round_stats = RoundStats(settings.controller_report_s)
+        self.pace = CpuPace(settings.controller_cores) if settings.controller_cores > 0 else None
+        """Paces the sweeps of jobs that are not urgent (``Settings.controller_cores``)."""
         self.active_since: datetime | None = None
         """When this controller last took the controller lock: no host's silence before it
         counts (no server may have been there to hear it)."""
@@ -263,6 +265,7 @@ class Controller:
             due = control_loop.jobs_to_sweep(s, self.state, live)
         live_ids, queue, swept = set(live), deque(due), set()
         urgent: deque[int] = deque()
+        paced = 0.0
         next_hot = next_live = time.monotonic() + HOT_CHECK_S
         while True:
             news: list[int] = []
@@ -282,13 +285,20 @@ class Controller:
             if urgent:  # again if swept already: its ranks' urgent posts arrive one by one
                 job_id = urgent.popleft()
             elif queue:
-                job_id = queue.popleft()
-                if job_id in swept:
+                if queue[0] in swept:
+                    queue.popleft()
                     continue
+                if self.pace is not None and (wait := self.pace.wait_s()) > 0:
+                    paced += self._wait_paced(wait)  # a poke ends it: urgent work goes first
+                    continue
+                job_id = queue.popleft()
             else:
                 break
             swept.add(job_id)
+            before = time.thread_time()
             self._sweep_job(job_id)
+            if self.pace is not None:  # urgent or not, what it took is paid back
+                self.pace.spend(time.thread_time() - before)
         self.state.forget(live_ids)
         self.rounds += 1
         self.round_stats.add(
@@ -296,7 +306,17 @@ class Controller:
             len(live),
             len(swept),
             time.thread_time() - cpu,
+            paced_s=paced,
         )
+
+    def _wait_paced(self, seconds: float) -> float:
+        """Wait for the pace, at most until the next look at hot jobs (``HOT_CHECK_S``), or
+        until a poke; returns how long it waited. The poke's wake-up is taken here: the round
+        under way takes up the poked jobs next (``_take_urgent``)."""
+        t0 = time.monotonic()
+        if self._wake.wait(min(seconds, HOT_CHECK_S)):
+            self._wake.clear()
+        return time.monotonic() - t0
 
     def _hot_news(self, live: set[int]) -> list[int]:
         """Hot jobs (``HOT_S``) with telemetry newer than when a round last looked."""
@@ -437,6 +457,36 @@ class Controller:
             record(session, "system", action, "hosts", detail)
 
 
+class CpuPace:
+    """Paces work to ``cores`` of one core: work that took ``c`` seconds of CPU is paid back in
+    ``c / cores`` seconds, and the next may start once it is (``wait_s``). Time with nothing to
+    do earns credit for at most ``burst_s`` seconds of CPU, so a small cluster's rounds (a few
+    jobs, milliseconds each) never wait."""
+
+    def __init__(
+        self, cores: float, burst_s: float = 0.1, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        if cores <= 0:
+            raise ValueError("cores must be positive")
+        self.cores, self.burst_s, self.clock = cores, burst_s, clock
+        self._credit = burst_s
+        self._at = clock()
+
+    def _refill(self) -> None:
+        now = self.clock()
+        self._credit = min(self.burst_s, self._credit + self.cores * (now - self._at))
+        self._at = now
+
+    def wait_s(self) -> float:
+        """How long until the next piece of work may start."""
+        self._refill()
+        return 0.0 if self._credit >= 0 else -self._credit / self.cores
+
+    def spend(self, cpu_s: float) -> None:
+        self._refill()
+        self._credit -= cpu_s
+
+
 class PassBudget:
     """A token bucket for placement passes: up to ``burst`` may start at once, then one per
     ``every_s``."""
@@ -477,6 +527,7 @@ class RoundStats:
         self._passes = 0
         self._placement_cpu = 0.0
         self._urgent_ms: list[float] = []
+        self._paced = 0.0
 
     def add_urgent_wait(self, ms: float) -> None:
         """A job poked as urgent waited ``ms`` for a round to take it up (the work under way
@@ -489,11 +540,16 @@ class RoundStats:
             self._passes += 1
             self._placement_cpu += cpu_s
 
-    def add(self, ms: float, jobs: int, swept: int, cpu_s: float = 0.0) -> None:
+    def add(
+        self, ms: float, jobs: int, swept: int, cpu_s: float = 0.0, paced_s: float = 0.0
+    ) -> None:
+        """A round of ``ms`` over ``jobs`` live, ``swept`` of them, taking ``cpu_s`` of CPU and
+        waiting ``paced_s`` of it for the pace (``CpuPace``)."""
         self._ms.append(ms)
         self._jobs.append(jobs)
         self._swept.append(swept)
         self._cpu += cpu_s
+        self._paced += paced_s
         now = time.monotonic()
         if now - self._since < self.report_s:
             return
@@ -505,7 +561,7 @@ class RoundStats:
         log.info(
             "controller rounds: %d in %.0f s, live jobs %d-%d, swept per round %.1f, "
             "round ms p50 %.1f p99 %.1f max %.1f; cpu s: rounds %.1f, placement %.1f "
-            "(%d passes); urgent jobs %d, waited ms p50 %.1f max %.1f",
+            "(%d passes); urgent jobs %d, waited ms p50 %.1f max %.1f; paced s %.1f",
             len(ordered),
             now - self._since,
             min(self._jobs),
@@ -520,10 +576,11 @@ class RoundStats:
             len(self._urgent_ms),
             urgent[len(urgent) // 2],
             urgent[-1],
+            self._paced,
         )
         self._since, self._ms, self._jobs, self._swept = now, [], [], []
         self._urgent_ms = []
-        self._cpu = 0.0
+        self._cpu = self._paced = 0.0
 
 
 def connect(

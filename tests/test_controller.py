@@ -266,7 +266,7 @@ def test_the_round_summary_says_what_rounds_and_placement_passes_took(
     stats.add(80.0, 42, 12, cpu_s=0.2)
     stats.report_s = 0.0  # the next round reports
     with caplog.at_level("INFO", logger="evenflow.controller"):
-        stats.add(100.0, 44, 14, cpu_s=0.3)
+        stats.add(100.0, 44, 14, cpu_s=0.3, paced_s=1.5)
     (line,) = [r.getMessage() for r in caplog.records if "controller rounds" in r.getMessage()]
     log = tmp_path / "server.log"
     log.write_text(f"2026-11-28 00:00:00,000 evenflow-controller INFO {line}\n")
@@ -275,5 +275,6 @@ def test_the_round_summary_says_what_rounds_and_placement_passes_took(
     assert window["swept_per_round"] == 12.0 and window["p50_ms"] == 100.0
     assert window["rounds_cpu_s"] == 0.6
     assert window["placement_cpu_s"] == 0.8 and window["placement_passes"] == 2
+    assert window["paced_s"] == 1.5  # the rounds' waits for their pace (``controller_cores``)
     stats.add(10.0, 1, 1, cpu_s=0.05)  # a fresh window: the counts start again
     assert stats._passes == 0 and stats._placement_cpu == 0.0

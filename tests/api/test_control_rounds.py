@@ -8,10 +8,12 @@ import time
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from server import controller as controller_module
 from server.context import context_of
-from server.controller import Controller
+from server.controller import Controller, CpuPace
 from server.db import transaction
 from server.notify import PLACEMENT
 from server.services import control_loop, scheduler
@@ -314,3 +316,77 @@ def test_a_job_that_starts_during_a_round_is_swept_when_poked_in_it(
     controller.sweep()
     assert order[1] == late[0]
     assert sorted(order) == sorted([*jobs, *late])
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    cores=st.floats(0.05, 2.0),
+    burst=st.floats(0.0, 0.5),
+    steps=st.lists(st.tuples(st.floats(0.0, 0.3), st.floats(0.0, 2.0)), min_size=1, max_size=40),
+)
+def test_paced_work_takes_no_more_than_its_cores_and_burst(
+    cores: float, burst: float, steps: list[tuple[float, float]]
+) -> None:
+    """Work started only when the pace allows takes at most ``cores`` of the time since the
+    start, plus the burst and the last piece (which it cannot know before it runs); idle time
+    earns credit for no more than the burst."""
+    clock = _Clock()
+    pace = CpuPace(cores, burst_s=burst, clock=clock)
+    spent = 0.0
+    for cpu, idle in steps:
+        clock.now += pace.wait_s()  # wait as long as it says
+        assert pace.wait_s() <= 1e-9
+        clock.now += cpu  # the work itself (its CPU as its wall time: the most it could be)
+        pace.spend(cpu)
+        spent += cpu
+        assert spent <= cores * clock.now + burst + cpu + 1e-9
+        clock.now += idle  # nothing to do
+    clock.now += 1000.0
+    assert pace.wait_s() == 0.0
+    pace.spend(burst + cores)  # a long idle spell earned the burst, no more
+    assert pace.wait_s() == pytest.approx(1.0)
+
+
+def _burn(cpu_s: float) -> None:
+    start = time.thread_time()
+    while time.thread_time() - start < cpu_s:
+        pass
+
+
+def test_a_paced_round_spaces_its_sweeps_yet_takes_an_urgent_job_at_once(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``controller_cores`` the sweeps of a round wait for the CPU the ones before took to
+    be paid back (``CpuPace``); a job poked meanwhile (a straggler) is swept at once, not
+    after the wait, and what it took is paid back too."""
+    jobs = _jobs_on_hosts(api, "abcd")
+    controller = _controller(api)
+    controller.pace = CpuPace(0.05, burst_s=0.0)  # 20 ms of CPU: 0.4 s to pay back
+    started: list[tuple[int, float, float]] = []
+    poked: list[int] = []
+
+    def sweep_job(job_id: int) -> None:
+        t0 = time.monotonic()
+        _burn(0.02)
+        started.append((job_id, t0, time.monotonic()))
+        controller.state.swept_at[job_id] = time.monotonic()
+        if len(started) == 1:  # a worker of another job turns urgent while the round waits
+            poked.append(max(set(jobs) - {job_id}))
+            threading.Timer(0.05, controller.poke, args=(poked,)).start()
+
+    monkeypatch.setattr(controller, "_sweep_job", sweep_job)
+    controller.sweep()
+    order = [j for j, _, _ in started]
+    assert order[1:2] == poked and sorted(order) == sorted(jobs)
+    (_, _, first_end), (_, urgent_start, _) = started[0], started[1]
+    assert urgent_start - first_end < 0.3, "the urgent job waited for the pace"
+    for (_, _, end), (_, start, _) in itertools.pairwise(started[1:]):
+        assert start - end >= 0.4 - 0.05, "a regular sweep did not wait for the pace"
