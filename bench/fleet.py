@@ -2,7 +2,7 @@
 
     python bench/fleet.py [--hosts 1250] [--gpus 8] [--jobs 200 per 1,250 hosts] [--seconds 120]
                           [--ramp-max-s 300] [--job-seconds 30-150] [--telemetry-per host|rank]
-                          [--workers 1]
+                          [--workers 1] [--neighbours 0]
 
 Lightweight asyncio clients, no torch: every host registers its GPUs through the agent API and
 heartbeats every 2 s, reporting its workers' states; every running job's workers post their
@@ -32,7 +32,8 @@ detector's own, the event's ``detected_iteration``; the 10 straggler jobs are su
 on the whole inventory (before the load, and at load first in the queue, given up after 30 s),
 the cores used by each kind of process (and the controller's nice value), how fast the machine
 ran a bare Python loop before and after (``machine_speed_m_steps``: this machine is shared, and
-only runs at a like speed compare), the API process's
+only runs at a like speed compare; ``--neighbours`` plays busy tenants on purpose), the API
+process's
 event-loop lag (its ``/metrics``: how long a request waited before the server could read
 it), the requests that waited in the
 generator for a client connection (``--connections``; their wait is inside their latency),
@@ -1137,6 +1138,18 @@ def machine_speed(seconds: float = SPIN_S) -> float:
     return round(turns * SPIN_STEP / 1e6, 1)
 
 
+@contextlib.contextmanager
+def neighbours(count: int) -> Iterator[None]:
+    """``count`` processes that spin a bare Python loop until the block ends."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
 def controller_cores() -> float:
     """The server's ``EVENFLOW_CONTROLLER_CORES`` (it inherits this process's environment), or
     the setting's default: how much of a core the controller's rounds may take, 0 unpaced."""
@@ -1378,6 +1391,14 @@ def main() -> None:
         "job's event has shown or this many seconds (at full fleet their start takes a while)",
     )
     ap.add_argument(
+        "--neighbours",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N busy loops (Python, at nice 0) beside the whole run, each taking a core: the "
+        "other tenants of a shared machine, played on purpose",
+    )
+    ap.add_argument(
         "--requests-to",
         type=Path,
         default=None,
@@ -1393,9 +1414,10 @@ def main() -> None:
         log = Path(tmp) / "server.log"
         speed = machine_speed()
         progress(f"machine speed {speed} M steps in {SPIN_S:.0f} s")
-        with server(db_url, args.workers, log) as srv:
+        with neighbours(args.neighbours), server(db_url, args.workers, log) as srv:
             out = asyncio.run(run(srv, db_url, args))
         out["machine_speed_m_steps"] = [speed, machine_speed()]
+        out["neighbours"] = args.neighbours
         out["controller_rounds"] = controller_rounds(log)
         stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
         kept = Path(__file__).resolve().parent / "results" / f"fleet-{args.hosts}h-{stamp}.log"

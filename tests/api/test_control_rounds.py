@@ -369,24 +369,27 @@ def test_a_paced_round_spaces_its_sweeps_yet_takes_an_urgent_job_at_once(
     after the wait, and what it took is paid back too."""
     jobs = _jobs_on_hosts(api, "abcd")
     controller = _controller(api)
-    controller.pace = CpuPace(0.05, burst_s=0.0)  # 20 ms of CPU: 0.4 s to pay back
-    started: list[tuple[int, float, float]] = []
+    cores = 0.01
+    controller.pace = CpuPace(cores, burst_s=0.0)  # 10 ms of CPU: 1 s to pay back
+    swept: list[tuple[int, float, float]] = []  # job, wall start, thread CPU taken
     poked: list[int] = []
 
     def sweep_job(job_id: int) -> None:
-        t0 = time.monotonic()
-        _burn(0.02)
-        started.append((job_id, t0, time.monotonic()))
+        t0, cpu = time.monotonic(), time.thread_time()
+        _burn(0.01)
+        swept.append((job_id, t0, time.thread_time() - cpu))
         controller.state.swept_at[job_id] = time.monotonic()
-        if len(started) == 1:  # a worker of another job turns urgent while the round waits
+        if len(swept) == 1:  # a worker of another job turns urgent while the round waits
             poked.append(max(set(jobs) - {job_id}))
             threading.Timer(0.05, controller.poke, args=(poked,)).start()
 
     monkeypatch.setattr(controller, "_sweep_job", sweep_job)
     controller.sweep()
-    order = [j for j, _, _ in started]
+    order = [j for j, _, _ in swept]
     assert order[1:2] == poked and sorted(order) == sorted(jobs)
-    (_, _, first_end), (_, urgent_start, _) = started[0], started[1]
-    assert urgent_start - first_end < 0.3, "the urgent job waited for the pace"
-    for (_, _, end), (_, start, _) in itertools.pairwise(started[1:]):
-        assert start - end >= 0.4 - 0.05, "a regular sweep did not wait for the pace"
+    first_start, urgent_start = swept[0][1], swept[1][1]
+    assert urgent_start - first_start < 0.6, "the urgent job waited for the pace"
+    # a regular sweep starts only once the CPU of every sweep before it is paid back
+    last_start = swept[-1][1]
+    paid = sum(cpu for _, _, cpu in swept[:-1]) / cores
+    assert last_start - first_start >= paid - 0.05, "a regular sweep did not wait for the pace"
