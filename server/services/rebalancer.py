@@ -288,6 +288,10 @@ class Tracker:
             self.plan = session.scalars(
                 _PLAN, {"job_id": job.id, "version": job.plan_version}
             ).one_or_none()
+            if self.plan is not None:
+                # kept across rounds, so out of this session: were it rolled back, the plan
+                # would be expired in it, and detached it could not be read again
+                session.expunge(self.plan)
         excluded = frozenset(int(r) for r in self.plan.excluded or []) if self.plan else frozenset()
         if self.world is None:
             self.world = session.scalar(_WORLD, {"job_id": job.id}) or 0

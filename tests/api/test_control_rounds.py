@@ -393,3 +393,22 @@ def test_a_paced_round_spaces_its_sweeps_yet_takes_an_urgent_job_at_once(
     last_start = swept[-1][1]
     paid = sum(cpu for _, _, cpu in swept[:-1]) / cores
     assert last_start - first_start >= paid - 0.05, "a regular sweep did not wait for the pace"
+
+
+def test_a_sweep_rolled_back_leaves_the_trackers_plan_readable(api: Api) -> None:
+    """The tracker keeps the plan in force across rounds (``Tracker.plan``). A sweep whose
+    transaction rolls back (the database aborted it, an error in the round) must not leave
+    it expired and detached: the job's next sweeps read it as before."""
+    (job,) = _jobs_on_hosts(api, "a")
+    state = control_loop.LoopState()
+    sessions = context_of(api.client.app).sessions  # type: ignore[arg-type]
+    _post(api, job, range(0, 5))
+    with pytest.raises(RuntimeError), transaction(sessions) as s:
+        control_loop.sweep_job(s, state, job)  # the tracker reads the plan in this one
+        raise RuntimeError("the round failed after the sweep")
+    for first in (5, 10):
+        _post(api, job, range(first, first + 5))
+        with transaction(sessions) as s:
+            control_loop.sweep_job(s, state, job)
+    plan = state.trackers[job].plan
+    assert plan is not None and plan.version == 1 and list(plan.batch_sizes) == [16, 16]
