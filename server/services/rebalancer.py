@@ -66,11 +66,11 @@ class Progress:
     """First iteration reported under the plan in force (None: no rank has used it yet)."""
     complete_through: int | None
     """Last iteration every rank has reported."""
-    world: int | None = None
-    """The job's number of ranks (``Tracker.world``); None: count ``job.workers``."""
-    plan: Plan | None = None
+    world: int
+    """The job's number of ranks, as its tracker counted them (``Tracker.world``)."""
+    plan: Plan | None
     """The plan in force as the tracker last read it (``Tracker.plan``; plans never change
-    once made); None: read it (``plans.current``)."""
+    once made); None: the job has none yet."""
 
 
 REREAD_IDS = 5000

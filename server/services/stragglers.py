@@ -237,7 +237,7 @@ def _refresh_normal(
     watch: Watch,
     through: int,
     window: FitWindow | None,
-    world: int | None = None,
+    world: int,
 ) -> None:
     """Take the rebalancer's fits as the normal models of ranks that have been quiet (no open
     event, none ended within a fit window): a fit spanning a slowdown would absorb it. From the
@@ -420,7 +420,7 @@ def _mitigate(
     session: Session, job: Job, spec: JobSpec, watch: Watch, iteration: int, progress: Progress
 ) -> int | None:
     """Ask the ladder; store its plan if it makes one. Returns the new plan version."""
-    world = _world(job, progress)
+    world = progress.world
     if len(watch.normal) < world:
         return None  # models not identified yet: the rebalancer is still exploring
     current = rebalancer.in_force(session, job, progress)
@@ -483,19 +483,13 @@ def _mitigate(
     return plan.version
 
 
-def _world(job: Job, progress: Progress) -> int:
-    """The job's number of ranks: counted by its tracker (``Progress.world``), which loading
-    the job's workers to count them cost a query of every rank's row per sweep."""
-    return len(job.workers) if progress.world is None else progress.world
-
-
 def _steady(job: Job, watch: Watch, progress: Progress) -> bool:
     """Nothing new for the normal models to learn but more of the same (``REFRESH_STEADY``)."""
     return (
         watch.refreshed_plan is not None
         and watch.refreshed_plan == job.plan_version
         and not watch.stirred
-        and len(watch.normal) >= _world(job, progress)
+        and len(watch.normal) >= progress.world  # counted by the tracker, not job.workers
         and not watch.detector.open_events()
     )
 
