@@ -16,8 +16,9 @@ rounds (exploration, the first plans: jobs are settled), ``--rounds`` rounds are
   - controller CPU ms per swept job (``time.thread_time`` of the sweeping thread), split by
     phase: rows (``control_loop.take_in``: the job's new telemetry rows, read once and taken
     in by the tracker, the fit window and the watch), rebalance (``_rebalance``:
-    due/propose/apply), watch (``watch_job``: the straggler watch, with its normal-model
-    refresh and the ladder as sub-phases) and the rest (the job's load, transactions);
+    due/propose/apply), detect (``stragglers.detect``: the straggler detector fed and its
+    events stored), watch (``stragglers.follow_up``: the normal-model refresh and the ladder,
+    also as sub-phases) and the rest (the job's load, transactions);
   - PostgreSQL CPU ms per swept job: the CPU time of this database's backends across the
     round (``psutil``), which includes autovacuum now and then.
 
@@ -118,14 +119,15 @@ def instrument() -> None:
     for name, label in (
         ("take_in", "rows"),  # one read of the new rows for the three below
         ("_rebalance", "rebalance"),
-        ("watch_job", "watch"),
+        ("detect", "detect"),
+        ("follow_up", "watch"),
     ):
         if hasattr(control_loop, name):
             setattr(control_loop, name, _timed(label, getattr(control_loop, name)))
     for name, label in (
         ("_refresh_normal", "watch.refresh_normal"),
         ("_mitigate", "watch.ladder"),
-        ("_take", "watch.timings"),
+        ("_take", "detect.timings"),
     ):
         if hasattr(stragglers, name):
             setattr(stragglers, name, _timed(label, getattr(stragglers, name)))
@@ -302,7 +304,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             }
     ms = lambda seconds: round(1000 * seconds / swept, 2)  # noqa: E731
     phases = {name: ms(t) for name, t in sorted(_spent.items())}
-    top = sum(_spent[k] for k in ("rows", "rebalance", "watch"))
+    top = sum(_spent[k] for k in ("rows", "detect", "rebalance", "watch"))
     phases["rest"] = ms(cpu - top)
     return {
         "sizes": sizes,

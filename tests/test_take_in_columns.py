@@ -156,7 +156,7 @@ def _play(script: list[tuple[list[NewRow], int]], cap: int, sizes: dict[int, lis
             for a, b in zip(g[1], h[1], strict=True)
             for v, w in zip(a, b, strict=True)
         )
-        if got:  # as watch_job does once the detector has them
+        if got:  # as stragglers.detect does once the detector has them
             watch.fed_through = ref["fed_through"] = got[-1][0]
         left = sorted(
             zip(watch.pending.iteration.tolist(), watch.pending.rank.tolist(), strict=True)

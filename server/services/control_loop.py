@@ -27,7 +27,7 @@ from server.services.rebalancer import (
     Progress,
     Tracker,
 )
-from server.services.stragglers import Watch, watch_job
+from server.services.stragglers import Detected, Watch, detect, follow_up
 
 
 @dataclass
@@ -170,11 +170,19 @@ def prefetch(session: Session, state: LoopState, job_id: int) -> None:
 def sweep_job(
     session: Session, state: LoopState, job_id: int, *, watch: bool = True
 ) -> list[tuple[int, int]]:
+    """One job's sweep: read its new rows (``take_in``); with ``watch``, feed the straggler
+    detector and store its events first (``stragglers.detect``: a straggler's event never
+    waits for a decision of the rebalancer's); re-plan after an out-of-memory report, or on
+    the rebalancer's cadence; when neither made a plan, the rest of the watch
+    (``stragglers.follow_up``: normal models, the mitigation ladder). Returns (job id, plan
+    version) for a plan made."""
     job = session.get(Job, job_id)
     if job is None or JobStatus(job.status).terminal:
         return []
     state.follow(job)
     progress = take_in(session, state, job)
+    w = state.watches[job.id]
+    detected: Detected | None = detect(session, job, w, progress) if watch else None
     tracker = state.trackers[job.id]
     if tracker.ooms:
         planned = _out_of_memory(session, job, tracker, state.windows.get(job.id))
@@ -188,13 +196,12 @@ def sweep_job(
             state.decided_at[job.id] = now
         if planned is not None:
             return [(job.id, planned)]
-    if not watch:
+    if detected is None:
         return []
     last = state.decisions.get(job.id)
     settled = last is not None and not last.exploring
-    w = state.watches[job.id]
-    version = watch_job(
-        session, job, w, progress, mitigate=settled, window=state.windows.get(job.id)
+    version = follow_up(
+        session, job, w, progress, detected, mitigate=settled, window=state.windows.get(job.id)
     )
     return [(job.id, version)] if version is not None else []
 

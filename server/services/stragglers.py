@@ -537,21 +537,29 @@ def _ladder_rests(job: Job, watch: Watch, iteration: int) -> bool:
     )
 
 
-def watch_job(
-    session: Session,
-    job: Job,
-    watch: Watch,
-    progress: Progress,
-    *,
-    mitigate: bool,
-    window: FitWindow | None = None,
-) -> int | None:
-    """One round for one job: feed the detector the iterations every rank has reported since
-    (``Watch.add`` kept them) and store its events; with ``mitigate`` (an ``adaptive`` job whose
-    models the rebalancer has identified) ask the ladder too. ``window``: the job's fit window
-    as the control loop keeps it, for the normal models."""
-    spec = job.job_spec
-    # Feed only iterations every rank has reported: later rows wait in ``watch.pending``.
+@dataclass(frozen=True)
+class Detected:
+    """What a sweep's detection fed the detector (``detect``), for the rest of the watch's
+    sweep (``follow_up``)."""
+
+    complete: int
+    """The last iteration fed: every rank has reported it."""
+    caught_up: bool
+    """Whether that is the last iteration every rank has reported (``_take`` feeds at most
+    ``MAX_TIMINGS_PER_ROUND`` timings a sweep)."""
+    updates: list[EventUpdate]
+    """The events it opened, changed or closed (stored already)."""
+
+
+def detect(session: Session, job: Job, watch: Watch, progress: Progress) -> Detected | None:
+    """Feed the detector the iterations every rank has reported since (``Watch.add`` kept them;
+    later rows wait in ``watch.pending``) and store the events it opens, changes or closes.
+    The first part of a job's watch in a sweep: it reads nothing a rebalance could change (the
+    rows were posted under plans made before), so the control loop runs it before the
+    rebalancer's decision, and an event is stored in the sweep that has the slow iterations
+    whatever else the sweep does (a straggler's urgent sweep of a young job made an exploring
+    plan, and the event waited for the sweep after: half a second at 1,250 hosts). None when
+    nothing new was fed."""
     if progress.complete_through is None:
         return None
     timings = _take(session, job, watch, progress.complete_through)
@@ -562,10 +570,28 @@ def watch_job(
     watch.fed_through = complete
     _store(session, job, watch, updates)
     watch.stirred = watch.stirred or bool(updates)
-    caught_up = complete >= progress.complete_through
+    return Detected(complete, complete >= progress.complete_through, updates)
+
+
+def follow_up(
+    session: Session,
+    job: Job,
+    watch: Watch,
+    progress: Progress,
+    detected: Detected,
+    *,
+    mitigate: bool,
+    window: FitWindow | None = None,
+) -> int | None:
+    """The rest of a job's watch once ``detect`` fed it: refresh the normal models on their
+    cadence and, with ``mitigate`` (an ``adaptive`` job whose models the rebalancer has
+    identified), ask the ladder. ``window``: the job's fit window as the control loop keeps
+    it, for the normal models. Returns the version of a plan the ladder made."""
+    spec = job.job_spec
+    complete, updates = detected.complete, detected.updates
     since = complete - watch.refreshed_through
     if (
-        caught_up
+        detected.caught_up
         and since >= REFRESH_EVERY
         and (since >= REFRESH_STEADY or not _steady(job, watch, progress))
     ):

@@ -319,6 +319,33 @@ def test_a_settled_job_is_not_priced_every_round_yet_a_slowdown_is_answered_at_o
     assert any(p["reason"].startswith("straggler ladder") for p in c.plans()[settled:])
 
 
+def test_a_sweep_whose_rebalancer_makes_a_plan_still_stores_the_detectors_event(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The detector is fed and its events stored before the rebalancer decides: a straggler's
+    event is stored in the sweep that has its slow iterations, even when the rebalancer makes a
+    plan in that sweep (at fleet scale a straggler's urgent sweep of a young job made an
+    exploring plan, and the event waited for the sweep after). Here the rebalancer is made to
+    report a plan in every sweep after the slowdown begins."""
+    c = Cluster(api, "adaptive", slow={2: (80, 160, 3.0)})
+    c.run(80)
+    assert c.events() == []
+    rebalance = control_loop._rebalance
+    made: list[int] = []
+
+    def replanning(session: Any, job: Job, *a: Any, **kw: Any) -> int:
+        version = rebalance(session, job, *a, **kw)
+        made.append(job.id)
+        return version if version is not None else job.plan_version
+
+    monkeypatch.setattr(control_loop, "_rebalance", replanning)
+    c.run(10)  # iterations 80..89: rank 2 three times slower
+    assert len(made) == 10, "every sweep reported a plan"
+    (event,) = c.events()
+    assert event["rank"] == 2 and 78 <= event["start_iteration"] <= 82
+    assert event["detail"]["confirmed_iteration"] - 80 <= 5, "as prompt as without the plans"
+
+
 def test_a_sweep_the_ladder_is_asked_in_reads_neither_workers_nor_the_plan_again(
     api: Api, monkeypatch: pytest.MonkeyPatch
 ) -> None:
