@@ -352,9 +352,11 @@ class Job:
     """Iterations the job had run past the slowdown's first slow iteration when the event was
     first seen: the end-to-end delay on the job's own clock (``detected_at_iteration`` counts
     the iterations *posted*, which move in steps of up to ten, every ``FLUSH_S``)."""
-    urgent_post_wall: tuple[float, float] | None = None
-    """When the straggler's urgent post went out and when it was answered (its rows stored),
-    on the wall clock: where the detection delay at load goes (``detection_breakdown``)."""
+    urgent_post_wall: tuple[float, float, float] | None = None
+    """When the straggler's urgent post was due (its ``JUMP_RECORDS`` slow iterations done),
+    when it went out (after the job's post in flight: a host's relay posts one at a time) and
+    when it was answered (its rows stored), on the wall clock: where the detection delay at
+    load goes (``detection_breakdown``)."""
     stored_wall: float | None = None
     """When the server stored the straggler's event (its ``created_at``)."""
     detector_iteration: int | None = None
@@ -665,8 +667,9 @@ class Fleet:
             job.in_flight = done
             sent_at = time.time()
             await self.post_iterations(job, job.sent + 1, done, urgent)
-            if urgent:
-                job.urgent_post_wall = (sent_at, time.time())
+            if urgent and urgent_at is not None:
+                due = job.trained_from_wall + (urgent_at + 1) / job.rate
+                job.urgent_post_wall = (due, sent_at, time.time())
             job.sent = done
         job.finished = True
         self.stats.jobs_finished += 1
@@ -965,16 +968,19 @@ def stored_after_onset(db_url: str, jobs: list[Job]) -> dict[int, float]:
 
 def detection_breakdown(jobs: list[Job]) -> list[dict[str, float]]:
     """Per straggler job whose event was stored, where its delay went, in seconds: the urgent
-    post's round trip (the API storing its rows) and from its answer to the event's commit (the
-    wake-up reaching the controller and its sweep), with the job's rate (iterations/s)."""
+    post's wait behind the job's post in flight (a regular one, answered once its group of
+    rows committed: the telemetry latency), its own round trip (the API storing its rows) and
+    from its answer to the event's commit (the wake-up reaching the controller and its sweep),
+    with the job's rate (iterations/s)."""
     out = []
     for j in jobs:
         if j.urgent_post_wall is None or j.stored_wall is None:
             continue
-        sent, answered = j.urgent_post_wall
+        due, sent, answered = j.urgent_post_wall
         out.append(
             {
                 "rate": j.rate,
+                "behind_s": round(max(0.0, sent - due), 2),
                 "post_s": round(answered - sent, 2),
                 "then_stored_s": round(j.stored_wall - answered, 2),
             }
