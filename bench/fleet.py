@@ -339,6 +339,8 @@ class Job:
     in_flight: int = -1
     """Newest iteration posted, answered or not: ingest lag is what is stored behind it (behind
     ``sent`` it was 0 by construction, since a post is answered once its rows are stored)."""
+    in_flight_since: float = 0.0
+    """When the post of ``in_flight`` went out (monotonic)."""
     submitted_at: float = 0.0
     started: bool = False
     finished: bool = False
@@ -378,6 +380,10 @@ class Stats:
     one it went on (None for the others), in the same order."""
     errors: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     lag_s: list[float] = field(default_factory=list)
+    worst_lag: dict[str, float] | None = None
+    """The largest ``lag_s`` sample with what explains it: the job's size and rate, how long
+    its post in flight had been out, and how long the read of the stored iterations took (the
+    sample compares the iterations in flight after that read with what it found)."""
     queued_s: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     """Per kind, how long requests that found every client connection taken waited for one
     (``--connections``): time in the generator, inside ``latency``, that no server spent."""
@@ -664,7 +670,7 @@ class Fleet:
             if done <= job.sent:
                 continue
             urgent = urgent_at is not None and job.sent < urgent_at <= done
-            job.in_flight = done
+            job.in_flight, job.in_flight_since = done, time.monotonic()
             sent_at = time.time()
             await self.post_iterations(job, job.sent + 1, done, urgent)
             if urgent and urgent_at is not None:
@@ -803,11 +809,23 @@ class Fleet:
         try:
             while not self.stop.is_set():
                 await asyncio.sleep(5.0)
+                asked = time.monotonic()
                 rows = await asyncio.to_thread(self._stored, engine)
+                now = time.monotonic()
                 for job_id, stored in rows:
                     job = self.jobs.get(job_id)
                     if job is not None and not job.finished and job.in_flight >= 0:
-                        self.stats.lag_s.append(max(0, job.in_flight - stored) / job.rate)
+                        lag = max(0, job.in_flight - stored) / job.rate
+                        self.stats.lag_s.append(lag)
+                        worst = self.stats.worst_lag
+                        if worst is None or lag > worst["lag_s"]:
+                            self.stats.worst_lag = {
+                                "lag_s": round(lag, 2),
+                                "job_size": job.size,
+                                "rate": job.rate,
+                                "post_out_s": round(now - job.in_flight_since, 2),
+                                "read_s": round(now - asked, 2),
+                            }
         finally:
             engine.dispose()
 
@@ -1314,6 +1332,7 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
             "ingest_lag_s": {
                 "p50": round(statistics.median(s.lag_s), 2) if s.lag_s else None,
                 "max": round(max(s.lag_s), 2) if s.lag_s else None,
+                "worst": s.worst_lag,
             },
             "hosts_lost": lost,
             "jobs_submitted": s.jobs_submitted,

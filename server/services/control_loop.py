@@ -174,8 +174,10 @@ def sweep_job(
     detector and store its events first (``stragglers.detect``: a straggler's event never
     waits for a decision of the rebalancer's); re-plan after an out-of-memory report, or on
     the rebalancer's cadence; when neither made a plan, the rest of the watch
-    (``stragglers.follow_up``: normal models, the mitigation ladder). Returns (job id, plan
-    version) for a plan made."""
+    (``stragglers.follow_up``: normal models, the mitigation ladder). A sweep that made a plan
+    leaves the ladder out: the next one asks it all the same, since the plan in force is one of
+    what it decides on (``stragglers._ladder_rests``). Returns (job id, plan version) for a plan
+    made."""
     job = session.get(Job, job_id)
     if job is None or JobStatus(job.status).terminal:
         return []
