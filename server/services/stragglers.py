@@ -544,9 +544,6 @@ class Detected:
 
     complete: int
     """The last iteration fed: every rank has reported it."""
-    caught_up: bool
-    """Whether that is the last iteration every rank has reported (``_take`` feeds at most
-    ``MAX_TIMINGS_PER_ROUND`` timings a sweep)."""
     updates: list[EventUpdate]
     """The events it opened, changed or closed (stored already)."""
 
@@ -570,7 +567,7 @@ def detect(session: Session, job: Job, watch: Watch, progress: Progress) -> Dete
     watch.fed_through = complete
     _store(session, job, watch, updates)
     watch.stirred = watch.stirred or bool(updates)
-    return Detected(complete, complete >= progress.complete_through, updates)
+    return Detected(complete, updates)
 
 
 def follow_up(
@@ -589,9 +586,11 @@ def follow_up(
     it, for the normal models. Returns the version of a plan the ladder made."""
     spec = job.job_spec
     complete, updates = detected.complete, detected.updates
+    # caught up: ``_take`` feeds at most ``MAX_TIMINGS_PER_ROUND`` timings a sweep
+    caught_up = complete >= (progress.complete_through or complete)
     since = complete - watch.refreshed_through
     if (
-        detected.caught_up
+        caught_up
         and since >= REFRESH_EVERY
         and (since >= REFRESH_STEADY or not _steady(job, watch, progress))
     ):
