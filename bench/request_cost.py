@@ -1,16 +1,23 @@
 """What one request of each kind costs the server, in CPU: the capacity model behind bench/fleet.py.
 
-    python bench/request_cost.py [--hosts 32] [--requests 2000] [--workers 1]
+    python bench/request_cost.py [--hosts 32] [--requests 2000] [--cycles 4] [--workers 1]
 
-A real `evenflow server` on PostgreSQL with ``--hosts`` simulated hosts of 8 GPUs and four
-64-worker jobs placed and running on them (the agents' heartbeats report their ranks running).
-Then, one kind at a time, ``--requests`` requests at a concurrency of 8 while the API processes'
-and PostgreSQL's CPU time is metered: a steady heartbeat (8 ranks running, nothing to change: answered from memory,
-``server.host_answers``), one the database works out (the same ranks, listed in another order
-than the last heartbeat),
-a telemetry post of one rank's 2 s of iterations (4 rows), a host's post (8 ranks x 4 rows), and
-a plan poll that finds the plan unchanged (``wait_s=0``). Reported: CPU ms per request (API
-process, PostgreSQL) and what the 1,250-host fleet of issue 16 would keep busy at that cost.
+A real `evenflow server` on PostgreSQL with ``--hosts`` simulated hosts of 8 GPUs, filled by four
+64-worker jobs (with the default 32 hosts) while the API processes', the controller's and
+PostgreSQL's CPU time is metered:
+
+- a job's start and end, per rank, over ``--cycles`` cycles: the jobs submitted, placed, their
+  ranks launched (each host's heartbeat handing out credentials) and reported running; then
+  their ranks reported succeeded and the hosts told the jobs ended, until no host lists a rank.
+  At the fleet's churn (jobs of 30 to 150 s) these are the heartbeats that go to the database;
+- then, with the jobs running, one kind at a time, ``--requests`` requests at a concurrency of
+  8: a steady heartbeat (8 ranks running, nothing to change: answered from memory,
+  ``server.host_answers``), a telemetry post of one rank's 2 s of iterations (4 rows), a host's
+  post (8 ranks x 4 rows), and a plan poll that finds the plan unchanged (``wait_s=0``).
+
+Reported: CPU ms per request or rank (API process, controller, PostgreSQL), heartbeats per
+rank of a start and an end and how many of them the database answered (the server's
+``/metrics``), and what the 1,250-host fleet of issue 16 would keep busy at those costs.
 """
 
 from __future__ import annotations
@@ -36,19 +43,72 @@ from bench.ingest import database
 JOBS, JOB_SIZE, ROWS_PER_POST = 4, 64, 4
 
 
-async def placed(fleet: Fleet) -> None:
+async def placed(fleet: Fleet) -> list[Any]:
     """Submit the jobs and heartbeat every host until every rank of them reports running."""
+    jobs = []
     for _ in range(JOBS):
         job = await fleet.submit(size=JOB_SIZE)
         assert job is not None, fleet.last_error
         job.started = True  # this bench posts the jobs' telemetry itself, metered
+        jobs.append(job)
     deadline = time.monotonic() + 120
-    while not all(len(j.ranks) == j.size for j in fleet.jobs.values()):
+    while not all(len(j.ranks) == j.size for j in jobs):
         if time.monotonic() > deadline:
             raise RuntimeError("the jobs were not placed")
         await asyncio.gather(*(fleet.heartbeat(h) for h in fleet.hosts))
         await asyncio.sleep(0.5)
     await asyncio.gather(*(fleet.heartbeat(h) for h in fleet.hosts))  # now reporting running
+    return jobs
+
+
+async def ended(fleet: Fleet, jobs: list[Any]) -> None:
+    """The jobs' ranks report succeeded; heartbeat every host until none lists a rank."""
+    for job in jobs:
+        job.finished = True
+    deadline = time.monotonic() + 120
+    while any(h.reports for h in fleet.hosts):
+        if time.monotonic() > deadline:
+            raise RuntimeError("the jobs' ranks were not let go")
+        await asyncio.gather(*(fleet.heartbeat(h) for h in fleet.hosts if h.reports))
+        await asyncio.sleep(0.2)
+
+
+async def cycles(srv: Server, fleet: Fleet, db: str, n: int) -> dict[str, Any]:
+    """``n`` cycles of the jobs' start and end: CPU per rank of each (API, controller,
+    PostgreSQL), and heartbeats per rank, with those the database answered."""
+    spent: dict[str, dict[str, float]] = {}
+    for phase in ("start", "end"):
+        spent[phase] = {"api": 0.0, "controller": 0.0, "postgres": 0.0}
+        spent[phase] |= {"heartbeats": 0.0, "to_database": 0.0}
+    ranks = 0
+    for _ in range(n):
+        for phase in ("start", "end"):
+            sources0, sent0 = await fleet.heartbeat_sources(), len(fleet.stats.latency["heartbeat"])
+            cpu, t0 = CpuMeter(srv.pid, db), time.monotonic()
+            if phase == "start":
+                jobs = await placed(fleet)
+                ranks += sum(j.size for j in jobs)
+            else:
+                await ended(fleet, jobs)
+            secs, used = time.monotonic() - t0, cpu.cores_used()
+            sources1 = await fleet.heartbeat_sources()
+            for kind in ("api", "controller", "postgres"):
+                spent[phase][kind] += used.get(kind, 0.0) * secs
+            spent[phase]["heartbeats"] += len(fleet.stats.latency["heartbeat"]) - sent0
+            spent[phase]["to_database"] += sources1.get("database", 0.0) - sources0.get(
+                "database", 0.0
+            )
+    return {
+        f"job {phase}, per rank": {
+            **{f"{k}_cpu_ms": round(1000 * spent[phase][k] / ranks, 2) for k in CPU_KINDS},
+            "heartbeats": round(spent[phase]["heartbeats"] / ranks, 3),
+            "to_database": round(spent[phase]["to_database"] / ranks, 3),
+        }
+        for phase in ("start", "end")
+    } | {"cycles": n, "ranks_per_cycle": ranks // max(1, n)}
+
+
+CPU_KINDS = ("api", "controller", "postgres")
 
 
 async def metered(
@@ -82,17 +142,11 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
     try:
         await fleet.register()
         db = make_url(db_url).database or ""
-        cpu, t0 = CpuMeter(srv.pid, db), time.monotonic()
-        await placed(fleet)
-        jobs = list(fleet.jobs.values())
+        churn = await cycles(srv, fleet, db, args.cycles)
+        jobs = await placed(fleet)
         busy = [h for h in fleet.hosts if h.reports]
         next_iteration = dict.fromkeys((j.id for j in jobs), 0)
-        started, secs, used = sum(j.size for j in jobs), time.monotonic() - t0, cpu.cores_used()
-        per_rank = {  # the burst of a job's start: placement, launch and the running reports
-            "api_cpu_ms": round(1000 * used["api"] * secs / started, 2),
-            "controller_cpu_ms": round(1000 * used.get("controller", 0.0) * secs / started, 2),
-            "postgres_cpu_ms": round(1000 * used.get("postgres", 0.0) * secs / started, 2),
-        }
+        started = sum(j.size for j in jobs)
 
         async def rows(job: Any, ranks: list[int]) -> None:
             first = next_iteration[job.id]
@@ -120,19 +174,10 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
 
         n = args.requests
         out: dict[str, Any] = {"hosts": args.hosts, "ranks_running": started}
-        out["job start, per rank (placed, launched, reported running)"] = per_rank
+        out |= churn
         out["heartbeat (8 ranks running)"] = await metered(
             srv, db, n, lambda i: fleet.heartbeat(busy[i % len(busy)])
         )
-
-        async def changed(i: int) -> None:
-            """A heartbeat that is not the host's last one (its ranks listed in the other
-            order): answered by the database, as one after a change is."""
-            host = busy[i % len(busy)]
-            status = await fleet.heartbeat(host, reverse=(i // len(busy)) % 2 == 0)
-            assert status == 200, fleet.last_error
-
-        out["heartbeat worked out (not the last one)"] = await metered(srv, db, n, changed)
         # One rank per post; the jobs' ranks in turn (a job's posts are ordered by iteration).
         out[f"telemetry per rank ({ROWS_PER_POST} rows)"] = await metered(
             srv, db, n, lambda i: rows(jobs[i % len(jobs)], [(i // len(jobs)) % JOB_SIZE])
@@ -163,14 +208,17 @@ COLUMNS = (
 
 def fleet_cost(out: dict[str, Any]) -> dict[str, Any]:
     """API cores that 1,250 hosts (2 s heartbeats) and 200 jobs of the fleet bench's mix (mean
-    38.7 workers, 3 iterations/s, flushed every 2 s) keep busy at the measured costs."""
+    38.7 workers, 3 iterations/s, flushed every 2 s, 30 to 150 s long: about 86 ranks starting
+    and as many ending a second) keep busy at the measured costs."""
     heartbeats_per_s = 1250 / 2.0
-    ranks, hosts_per_job, jobs = 200 * 38.7, 5.4, 200
+    ranks, hosts_per_job, jobs, mean_job_s = 200 * 38.7, 5.4, 200, 90.0
     hb = out["heartbeat (8 ranks running)"]["api_cpu_ms"]
     per_rank = out[f"telemetry per rank ({ROWS_PER_POST} rows)"]["api_cpu_ms"]
     per_host = out[f"telemetry per host (8 ranks x {ROWS_PER_POST} rows)"]["api_cpu_ms"]
+    churn = sum(out[f"job {phase}, per rank"]["api_cpu_ms"] for phase in ("start", "end"))
     return {
         "heartbeat_cores": round(heartbeats_per_s * hb / 1000, 2),
+        "job_start_and_end_cores": round(ranks / mean_job_s * churn / 1000, 2),
         "telemetry_per_rank_cores": round(ranks / 2.0 * per_rank / 1000, 2),
         "telemetry_per_host_cores": round(jobs * hosts_per_job / 2.0 * per_host / 1000, 2),
     }
@@ -180,6 +228,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--hosts", type=int, default=32)
     ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--cycles", type=int, default=4, help="of the jobs' start and end")
     ap.add_argument("--workers", type=int, default=1, help="API processes of the server")
     args = ap.parse_args()
     with (
