@@ -206,7 +206,10 @@ def measure(rows: Sequence[TelemetryOut], memory_mb: Sequence[int | None] = ()) 
             first_ms = max(first_ms, r.data_ms + r.compute_ms + r.sync_ms)
     its = sorted(ends)
     if len(its) < 4:
-        raise ValueError("too few iterations to measure")
+        raise ValueError(
+            f"too few iterations to measure: {len(its)} stored ({len(rows)} rows, "
+            f"iterations {its[:8]}, ranks {sorted({r.rank for r in rows})})"
+        )
     n = len(its)
     total_s = ends[its[-1]] - ends[its[0]] + first_ms / 1000
     half = its[n // 2 - 1]
@@ -238,7 +241,11 @@ def run_policy(
     if done.status.value != "succeeded":
         return failed(f"job {job.id} ({policy.value}) {done.status.value}: {done.error}")
     rows = cluster.client.telemetry(job.id).items
-    return replace(measure(rows, [w.memory_mb for w in profile.workers]), job_id=job.id)
+    try:
+        measured = measure(rows, [w.memory_mb for w in profile.workers])
+    except ValueError as exc:  # a job that succeeded with its telemetry missing: say which
+        raise ValueError(f"job {job.id} ({policy.value}, {done.status.value}): {exc}") from exc
+    return replace(measured, job_id=job.id)
 
 
 def report(profile: Profile, results: dict[PolicyName, PolicyResult]) -> dict[str, Any]:

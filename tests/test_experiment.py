@@ -131,6 +131,15 @@ def test_memory_caps_and_the_capped_ideal() -> None:
     assert p.job_spec(p.policies[0]).emulation[0].memory_cap == 30  # type: ignore[index]
 
 
+def test_measure_refuses_too_few_iterations_and_says_what_it_found() -> None:
+    rows = [_row(rank, it, 32, float(it)) for it in (0, 1, 5) for rank in (0, 1)]
+    with pytest.raises(
+        ValueError, match=r"3 stored \(6 rows, iterations \[0, 1, 5\], ranks \[0, 1\]\)"
+    ):
+        measure(rows)
+    assert measure([*rows, _row(0, 6, 32, 6.0)]).iterations == 4
+
+
 def test_measure_counts_ooms_and_the_peak_memory_fraction() -> None:
     rows = [
         _row(0, it, 5, float(it)).model_copy(
