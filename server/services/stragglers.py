@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from sqlalchemy import bindparam, func, select
+from sqlalchemy import bindparam, event, func, select
 from sqlalchemy.orm import Session
 
 from contract.enums import PlanSource, PolicyName
@@ -114,7 +114,17 @@ class Watch:
     fed_through: int = -1
     normal: dict[int, PerfModel] = field(default_factory=dict)
     rows: dict[tuple[int, int, str], int] = field(default_factory=dict)
-    """Event key -> row id in straggler_events."""
+    """Event key -> row id in straggler_events (committed, or written in the transaction under
+    way: ``unsaved`` says which)."""
+    unsaved: dict[tuple[int, int, str], EventUpdate] = field(default_factory=dict)
+    """Event key -> its latest update written in a transaction not committed yet
+    (:func:`_store`). Its commit clears them; its rollback keeps them, and drops the rows it
+    had added from ``rows``, so the job's next ``detect`` writes them again
+    (:func:`_track_commit`): the detector remembers what it reported and never reports it
+    twice, so an update rolled back (a later step of the sweep failed) was otherwise lost
+    until the event changed again, and one that never changes again for good."""
+    added: set[tuple[int, int, str]] = field(default_factory=set)
+    """The keys of ``unsaved`` whose rows that transaction added (gone if it rolls back)."""
     refreshed_through: int = -1
     """The iteration the normal models were last refreshed at (they are refitted every
     ``REFRESH_EVERY`` iterations, not every round: a fit per rank is the round's main cost)."""
@@ -259,10 +269,39 @@ def _refresh_normal(
             watch.normal_version += 1
 
 
+_WATCHES = "evenflow.straggler_watches"
+"""``session.info`` key: the watches whose events the session's transaction wrote."""
+
+
+def _track_commit(session: Session, watch: Watch) -> None:
+    """Settle ``watch.unsaved`` when ``session``'s transaction ends (see ``Watch.unsaved``)."""
+    watches: dict[int, Watch] | None = session.info.get(_WATCHES)
+    if watches is None:
+        watches = session.info[_WATCHES] = {}
+
+        def committed(session: Session) -> None:
+            for w in session.info.pop(_WATCHES, {}).values():
+                w.unsaved.clear()
+                w.added.clear()
+
+        def rolled_back(session: Session) -> None:
+            for w in session.info.pop(_WATCHES, {}).values():
+                for key in w.added:
+                    w.rows.pop(key, None)
+                w.added.clear()
+
+        event.listen(session, "after_commit", committed)
+        event.listen(session, "after_rollback", rolled_back)
+    watches[id(watch)] = watch
+
+
 def _store(session: Session, job: Job, watch: Watch, updates: list[EventUpdate]) -> None:
+    if updates:
+        _track_commit(session, watch)
     for u in updates:
         e = u.event
         key = (e.rank, e.start_iteration, e.family.value)
+        watch.unsaved[key] = u
         row_id = watch.rows.get(key)
         row = session.get(EventRow, row_id) if row_id is not None else None
         detail = {
@@ -287,6 +326,7 @@ def _store(session: Session, job: Job, watch: Watch, updates: list[EventUpdate])
             session.add(row)
             session.flush()
             watch.rows[key] = row.id
+            watch.added.add(key)
             log.info(
                 "job %d: rank %d straggling x%.2f from iteration %d",
                 job.id,
@@ -557,6 +597,8 @@ def detect(session: Session, job: Job, watch: Watch, progress: Progress) -> Dete
     whatever else the sweep does (a straggler's urgent sweep of a young job made an exploring
     plan, and the event waited for the sweep after: half a second at 1,250 hosts). None when
     nothing new was fed."""
+    if watch.unsaved and id(watch) not in session.info.get(_WATCHES, {}):  # one rolled back
+        _store(session, job, watch, list(watch.unsaved.values()))
     if progress.complete_through is None:
         return None
     timings = _take(session, job, watch, progress.complete_through)

@@ -346,6 +346,53 @@ def test_a_sweep_whose_rebalancer_makes_a_plan_still_stores_the_detectors_event(
     assert event["detail"]["confirmed_iteration"] - 80 <= 5, "as prompt as without the plans"
 
 
+def test_an_event_written_in_a_sweep_that_rolled_back_is_written_by_the_next_sweep(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The detector reports each change of an event once. When the sweep that wrote it rolls
+    back (a later step failed: a deadlock abort, the database gone), the job's next sweep
+    writes it again; before, it stayed unwritten until the event changed again, and one that
+    never changed again for good. Here the rebalancer fails in the sweep that writes the
+    slowdown's first update, then in the one that writes its second (its confirmation)."""
+    c = Cluster(api, "adaptive", slow={2: (80, 100_000, 3.0)})
+    c.run(80)
+    detect, rebalance = control_loop.detect, control_loop._rebalance
+    reported: list[list[str]] = []
+    failed: list[int] = []
+
+    def detecting(*a: Any, **kw: Any) -> Any:
+        detected = detect(*a, **kw)
+        reported.append([u.change.value for u in detected.updates] if detected else [])
+        return detected
+
+    def failing(session: Any, job: Job, *a: Any, **kw: Any) -> int | None:
+        if reported[-1] and len(failed) < 2:
+            failed.append(c.iteration)
+            raise RuntimeError("a later step of the sweep failed")
+        return rebalance(session, job, *a, **kw)
+
+    monkeypatch.setattr(control_loop, "detect", detecting)
+    monkeypatch.setattr(control_loop, "_rebalance", failing)
+    stored: list[list[dict[str, Any]]] = []
+    while len(failed) < 2:
+        assert c.iteration < 140, f"the slowdown was reported only at {failed}"
+        try:
+            c.run(1)
+        except RuntimeError:
+            stored.append(c.events())  # what the failed sweep leaves: none of its writes
+            continue
+        if failed:
+            stored.append(c.events())
+    c.run(1)
+    (event,) = c.events()
+    assert event["rank"] == 2 and 78 <= event["start_iteration"] <= 82
+    assert event["detail"]["confirmed_iteration"] is not None, "the second update written"
+    assert event["end_iteration"] is None
+    assert stored[0] == [], "the first failed sweep wrote nothing that stayed"
+    assert len(stored[1]) == 1, "the sweep after it wrote the event"
+    assert stored[-1] == stored[1], "the second failed sweep left the event as it was"
+
+
 def test_a_sweep_the_ladder_is_asked_in_reads_neither_workers_nor_the_plan_again(
     api: Api, monkeypatch: pytest.MonkeyPatch
 ) -> None:
