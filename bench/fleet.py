@@ -50,6 +50,7 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import itertools
 import json
 import os
 import random
@@ -85,6 +86,8 @@ from server.metrics import GcPauses
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 HEARTBEAT_S = 2.0
 FLUSH_S = 2.0
+WINDOW_S = 10.0
+"""The slices of the window some figures are also reported by (``..._by_10s``)."""
 SIZES = [2, 4, 8, 16, 32, 64, 128, 256]
 SIZE_WEIGHTS = [15, 15, 15, 15, 15, 12, 9, 4]
 GPU_MODELS = [("NVIDIA H100 80GB HBM3", 0.5), ("NVIDIA A100-SXM4-80GB", 1.0), ("Tesla V100", 2.0)]
@@ -433,6 +436,11 @@ class Fleet:
         self._headers: dict[str, dict[str, str]] = {}
         """Per token, the headers of its requests (built once)."""
         self.http: LeanClient
+        self.ended_at: list[float] = []
+        """When each job's last iteration was posted (monotonic): the jobs' ends."""
+        self.to_database: list[tuple[float, float]] = []
+        """(monotonic time, the server's heartbeats answered by the database so far), every
+        ``WINDOW_S`` of the measured window (:meth:`sample_sources`)."""
 
     async def request(
         self,
@@ -679,6 +687,7 @@ class Fleet:
             job.sent = done
         job.finished = True
         self.stats.jobs_finished += 1
+        self.ended_at.append(time.monotonic())
 
     async def post_iterations(self, job: Job, first: int, last: int, urgent: bool) -> None:
         groups: dict[Any, list[int]] = defaultdict(list)
@@ -803,6 +812,16 @@ class Fleet:
                         key = (sample.labels.get(label, ""), float(sample.labels["le"]))
                         out[key] = sample.value
         return out
+
+    async def sample_sources(self, started: float) -> None:
+        """The server's count of heartbeats answered by the database, at the window's start and
+        every ``WINDOW_S`` after (for ``churn_by_10s``)."""
+        n = 0
+        while not self.stop.is_set():
+            sources = await self.heartbeat_sources()
+            self.to_database.append((time.monotonic(), sources.get("database", 0.0)))
+            n += 1
+            await asyncio.sleep(max(0.0, started + n * WINDOW_S - time.monotonic()))
 
     async def sample_lag(self) -> None:
         engine = create_engine(self.db_url)
@@ -1015,6 +1034,25 @@ def quantiles(values: list[float]) -> dict[str, float]:
         "p50_ms": round(1000 * statistics.median(v), 1),
         "p99_ms": round(1000 * v[min(len(v) - 1, int(len(v) * 0.99))], 1),
     }
+
+
+def churn_by_window(fleet: Fleet, started: float, elapsed: float) -> dict[str, list[float]]:
+    """Per ``WINDOW_S`` of the window (as ``heartbeat_p99_ms_by_10s``): the jobs that ended and
+    the heartbeats the database answered a second. The fleet's first jobs all start in the ramp
+    and end 30 to 150 s later, so the churn, and with it the heartbeats the database works out,
+    may still be rising through a short window: read the tail beside it."""
+    n = max(1, round(elapsed / WINDOW_S))
+    ended = [0.0] * n
+    for at in fleet.ended_at:
+        w = int((at - started) // WINDOW_S)
+        if 0 <= w < n:
+            ended[w] += 1
+    rates = [
+        round((b - a) / (tb - ta), 1)
+        for (ta, a), (tb, b) in itertools.pairwise(fleet.to_database[: n + 1])
+        if tb > ta
+    ]
+    return {"jobs_ended": ended, "heartbeats_to_database_per_s": rates}
 
 
 def by_window(stats: Stats, kind: str, started: float, window_s: float) -> list[float]:
@@ -1249,6 +1287,7 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
         out["measured_from_unix"] = round(time.time(), 1)
         measured_from = datetime.now(UTC)
         fleet.loop_task(fleet.sample_lag())
+        fleet.loop_task(fleet.sample_sources(started))
         await asyncio.sleep(args.seconds * 0.3)
         submitted = [fleet.submit(size=8, straggler=True, priority=50) for _ in range(10)]
         stragglers = [j for j in await asyncio.gather(*submitted) if j]
@@ -1295,7 +1334,8 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
             "telemetry_per": args.telemetry_per,
             "job_seconds": list(args.job_seconds),
             "heartbeat": quantiles(s.latency["heartbeat"]),
-            "heartbeat_p99_ms_by_10s": by_window(s, "heartbeat", started, 10.0),
+            "heartbeat_p99_ms_by_10s": by_window(s, "heartbeat", started, WINDOW_S),
+            "churn_by_10s": churn_by_window(fleet, started, elapsed),
             "heartbeat_inside_and_outside_app": inside_and_outside(s, "heartbeat"),
             "heartbeats_answered_from_memory": share_from_memory(answers0, answers1),
             "heartbeats_per_s_to_database_by_reason": to_database(answers0, answers1, elapsed),
