@@ -1036,13 +1036,13 @@ def quantiles(values: list[float]) -> dict[str, float]:
     }
 
 
-def churn_by_window(fleet: Fleet, started: float, elapsed: float) -> dict[str, list[float]]:
+def churn_by_window(fleet: Fleet, started: float, elapsed: float) -> dict[str, Any]:
     """Per ``WINDOW_S`` of the window (as ``heartbeat_p99_ms_by_10s``): the jobs that ended and
     the heartbeats the database answered a second. The fleet's first jobs all start in the ramp
     and end 30 to 150 s later, so the churn, and with it the heartbeats the database works out,
     may still be rising through a short window: read the tail beside it."""
     n = max(1, round(elapsed / WINDOW_S))
-    ended = [0.0] * n
+    ended = [0] * n
     for at in fleet.ended_at:
         w = int((at - started) // WINDOW_S)
         if 0 <= w < n:

@@ -41,6 +41,9 @@ from bench.http_client import LeanClient
 from bench.ingest import database
 
 JOBS, JOB_SIZE, ROWS_PER_POST = 4, 64, 4
+PHASES = ("start", "end")
+"""Of a job's life, what ``cycles`` meters."""
+CPU_KINDS = ("api", "controller", "postgres")
 
 
 async def placed(fleet: Fleet) -> list[Any]:
@@ -76,13 +79,10 @@ async def ended(fleet: Fleet, jobs: list[Any]) -> None:
 async def cycles(srv: Server, fleet: Fleet, db: str, n: int) -> dict[str, Any]:
     """``n`` cycles of the jobs' start and end: CPU per rank of each (API, controller,
     PostgreSQL), and heartbeats per rank, with those the database answered."""
-    spent: dict[str, dict[str, float]] = {}
-    for phase in ("start", "end"):
-        spent[phase] = {"api": 0.0, "controller": 0.0, "postgres": 0.0}
-        spent[phase] |= {"heartbeats": 0.0, "to_database": 0.0}
+    spent = {p: dict.fromkeys((*CPU_KINDS, "heartbeats", "to_database"), 0.0) for p in PHASES}
     ranks = 0
     for _ in range(n):
-        for phase in ("start", "end"):
+        for phase in PHASES:
             sources0, sent0 = await fleet.heartbeat_sources(), len(fleet.stats.latency["heartbeat"])
             cpu, t0 = CpuMeter(srv.pid, db), time.monotonic()
             if phase == "start":
@@ -92,7 +92,7 @@ async def cycles(srv: Server, fleet: Fleet, db: str, n: int) -> dict[str, Any]:
                 await ended(fleet, jobs)
             secs, used = time.monotonic() - t0, cpu.cores_used()
             sources1 = await fleet.heartbeat_sources()
-            for kind in ("api", "controller", "postgres"):
+            for kind in CPU_KINDS:
                 spent[phase][kind] += used.get(kind, 0.0) * secs
             spent[phase]["heartbeats"] += len(fleet.stats.latency["heartbeat"]) - sent0
             spent[phase]["to_database"] += sources1.get("database", 0.0) - sources0.get(
@@ -104,11 +104,8 @@ async def cycles(srv: Server, fleet: Fleet, db: str, n: int) -> dict[str, Any]:
             "heartbeats": round(spent[phase]["heartbeats"] / ranks, 3),
             "to_database": round(spent[phase]["to_database"] / ranks, 3),
         }
-        for phase in ("start", "end")
-    } | {"cycles": n, "ranks_per_cycle": ranks // max(1, n)}
-
-
-CPU_KINDS = ("api", "controller", "postgres")
+        for phase in PHASES
+    } | {"cycles": n, "ranks_per_cycle": ranks // n}
 
 
 async def metered(
@@ -215,7 +212,7 @@ def fleet_cost(out: dict[str, Any]) -> dict[str, Any]:
     hb = out["heartbeat (8 ranks running)"]["api_cpu_ms"]
     per_rank = out[f"telemetry per rank ({ROWS_PER_POST} rows)"]["api_cpu_ms"]
     per_host = out[f"telemetry per host (8 ranks x {ROWS_PER_POST} rows)"]["api_cpu_ms"]
-    churn = sum(out[f"job {phase}, per rank"]["api_cpu_ms"] for phase in ("start", "end"))
+    churn = sum(out[f"job {phase}, per rank"]["api_cpu_ms"] for phase in PHASES)
     return {
         "heartbeat_cores": round(heartbeats_per_s * hb / 1000, 2),
         "job_start_and_end_cores": round(ranks / mean_job_s * churn / 1000, 2),
@@ -231,6 +228,8 @@ def main() -> None:
     ap.add_argument("--cycles", type=int, default=4, help="of the jobs' start and end")
     ap.add_argument("--workers", type=int, default=1, help="API processes of the server")
     args = ap.parse_args()
+    if args.cycles < 1:
+        ap.error("--cycles must be at least 1 (the fleet estimate needs a job's start and end)")
     with (
         database("postgresql") as db_url,
         tempfile.TemporaryDirectory() as tmp,

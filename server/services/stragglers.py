@@ -278,21 +278,22 @@ def _track_commit(session: Session, watch: Watch) -> None:
     watches: dict[int, Watch] | None = session.info.get(_WATCHES)
     if watches is None:
         watches = session.info[_WATCHES] = {}
-
-        def committed(session: Session) -> None:
-            for w in session.info.pop(_WATCHES, {}).values():
-                w.unsaved.clear()
-                w.added.clear()
-
-        def rolled_back(session: Session) -> None:
-            for w in session.info.pop(_WATCHES, {}).values():
-                for key in w.added:
-                    w.rows.pop(key, None)
-                w.added.clear()
-
-        event.listen(session, "after_commit", committed)
-        event.listen(session, "after_rollback", rolled_back)
+        event.listen(session, "after_commit", _committed)
+        event.listen(session, "after_rollback", _rolled_back)
     watches[id(watch)] = watch
+
+
+def _committed(session: Session) -> None:
+    for w in session.info.pop(_WATCHES, {}).values():
+        w.unsaved.clear()
+        w.added.clear()
+
+
+def _rolled_back(session: Session) -> None:
+    for w in session.info.pop(_WATCHES, {}).values():
+        for key in w.added:
+            w.rows.pop(key, None)
+        w.added.clear()
 
 
 def _store(session: Session, job: Job, watch: Watch, updates: list[EventUpdate]) -> None:
@@ -629,7 +630,7 @@ def follow_up(
     spec = job.job_spec
     complete, updates = detected.complete, detected.updates
     # caught up: ``_take`` feeds at most ``MAX_TIMINGS_PER_ROUND`` timings a sweep
-    caught_up = complete >= (progress.complete_through or complete)
+    caught_up = progress.complete_through is None or complete >= progress.complete_through
     since = complete - watch.refreshed_through
     if (
         caught_up
