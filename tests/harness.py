@@ -30,7 +30,7 @@ from contract.enums import Role
 from server.config import Settings
 from server.context import context_of
 from server.controller import CONTROLLER_THREAD, PLACEMENT_THREAD
-from server.db import transaction
+from server.db import ReadChanged, transaction
 from server.services import scheduler
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -128,11 +128,12 @@ class Api:
         controller's own pass every few seconds, which this round may race)."""
         try:
             return self._place_once()
-        except IntegrityError:
+        except (IntegrityError, ReadChanged):
             # The app's controller thread still places on its own every few seconds
             # (``controller.PLACE_EVERY_S``): on PostgreSQL its pass may have placed the same
             # job meanwhile (one controller per database places alone; this round is the
-            # test's, beside it). Once more: what is still pending.
+            # test's, beside it), or taken the devices this round chose (``ReadChanged``).
+            # Once more: what is still pending.
             return self._place_once()
 
     def _place_once(self) -> list[int]:
