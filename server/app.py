@@ -27,6 +27,7 @@ from contract.problems import explain
 from server.api import statuses
 from server.api.bodies import component_schemas
 from server.api.gate import DATABASE_DOWN, Gate, database_unavailable, error_response
+from server.api.heartbeats import HeartbeatGroups
 from server.api.routes import (
     audit,
     checkpoints,
@@ -195,7 +196,7 @@ def _build_context(settings: Settings) -> AppContext:
     # SQLite takes one writer at a time, across this process and the controller process.
     write_lock = writer_lock_for(settings.database_url) or contextlib.nullcontext()
     metrics = Metrics(sessions)
-    return AppContext(
+    context = AppContext(
         settings=settings,
         engine=engine,
         sessions=sessions,
@@ -217,6 +218,12 @@ def _build_context(settings: Settings) -> AppContext:
         auth_failures=FailureLimit(settings.auth_failures_max, settings.auth_failures_window_s),
         telemetry_writer=TelemetryWriter(engine, write_lock, metrics.telemetry_group_posts.observe),
     )
+    context.heartbeat_groups = HeartbeatGroups(
+        context,
+        at_once=min(settings.heartbeat_groups, context.db_slots.value),
+        max_size=settings.heartbeat_group_size,
+    )
+    return context
 
 
 def _lifespan(context: AppContext) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:

@@ -132,6 +132,15 @@ class Settings(BaseSettings):
     others wait without holding a worker thread or a connection. At most 32: it must stay
     below the worker threads (40) and the pool's connections (``3 * db_pool_size``)."""
 
+    heartbeat_group_size: int = Field(default=32, ge=1, le=1024)
+    """Heartbeats worked out in the database together at most, in one transaction
+    (``server.api.heartbeats``): those that queued while the groups before them ran. 1: each
+    heartbeat in a transaction of its own."""
+
+    heartbeat_groups: int = Field(default=4, ge=1, le=32)
+    """Groups of heartbeats worked out at once per API process, each in a database slot (at
+    most ``db_concurrency``)."""
+
     opentelemetry: bool = False
     """FastAPI's own OpenTelemetry spans, metrics and logs of each request, for a process whose
     OpenTelemetry SDK is configured (``opentelemetry-instrument``). Off, FastAPI does not even

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
@@ -24,6 +24,9 @@ from server.metrics import Metrics
 from server.notify import Bus, PlanWaiters
 from server.telemetry_writer import TelemetryWriter
 from server.throttle import FailureLimit
+
+if TYPE_CHECKING:
+    from server.api.heartbeats import HeartbeatGroups
 
 
 @dataclass
@@ -57,6 +60,9 @@ class AppContext:
     """Bad credentials per client address (the API's gate and ``/login``)."""
     telemetry_writer: TelemetryWriter
     """Telemetry posts, stored in groups (one transaction for the posts that arrive together)."""
+    heartbeat_groups: HeartbeatGroups = field(init=False)
+    """Heartbeats worked out in the database, in groups (``server.api.heartbeats``); set once
+    the rest is built."""
     db_slots: DbSlots = field(default_factory=lambda: DbSlots(16))
     """Requests doing database work at once in this process (``create_app`` sets the bound,
     ``Settings.db_concurrency``). A request holds its slot from before its session opens until

@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import Connection, bindparam, event, select, text, update
 from sqlalchemy.orm import Session, object_session, sessionmaker
@@ -56,6 +56,8 @@ from contract.enums import JobStatus, WorkerState
 from server.models import Device, Host, Job, Worker
 
 log = logging.getLogger("evenflow.host_answers")
+
+T = TypeVar("T")
 
 EVERY_HOST = 0
 """The id a change notification carries when every host's answer is affected (a host's address
@@ -182,6 +184,21 @@ def changed_so_far(session: Session) -> frozenset[int]:
     """The hosts (:data:`EVERY_HOST` for all) whose answers the changes ``session`` has flushed
     so far concern: what its commit will invalidate, if nothing more is flushed before it."""
     return frozenset(session.info.get(_CHANGED, ()))
+
+
+def own_changes(session: Session, work: Callable[[Session], T]) -> tuple[T, frozenset[int]]:
+    """``work(session)``, flushed, and the hosts (:data:`EVERY_HOST` for all) whose answers its
+    own changes concern, apart from those of work done before it in the same transaction (a
+    group of heartbeats, ``server.api.heartbeats``): what the transaction's commit will
+    invalidate on its account. The session still holds them all, for that commit."""
+    earlier = session.info.pop(_CHANGED, set())
+    try:
+        done = work(session)
+        session.flush()  # all of it: what the commit invalidates is known before it
+        own = frozenset(session.info.get(_CHANGED, ()))
+    finally:
+        session.info.setdefault(_CHANGED, set()).update(earlier)
+    return done, own
 
 
 def track(sessions: sessionmaker[Session], *listeners: Callable[[set[int]], None]) -> None:

@@ -142,6 +142,13 @@ class Metrics:
             ["reason"],
             registry=self.registry,
         )
+        self.heartbeat_group = Histogram(
+            "evenflow_heartbeat_group_heartbeats",
+            "Heartbeats worked out in the database together, in one transaction "
+            "(server.api.heartbeats)",
+            registry=self.registry,
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+        )
         self.heartbeat_phases = Histogram(
             "evenflow_heartbeat_database_seconds",
             "Heartbeats worked out in the database, where their time went: slot (waiting for "

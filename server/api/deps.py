@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager, nullcontext
 from datetime import UTC, datetime
 from typing import Annotated, TypeVar
 
 from fastapi import Depends, Path, Query, Request
-from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from prometheus_client import Histogram
 from sqlalchemy.orm import Session
 
 from contract.base import MAX_ID
@@ -20,7 +17,6 @@ from contract.enums import Role
 from server.api.gate import PRINCIPAL_STATE, SESSION_COOKIE, authenticate
 from server.config import Settings
 from server.context import AppContext, context_of
-from server.db import run_retrying
 from server.notify import PLACEMENT
 from server.services import tokens
 from server.services.paging import DEFAULT_LIMIT, MAX_LIMIT, MAX_OFFSET, Paging
@@ -74,64 +70,6 @@ def _session(request: Request, context: Context, _slot: DbSlot) -> Iterator[Sess
     inside a database slot held until the session is closed."""
     with transaction(context, write=request.method not in SAFE_METHODS) as session:
         yield session
-
-
-TRANSACTION_ATTEMPTS = 3
-"""Tries of ``in_transaction``'s work when another transaction is in its way (``retryable``)."""
-
-
-async def in_transaction(
-    context: AppContext,
-    work: Callable[[Session], T],
-    phases: Histogram | None = None,
-    *,
-    then: Callable[[T], Callable[[Session], object] | None] | None = None,
-) -> T:
-    """``work`` in one write transaction in one worker-thread hop, inside a database slot: for
-    the hottest routes (heartbeats), which a ``SessionDep`` would take through three hops
-    (open, route, commit), each queueing for a thread anew. A transaction PostgreSQL aborts to
-    break a deadlock, or whose rows another deleted between its read and its write (a
-    heartbeat's rank reports against the controller's restart of their job: ``db.retryable``),
-    is run again from the start, up to ``TRANSACTION_ATTEMPTS`` times, instead of answering
-    500: ``work`` changes nothing but the database. Its slot comes after those of any other
-    request waiting (``server.api.slots``): a person's waits behind no heartbeat.
-
-    ``phases`` (a histogram labelled by phase) is told where the time went: ``slot`` (waiting
-    for a database slot), ``thread`` (from the slot to a worker thread running the work: the
-    process's other threads and event loop holding the CPU or the GIL) and ``transaction``
-    (the work and its commit, tries again included: statements, lock waits, the database).
-
-    ``then``, given what the work returned once it has committed, may hand more work, done in
-    a transaction of its own after it, in the same slot and thread hop and timed with it (a
-    heartbeat's jobs advanced once its reports have committed: ``jobs.ready_to_advance``).
-    Should that fail, the request fails, though the first transaction stays committed."""
-    ran: list[float] = []
-
-    def once(work: Callable[[Session], R]) -> R:
-        with transaction(context, write=True) as session:
-            return work(session)
-
-    def timed() -> T:
-        ran.append(time.perf_counter())
-        try:
-            done = run_retrying(lambda: once(work), TRANSACTION_ATTEMPTS, "transaction")
-            more = then(done) if then is not None else None
-            if more is not None:
-                run_retrying(lambda: once(more), TRANSACTION_ATTEMPTS, "transaction")
-            return done
-        finally:
-            ran.append(time.perf_counter())
-
-    asked = time.perf_counter()
-    async with context.db_slots.take(first=False):  # after any person's request waiting
-        slot = time.perf_counter()
-        try:
-            return await run_in_threadpool(timed)
-        finally:
-            if phases is not None and len(ran) == 2:
-                phases.labels("slot").observe(slot - asked)
-                phases.labels("thread").observe(ran[0] - slot)
-                phases.labels("transaction").observe(ran[1] - ran[0])
 
 
 SessionDep = Annotated[Session, Depends(_session, scope="function")]

@@ -1,11 +1,14 @@
-"""A heartbeat's transaction that PostgreSQL aborts to break a deadlock, or whose rows another
-transaction deleted meanwhile, is run again, not answered 500 (bench/fleet.py at 1,250 hosts: a heartbeat's rank reports against the
-controller's restart of their job, each holding rows the other wanted)."""
+"""A heartbeat's transaction (alone or its group's) that PostgreSQL aborts to break a deadlock,
+or whose rows another transaction deleted meanwhile, is run again, not answered 500
+(bench/fleet.py at 1,250 hosts: a heartbeat's rank reports against the controller's restart of
+their job, each holding rows the other wanted)."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -13,10 +16,14 @@ from sqlalchemy import delete, select, text
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
-from server.api import deps
+from contract.agent import HeartbeatAck
+from contract.enums import HostStatus
+from server.api import heartbeats
+from server.api.heartbeats import Beat, HeartbeatGroups, Worked
 from server.context import AppContext, context_of
 from server.db import retryable
 from server.models import Worker
+from server.services.hosts import Answered
 from tests.harness import Api
 
 pytestmark = [
@@ -27,17 +34,41 @@ pytestmark = [
 TOUCH = text("UPDATE hosts SET address = address WHERE id = :id")
 
 
-def _deadlocked(context: AppContext, first: int, second: int) -> tuple[Any, list[int], list[str]]:
-    """``in_transaction`` of work that locks host ``first`` then ``second`` while another
-    transaction locks them the other way round; the work's transaction is made the one
-    PostgreSQL aborts (it checks for the deadlock first). Returns what the work returned (or
-    raised), the attempts it saw and how the other transaction ended."""
+def _worked_out(context: AppContext, *works: Callable[[Session], object]) -> list[Worked]:
+    """``works`` as heartbeats of one group (host ids 1, 2, ...): their outcomes, in order."""
+    groups = HeartbeatGroups(context, at_once=1, max_size=len(works))
+
+    def beat(host_id: int, work: Callable[[Session], object]) -> Beat:
+        def answered(session: Session) -> Answered:
+            work(session)
+            return Answered(HeartbeatAck(host_id=host_id, status=HostStatus.ACTIVE), True)
+
+        return Beat(host_id, answered, datetime.now(UTC))
+
+    async def all_of_them() -> list[Worked]:
+        return await asyncio.gather(
+            *(groups.work_out(beat(i, w)) for i, w in enumerate(works, start=1))
+        )
+
+    return asyncio.run(all_of_them())
+
+
+def _deadlocked(
+    context: AppContext, first: int, second: int, grouped: bool = False
+) -> tuple[Any, list[int], list[str]]:
+    """A heartbeat's work that locks host ``first`` then ``second`` while another transaction
+    locks them the other way round; the work's transaction is made the one PostgreSQL aborts
+    (it checks for the deadlock first). ``grouped``: with another heartbeat's work before it,
+    in its group. Returns the attempts it saw when its heartbeat was answered (or what that
+    raised) and how the other transaction ended."""
     ours_holds, theirs_holds = threading.Event(), threading.Event()
     attempts: list[int] = []
     theirs: list[str] = []
+    together: list[bool] = []
 
-    def work(session: Session) -> int:
+    def work(session: Session) -> None:
         attempts.append(len(attempts) + 1)
+        together.append(session.info.get("before", False))
         if len(attempts) == 1:
             session.execute(text("SET LOCAL deadlock_timeout = '50ms'"))
         session.execute(TOUCH, {"id": first})
@@ -45,7 +76,6 @@ def _deadlocked(context: AppContext, first: int, second: int) -> tuple[Any, list
             ours_holds.set()
             assert theirs_holds.wait(10)
         session.execute(TOUCH, {"id": second})
-        return len(attempts)
 
     def other() -> None:
         try:
@@ -61,8 +91,9 @@ def _deadlocked(context: AppContext, first: int, second: int) -> tuple[Any, list
 
     thread = threading.Thread(target=other)
     thread.start()
+    before: list[Callable[[Session], object]] = [lambda s: s.info.update(before=True)]
     try:
-        result: Any = asyncio.run(deps.in_transaction(context, work))
+        result: Any = together if _worked_out(context, *before * grouped, work) else None
     except OperationalError as exc:
         result = exc
     thread.join(30)
@@ -78,7 +109,28 @@ def _hosts(api: Api) -> tuple[int, int]:
 def test_work_aborted_by_a_deadlock_runs_again_and_commits(api: Api) -> None:
     context = context_of(api.client.app)  # type: ignore[arg-type]
     result, attempts, theirs = _deadlocked(context, *_hosts(api))
-    assert result == 2
+    assert result == [False, False]
+    assert attempts == [1, 2]
+    assert theirs == ["committed"]
+
+
+def test_a_group_aborted_by_a_deadlock_runs_again_together_and_commits(api: Api) -> None:
+    context = context_of(api.client.app)  # type: ignore[arg-type]
+    result, attempts, theirs = _deadlocked(context, *_hosts(api), grouped=True)
+    assert result == [True, True]
+    assert attempts == [1, 2]
+    assert theirs == ["committed"]
+
+
+def test_a_group_aborted_every_try_is_worked_out_one_heartbeat_at_a_time(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a single attempt the group's transaction fails; each heartbeat then gets a
+    transaction of its own, and the one that deadlocked commits there."""
+    monkeypatch.setattr(heartbeats, "TRANSACTION_ATTEMPTS", 1)
+    context = context_of(api.client.app)  # type: ignore[arg-type]
+    result, attempts, theirs = _deadlocked(context, *_hosts(api), grouped=True)
+    assert result == [True, False]
     assert attempts == [1, 2]
     assert theirs == ["committed"]
 
@@ -87,7 +139,7 @@ def test_without_another_try_the_deadlock_is_what_the_caller_gets(
     api: Api, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The test above can fail: with a single attempt the same interleaving raises."""
-    monkeypatch.setattr(deps, "TRANSACTION_ATTEMPTS", 1)
+    monkeypatch.setattr(heartbeats, "TRANSACTION_ATTEMPTS", 1)
     context = context_of(api.client.app)  # type: ignore[arg-type]
     result, attempts, theirs = _deadlocked(context, *_hosts(api))
     assert isinstance(result, OperationalError) and retryable(result)
@@ -105,7 +157,9 @@ def test_work_whose_rows_another_transaction_deleted_runs_again(api: Api) -> Non
     context = context_of(api.client.app)  # type: ignore[arg-type]
     attempts: list[int] = []
 
-    def work(session: Session) -> int:
+    found: list[int] = []
+
+    def work(session: Session) -> None:
         attempts.append(len(attempts) + 1)
         ranks = list(session.scalars(select(Worker).where(Worker.job_id == job_id)))
         if len(attempts) == 1:
@@ -114,7 +168,8 @@ def test_work_whose_rows_another_transaction_deleted_runs_again(api: Api) -> Non
         for worker in ranks:
             worker.exit_code = 0
         session.flush()
-        return len(ranks)
+        found.append(len(ranks))
 
-    assert asyncio.run(deps.in_transaction(context, work)) == 0
+    assert len(_worked_out(context, work)) == 1
     assert attempts == [1, 2]
+    assert found == [0]  # (the first try failed at its flush)

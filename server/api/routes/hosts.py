@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from fastapi import APIRouter, Request, Response
-from sqlalchemy.orm import Session
 
 from contract.agent import Heartbeat, HeartbeatAck, HostRegister
 from contract.api import HostOut, Page
-from contract.enums import HostStatus
+from contract.enums import HostStatus, WorkerState
 from server.api.bodies import JSONRoute
 from server.api.deps import (
     Authenticated,
@@ -20,12 +17,11 @@ from server.api.deps import (
     SessionDep,
     SettingsDep,
     Viewer,
-    in_transaction,
 )
 from server.api.gate import RAW_BODY_STATE
+from server.api.heartbeats import Beat
 from server.api.statuses import declare
-from server.host_answers import changed_so_far
-from server.services import hosts, jobs
+from server.services import hosts
 
 router = APIRouter(prefix="/hosts", tags=["hosts"], route_class=JSONRoute)
 
@@ -70,37 +66,34 @@ async def heartbeat(
     context.metrics.heartbeat_answers.labels("database").inc()
     context.metrics.heartbeat_misses.labels(answers.why_missed(host_id, req, principal)).inc()
     generation = answers.generation(host_id)
-
-    def work(session: Session) -> tuple[hosts.Answered, frozenset[int]]:
-        answered = hosts.heartbeat(session, host_id, req, principal, now)
-        session.flush()  # all of it: what the commit invalidates is known before it
-        return answered, changed_so_far(session)
-
-    locked: list[float] = []
-
-    def then(done: tuple[hosts.Answered, frozenset[int]]) -> Callable[[Session], None] | None:
-        pending = done[0].to_advance
-        if not pending:
-            return None
-
-        def advance(session: Session) -> None:  # once the reports have committed
-            jobs.advance_jobs(session, jobs.ready_to_advance(session, pending), now)
-            if (waited := session.info.get(jobs.REPORT_LOCK_WAIT)) is not None:
-                locked[:] = [waited]  # (the last try's: a try run again has a new session)
-
-        return advance
-
-    phases = context.metrics.heartbeat_phases
-    (ack, fewer_alike, _), own = await in_transaction(context, work, phases, then=then)
-    if locked:
-        phases.labels("report_lock").observe(locked[0])
+    worked = await context.heartbeat_groups.work_out(
+        Beat(
+            host_id,
+            lambda session: hosts.heartbeat(session, host_id, req, principal, now),
+            now,
+            alone=any(r.state is WorkerState.FAILED for r in req.workers),
+        )
+    )
+    ack, fewer_alike, _ = worked.answered
     context.liveness.seen(host_id, now)  # written with the next batch, as from memory
     context.liveness.owned(host_id, principal.token_id)  # its next heartbeats noted on arrival
     body = ack.model_dump_json().encode()
     # an answer that minted launch credentials is never repeated: each one retires the last
-    if ack.status is HostStatus.ACTIVE and not any(a.worker_token for a in ack.assignments):
+    own = worked.own  # None: a heartbeat after it in its group changed its host
+    if (
+        own is not None
+        and ack.status is HostStatus.ACTIVE
+        and not any(a.worker_token for a in ack.assignments)
+    ):
         answers.put(
-            host_id, req, principal, body, generation, raw=raw, own=own, fewer_alike=fewer_alike
+            host_id,
+            req,
+            principal,
+            body,
+            generation,
+            raw=raw,
+            own=own,
+            fewer_alike=fewer_alike,
         )
     return Response(body, media_type="application/json")
 
