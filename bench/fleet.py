@@ -1182,6 +1182,28 @@ def to_database(
     return out
 
 
+def group_sizes(
+    before: dict[tuple[str, float], float],
+    after: dict[tuple[str, float], float],
+    answers0: dict[str, float],
+    answers1: dict[str, float],
+) -> dict[str, float]:
+    """The window's groups of heartbeats worked out in the database together
+    (``server.api.heartbeats``): how many, their mean size, the share of them that had one
+    heartbeat alone, and the bucket bound 99% of them were within."""
+    at_most = {le: n - before.get(("", le), 0.0) for (_, le), n in after.items()}
+    groups = at_most.get(float("inf"), 0.0)
+    if not groups:
+        return {"groups": 0}
+    heartbeats = answers1.get("database", 0.0) - answers0.get("database", 0.0)
+    return {
+        "groups": groups,
+        "mean_heartbeats": round(heartbeats / groups, 2),
+        "alone_share": round(at_most.get(1.0, 0.0) / groups, 3),
+        "p99_at_most": min(le for le, n in at_most.items() if n >= 0.99 * groups),
+    }
+
+
 SPIN_S = 3.0
 SPIN_STEP = 100_000
 
@@ -1280,6 +1302,7 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
         lag0 = await fleet.loop_lag()
         served0 = await fleet.histogram("evenflow_http_request_seconds", "route")
         phases0 = await fleet.histogram("evenflow_heartbeat_database_seconds", "phase")
+        groups0 = await fleet.histogram("evenflow_heartbeat_group_heartbeats")
         flushes0 = await fleet.histogram("evenflow_liveness_flush_seconds")
         gc0 = await fleet.histogram("evenflow_gc_pause_seconds", "generation")
         alive0 = await fleet.liveness_hosts()
@@ -1300,6 +1323,7 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
         lag1 = await fleet.loop_lag()
         served1 = await fleet.histogram("evenflow_http_request_seconds", "route")
         phases1 = await fleet.histogram("evenflow_heartbeat_database_seconds", "phase")
+        groups1 = await fleet.histogram("evenflow_heartbeat_group_heartbeats")
         flushes1 = await fleet.histogram("evenflow_liveness_flush_seconds")
         gc1 = await fleet.histogram("evenflow_gc_pause_seconds", "generation")
         alive1 = await fleet.liveness_hosts()
@@ -1356,6 +1380,7 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
             "server_slow_requests": slow_between(served0, served1),
             # where a heartbeat worked out in the database spent its time (same bucket bounds)
             "heartbeat_database_phases": slow_between(phases0, phases1),
+            "heartbeat_groups": group_sizes(groups0, groups1, answers0, answers1),
             # the API process's garbage collections by generation: each holds all of it
             "api_gc_pauses": slow_between(gc0, gc1),
             # the API's writes of hosts' heartbeat times (one a second): how many, how long,

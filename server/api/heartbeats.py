@@ -222,11 +222,14 @@ def _together(context: AppContext, beats: list[Beat]) -> list[Worked | Exception
 
     done = run_retrying(once, TRANSACTION_ATTEMPTS, "heartbeat group")
     committed = frozenset().union(*(own for _, own in done))
-    worked = []
-    for i, (beat, (answered, _)) in enumerate(zip(beats, done, strict=True)):
-        later = frozenset().union(*(own for _, own in done[i + 1 :]))
+    worked: list[Worked] = []
+    later: set[int] = set()
+    """The hosts that the heartbeats after the one at hand changed."""
+    for beat, (answered, own) in zip(reversed(beats), reversed(done), strict=True):
         kept = beat.host_id not in later and EVERY_HOST not in later
         worked.append(Worked(answered, committed if kept else None))
+        later |= own
+    worked.reverse()
     pending: dict[int, int] = {}
     for answered, _ in done:
         for job_id, attempt in answered.to_advance.items():
