@@ -6,7 +6,7 @@ import logging
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager, nullcontext
 from datetime import UTC, datetime
-from typing import Annotated, TypeVar
+from typing import Annotated
 
 from fastapi import Depends, Path, Query, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -22,8 +22,6 @@ from server.services import tokens
 from server.services.paging import DEFAULT_LIMIT, MAX_LIMIT, MAX_OFFSET, Paging
 from server.services.tokens import Principal
 
-T = TypeVar("T")
-R = TypeVar("R")
 log = logging.getLogger(__name__)
 
 _bearer = HTTPBearer(
