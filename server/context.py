@@ -6,27 +6,25 @@ app itself (tests, the ingest hook) calls :func:`context_of`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.applications import Starlette
 
+from server.api.heartbeats import HeartbeatGroups
 from server.api.slots import DbSlots
 from server.cache import Caches
 from server.config import Settings
 from server.host_answers import HostAnswers, Liveness
 from server.live import StreamSlots, TelemetryNotifier
 from server.metrics import Metrics
-from server.notify import Bus, PlanWaiters
+from server.notify import PLACEMENT, Bus, PlanWaiters
 from server.telemetry_writer import TelemetryWriter
 from server.throttle import FailureLimit
-
-if TYPE_CHECKING:
-    from server.api.heartbeats import HeartbeatGroups
 
 
 @dataclass
@@ -79,6 +77,19 @@ class AppContext:
     """The admin token generated at start-up when none was configured (shown once)."""
     stopping: bool = False
     """The server is stopping (``begin_stop``): held requests answer now rather than wait."""
+
+    @contextmanager
+    def transaction(self, *, write: bool) -> Iterator[Session]:
+        """One transaction, committed on success. Writes take the app's writer lock first (a
+        real lock on SQLite, which allows one writer at a time: queueing here is fairer and far
+        faster than SQLite's busy-wait backoff; a no-op elsewhere). Once committed, the
+        controller is woken if the work asked for a placement round (jobs to place, or devices
+        to place them on)."""
+        lock = self.write_lock if write else nullcontext()
+        with lock, self.sessions() as session, session.begin():
+            yield session
+        if session.info.get("placement"):
+            self.wake_controller(PLACEMENT)
 
     def begin_stop(self) -> None:
         """The server is about to stop: plan long-polls answer at once (304) and dashboard

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager, nullcontext
 from datetime import UTC, datetime
 from typing import Annotated
 
@@ -17,7 +16,6 @@ from contract.enums import Role
 from server.api.gate import PRINCIPAL_STATE, SESSION_COOKIE, authenticate
 from server.config import Settings
 from server.context import AppContext, context_of
-from server.notify import PLACEMENT
 from server.services import tokens
 from server.services.paging import DEFAULT_LIMIT, MAX_LIMIT, MAX_OFFSET, Paging
 from server.services.tokens import Principal
@@ -50,23 +48,10 @@ async def _db_slot(context: Context) -> AsyncIterator[None]:
 DbSlot = Annotated[None, Depends(_db_slot, scope="function")]
 
 
-@contextmanager
-def transaction(context: AppContext, *, write: bool) -> Iterator[Session]:
-    """One transaction, committed on success. Writes take the app's writer lock first (a real
-    lock on SQLite, which allows one writer at a time: queueing here is fairer and far faster
-    than SQLite's busy-wait backoff; a no-op elsewhere). Once committed, the controller is woken
-    if the work asked for a placement round (jobs to place, or devices to place them on)."""
-    lock = context.write_lock if write else nullcontext()
-    with lock, context.sessions() as session, session.begin():
-        yield session
-    if session.info.get("placement"):
-        context.wake_controller(PLACEMENT)
-
-
 def _session(request: Request, context: Context, _slot: DbSlot) -> Iterator[Session]:
-    """One transaction per request (``transaction``), committed before the response is sent,
-    inside a database slot held until the session is closed."""
-    with transaction(context, write=request.method not in SAFE_METHODS) as session:
+    """One transaction per request (``AppContext.transaction``), committed before the response
+    is sent, inside a database slot held until the session is closed."""
+    with context.transaction(write=request.method not in SAFE_METHODS) as session:
         yield session
 
 

@@ -47,7 +47,6 @@ from typing import TYPE_CHECKING
 from fastapi.concurrency import run_in_threadpool
 from sqlalchemy.orm import Session
 
-from server.api.deps import transaction
 from server.db import run_retrying
 from server.host_answers import EVERY_HOST, own_changes
 from server.services import hosts, jobs
@@ -217,7 +216,7 @@ def _together(context: AppContext, beats: list[Beat]) -> list[Worked | Exception
     """``beats`` in one transaction, then their jobs advanced in another (once committed)."""
 
     def once() -> list[tuple[hosts.Answered, frozenset[int]]]:
-        with transaction(context, write=True) as session:
+        with context.transaction(write=True) as session:
             return [own_changes(session, beat.work) for beat in beats]
 
     done = run_retrying(once, TRANSACTION_ATTEMPTS, "heartbeat group")
@@ -247,7 +246,7 @@ def _alone(context: AppContext, beat: Beat) -> Worked | Exception:
     """``beat`` in a transaction of its own, then its jobs advanced in another."""
 
     def once() -> tuple[hosts.Answered, frozenset[int]]:
-        with transaction(context, write=True) as session:
+        with context.transaction(write=True) as session:
             return own_changes(session, beat.work)
 
     try:
@@ -265,7 +264,7 @@ def _advance(context: AppContext, pending: Mapping[int, int], now: datetime) -> 
     waited: list[float] = []
 
     def once() -> None:
-        with transaction(context, write=True) as session:
+        with context.transaction(write=True) as session:
             jobs.advance_jobs(session, jobs.ready_to_advance(session, pending), now)
             waited[:] = [session.info.get(jobs.REPORT_LOCK_WAIT, -1.0)]
 
