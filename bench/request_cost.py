@@ -44,6 +44,8 @@ JOBS, JOB_SIZE, ROWS_PER_POST = 4, 64, 4
 PHASES = ("start", "end")
 """Of a job's life, what ``cycles`` meters."""
 CPU_KINDS = ("api", "controller", "postgres")
+GROUPS = "evenflow_heartbeat_group_heartbeats"
+"""The server's histogram of heartbeats worked out together (``server.api.heartbeats``)."""
 
 
 async def placed(fleet: Fleet) -> list[Any]:
@@ -78,12 +80,15 @@ async def ended(fleet: Fleet, jobs: list[Any]) -> None:
 
 async def cycles(srv: Server, fleet: Fleet, db: str, n: int) -> dict[str, Any]:
     """``n`` cycles of the jobs' start and end: CPU per rank of each (API, controller,
-    PostgreSQL), and heartbeats per rank, with those the database answered."""
-    spent = {p: dict.fromkeys((*CPU_KINDS, "heartbeats", "to_database"), 0.0) for p in PHASES}
+    PostgreSQL), and heartbeats per rank, with those the database answered and how many of
+    those it worked out together on average (``server.api.heartbeats``)."""
+    counted = (*CPU_KINDS, "heartbeats", "to_database", "groups")
+    spent = {p: dict.fromkeys(counted, 0.0) for p in PHASES}
     ranks = 0
     for _ in range(n):
         for phase in PHASES:
             sources0, sent0 = await fleet.heartbeat_sources(), len(fleet.stats.latency["heartbeat"])
+            groups0 = await fleet.histogram(GROUPS)
             cpu, t0 = CpuMeter(srv.pid, db), time.monotonic()
             if phase == "start":
                 jobs = await placed(fleet)
@@ -92,6 +97,9 @@ async def cycles(srv: Server, fleet: Fleet, db: str, n: int) -> dict[str, Any]:
                 await ended(fleet, jobs)
             secs, used = time.monotonic() - t0, cpu.cores_used()
             sources1 = await fleet.heartbeat_sources()
+            groups1 = await fleet.histogram(GROUPS)
+            every = ("", float("inf"))
+            spent[phase]["groups"] += groups1.get(every, 0.0) - groups0.get(every, 0.0)
             for kind in CPU_KINDS:
                 spent[phase][kind] += used.get(kind, 0.0) * secs
             spent[phase]["heartbeats"] += len(fleet.stats.latency["heartbeat"]) - sent0
@@ -103,6 +111,9 @@ async def cycles(srv: Server, fleet: Fleet, db: str, n: int) -> dict[str, Any]:
             **{f"{k}_cpu_ms": round(1000 * spent[phase][k] / ranks, 2) for k in CPU_KINDS},
             "heartbeats": round(spent[phase]["heartbeats"] / ranks, 3),
             "to_database": round(spent[phase]["to_database"] / ranks, 3),
+            "heartbeats_per_group": round(
+                spent[phase]["to_database"] / max(1.0, spent[phase]["groups"]), 2
+            ),
         }
         for phase in PHASES
     } | {"cycles": n, "ranks_per_cycle": ranks // n}
