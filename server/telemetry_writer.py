@@ -20,7 +20,6 @@ cannot fail the rest.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import queue
 import threading
@@ -32,6 +31,7 @@ from typing import Any
 
 from sqlalchemy import Engine
 
+from server.handoff import answer
 from server.services import telemetry
 from server.services.telemetry import Outcome, Post
 
@@ -139,8 +139,7 @@ class TelemetryWriter:
         if self.on_group is not None:
             self.on_group(len(group))
         for waiting, outcome in zip(group, outcomes, strict=True):
-            with contextlib.suppress(RuntimeError):  # its event loop has closed
-                waiting.loop.call_soon_threadsafe(_answer, waiting.answer, outcome)
+            answer(waiting.loop, waiting.answer, outcome)
 
 
 def _group(waiting: deque[_Waiting]) -> list[_Waiting]:
@@ -152,12 +151,3 @@ def _group(waiting: deque[_Waiting]) -> list[_Waiting]:
         rows += waiting[0].post.rows
         group.append(waiting.popleft())
     return group
-
-
-def _answer(answer: asyncio.Future[tuple[int, int]], outcome: Outcome | BaseException) -> None:
-    if answer.done():  # the request was cancelled (its client went away)
-        return
-    if isinstance(outcome, BaseException):
-        answer.set_exception(outcome)
-    else:
-        answer.set_result(outcome)

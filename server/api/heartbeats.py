@@ -34,7 +34,6 @@ in the same transaction, but not after those of the ones that came later.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 import time
@@ -48,6 +47,7 @@ from fastapi.concurrency import run_in_threadpool
 from sqlalchemy.orm import Session
 
 from server.db import run_retrying
+from server.handoff import answer
 from server.host_answers import EVERY_HOST, own_changes
 from server.services import hosts, jobs
 
@@ -151,11 +151,15 @@ class HeartbeatGroups:
                         )
                     except BaseException as exc:  # cancelled (the app is stopping), or a bug
                         for waiting in group:
-                            _answer(waiting, exc if isinstance(exc, Exception) else _stopped())
+                            answer(
+                                waiting.loop,
+                                waiting.answer,
+                                exc if isinstance(exc, Exception) else _stopped(),
+                            )
                         raise
                     self._observe(group, slot, ran)
                     for waiting, outcome in zip(group, outcomes, strict=True):
-                        _answer(waiting, outcome)
+                        answer(waiting.loop, waiting.answer, outcome)
         finally:
             if not stopped:
                 with self._lock:
@@ -175,28 +179,15 @@ class HeartbeatGroups:
         metrics = self.context.metrics
         metrics.heartbeat_group.observe(len(group))
         phases = metrics.heartbeat_phases
+        waited, thread, transaction = (phases.labels(p) for p in ("slot", "thread", "transaction"))
         for waiting in group:
-            phases.labels("slot").observe(slot - waiting.asked)
-            phases.labels("thread").observe(ran[0] - slot)
-            phases.labels("transaction").observe(ran[1] - ran[0])
+            waited.observe(slot - waiting.asked)
+            thread.observe(ran[0] - slot)
+            transaction.observe(ran[1] - ran[0])
 
 
 def _stopped() -> Exception:
     return RuntimeError("the server stopped before this heartbeat was worked out")
-
-
-def _answer(waiting: _Waiting, outcome: Worked | Exception) -> None:
-    with contextlib.suppress(RuntimeError):  # its event loop has closed
-        waiting.loop.call_soon_threadsafe(_settle, waiting.answer, outcome)
-
-
-def _settle(answer: asyncio.Future[Worked], outcome: Worked | Exception) -> None:
-    if answer.done():  # the request was cancelled (its client went away)
-        return
-    if isinstance(outcome, Exception):
-        answer.set_exception(outcome)
-    else:
-        answer.set_result(outcome)
 
 
 def work_out(context: AppContext, beats: list[Beat]) -> list[Worked | Exception]:

@@ -106,31 +106,21 @@ def _hosts(api: Api) -> tuple[int, int]:
     return a, b
 
 
-def test_work_aborted_by_a_deadlock_runs_again_and_commits(api: Api) -> None:
-    context = context_of(api.client.app)  # type: ignore[arg-type]
-    result, attempts, theirs = _deadlocked(context, *_hosts(api))
-    assert result == [False, False]
-    assert attempts == [1, 2]
-    assert theirs == ["committed"]
-
-
-def test_a_group_aborted_by_a_deadlock_runs_again_together_and_commits(api: Api) -> None:
-    context = context_of(api.client.app)  # type: ignore[arg-type]
-    result, attempts, theirs = _deadlocked(context, *_hosts(api), grouped=True)
-    assert result == [True, True]
-    assert attempts == [1, 2]
-    assert theirs == ["committed"]
-
-
-def test_a_group_aborted_every_try_is_worked_out_one_heartbeat_at_a_time(
-    api: Api, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("grouped", "tries", "together"),
+    [(False, 3, [False, False]), (True, 3, [True, True]), (True, 1, [True, False])],
+    ids=["alone", "group-again-together", "group-then-each-alone"],
+)
+def test_work_aborted_by_a_deadlock_runs_again_and_commits(
+    api: Api, monkeypatch: pytest.MonkeyPatch, grouped: bool, tries: int, together: list[bool]
 ) -> None:
-    """With a single attempt the group's transaction fails; each heartbeat then gets a
-    transaction of its own, and the one that deadlocked commits there."""
-    monkeypatch.setattr(heartbeats, "TRANSACTION_ATTEMPTS", 1)
+    """Alone, or in a group, which runs again together; with a single try the group's
+    transaction fails, each heartbeat then gets a transaction of its own, and the one that
+    deadlocked commits there."""
+    monkeypatch.setattr(heartbeats, "TRANSACTION_ATTEMPTS", tries)
     context = context_of(api.client.app)  # type: ignore[arg-type]
-    result, attempts, theirs = _deadlocked(context, *_hosts(api), grouped=True)
-    assert result == [True, False]
+    result, attempts, theirs = _deadlocked(context, *_hosts(api), grouped=grouped)
+    assert result == together
     assert attempts == [1, 2]
     assert theirs == ["committed"]
 
@@ -138,7 +128,7 @@ def test_a_group_aborted_every_try_is_worked_out_one_heartbeat_at_a_time(
 def test_without_another_try_the_deadlock_is_what_the_caller_gets(
     api: Api, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The test above can fail: with a single attempt the same interleaving raises."""
+    """The test above can fail: alone, with a single attempt, the same interleaving raises."""
     monkeypatch.setattr(heartbeats, "TRANSACTION_ATTEMPTS", 1)
     context = context_of(api.client.app)  # type: ignore[arg-type]
     result, attempts, theirs = _deadlocked(context, *_hosts(api))
