@@ -71,6 +71,7 @@ from typing import Any
 import httpx
 import orjson
 import psutil
+import psycopg
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import create_engine, make_url, text
 
@@ -97,6 +98,9 @@ DRAIN_S = 10.0
 sent in it and answered later counts in it, unless it took longer than this past its end."""
 SUBMITTERS = 16
 """Job submissions in flight at once while the fleet fills up (``Fleet.keep_jobs``)."""
+CLIENTS = ("api", "controller", "bus", "bench")
+"""The clients of PostgreSQL the CPU meter tells apart (``application_name`` ``evenflow-*``); a
+backend it never saw named (a parallel worker, one gone before its first sample) is "other"."""
 CPU_SAMPLE_S = 3.0
 """How often the CPU meter reads every process of the machine (psutil): each second, it took
 a twelfth of the generator. A process that exits loses at most this much of its CPU time."""
@@ -129,9 +133,14 @@ class CpuMeter:
     Processes come and go (the pools close overflow connections, and their backends exit), so
     the meter samples every process's CPU time (``sample``, every ``CPU_SAMPLE_S``) and adds up
     what each used while it was seen: one that exits loses at most what it used since the last
-    sample. One that appears is counted from zero (it started within the window)."""
+    sample. One that appears is counted from zero (it started within the window).
 
-    def __init__(self, server_pid: int, database: str) -> None:
+    Given the database's URL, it also shares PostgreSQL's CPU out by whose backend used it
+    (``application_name``: the API's, the controller's, the buses', ``server.db.make_engine``),
+    read from ``pg_stat_activity`` at each sample on a connection of its own: which of the
+    server's processes the database works for."""
+
+    def __init__(self, server_pid: int, database: str, db_url: str | None = None) -> None:
         self.server = psutil.Process(server_pid)
         self.database = database
         """PostgreSQL backends of this database only (the machine's other work uses others)."""
@@ -145,7 +154,29 @@ class CpuMeter:
         """Per kind, the most resident memory its processes held together at one sample."""
         self._sampling = threading.Lock()
         """One sample at a time: the periodic one and ``cores_used``'s run in threads."""
+        self.whose: dict[tuple[int, float], str] = {}
+        """A PostgreSQL backend's (as ``seen``) client: its ``application_name``."""
+        self._activity: psycopg.Connection[Any] | None = None
+        if db_url is not None:
+            url = make_url(db_url).set(drivername="postgresql")
+            url = url.update_query_dict({"application_name": "evenflow-bench"})
+            self._activity = psycopg.connect(
+                url.render_as_string(hide_password=False), autocommit=True
+            )
         self.sample(first=True)
+
+    def close(self) -> None:
+        if self._activity is not None:
+            self._activity.close()
+
+    def _clients(self) -> dict[int, str]:
+        """Backend pid -> its client's ``application_name`` (none without a URL)."""
+        if self._activity is None or self._activity.closed:
+            return {}
+        rows = self._activity.execute(
+            "SELECT pid, application_name FROM pg_stat_activity WHERE datname = current_database()"
+        ).fetchall()
+        return {pid: name for pid, name in rows}
 
     def _ours(self) -> list[tuple[psutil.Process, str]]:
         procs = [self.server, *self.server.children(recursive=True)]
@@ -178,9 +209,12 @@ class CpuMeter:
 
     def _sample(self, first: bool) -> None:
         held: dict[str, float] = defaultdict(float)
+        clients = self._clients()
         for p, kind in self._ours():
             with contextlib.suppress(psutil.Error, OSError, ValueError):
                 key = (p.pid, _start_ticks(p.pid))
+                if kind == "postgres" and p.pid in clients:
+                    self.whose.setdefault(key, clients[p.pid])
                 t = p.cpu_times()
                 used = t.user + t.system
                 was = self.seen.get(key)
@@ -222,8 +256,11 @@ class CpuMeter:
         self.sample()
         secs = time.monotonic() - self.t0
         used: dict[str, float] = defaultdict(float)
-        for kind, start, last in self.seen.values():
+        for key, (kind, start, last) in self.seen.items():
             used[kind] += last - start
+            if kind == "postgres" and self._activity is not None:
+                client = self.whose.get(key, "").removeprefix("evenflow-")
+                used[f"postgres_for_{client if client in CLIENTS else 'other'}"] += last - start
         out: dict[str, float] = {k: round(v / secs, 2) for k, v in used.items()}
         out["machine"] = os.cpu_count() or 0
         return out
@@ -1294,7 +1331,7 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
         # meanwhile with it).
         gc.freeze()
         size0 = await asyncio.to_thread(db_size, db_url)
-        cpu = await asyncio.to_thread(CpuMeter, srv.pid, make_url(db_url).database or "")
+        cpu = await asyncio.to_thread(CpuMeter, srv.pid, make_url(db_url).database or "", db_url)
         out["controller_nice"] = cpu.controller_nice()
         out["controller_cores"] = controller_cores()
         fleet.loop_task(cpu.sample_every(CPU_SAMPLE_S, fleet.stop))
@@ -1342,6 +1379,7 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
             await asyncio.sleep(0.5)  # the fleet runs on; what it does now is not reported
         out["straggler_grace_s"] = round(time.monotonic() - grace, 1)
         await fleet.shut_down()
+        cpu.close()
         stored = stored_after_onset(db_url, [alone, *stragglers])
     finally:
         gc_pauses.stop()

@@ -181,7 +181,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
 
 def _build_context(settings: Settings) -> AppContext:
-    engine = make_engine(settings.database_url, pool_size=settings.db_pool_size)
+    engine = make_engine(
+        settings.database_url, pool_size=settings.db_pool_size, name="evenflow-api"
+    )
     sessions = session_factory(engine)
     caches = Caches(sessions)
     waiters = PlanWaiters()

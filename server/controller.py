@@ -590,7 +590,7 @@ def connect(
     ids of the plans its sessions commit go out on the plan bus to the API processes, and the
     ids of the hosts whose heartbeat answer they change on the hosts bus, and the credentials
     they change (a job ended or restarted) on the tokens bus. Returns the buses, to close."""
-    engine = make_engine(database_url, pool_size=pool_size)
+    engine = make_engine(database_url, pool_size=pool_size, name="evenflow-controller")
     sessions = session_factory(engine)
     bus, hosts = open_bus(database_url), open_bus(database_url, "hosts")
     credentials = open_bus(database_url, "tokens")

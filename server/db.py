@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 import psycopg
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Engine, create_engine, event, make_url
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.orm.exc import StaleDataError
@@ -73,8 +73,13 @@ controller checkpoints every round instead (``checkpoint``), in its own process,
 commits do not pay for it: a third of a telemetry batch's database time (bench/ingest.py)."""
 
 
-def make_engine(url: str, *, pool_size: int = 16) -> Engine:
-    """An engine for ``url``; SQLite files get WAL mode, foreign keys and a busy timeout."""
+def make_engine(url: str, *, pool_size: int = 16, name: str = "evenflow") -> Engine:
+    """An engine for ``url``; SQLite files get WAL mode, foreign keys and a busy timeout.
+
+    On PostgreSQL its connections say who they are (``application_name``: ``name``, unless the
+    URL names one: an operator's own name stays), so ``pg_stat_activity`` tells the API's
+    backends from the controller's: what a database administrator looks at first, and how
+    ``bench/fleet.py`` shares PostgreSQL's CPU out."""
     if url.startswith("sqlite"):
         engine = create_engine(
             url,
@@ -94,7 +99,15 @@ def make_engine(url: str, *, pool_size: int = 16) -> Engine:
             cur.close()
 
         return engine
-    engine = create_engine(url, pool_size=pool_size, max_overflow=2 * pool_size, pool_pre_ping=True)
+    engine = create_engine(
+        url,
+        pool_size=pool_size,
+        max_overflow=2 * pool_size,
+        pool_pre_ping=True,
+        connect_args={}
+        if "application_name" in make_url(url).query
+        else {"application_name": name},
+    )
     if engine.dialect.driver == "psycopg":
         event.listen(engine, "before_cursor_execute", _binary_results)
     return engine

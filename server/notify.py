@@ -277,6 +277,11 @@ CLOSE_SEND_S = 5.0
 """How long closing a PostgreSQL bus waits for what was published to be sent."""
 
 
+BUS_NAME = "evenflow-bus"
+"""The ``application_name`` of a PostgreSQL bus's connections, unless the database URL names
+one (``server.db.make_engine``)."""
+
+
 class PgNotifyBus:
     """Job ids between processes on any machines sharing one PostgreSQL database.
 
@@ -323,6 +328,8 @@ class PgNotifyBus:
     @classmethod
     def for_database(cls, database_url: str, channel: str = "") -> PgNotifyBus:
         url = make_url(database_url).set(drivername="postgresql")
+        if "application_name" not in url.query:  # an operator's own name stays
+            url = url.update_query_dict({"application_name": BUS_NAME})
         return cls(url.render_as_string(hide_password=False), channel)
 
     def publish(self, job_ids: Iterable[int]) -> None:
@@ -376,7 +383,9 @@ class PgNotifyBus:
             for attempt in range(2):  # once more on a fresh connection if the pooled one broke
                 try:
                     if self._out is None or self._out.closed:
-                        self._out = psycopg.connect(self.conninfo, autocommit=True)
+                        self._out = psycopg.connect(
+                            self.conninfo, autocommit=True, application_name=BUS_NAME
+                        )
                         self._own_pid = self._out.info.backend_pid
                     payloads = [LOST] if self._lost else []
                     for payload in [*payloads, *_payloads(ids)]:
@@ -414,7 +423,9 @@ class PgNotifyBus:
     ) -> None:
         while not self._stop.is_set():
             try:
-                with psycopg.connect(self.conninfo, autocommit=True) as conn:
+                with psycopg.connect(
+                    self.conninfo, autocommit=True, application_name=BUS_NAME
+                ) as conn:
                     conn.execute(f"LISTEN {self.channel}")
                     if on_lost is not None:
                         on_lost()

@@ -114,7 +114,7 @@ def prepare(settings: Settings) -> None:
     from server.app import bootstrap
     from server.db import make_engine, session_factory
 
-    engine = make_engine(settings.database_url, pool_size=1)
+    engine = make_engine(settings.database_url, pool_size=1, name="evenflow-prepare")
     try:
         bootstrap(engine, session_factory(engine), settings)
     finally:

@@ -17,6 +17,7 @@ import pytest
 from sqlalchemy import create_engine, make_url, text
 
 from evenflow.local_cluster import server_process
+from server.db import make_engine
 from server.locks import CONTROLLER_LOCK_KEY
 from server.notify import PG_PAYLOAD_BYTES, PgNotifyBus, PlanBus, Received, open_bus
 from tests.harness import ADMIN_TOKEN, ROOT, job_with_plan
@@ -392,3 +393,52 @@ def test_servers_starting_together_migrate_in_turn(pg_template: str, tmp_path: P
         with admin.connect() as c:
             c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         admin.dispose()
+
+
+# ------------------------------------------------------------------ who a connection is
+
+
+def _names_connected(db_url: str) -> dict[str, int]:
+    """Application name -> connections to the database (this query's own left out)."""
+    engine = create_engine(db_url)
+    try:
+        with engine.connect() as c:
+            rows = c.execute(
+                text(
+                    "SELECT application_name, count(*) FROM pg_stat_activity "
+                    "WHERE datname = current_database() AND pid <> pg_backend_pid() "
+                    "GROUP BY application_name"
+                )
+            ).all()
+        return {name: n for name, n in rows}
+    finally:
+        engine.dispose()
+
+
+@POSTGRES_ONLY
+def test_a_servers_connections_say_whose_they_are(db_url: str, tmp_path: Path) -> None:
+    """``pg_stat_activity`` tells an `evenflow server`'s API backends from its controller's
+    (which holds the controller lock) and from its buses' listeners."""
+    env = {**_server_env(db_url, "unused", tmp_path / "s"), "EVENFLOW_DATABASE_URL": db_url}
+    with server_process(env) as (base, _):
+        job_with_plan(base)  # the API has used its pool; the controller has planned
+        _until_controller(db_url, "evenflow-controller")
+        names = _names_connected(db_url)
+    assert names.get("evenflow-api", 0) >= 1, names
+    assert names.get("evenflow-bus", 0) >= 2, names  # the API's and the controller's
+    assert set(names) <= {"evenflow-api", "evenflow-controller", "evenflow-bus"}, names
+
+
+@pytest.mark.postgres
+def test_a_name_in_the_database_url_is_kept(pg_url: str) -> None:
+    """An operator's own ``application_name`` wins over the process's."""
+    named = f"{pg_url}?application_name=ops-chose-this"
+    engine = make_engine(named, pool_size=1, name="evenflow-api")
+    try:
+        with engine.connect() as c:
+            assert c.execute(text("SHOW application_name")).scalar() == "ops-chose-this"
+    finally:
+        engine.dispose()
+    bus = PgNotifyBus.for_database(named, "hosts")
+    assert "application_name=ops-chose-this" in bus.conninfo
+    assert "application_name=evenflow-bus" in PgNotifyBus.for_database(pg_url).conninfo
