@@ -243,8 +243,10 @@ def run_policy(
     rows = cluster.client.telemetry(job.id).items
     try:
         measured = measure(rows, [w.memory_mb for w in profile.workers])
-    except ValueError as exc:  # a job that succeeded with its telemetry missing: say which
-        raise ValueError(f"job {job.id} ({policy.value}, {done.status.value}): {exc}") from exc
+    except ValueError as exc:  # a job that succeeded with its telemetry missing: this policy
+        # failed to be measured, said in its row; the others' figures still come (a traceback
+        # took them all away)
+        return replace(failed(f"job {job.id} ({policy.value}) succeeded, but {exc}"), job_id=job.id)
     return replace(measured, job_id=job.id)
 
 

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
 from contract.api import TelemetryOut
+from contract.enums import JobStatus, PolicyName
 from evenflow.cli import main
-from evenflow.experiment import Profile, measure, optimum_ms
+from evenflow.experiment import Profile, measure, optimum_ms, report, run_policy
 
 
 def _row(
@@ -138,6 +141,40 @@ def test_measure_refuses_too_few_iterations_and_says_what_it_found() -> None:
     ):
         measure(rows)
     assert measure([*rows, _row(0, 6, 32, 6.0)]).iterations == 4
+
+
+def test_a_policy_whose_job_left_too_few_iterations_fails_alone() -> None:
+    """A job that succeeded with most of its telemetry missing is that policy's failure, said
+    in its row of the report; the other policies' figures still come, and no traceback."""
+    stored = {
+        1: [_row(rank, it, 32, float(it)) for it in range(8) for rank in (0, 1)],
+        2: [_row(rank, 0, 32, 0.0) for rank in (0, 1)],
+    }
+    submitted = iter(stored)
+
+    class Cluster:  # the part of LocalCluster run_policy uses; its jobs all succeed
+        class client:
+            @staticmethod
+            def telemetry(job_id: int) -> SimpleNamespace:
+                return SimpleNamespace(items=stored[job_id])
+
+        def submit(self, spec: object) -> SimpleNamespace:
+            return SimpleNamespace(id=next(submitted))
+
+        def wait(self, job_id: int, on_progress: object) -> SimpleNamespace:
+            return SimpleNamespace(status=JobStatus.SUCCEEDED, error=None)
+
+    profile = Profile.model_validate(
+        {"global_batch": 64, "iterations": 8, "workers": [{"name": "a", "per_sample_ms": 1.0}] * 2}
+    )
+    cluster: Any = Cluster()
+    results = {p: run_policy(cluster, profile, p) for p in (PolicyName.EQUAL, PolicyName.MINMAX)}
+    out = report(profile, results)
+    assert out["failed"] == ["minmax"]
+    assert out["policies"]["equal"]["samples_per_s"] > 0
+    error = out["policies"]["minmax"]["error"]
+    assert error.startswith("job 2 (minmax) succeeded, but too few iterations to measure: 1 stored")
+    assert results[PolicyName.MINMAX].job_id == 2
 
 
 def test_measure_counts_ooms_and_the_peak_memory_fraction() -> None:
