@@ -383,9 +383,7 @@ class PgNotifyBus:
             for attempt in range(2):  # once more on a fresh connection if the pooled one broke
                 try:
                     if self._out is None or self._out.closed:
-                        self._out = psycopg.connect(
-                            self.conninfo, autocommit=True, application_name=BUS_NAME
-                        )
+                        self._out = psycopg.connect(self.conninfo, autocommit=True)
                         self._own_pid = self._out.info.backend_pid
                     payloads = [LOST] if self._lost else []
                     for payload in [*payloads, *_payloads(ids)]:
@@ -423,9 +421,7 @@ class PgNotifyBus:
     ) -> None:
         while not self._stop.is_set():
             try:
-                with psycopg.connect(
-                    self.conninfo, autocommit=True, application_name=BUS_NAME
-                ) as conn:
+                with psycopg.connect(self.conninfo, autocommit=True) as conn:
                     conn.execute(f"LISTEN {self.channel}")
                     if on_lost is not None:
                         on_lost()

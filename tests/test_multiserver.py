@@ -439,6 +439,16 @@ def test_a_name_in_the_database_url_is_kept(pg_url: str) -> None:
             assert c.execute(text("SHOW application_name")).scalar() == "ops-chose-this"
     finally:
         engine.dispose()
-    bus = PgNotifyBus.for_database(named, "hosts")
-    assert "application_name=ops-chose-this" in bus.conninfo
-    assert "application_name=evenflow-bus" in PgNotifyBus.for_database(pg_url).conninfo
+    buses = [PgNotifyBus.for_database(named, "hosts"), PgNotifyBus.for_database(pg_url)]
+    try:
+        for bus in buses:
+            bus.subscribe(Inbox())
+            bus.publish([1])  # its publishing connection too
+        expected = {"ops-chose-this": 2, "evenflow-bus": 2}  # each bus: listening, publishing
+        deadline = time.monotonic() + 10
+        while (names := _names_connected(pg_url)) != expected and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert names == expected
+    finally:
+        for bus in buses:
+            bus.close()
