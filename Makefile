@@ -44,7 +44,7 @@ jstest:
 	node --test tests/js/*.test.js
 
 typecheck: setup
-	$(BIN)/mypy contract server agent evenflow
+	$(BIN)/mypy contract server agent evenflow bench
 
 pytest: setup browser-deps
 	$(BIN)/pytest -q

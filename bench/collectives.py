@@ -34,7 +34,7 @@ def _rank(rank: int, world: int, port: int, sizes: list[int], rounds: int, q: An
     out: dict[str, dict[str, float]] = {}
     for n in sizes:
         param = nn.Parameter(torch.zeros(n - 1))  # + the loss slot = n elements
-        syncs = {m: GradientSync([param], exchange=m) for m in ("all_reduce", "direct")}  # type: ignore[arg-type]
+        syncs = {m: GradientSync([param], exchange=m) for m in ("all_reduce", "direct")}
         times: dict[str, list[float]] = {m: [] for m in syncs}
         for _ in range(rounds):
             for m, sync in syncs.items():
@@ -48,7 +48,7 @@ def _rank(rank: int, world: int, port: int, sizes: list[int], rounds: int, q: An
             every = [torch.empty_like(mine) for _ in range(world)]
             dist.all_gather(every, mine)
             row[m] = round(statistics.median(torch.stack(every).min(0).values.tolist()), 2)
-        row["auto"] = "direct" if n * world <= DIRECT_MAX_ELEMENTS else "all_reduce"  # type: ignore[assignment]
+        row["auto"] = "direct" if n * world <= DIRECT_MAX_ELEMENTS else "all_reduce"
         out[str(n)] = row
     if rank == 0:
         q.put(out)

@@ -131,8 +131,8 @@ def instrument() -> None:
     ):
         if hasattr(stragglers, name):
             setattr(stragglers, name, _timed(label, getattr(stragglers, name)))
-    rebalancer.fits = _timed("fits (any caller)", rebalancer.fits)  # type: ignore[assignment]
-    rebalancer.propose = _timed("rebalance.propose", rebalancer.propose)  # type: ignore[assignment]
+    rebalancer.fits = _timed("fits (any caller)", rebalancer.fits)
+    rebalancer.propose = _timed("rebalance.propose", rebalancer.propose)
 
 
 # ------------------------------------------------------------------ the simulated fleet
@@ -245,10 +245,10 @@ def app_on(url: str) -> Iterator[TestClient]:
         controller="none",
         reaper_interval_s=3600,
         rebalance_interval_s=3600,
-    )  # type: ignore[call-arg]
+    )
     with TestClient(create_app(settings)) as client:
         ctx = context_of(client.app)  # type: ignore[arg-type]
-        ctx.wake_controller = lambda _job_id: None  # type: ignore[method-assign,assignment]
+        ctx.wake_controller = lambda _job_id: None
         yield client
 
 
@@ -302,7 +302,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 }
                 for j, job in sim.jobs.items()
             }
-    ms = lambda seconds: round(1000 * seconds / swept, 2)  # noqa: E731
+
+    def ms(seconds: float) -> float:
+        return round(1000 * seconds / swept, 2)
+
     phases = {name: ms(t) for name, t in sorted(_spent.items())}
     top = sum(_spent[k] for k in ("rows", "detect", "rebalance", "watch"))
     phases["rest"] = ms(cpu - top)

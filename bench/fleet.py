@@ -922,7 +922,7 @@ def db_size(db_url: str) -> int:
     engine = create_engine(db_url)
     try:
         with engine.connect() as c:
-            return int(c.execute(text("SELECT pg_database_size(current_database())")).scalar())
+            return int(c.execute(text("SELECT pg_database_size(current_database())")).scalar_one())
     finally:
         engine.dispose()
 

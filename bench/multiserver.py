@@ -108,18 +108,19 @@ def wake_rounds(a: str, b: str, job: int, rounds: int) -> dict[str, Any]:
     after_ack: list[float] = []
     after_send: list[float] = []
     with httpx.Client(headers=AUTH, timeout=40) as ca, httpx.Client(headers=AUTH, timeout=40) as cb:
-        known = cb.get(f"{b}/api/v1/jobs/{job}/plan").json()["version"]
+        known: int = cb.get(f"{b}/api/v1/jobs/{job}/plan").json()["version"]
+
+        def long_poll(version: int) -> tuple[httpx.Response, float]:
+            """b's answer to a long-poll that knows ``version``, and when it came."""
+            answer = cb.get(
+                f"{b}/api/v1/jobs/{job}/plan",
+                params={"known_version": version, "wait_s": 20},
+            )
+            return answer, time.monotonic()
+
         with ThreadPoolExecutor(1) as pool:
             for i in range(rounds):
-                waiting = pool.submit(
-                    lambda v=known: (
-                        cb.get(
-                            f"{b}/api/v1/jobs/{job}/plan",
-                            params={"known_version": v, "wait_s": 20},
-                        ),
-                        time.monotonic(),
-                    )
-                )
+                waiting = pool.submit(long_poll, known)
                 time.sleep(0.15)  # the long-poll is held by b before the override is sent
                 first = 32 + (i % 2) * 8
                 body = {"kind": "set_batches", "batch_sizes": [first, 64 - first, 64, 128]}

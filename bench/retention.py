@@ -77,7 +77,7 @@ def quiet_settings(url: str) -> Settings:
     drives them)."""
     return Settings(
         database_url=url,
-        admin_token=TOKEN,  # type: ignore[arg-type]
+        admin_token=TOKEN,
         controller="none",
         reaper_interval_s=3600,
     )

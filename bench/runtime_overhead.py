@@ -25,7 +25,7 @@ import multiprocessing as mp
 import statistics
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -56,14 +56,22 @@ def _data(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, FEATURES, generator=g), torch.randn(n, 1, generator=g)
 
 
+class _Mode(TypedDict, total=False):
+    """PlanAgreement's keyword arguments that each agreement mode sets."""
+
+    pipelined: bool
+    every: int
+
+
 def _agreement_cost(rank: int, world: int, iterations: int) -> dict[str, float]:
     out = {}
-    for name, kwargs in {
+    modes: dict[str, _Mode] = {
         "channel": {},
         "pipelined": {"pipelined": True},
         "blocking": {"pipelined": False},
         "blocking_every_10": {"pipelined": False, "every": 10},
-    }.items():
+    }
+    for name, kwargs in modes.items():
         a = PlanAgreement(
             RuntimePlan(1, (PER_RANK,) * world),
             rank=rank,

@@ -117,9 +117,9 @@ def run(jobs: int, ranks: int, iterations: int, repeat: int) -> dict[str, Any]:
         with ctx.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as c:
             c.execute(text("VACUUM ANALYZE iteration_telemetry"))
         with transaction(ctx.sessions) as s:
-            job = s.get(Job, running)
-            assert job is not None
-            workload = job.spec["workload"]
+            running_job = s.get(Job, running)
+            assert running_job is not None
+            workload = running_job.spec["workload"]
         whole_s: list[float] = []
         first_s: list[float] = []
         kept_s: list[float] = []

@@ -35,7 +35,7 @@ def profile(workload: str, n: int, policies: list[PolicyName]) -> Profile:
         global_batch=256,
         iterations=n,
         policies=policies,
-        workload=workload,  # type: ignore[arg-type]
+        workload=workload,
         workers=[
             ProfileWorker(name=f"emulated-{i}", per_sample_ms=ms, intercept_ms=5.0)
             for i, ms in enumerate(PER_SAMPLE)

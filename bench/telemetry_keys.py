@@ -58,7 +58,7 @@ OLD = "0027_departures"
 def _jobs(url: str, n: int, *, migrate: bool) -> list[int]:
     """``n`` jobs submitted through the app (one host of ``RANKS`` devices: the first may
     start, the rest queue), their ids."""
-    settings = Settings(database_url=url, admin_token=TOKEN, run_migrations=migrate)  # type: ignore[call-arg]
+    settings = Settings(database_url=url, admin_token=TOKEN, run_migrations=migrate)
     with TestClient(create_app(settings)) as client:
         h = {"Authorization": f"Bearer {TOKEN}"}
         devices = [
@@ -84,7 +84,7 @@ def _group(jobs: list[int], first_post: int, iteration: int) -> telemetry._Rows:
         its = [iteration + i for i in range(ITERATIONS) for _ in range(RANKS)]
         ranks = [r for _ in range(ITERATIONS) for r in range(RANKS)]
         n = len(its)
-        values = {
+        values: dict[str, list[Any]] = {
             "rank": ranks,
             "iteration": its,
             "plan_version": [1] * n,

@@ -22,7 +22,8 @@ def model(seed: int) -> nn.Module:
     from torchvision.models import resnet50 as build
 
     torch.manual_seed(seed)
-    return build(weights=None)
+    net: nn.Module = build(weights=None)  # torchvision is untyped where it is not installed
+    return net
 
 
 def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
