@@ -27,7 +27,7 @@ from server.services.rebalancer import (
     Progress,
     Tracker,
 )
-from server.services.stragglers import Detected, Watch, detect, follow_up
+from server.services.stragglers import Detected, Watch, detect, follow_up, resume
 
 
 @dataclass
@@ -152,7 +152,10 @@ def take_in(session: Session, state: LoopState, job: Job) -> Progress:
     progress = state.trackers.setdefault(job.id, Tracker()).absorb(session, job, rows, columns)
     window = state.windows.setdefault(job.id, FitWindow())
     window.add(session, job, rows, rebalancer.FIT_WINDOW, columns)
-    state.watches.setdefault(job.id, Watch()).add(rows, columns)
+    watch = state.watches.get(job.id)
+    if watch is None:  # a new job, or one under way that this controller took over
+        watch = state.watches[job.id] = resume(session, job)
+    watch.add(rows, columns)
     return progress
 
 
@@ -184,7 +187,8 @@ def sweep_job(
     state.follow(job)
     progress = take_in(session, state, job)
     w = state.watches[job.id]
-    detected: Detected | None = detect(session, job, w, progress) if watch else None
+    window = state.windows.get(job.id)
+    detected: Detected | None = detect(session, job, w, progress, window) if watch else None
     tracker = state.trackers[job.id]
     if tracker.ooms:
         planned = _out_of_memory(session, job, tracker, state.windows.get(job.id))

@@ -19,9 +19,10 @@ def list_events(session: Session, job_id: int, paging: Paging) -> tuple[list[Str
     return page(session, query, paging)
 
 
-def close_open(session: Session, job_id: int) -> int:
-    """Close the job's events still open when it ends (the watch stops with the job): each ends
-    after the job's last reported iteration. Returns how many were closed."""
+def close_open(session: Session, job_id: int, why: str = "job ended") -> int:
+    """Close the job's events still open when it ends or restarts (the watch stops with the
+    attempt: the next one starts a watch of its own, on other devices): each ends after the
+    job's last reported iteration, closed by ``why``. Returns how many were closed."""
     rows = list(
         session.scalars(
             select(StragglerEvent).where(
@@ -37,5 +38,5 @@ def close_open(session: Session, job_id: int) -> int:
     for row in rows:
         end = row.start_iteration + 1 if last is None else int(last) + 1
         row.end_iteration = max(end, row.start_iteration + 1)
-        row.detail = {**(row.detail or {}), "closed_by": "job ended"}
+        row.detail = {**(row.detail or {}), "closed_by": why}
     return len(rows)

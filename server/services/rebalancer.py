@@ -341,6 +341,27 @@ def fits(
     return list(made)
 
 
+def fit_before(job: Job, kept: FitWindow, rank: int, iteration: int) -> ModelFit | None:
+    """``rank``'s model fitted as ``fits`` fits it, on the kept window's iterations before
+    ``iteration`` alone: its speed before a slowdown that began there. None without any."""
+    columns = kept.by_rank().get(rank)
+    if columns is None:
+        return None
+    batch, compute, iterations = columns
+    before = iterations < iteration
+    if not before.any():
+        return None
+    spec = job.job_spec
+    return fit_arrays(
+        batch[before],
+        compute[before],
+        iterations[before],
+        half_life_iterations=HALF_LIFE,
+        max_batch=spec.max_batch_per_worker,
+        granularity=spec.policy.granularity,
+    )
+
+
 def observed(session: Session, job: Job, window: int = FIT_WINDOW) -> dict[int, list[Observation]]:
     """Per rank, the observations of the job's recent window (``window`` iterations back from
     the newest reported), read whole."""

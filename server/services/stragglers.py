@@ -136,6 +136,9 @@ class Watch:
     quiet_since: dict[int, int] = field(default_factory=dict)
     """rank -> the iteration its last event ended: its fits mix slow and normal timings until a
     whole fit window has passed after that."""
+    onsets: dict[int, int] = field(default_factory=dict)
+    """rank -> the onset of its event that was stored open when this watch began, until the
+    watch first feeds its detector (``resume``)."""
     pending: Pending = field(default_factory=Pending)
     """The rows with samples of iterations not fed to the detector yet (``add``): an iteration
     is fed once every rank has reported it."""
@@ -252,9 +255,14 @@ def _refresh_normal(
     """Take the rebalancer's fits as the normal models of ranks that have been quiet (no open
     event, none ended within a fit window): a fit spanning a slowdown would absorb it. From the
     control loop's kept ``window`` when given (else read whole)."""
-    straggling = {e.rank for e in watch.detector.open_events()}
+    straggling = {e.rank for e in watch.detector.open_events()} | watch.onsets.keys()
     for rank in straggling:
         watch.quiet_since[rank] = through
+        if rank in watch.onsets and rank not in watch.normal and window is not None:
+            before = rebalancer.fit_before(job, window, rank, watch.onsets[rank])
+            if before is not None and before.identifiable and before.model is not None:
+                watch.normal[rank] = before.model
+                watch.normal_version += 1
     for rank, fit in enumerate(rebalancer.fits(session, job, kept=window, world=world)):
         if rank in straggling or fit is None or not fit.identifiable or fit.model is None:
             continue
@@ -589,7 +597,37 @@ class Detected:
     """The events it opened, changed or closed (stored already)."""
 
 
-def detect(session: Session, job: Job, watch: Watch, progress: Progress) -> Detected | None:
+def resume(session: Session, job: Job) -> Watch:
+    """A new watch of ``job`` that knows the job's events stored open: those of the watch a
+    controller kept before this one (it failed, or was stopped, and this one took over).
+
+    Started blank, a taken-over watch stored a slowdown still under way as a second event, and
+    neither ever closed: its detector, first fed a window that held the slowdown, had no model
+    of the rank's normal speed and judged the rank against its own slow times. Now the stored
+    event's row is the one the detector's updates go to (an event is its rank and onset), and
+    before the first feed each such rank's normal model is fitted on its iterations before the
+    onset (``_refresh_normal``), the others' on the window, as the old watch had them."""
+    watch = Watch()
+    rows = session.execute(
+        select(EventRow.id, EventRow.rank, EventRow.start_iteration).where(
+            EventRow.job_id == job.id, EventRow.end_iteration.is_(None)
+        )
+    ).all()
+    for row_id, rank, start in rows:
+        if rank is None:
+            continue
+        watch.rows[(rank, start, StragglerKind.DYNAMIC.value)] = row_id
+        watch.onsets[rank] = min(start, watch.onsets.get(rank, start))
+    return watch
+
+
+def detect(
+    session: Session,
+    job: Job,
+    watch: Watch,
+    progress: Progress,
+    window: FitWindow | None = None,
+) -> Detected | None:
     """Feed the detector the iterations every rank has reported since (``Watch.add`` kept them;
     later rows wait in ``watch.pending``) and store the events it opens, changes or closes.
     The first part of a job's watch in a sweep: it reads nothing a rebalance could change (the
@@ -606,6 +644,9 @@ def detect(session: Session, job: Job, watch: Watch, progress: Progress) -> Dete
     if not timings:
         return None
     complete = timings[-1][0]
+    if watch.onsets:  # a taken-over watch: its normal models first (``resume``)
+        _refresh_normal(session, job, watch, complete, window, progress.world)
+        watch.onsets = {}
     updates = watch.detector.observe_iterations(timings, watch.normal or None)
     watch.fed_through = complete
     _store(session, job, watch, updates)

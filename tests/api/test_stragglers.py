@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import random
 import threading
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -17,7 +18,7 @@ from sqlalchemy import select
 from contract.enums import PlanSource
 from server.db import transaction
 from server.models import Job
-from server.services import control_loop, rebalancer, stragglers
+from server.services import control_loop, jobs, rebalancer, stragglers
 from server.stragglers import LadderConfig
 from tests.harness import Api, statements
 
@@ -391,6 +392,40 @@ def test_an_event_written_in_a_sweep_that_rolled_back_is_written_by_the_next_swe
     assert stored[0] == [], "the first failed sweep wrote nothing that stayed"
     assert len(stored[1]) == 1, "the sweep after it wrote the event"
     assert stored[-1] == stored[1], "the second failed sweep left the event as it was"
+
+
+def test_a_controller_that_takes_over_carries_on_the_events_stored_open(api: Api) -> None:
+    """A controller that takes over (the active one failed) starts its watches afresh. A
+    slowdown under way then was stored a second time and neither event ever closed: the new
+    watch's detector, fed a window that held the slowdown, had no model of the rank's normal
+    speed, so the rank never looked recovered and the ladder kept cutting its share. Now the stored
+    event is the one the new watch updates, and it closes when the rank recovers, as it
+    does under the controller that opened it."""
+    c = Cluster(api, "adaptive", slow={2: (60, 140, 3.0)})
+    c.run(100)
+    (opened,) = c.events()
+    assert (opened["rank"], opened["end_iteration"]) == (2, None)
+    c.state = control_loop.LoopState()  # what a controller that takes over starts with
+    c.run(100)
+    (event,) = c.events()
+    assert event["id"] == opened["id"] and event["start_iteration"] == opened["start_iteration"]
+    assert event["end_iteration"] is not None and 138 <= event["end_iteration"] <= 145
+    assert c.plan()["batch_sizes"][2] >= 32, "the recovered rank has its share back"
+
+
+def test_a_restart_closes_the_events_still_open(api: Api) -> None:
+    """The next attempt runs on other devices under a watch of its own: an event of the
+    attempt before it ends with it (it stayed open through every later attempt)."""
+    c = Cluster(api, "adaptive", slow={2: (60, 10**9, 3.0)})
+    c.run(100)
+    sessions = api.client.app.state.context.sessions  # type: ignore[attr-defined]
+    with transaction(sessions) as s:
+        job = s.get(Job, c.job)
+        assert job is not None
+        jobs.restart(s, job, "a rank's host was lost", datetime.now(UTC))
+    (event,) = c.events()
+    assert event["end_iteration"] == 100  # after the last iteration reported (99)
+    assert event["detail"]["closed_by"] == "job restarted"
 
 
 def test_a_sweep_the_ladder_is_asked_in_reads_neither_workers_nor_the_plan_again(
