@@ -11,6 +11,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -242,23 +243,26 @@ def _until_listening(
 ) -> None:
     """Until ``n`` connections of the database are listening, not counting the backends
     ``besides``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        ((count,),) = _rows(
+            db_url,
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+            "AND query LIKE 'LISTEN%' AND NOT pid = ANY(:besides)",
+            besides=list(besides),
+        )
+        if count == n:
+            return
+        assert time.monotonic() < deadline, f"{count} listeners, not {n}"
+        time.sleep(0.05)
+
+
+def _rows(db_url: str, sql: str, **params: object) -> list[tuple[Any, ...]]:
+    """The rows of one query, on a connection of its own to the database of ``db_url``."""
     engine = create_engine(db_url)
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            with engine.connect() as c:
-                count = c.execute(
-                    text(
-                        "SELECT count(*) FROM pg_stat_activity "
-                        "WHERE datname = current_database() AND query LIKE 'LISTEN%' "
-                        "AND NOT pid = ANY(:besides)"
-                    ),
-                    {"besides": list(besides)},
-                ).scalar()
-            if count == n:
-                return
-            assert time.monotonic() < deadline, f"{count} listeners, not {n}"
-            time.sleep(0.05)
+        with engine.connect() as c:
+            return [tuple(row) for row in c.execute(text(sql), params)]
     finally:
         engine.dispose()
 
@@ -295,19 +299,15 @@ def two_servers(db_url: str, tmp_path: Path) -> Iterator[tuple[str, str, list[ob
 def _controller_holder(db_url: str) -> str | None:
     """The application name of the server whose controller holds the advisory lock."""
     key = CONTROLLER_LOCK_KEY & 0xFFFFFFFFFFFFFFFF  # a bigint key: classid high, objid low
-    engine = create_engine(db_url)
-    try:
-        with engine.connect() as c:
-            return c.execute(
-                text(
-                    "SELECT a.application_name FROM pg_locks l JOIN pg_stat_activity a "
-                    "USING (pid) WHERE l.locktype = 'advisory' AND l.granted "
-                    "AND l.objsubid = 1 AND l.classid::bigint = :hi AND l.objid::bigint = :lo"
-                ),
-                {"hi": (key >> 32) & 0xFFFFFFFF, "lo": key & 0xFFFFFFFF},
-            ).scalar()
-    finally:
-        engine.dispose()
+    rows = _rows(
+        db_url,
+        "SELECT a.application_name FROM pg_locks l JOIN pg_stat_activity a "
+        "USING (pid) WHERE l.locktype = 'advisory' AND l.granted "
+        "AND l.objsubid = 1 AND l.classid::bigint = :hi AND l.objid::bigint = :lo",
+        hi=(key >> 32) & 0xFFFFFFFF,
+        lo=key & 0xFFFFFFFF,
+    )
+    return str(rows[0][0]) if rows else None
 
 
 def _until_controller(db_url: str, name: str, timeout: float = 20.0) -> float:
@@ -400,19 +400,12 @@ def test_servers_starting_together_migrate_in_turn(pg_template: str, tmp_path: P
 
 def _names_connected(db_url: str) -> dict[str, int]:
     """Application name -> connections to the database (this query's own left out)."""
-    engine = create_engine(db_url)
-    try:
-        with engine.connect() as c:
-            rows = c.execute(
-                text(
-                    "SELECT application_name, count(*) FROM pg_stat_activity "
-                    "WHERE datname = current_database() AND pid <> pg_backend_pid() "
-                    "GROUP BY application_name"
-                )
-            ).all()
-        return {name: n for name, n in rows}
-    finally:
-        engine.dispose()
+    rows = _rows(
+        db_url,
+        "SELECT application_name, count(*) FROM pg_stat_activity "
+        "WHERE datname = current_database() AND pid <> pg_backend_pid() GROUP BY application_name",
+    )
+    return {str(name): int(n) for name, n in rows}
 
 
 @POSTGRES_ONLY

@@ -187,11 +187,11 @@ def sweep_job(
     state.follow(job)
     progress = take_in(session, state, job)
     w = state.watches[job.id]
-    window = state.windows.get(job.id)
+    window = state.windows[job.id]  # ``take_in`` keeps one for every job it took in
     detected: Detected | None = detect(session, job, w, progress, window) if watch else None
     tracker = state.trackers[job.id]
     if tracker.ooms:
-        planned = _out_of_memory(session, job, tracker, state.windows.get(job.id))
+        planned = _out_of_memory(session, job, tracker, window)
         if planned is not None:
             return [(job.id, planned)]
     now = time.monotonic()
@@ -206,9 +206,7 @@ def sweep_job(
         return []
     last = state.decisions.get(job.id)
     settled = last is not None and not last.exploring
-    version = follow_up(
-        session, job, w, progress, detected, mitigate=settled, window=state.windows.get(job.id)
-    )
+    version = follow_up(session, job, w, progress, detected, mitigate=settled, window=window)
     return [(job.id, version)] if version is not None else []
 
 
