@@ -31,5 +31,6 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("jobs", schema=None) as batch_op:
-        batch_op.drop_column("controls")
+    # In place, not in a batch: see 0029_settled_through (a batch on SQLite drops the table,
+    # and its children's rows with it).
+    op.drop_column("jobs", "controls")

@@ -35,8 +35,8 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("plans", schema=None) as batch_op:
-        batch_op.drop_column("excluded")
+    # In place, not in a batch: see 0029_settled_through (a batch on SQLite drops the table,
+    # and its children's rows with it).
+    op.drop_column("plans", "excluded")
 
-    with op.batch_alter_table("iteration_telemetry", schema=None) as batch_op:
-        batch_op.drop_column("probe")
+    op.drop_column("iteration_telemetry", "probe")

@@ -25,8 +25,9 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("hosts", schema=None) as batch_op:
-        batch_op.drop_column("agent_instance")
+    # In place, not in a batch: see 0029_settled_through (a batch on SQLite drops the table,
+    # and its children's rows with it).
+    op.drop_column("hosts", "agent_instance")
     with op.batch_alter_table("workers", schema=None) as batch_op:
         batch_op.drop_constraint(batch_op.f("uq_workers_token_hash"), type_="unique")
         batch_op.drop_column("token_hash")

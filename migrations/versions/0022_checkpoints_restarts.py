@@ -55,9 +55,10 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("jobs", schema=None) as batch_op:
-        batch_op.drop_column("restart_history")
-        batch_op.drop_column("attempt")
+    # In place, not in a batch: see 0029_settled_through (a batch on SQLite drops the table,
+    # and its children's rows with it).
+    op.drop_column("jobs", "restart_history")
+    op.drop_column("jobs", "attempt")
     with op.batch_alter_table("checkpoints", schema=None) as batch_op:
         batch_op.drop_index(batch_op.f("ix_checkpoints_job_id"))
     op.drop_table("checkpoints")

@@ -22,5 +22,6 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("workers", schema=None) as batch_op:
-        batch_op.drop_column("log_tail")
+    # In place, not in a batch: see 0029_settled_through (a batch on SQLite drops the table,
+    # and its children's rows with it).
+    op.drop_column("workers", "log_tail")

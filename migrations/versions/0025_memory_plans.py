@@ -29,9 +29,9 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("plans", schema=None) as batch_op:
-        batch_op.drop_column("memory_caps")
-    with op.batch_alter_table("iteration_telemetry", schema=None) as batch_op:
-        batch_op.drop_column("pass_size")
-        batch_op.drop_column("oom_batch")
-        batch_op.drop_column("peak_memory_mb")
+    # In place, not in a batch: see 0029_settled_through (a batch on SQLite drops the table,
+    # and its children's rows with it).
+    op.drop_column("plans", "memory_caps")
+    op.drop_column("iteration_telemetry", "pass_size")
+    op.drop_column("iteration_telemetry", "oom_batch")
+    op.drop_column("iteration_telemetry", "peak_memory_mb")
