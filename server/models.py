@@ -198,6 +198,11 @@ class Job(Base):
     departures: Mapped[list[dict[str, Any]] | None] = mapped_column(Json, default=list)
     """One ``contract.api.DepartureOut`` (as JSON) per rank that left the job for good while
     the others went on (``server.services.departures``), oldest first, every attempt's."""
+    settled_through: Mapped[int | None] = mapped_column(Integer, default=None)
+    """The last iteration every rank had reported when the rebalancer first decided on
+    identified models in this attempt (exploring is over); None while it explores. Kept in the
+    job, not only in the controller's memory, so that a controller that takes over does not
+    take a job settled after warm-up (``static``, ``adaptive``) for one still exploring."""
 
     workers: Mapped[list[Worker]] = relationship(
         back_populates="job", order_by="Worker.rank", cascade="all, delete-orphan"

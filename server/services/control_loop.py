@@ -32,8 +32,10 @@ from server.services.stragglers import Detected, Watch, detect, follow_up, resum
 
 @dataclass
 class LoopState:
-    """What the loop remembers about live jobs between rounds (only an optimisation: after a
-    restart it is rebuilt from the database, costing one early decision)."""
+    """What the loop remembers about live jobs between rounds (an optimisation: after a
+    restart, or in a controller that takes over, it is rebuilt from the database, costing one
+    early decision; whether a job's rebalancer has settled is kept in the job, as a settled
+    ``static`` or ``adaptive`` plan must not be made again: ``recall``)."""
 
     decisions: dict[int, LastDecision] = field(default_factory=dict)
     readers: dict[int, NewRows] = field(default_factory=dict)
@@ -68,6 +70,18 @@ class LoopState:
             for table in self._tables():
                 table.pop(job.id, None)
         self.attempts[job.id] = job.attempt
+
+    def recall(self, job: Job) -> None:
+        """Take up what ``job`` keeps of the rebalancer's decisions, and keep it there: a
+        controller that takes over knows a job settled after warm-up from its
+        ``settled_through`` (it would otherwise take the job for one still exploring and plan
+        it again), and a settled mark lost with a sweep that rolled back is written again."""
+        last = self.decisions.get(job.id)
+        if last is None:
+            if job.settled_through is not None:
+                self.decisions[job.id] = LastDecision(job.settled_through, exploring=False)
+        else:
+            _mark_settled(job, last)
 
     def _tables(self) -> tuple[dict[int, Any], ...]:
         return (
@@ -185,6 +199,7 @@ def sweep_job(
     if job is None or JobStatus(job.status).terminal:
         return []
     state.follow(job)
+    state.recall(job)
     progress = take_in(session, state, job)
     w = state.watches[job.id]
     window = state.windows[job.id]  # ``take_in`` keeps one for every job it took in
@@ -268,6 +283,16 @@ def _out_of_memory(
     return version
 
 
+def _mark_settled(job: Job, last: LastDecision) -> None:
+    """Keep the job's ``settled_through`` as the controller's memory has it (written only when
+    that changes: once per attempt, and again if the rebalancer goes back to exploring)."""
+    if last.exploring:
+        if job.settled_through is not None:
+            job.settled_through = None
+    elif job.settled_through is None:
+        job.settled_through = last.through
+
+
 def _rebalance(session: Session, job: Job, state: LoopState, progress: Progress) -> int | None:
     memo = state.decisions
     p = rebalancer.due(job, memo.get(job.id), progress)
@@ -282,6 +307,7 @@ def _rebalance(session: Session, job: Job, state: LoopState, progress: Progress)
         progress=progress,
     )
     memo[job.id] = LastDecision(p.complete_through, decision.exploring)
+    _mark_settled(job, memo[job.id])
     version = rebalancer.apply(session, job, decision, PlanSource.AUTOMATIC, by="rebalancer")
     if version is not None:
         record(

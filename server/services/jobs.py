@@ -231,6 +231,7 @@ def restart(session: Session, job: Job, reason: str, now: datetime) -> None:
     )
     job.restart_history = [*(job.restart_history or []), entry.model_dump(mode="json")]
     job.attempt += 1
+    job.settled_through = None  # the next attempt's ranks are identified afresh
     transition(job, JobStatus.PENDING)
     events.close_open(session, job.id, why="job restarted")  # the watch starts anew with it
     mark_tokens_changed(session, job_ids=[job.id])  # the old attempt's die with its workers

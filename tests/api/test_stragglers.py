@@ -413,6 +413,39 @@ def test_a_controller_that_takes_over_carries_on_the_events_stored_open(api: Api
     assert c.plan()["batch_sizes"][2] >= 32, "the recovered rank has its share back"
 
 
+@pytest.mark.parametrize("policy", ["static", "adaptive"])
+def test_a_controller_that_takes_over_keeps_a_settled_plan(api: Api, policy: str) -> None:
+    """``static`` and ``adaptive`` plan on the measured models once, after warm-up, and keep
+    that plan (adaptive's ladder acts on stragglers by hand-sized cuts it undoes). A controller
+    that took over knew nothing of that decision, took the job for one still exploring and
+    planned it again on the window it saw: in the middle of a 3x slowdown of rank 2, a plan
+    that gave rank 2 no samples, so it was never measured again. Now the job says it has
+    settled, and the new controller reads that."""
+    c = Cluster(api, policy, slow={2: (60, 140, 3.0)})
+    c.run(100)
+    before = [p["version"] for p in c.plans() if p["source"] == "automatic"]
+    assert before, "the rebalancer planned the job during warm-up"
+    sessions = api.client.app.state.context.sessions  # type: ignore[attr-defined]
+    with transaction(sessions) as s:  # a sweep that rolled back leaves the mark unwritten
+        job = s.get(Job, c.job)
+        assert job is not None and job.settled_through is not None
+        job.settled_through = None
+    c.run(1)
+    with transaction(sessions) as s:
+        job = s.get(Job, c.job)
+        assert job is not None and job.settled_through is not None, "written again"
+    c.state = control_loop.LoopState()  # what a controller that takes over starts with
+    c.run(100)
+    made = [p for p in c.plans() if p["source"] == "automatic" and p["version"] > before[-1]]
+    if policy == "static":
+        assert made == [], "a static job's plan never changes after warm-up"
+    else:
+        assert all(p["reason"].startswith("straggler ladder") for p in made), [
+            p["reason"] for p in made
+        ]
+    assert min(c.plan()["batch_sizes"]) > 0
+
+
 def test_a_restart_closes_the_events_still_open(api: Api) -> None:
     """The next attempt runs on other devices under a watch of its own: an event of the
     attempt before it ends with it (it stayed open through every later attempt)."""
@@ -421,11 +454,14 @@ def test_a_restart_closes_the_events_still_open(api: Api) -> None:
     sessions = api.client.app.state.context.sessions  # type: ignore[attr-defined]
     with transaction(sessions) as s:
         job = s.get(Job, c.job)
-        assert job is not None
+        assert job is not None and job.settled_through is not None
         jobs.restart(s, job, "a rank's host was lost", datetime.now(UTC))
     (event,) = c.events()
     assert event["end_iteration"] == 100  # after the last iteration reported (99)
     assert event["detail"]["closed_by"] == "job restarted"
+    with transaction(sessions) as s:
+        job = s.get(Job, c.job)
+        assert job is not None and job.settled_through is None, "the next attempt explores"
 
 
 def test_a_sweep_the_ladder_is_asked_in_reads_neither_workers_nor_the_plan_again(
