@@ -156,7 +156,8 @@ class Metrics:
             "thread (from the slot to a worker thread running it: the process's CPU) and "
             "transaction (its statements and commit: lock waits and the database included); "
             "report_lock (within transaction, of those that took jobs' report locks: the wait "
-            "for them)",
+            "for them); advance (within transaction, of groups whose reports may move jobs "
+            "on: the transaction after their commit that advances those jobs)",
             ["phase"],
             registry=self.registry,
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2.5, 5, 10, 30),

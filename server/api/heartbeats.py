@@ -253,6 +253,7 @@ def _advance(context: AppContext, pending: Mapping[int, int], now: datetime) -> 
     """The jobs (id: attempt) that reports committed before this may have moved on, advanced
     (``jobs.ready_to_advance``, ``jobs.advance_jobs``)."""
     waited: list[float] = []
+    began = time.perf_counter()
 
     def once() -> None:
         with context.transaction(write=True) as session:
@@ -260,5 +261,6 @@ def _advance(context: AppContext, pending: Mapping[int, int], now: datetime) -> 
             waited[:] = [session.info.get(jobs.REPORT_LOCK_WAIT, -1.0)]
 
     run_retrying(once, TRANSACTION_ATTEMPTS, "jobs advanced by heartbeats")
+    context.metrics.heartbeat_phases.labels("advance").observe(time.perf_counter() - began)
     if waited and waited[0] >= 0:  # (the last try's: a try run again has a new session)
         context.metrics.heartbeat_phases.labels("report_lock").observe(waited[0])
