@@ -93,6 +93,12 @@ REAP_ATTEMPTS = 3
 aborts it for another's sake (``db.retryable``)."""
 
 
+ROUND_GIVES_UP_AFTER = 3
+"""A round ends (logged as failed) once this many job sweeps in a row have failed: the
+database is likely away, and every job left would fail the same way. Fewer are logged and the
+round goes on with the other jobs (``Controller._sweep_round``)."""
+
+
 class Controller:
     """Rounds of the control loop and the reaper while :meth:`run`'s ``stop`` is unset."""
 
@@ -260,10 +266,20 @@ class Controller:
         is read first, outside the writer lock (``control_loop.prefetch``). Jobs poked as
         urgent go first, also those poked while the round is under way (``poke``)."""
         started, cpu = time.perf_counter(), time.thread_time()
+        mark = self.state.telemetry_mark
         with transaction(self.sessions) as s:
             live = control_loop.live_jobs(s)
             due = control_loop.jobs_to_sweep(s, self.state, live)
+        try:
+            self._sweep_round(started, cpu, live, due)
+        except BaseException:  # the jobs left unswept are found fresh again next round
+            self.state.telemetry_mark = mark
+            raise
+
+    def _sweep_round(self, started: float, cpu: float, live: list[int], due: list[int]) -> None:
+        """``sweep``'s jobs, ``due`` and those poked meanwhile, one after another."""
         live_ids, queue, swept = set(live), deque(due), set()
+        failed_in_a_row = 0
         urgent: deque[int] = deque()
         paced = 0.0
         next_hot = next_live = time.monotonic() + HOT_CHECK_S
@@ -296,7 +312,7 @@ class Controller:
                 break
             swept.add(job_id)
             before = time.thread_time()
-            self._sweep_job(job_id)
+            failed_in_a_row = self._sweep_one(job_id, failed_in_a_row)
             if self.pace is not None:  # urgent or not, what it took is paid back
                 self.pace.spend(time.thread_time() - before)
         self.state.forget(live_ids)
@@ -335,14 +351,37 @@ class Controller:
         self._hot_seen.update(newest)
         return sorted(news)
 
+    def _sweep_one(self, job_id: int, failed_in_a_row: int) -> int:
+        """``_sweep_job`` within a round; returns how many sweeps in a row have failed. One
+        job's failing sweep (a deadlock, a bug its data brings out) is logged and the round goes
+        on: it ended the round, and the jobs queued after it were never swept while it kept
+        failing. ``ROUND_GIVES_UP_AFTER`` in a row end the round: the database is away."""
+        try:
+            self._sweep_job(job_id)
+        except Exception:
+            if failed_in_a_row + 1 >= ROUND_GIVES_UP_AFTER:
+                raise
+            log.exception("sweep of job %d failed; the round goes on", job_id)
+            return failed_in_a_row + 1
+        return 0
+
     def _sweep_job(self, job_id: int) -> None:
+        """Sweep one job in a transaction of its own. One that fails leaves nothing of the
+        job in ``state``: what the sweep read and decided there (rows taken in, a decision
+        made, a ladder step) went with its transaction, and kept, it was taken for done (a
+        static job whose one plan after warm-up rolled back was never planned again). The
+        next sweep takes the job up from the database, as a controller that takes over does."""
         self.state.swept_at[job_id] = time.monotonic()
-        if self.prefetch:  # reads only, outside SQLite's writer lock
-            with transaction(self.sessions) as s:
-                control_loop.prefetch(s, self.state, job_id)
-        with self.write_lock, transaction(self.sessions) as s:
-            for job, version in control_loop.sweep_job(s, self.state, job_id):
-                log.info("job %d: plan v%d", job, version)
+        try:
+            if self.prefetch:  # reads only, outside SQLite's writer lock
+                with transaction(self.sessions) as s:
+                    control_loop.prefetch(s, self.state, job_id)
+            with self.write_lock, transaction(self.sessions) as s:
+                for job, version in control_loop.sweep_job(s, self.state, job_id):
+                    log.info("job %d: plan v%d", job, version)
+        except BaseException:
+            self.state.drop(job_id)
+            raise
 
     def placements(self, stop: threading.Event, done: threading.Event) -> None:
         """Place pending jobs whenever asked (``poke`` with ``PLACEMENT``, or the reaper freed

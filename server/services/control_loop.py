@@ -64,11 +64,15 @@ class LoopState:
             for job_id in set(table) - live:
                 del table[job_id]
 
+    def drop(self, job_id: int) -> None:
+        """Forget all about ``job_id``: its next sweep takes it up from the database."""
+        for table in self._tables():
+            table.pop(job_id, None)
+
     def follow(self, job: Job) -> None:
         """Forget what was learnt about an earlier attempt of ``job``."""
         if self.attempts.get(job.id, job.attempt) != job.attempt:
-            for table in self._tables():
-                table.pop(job.id, None)
+            self.drop(job.id)
         self.attempts[job.id] = job.attempt
 
     def recall(self, job: Job) -> None:
@@ -293,9 +297,23 @@ def _mark_settled(job: Job, last: LastDecision) -> None:
         job.settled_through = last.through
 
 
+def _last_decision(state: LoopState, job: Job) -> LastDecision | None:
+    """The rebalancer's last decision on ``job``, as this controller remembers it. One that
+    has none (it took over, or forgot the job with a sweep that failed) and finds the job not
+    settled under a plan the rebalancer made knows that plan was made while exploring (a
+    decision on identified models marks the job settled in the same transaction): it is
+    replaced once the models are identified, whatever the gain, as it would have been."""
+    last = state.decisions.get(job.id)
+    if last is None and job.settled_through is None:
+        plan = state.trackers[job.id].plan
+        if plan is not None and PlanSource(plan.source) is PlanSource.AUTOMATIC:
+            last = state.decisions[job.id] = LastDecision(-1, exploring=True)
+    return last
+
+
 def _rebalance(session: Session, job: Job, state: LoopState, progress: Progress) -> int | None:
     memo = state.decisions
-    p = rebalancer.due(job, memo.get(job.id), progress)
+    p = rebalancer.due(job, _last_decision(state, job), progress)
     if p is None or p.complete_through is None:
         return None
     last = memo.get(job.id)

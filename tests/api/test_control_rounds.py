@@ -118,6 +118,39 @@ def test_urgent_jobs_are_swept_first_even_when_poked_mid_round(
     assert order == [jobs[1]]
 
 
+def test_one_jobs_failing_sweep_does_not_stop_the_others(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job whose sweep fails (a bug its data brings out, a deadlock) ended the round, and the
+    jobs queued after it were never swept while it kept failing. Now the round goes on with
+    them, and the failing job is taken up afresh next time; a round ends early only once
+    several sweeps in a row fail (the database is away)."""
+    jobs = _jobs_on_hosts(api, "abcd")
+    controller = _controller(api)
+    swept: list[int] = []
+    failing = {jobs[0], jobs[2]}
+    real = control_loop.sweep_job
+
+    def sweep_job(session: Any, state: Any, job_id: int, **kw: Any) -> Any:
+        swept.append(job_id)
+        out = real(session, state, job_id, **kw)
+        if job_id in failing:
+            raise RuntimeError(f"job {job_id}'s data brings out a bug")
+        return out
+
+    monkeypatch.setattr(control_loop, "sweep_job", sweep_job)
+    controller.sweep()
+    assert sorted(swept) == sorted(jobs), "every job swept, those after a failing one too"
+    assert set(controller.state.trackers) == {jobs[1], jobs[3]}, "the failed ones forgotten"
+    failing.update(jobs)
+    swept.clear()
+    for job in jobs:
+        _post(api, job, range(0, 3))
+    with pytest.raises(RuntimeError):
+        controller.sweep()
+    assert len(swept) == controller_module.ROUND_GIVES_UP_AFTER
+
+
 def _until(check: Any, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not check():

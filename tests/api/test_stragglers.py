@@ -6,6 +6,7 @@ background loop would."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import random
 import threading
@@ -16,6 +17,7 @@ import pytest
 from sqlalchemy import select
 
 from contract.enums import PlanSource
+from server.controller import Controller
 from server.db import transaction
 from server.models import Job
 from server.services import control_loop, jobs, rebalancer, stragglers
@@ -118,8 +120,13 @@ class Cluster:
             sessions = self.api.client.app.state.context.sessions  # type: ignore[attr-defined]
             if self.prefetch:
                 self._prefetch_while_a_writer_holds_the_lock(sessions)
-            with transaction(sessions) as s:
-                control_loop.sweep(s, self.state)
+            self.sweep()
+
+    def sweep(self) -> None:
+        """A controller's round (one sweep of every job, in one transaction)."""
+        sessions = self.api.client.app.state.context.sessions  # type: ignore[attr-defined]
+        with transaction(sessions) as s:
+            control_loop.sweep(s, self.state)
 
     def sizes(self, planned: list[int]) -> list[int]:
         """Each rank's batch this iteration: its plan's, or its share of an epoch's tail."""
@@ -444,6 +451,44 @@ def test_a_controller_that_takes_over_keeps_a_settled_plan(api: Api, policy: str
             p["reason"] for p in made
         ]
     assert min(c.plan()["batch_sizes"]) > 0
+
+
+def test_a_static_plan_made_in_a_sweep_that_rolled_back_is_made_again(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``static`` job is planned on its measured models once, after warm-up. The controller
+    remembered that decision in memory even when the sweep that made it rolled back (the
+    database went away before its commit), so the plan was never stored and never made again:
+    the job ran on its warm-up plan for good. Now a failed sweep leaves nothing of the job in
+    the controller's memory, and the next one decides again."""
+    c = Cluster(api, "static", slow={})
+    context = api.client.app.state.context  # type: ignore[attr-defined]
+    controller = Controller(context.settings, engine=context.engine, sessions=context.sessions)
+    c.state = controller.state
+    c.state.min_decision_interval_s = 0.0  # a decision whenever due, as the test's rounds
+    real = control_loop.record
+    failed: list[str] = []
+
+    def record(session: Any, who: str, action: str, target: str, detail: Any = None) -> None:
+        settling = action == "plan.automatic" and not detail["reason"].startswith("exploring")
+        if settling and not failed:
+            failed.append(detail["reason"])
+            raise RuntimeError("the database went away before the sweep's commit")
+        real(session, who, action, target, detail)
+
+    monkeypatch.setattr(control_loop, "record", record)
+    monkeypatch.setattr(c, "sweep", controller.sweep)
+    for _ in range(60):
+        with contextlib.suppress(RuntimeError):
+            c.run(1)
+    assert failed, "the sweep that settled the job failed"
+    settled = [
+        p
+        for p in c.plans()
+        if p["source"] == "automatic" and not p["reason"].startswith("exploring")
+    ]
+    assert len(settled) == 1, [p["reason"] for p in c.plans()]
+    assert c.plan()["version"] == settled[0]["version"]
 
 
 def test_a_restart_closes_the_events_still_open(api: Api) -> None:
