@@ -6,7 +6,7 @@ from typing import Any
 
 from alembic import command
 from fastapi.testclient import TestClient
-from sqlalchemy import inspect
+from sqlalchemy import inspect, text
 
 from server.app import create_app
 from server.db import alembic_config, make_engine, migrate
@@ -118,3 +118,37 @@ def test_downgrading_keeps_the_rows_of_the_tables_that_stay(db_url: str) -> None
     with engine.connect() as c:
         assert tuple(c.exec_driver_sql(counts).one()) == before
     engine.dispose()
+
+
+def test_the_jobs_settled_before_the_upgrade_are_marked_settled(db_url: str) -> None:
+    """Migration 0029 marks the live jobs the rebalancer had already planned on identified
+    models as settled (else the controller after the upgrade would replace their plan as one
+    made on guesses); a job still exploring, or one not live, is left unmarked."""
+    with TestClient(create_app(make_settings(db_url))) as client:
+        api = driven(client)
+        api.register("h", devices=6)
+        jobs = [int(api.submit(workers=2, global_batch=32)["id"]) for _ in range(3)]  # type: ignore[call-overload]
+    engine = make_engine(db_url)
+    command.downgrade(alembic_config(engine), "0028_telemetry_key_order")
+    reasons = {
+        jobs[0]: "minmax: predicted 9.0 ms per iteration, 10.0% less than 10.0 ms",
+        jobs[1]: "exploring: rank(s) 0, 1 seen at one batch size; planned on guesses",
+        jobs[2]: "minmax: predicted 9.0 ms per iteration, 10.0% less than 10.0 ms",
+    }
+    with engine.begin() as c:
+        c.exec_driver_sql("UPDATE jobs SET status = 'running'")
+        c.exec_driver_sql(f"UPDATE jobs SET status = 'succeeded' WHERE id = {jobs[2]}")
+        for job, reason in reasons.items():
+            c.execute(
+                text(
+                    "INSERT INTO plans (job_id, version, batch_sizes, excluded, global_batch, "
+                    "source, reason, created_at) VALUES (:job, 2, '[20, 12]', '[]', 32, "
+                    "'automatic', :reason, CURRENT_TIMESTAMP)"
+                ),
+                {"job": job, "reason": reason},
+            )
+    command.upgrade(alembic_config(engine), "head")
+    with engine.connect() as c:
+        marks = dict(c.execute(text("SELECT id, settled_through FROM jobs")).all())
+    engine.dispose()
+    assert marks == {jobs[0]: 0, jobs[1]: None, jobs[2]: None}

@@ -23,9 +23,23 @@ branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
 
+SETTLED_BEFORE = sa.text(
+    "UPDATE jobs SET settled_through = 0 "
+    "WHERE attempt = 0 AND status IN ('starting', 'running') AND EXISTS ("
+    "SELECT 1 FROM plans WHERE plans.job_id = jobs.id AND plans.source = 'automatic' "
+    "AND plans.reason NOT LIKE :exploring)"
+).bindparams(exploring="%exploring:%")
+"""The live jobs the rebalancer had settled before the upgrade: those with a plan it made on
+identified models (every plan made while exploring says ``exploring:``). Without the mark, the
+controller started after the upgrade would take their automatic plan in force for one made on
+guesses and replace it. A job on its second attempt or later is left to explore again (its
+plans before the restart are not its attempt's)."""
+
+
 def upgrade() -> None:
     with op.batch_alter_table("jobs", schema=None) as batch_op:
         batch_op.add_column(sa.Column("settled_through", sa.Integer(), nullable=True))
+    op.execute(SETTLED_BEFORE)
 
 
 def downgrade() -> None:
