@@ -93,6 +93,11 @@ REAP_ATTEMPTS = 3
 aborts it for another's sake (``db.retryable``)."""
 
 
+SWEEP_RETRY_MAX_S = 30.0
+"""A job whose sweeps keep failing is tried again after 1, 2, 4, ... s, at most this long: each
+try takes the job up afresh from the database (``Controller._sweep_job``), which for a long job
+is a read of its fit window and history, so one failing job is not that cost every round."""
+
 ROUND_GIVES_UP_AFTER = 3
 """A round ends (logged as failed) once this many job sweeps in a row have failed: the
 database is likely away, and every job left would fail the same way. Fewer are logged and the
@@ -118,6 +123,8 @@ class Controller:
         """Read a job's new telemetry before taking the writer lock; without one (PostgreSQL)
         the round's one transaction reads it, and a second read would double the cost."""
         self.state = control_loop.LoopState(min_decision_interval_s=1.0)
+        self._failing: dict[int, tuple[int, float]] = {}
+        """Jobs whose last sweep failed: (failures in a row, monotonic time of the next try)."""
         self.rounds = 0
         self._wake = threading.Event()
         self._sweep_now = False
@@ -316,6 +323,7 @@ class Controller:
             if self.pace is not None:  # urgent or not, what it took is paid back
                 self.pace.spend(time.thread_time() - before)
         self.state.forget(live_ids)
+        self._failing = {j: f for j, f in self._failing.items() if j in live_ids}
         self.rounds += 1
         self.round_stats.add(
             1000 * (time.perf_counter() - started),
@@ -356,13 +364,21 @@ class Controller:
         job's failing sweep (a deadlock, a bug its data brings out) is logged and the round goes
         on: it ended the round, and the jobs queued after it were never swept while it kept
         failing. ``ROUND_GIVES_UP_AFTER`` in a row end the round: the database is away."""
+        failures, next_try = self._failing.get(job_id, (0, 0.0))
+        if time.monotonic() < next_try:
+            return failed_in_a_row  # failed lately: tried again after its wait
         try:
             self._sweep_job(job_id)
         except Exception:
+            wait = min(SWEEP_RETRY_MAX_S, 2.0**failures)
+            self._failing[job_id] = (failures + 1, time.monotonic() + wait)
             if failed_in_a_row + 1 >= ROUND_GIVES_UP_AFTER:
                 raise
-            log.exception("sweep of job %d failed; the round goes on", job_id)
+            log.exception(
+                "sweep of job %d failed; the round goes on (next try in %g s)", job_id, wait
+            )
             return failed_in_a_row + 1
+        self._failing.pop(job_id, None)
         return 0
 
     def _sweep_job(self, job_id: int) -> None:

@@ -123,8 +123,8 @@ def test_one_jobs_failing_sweep_does_not_stop_the_others(
 ) -> None:
     """A job whose sweep fails (a bug its data brings out, a deadlock) ended the round, and the
     jobs queued after it were never swept while it kept failing. Now the round goes on with
-    them, and the failing job is taken up afresh next time; a round ends early only once
-    several sweeps in a row fail (the database is away)."""
+    them, and the failing job is taken up afresh after a wait (each try re-reads its history);
+    a round ends early only once several sweeps in a row fail (the database is away)."""
     jobs = _jobs_on_hosts(api, "abcd")
     controller = _controller(api)
     swept: list[int] = []
@@ -142,10 +142,16 @@ def test_one_jobs_failing_sweep_does_not_stop_the_others(
     controller.sweep()
     assert sorted(swept) == sorted(jobs), "every job swept, those after a failing one too"
     assert set(controller.state.trackers) == {jobs[1], jobs[3]}, "the failed ones forgotten"
-    failing.update(jobs)
     swept.clear()
     for job in jobs:
         _post(api, job, range(0, 3))
+    controller.sweep()
+    assert sorted(swept) == sorted([jobs[1], jobs[3]]), "the failed ones wait before a new try"
+    controller._failing.clear()  # (their waits over)
+    failing.update(jobs)
+    swept.clear()
+    for job in jobs:
+        _post(api, job, range(3, 6))
     with pytest.raises(RuntimeError):
         controller.sweep()
     assert len(swept) == controller_module.ROUND_GIVES_UP_AFTER
