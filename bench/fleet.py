@@ -1301,6 +1301,10 @@ async def run(srv: Server, db_url: str, args: argparse.Namespace) -> dict[str, A
         await fleet.register()
         out: dict[str, Any] = {"setup_s": round(time.monotonic() - t0, 1)}
         progress(f"{args.hosts} hosts registered in {out['setup_s']} s")
+        # One connection per host held open, as each agent holds its own: the fleet's bursts
+        # (a job's hosts at its start and end, heartbeats held in the database) go on them.
+        await fleet.http.open(args.hosts)
+        out["connections_opened_ahead"] = args.hosts
         # The straggler job alone (only heartbeats besides it) gives the baseline delay.
         alone = await fleet.submit(size=8, straggler=True)
         if alone is None:

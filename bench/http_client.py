@@ -194,8 +194,8 @@ class LeanClient:
         try:
             async with asyncio.timeout(self.timeout_s):
                 t0 = time.perf_counter()
-                conn = await self._take()
-                connect_s = time.perf_counter() - t0 if conn.served == 0 else None
+                conn, opened = await self._take()
+                connect_s = time.perf_counter() - t0 if opened else None
                 status, answer = await conn.send(request)
                 return Timed(status, answer, conn.app_s, connect_s)
         finally:
@@ -203,7 +203,26 @@ class LeanClient:
                 self._give_back(conn)
             self._slots.release()
 
-    async def _take(self) -> _Connection:
+    async def open(self, n: int, at_once: int = 64) -> None:
+        """Open ``n`` connections ahead (``at_once`` at a time) and keep them idle for the
+        requests to come, as a fleet's agents each hold one kept alive (each heartbeats every
+        2 s). Opened as a burst needed them instead, the first request on each waited seconds
+        at a loaded server: every one of 161 heartbeats that waited over 3 s outside the app
+        in a 1,250-host run did (bench/fleet.py, ``docs/capacity.md``'s thirtieth day)."""
+        loop = asyncio.get_running_loop()
+        gate = asyncio.Semaphore(at_once)
+
+        async def one() -> None:
+            async with gate:
+                _, conn = await loop.create_connection(_Connection, self.host, self.port)
+            self._open.add(conn)
+            conn.idle_since = time.monotonic()
+            self._idle.append(conn)
+
+        await asyncio.gather(*(one() for _ in range(n)))
+
+    async def _take(self) -> tuple[_Connection, bool]:
+        """An idle connection, or one opened now (then True)."""
         now = time.monotonic()
         while self._idle:
             # The least recently used: every open connection stays in use, as each agent's own
@@ -212,12 +231,12 @@ class LeanClient:
             # connection waited seconds for the server at 1,250 hosts (bench/fleet.py).
             conn = self._idle.popleft()
             if conn.reusable and now - conn.idle_since < IDLE_CLOSE_S:
-                return conn
+                return conn, False
             self._drop(conn)
         loop = asyncio.get_running_loop()
         _, conn = await loop.create_connection(_Connection, self.host, self.port)
         self._open.add(conn)
-        return conn
+        return conn, True
 
     def _give_back(self, conn: _Connection) -> None:
         if conn.reusable and conn.waiter is None:

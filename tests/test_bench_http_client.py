@@ -217,3 +217,28 @@ def test_kept_alive_connections_carry_many_requests() -> None:
             return per_connection
 
     assert asyncio.run(go()) == [5]
+
+
+def test_connections_opened_ahead_carry_a_burst_and_none_is_opened_for_it() -> None:
+    """A fleet's agents each hold a connection: the generator opens one per host ahead, and a
+    burst of requests then goes on those, none on a connection opened for it (the first request
+    on such a one waited seconds at a loaded server)."""
+
+    async def go() -> tuple[list[float | None], list[int], int]:
+        answer = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+        async with _raw_server(answer, close_after=False) as (url, per_connection):
+            client = LeanClient(url, limit=10)
+            await client.open(4, at_once=2)
+            opened = client.connections
+            timed = await asyncio.gather(*(client.request_timed("GET", "/x") for _ in range(4)))
+            burst = [t.connect_s for t in timed]
+            more = await asyncio.gather(*(client.request_timed("GET", "/x") for _ in range(5)))
+            burst.append(next(t.connect_s for t in more if t.connect_s is not None))
+            await client.close()
+            return burst, sorted(per_connection), opened
+
+    connects, per_connection, opened = asyncio.run(go())
+    assert opened == 4
+    assert connects[:4] == [None] * 4, "the burst went on the connections opened ahead"
+    assert connects[4] is not None and connects[4] >= 0, "a fifth at once needs a new one"
+    assert per_connection == [1, 2, 2, 2, 2]
