@@ -93,6 +93,7 @@ REAP_ATTEMPTS = 3
 aborts it for another's sake (``db.retryable``)."""
 
 
+SWEEP_RETRY_FIRST_S = 1.0
 SWEEP_RETRY_MAX_S = 30.0
 """A job whose sweeps keep failing is tried again after 1, 2, 4, ... s, at most this long: each
 try takes the job up afresh from the database (``Controller._sweep_job``), which for a long job
@@ -370,7 +371,7 @@ class Controller:
         try:
             self._sweep_job(job_id)
         except Exception:
-            wait = min(SWEEP_RETRY_MAX_S, 2.0**failures)
+            wait = min(SWEEP_RETRY_MAX_S, SWEEP_RETRY_FIRST_S * 2.0**failures)
             self._failing[job_id] = (failures + 1, time.monotonic() + wait)
             if failed_in_a_row + 1 >= ROUND_GIVES_UP_AFTER:
                 raise

@@ -102,15 +102,18 @@ def test_the_telemetry_keys_new_order_keeps_rows_and_dedupes_both_ways(db_url: s
 def test_downgrading_keeps_the_rows_of_the_tables_that_stay(db_url: str) -> None:
     """A downgrade that drops a column of ``jobs`` or ``workers`` must not take their rows (or
     those that hang off them) with it. On SQLite a batch copies the table and drops the old
-    one, and dropping ``jobs`` deleted every job's workers and plans (their keys cascade): a
-    downgrade by one revision emptied the cluster's jobs."""
+    one, and dropping ``jobs`` deleted every job's workers, plans and telemetry (their keys
+    cascade): a downgrade by one revision left the jobs with nothing of theirs."""
     with TestClient(create_app(make_settings(db_url))) as client:
         api = driven(client)
         api.register("h", devices=2)
         job = int(api.submit(workers=2, global_batch=32)["id"])  # type: ignore[call-overload]
         _post(client, job, range(3))
     engine = make_engine(db_url)
-    counts = "SELECT (SELECT count(*) FROM jobs), (SELECT count(*) FROM workers), (SELECT count(*) FROM plans), (SELECT count(*) FROM iteration_telemetry)"
+    counts = "SELECT " + ", ".join(
+        f"(SELECT count(*) FROM {table})"
+        for table in ("jobs", "workers", "plans", "iteration_telemetry")
+    )
     with engine.connect() as c:
         before = tuple(c.exec_driver_sql(counts).one())
     assert before == (1, 2, 1, 6)
