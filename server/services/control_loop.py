@@ -76,16 +76,23 @@ class LoopState:
         self.attempts[job.id] = job.attempt
 
     def recall(self, job: Job) -> None:
-        """Take up what ``job`` keeps of the rebalancer's decisions, and keep it there: a
-        controller that takes over knows a job settled after warm-up from its
-        ``settled_through`` (it would otherwise take the job for one still exploring and plan
-        it again), and a settled mark lost with a sweep that rolled back is written again."""
+        """Take up what ``job`` keeps of the rebalancer's decisions, and keep it there (after
+        ``take_in``: it reads the tracker's plan). A controller without a memory of the job (it
+        took over, or forgot the job with a sweep that failed) knows a job settled after
+        warm-up from its ``settled_through`` (else it would take the job for one still
+        exploring and plan it again), and an unsettled job's automatic plan for one made while
+        exploring (a decision on identified models marks the job settled in the same
+        transaction): replaced once the models are identified, whatever the gain, as it would
+        have been. A settled mark lost with a sweep that rolled back is written again."""
         last = self.decisions.get(job.id)
-        if last is None:
-            if job.settled_through is not None:
-                self.decisions[job.id] = LastDecision(job.settled_through, exploring=False)
-        else:
+        if last is not None:
             _mark_settled(job, last)
+        elif job.settled_through is not None:
+            self.decisions[job.id] = LastDecision(job.settled_through, exploring=False)
+        else:
+            plan = self.trackers[job.id].plan
+            if plan is not None and PlanSource(plan.source) is PlanSource.AUTOMATIC:
+                self.decisions[job.id] = LastDecision(-1, exploring=True)
 
     def _tables(self) -> tuple[dict[int, Any], ...]:
         return (
@@ -203,8 +210,8 @@ def sweep_job(
     if job is None or JobStatus(job.status).terminal:
         return []
     state.follow(job)
-    state.recall(job)
     progress = take_in(session, state, job)
+    state.recall(job)
     w = state.watches[job.id]
     window = state.windows[job.id]  # ``take_in`` keeps one for every job it took in
     detected: Detected | None = detect(session, job, w, progress, window) if watch else None
@@ -297,23 +304,9 @@ def _mark_settled(job: Job, last: LastDecision) -> None:
         job.settled_through = last.through
 
 
-def _last_decision(state: LoopState, job: Job) -> LastDecision | None:
-    """The rebalancer's last decision on ``job``, as this controller remembers it. One that
-    has none (it took over, or forgot the job with a sweep that failed) and finds the job not
-    settled under a plan the rebalancer made knows that plan was made while exploring (a
-    decision on identified models marks the job settled in the same transaction): it is
-    replaced once the models are identified, whatever the gain, as it would have been."""
-    last = state.decisions.get(job.id)
-    if last is None and job.settled_through is None:
-        plan = state.trackers[job.id].plan
-        if plan is not None and PlanSource(plan.source) is PlanSource.AUTOMATIC:
-            last = state.decisions[job.id] = LastDecision(-1, exploring=True)
-    return last
-
-
 def _rebalance(session: Session, job: Job, state: LoopState, progress: Progress) -> int | None:
     memo = state.decisions
-    p = rebalancer.due(job, _last_decision(state, job), progress)
+    p = rebalancer.due(job, memo.get(job.id), progress)
     if p is None or p.complete_through is None:
         return None
     last = memo.get(job.id)
