@@ -266,6 +266,9 @@ class HostAnswers:
         self._generations: dict[int, int] = {}
         self._epoch = 0
         """Bumped when every answer is dropped at once."""
+        self._launched: set[int] = set()
+        """Hosts whose last answer handed out launch credentials, so was not kept
+        (:meth:`launched`): why their next heartbeat goes to the database."""
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
@@ -289,12 +292,13 @@ class HostAnswers:
         return answer.body
 
     def why_missed(self, host_id: int, heartbeat: Heartbeat, principal: object) -> str:
-        """Why :meth:`get` had no answer for ``heartbeat``: ``none`` (none held: the host's
-        first heartbeat here, or a change dropped it), ``expired`` (``ttl_s`` passed),
+        """Why :meth:`get` had no answer for ``heartbeat``: ``launch`` (the host's last answer
+        handed out launch credentials, which are never repeated), ``none`` (none held: the
+        host's first heartbeat here, or a change dropped it), ``expired`` (``ttl_s`` passed),
         ``token`` (another credential sent it) or ``report`` (it reports something new)."""
         answer = self._answers.get(host_id)
         if answer is None:
-            return "none"
+            return "launch" if host_id in self._launched else "none"
         return self._why_not(answer, heartbeat, principal) or "report"
 
     def _why_not(self, answer: Answer, heartbeat: Heartbeat, principal: object) -> str | None:
@@ -360,6 +364,17 @@ class HostAnswers:
                 self._answers.clear()
             expires = self.clock() + self.ttl_s
             self._answers[host_id] = Answer(heartbeat, principal, body, expires, raw, fewer_alike)
+            self._launched.discard(host_id)
+
+    def launched(self, host_id: int) -> None:
+        """The host was answered with launch credentials, and the answer not kept: each one
+        retires the last, so the next heartbeat goes to the database whatever it says. Only
+        for :meth:`why_missed`: at a job's start that is one of a host's two database
+        heartbeats, which counted as ``none``, as if a change had dropped an answer."""
+        with self._lock:
+            if len(self._launched) >= self.maxsize:
+                self._launched.clear()
+            self._launched.add(host_id)
 
     def invalidate(self, host_ids: Iterable[int]) -> None:
         """Drop the answers of ``host_ids`` (all of them with :data:`EVERY_HOST`)."""
@@ -368,9 +383,11 @@ class HostAnswers:
                 if host_id == EVERY_HOST:
                     self._answers.clear()
                     self._generations.clear()
+                    self._launched.clear()
                     self._epoch += 1
                     continue
                 self._answers.pop(host_id, None)
+                self._launched.discard(host_id)
                 if len(self._generations) >= self.maxsize:
                     self._generations.clear()
                     self._epoch += 1

@@ -135,7 +135,8 @@ class Metrics:
         )
         self.heartbeat_misses = Counter(
             "evenflow_heartbeat_database_reasons",
-            "Heartbeats worked out in the database, by why memory had no answer: none (the "
+            "Heartbeats worked out in the database, by why memory had no answer: launch (the "
+            "host's last answer handed out launch credentials, never repeated), none (the "
             "host's first here, or a change dropped its answer), expired (the answer's TTL, "
             "EVENFLOW_HEARTBEAT_ANSWER_TTL_S), token (another credential) or report (something "
             "new reported)",

@@ -661,6 +661,23 @@ def test_metrics_say_why_each_heartbeat_went_to_the_database(
     assert _reasons(api) == {"none": 1.0, "expired": 1.0, "report": 1.0, "token": 1.0}
 
 
+def test_the_heartbeat_after_a_launch_says_why_it_went_to_the_database(api: Api) -> None:
+    """The answer that hands out launch credentials is never repeated, so the host's next
+    heartbeat goes to the database: for ``launch``, not ``none`` as if a change had dropped
+    its answer (at a job's start that is half of its hosts' database heartbeats)."""
+    host = api.register("h", devices=1)
+    assert _beat(api, host, []).status_code == 200
+    assert _reasons(api) == {"none": 1.0}
+    api.submit(workers=1)
+    answer = _beat(api, host, []).json()  # the placement dropped the host's answer
+    assert [a["worker_token"] is not None for a in answer["assignments"]] == [True]
+    assert _reasons(api) == {"none": 2.0}
+    assert _beat(api, host, _running(answer)).status_code == 200
+    assert _reasons(api) == {"none": 2.0, "launch": 1.0}
+    assert _beat(api, host, _running(answer)).status_code == 200  # kept: from memory
+    assert _reasons(api) == {"none": 2.0, "launch": 1.0}
+
+
 def test_an_answer_is_kept_ten_minutes_by_default() -> None:
     """Its TTL is a backstop only (a lost notification is told, ``server.notify.LOST``): at
     60 s it sent a third of a fleet's database heartbeats there (bench/fleet.py)."""

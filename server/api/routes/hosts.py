@@ -78,13 +78,10 @@ async def heartbeat(
     context.liveness.seen(host_id, now)  # written with the next batch, as from memory
     context.liveness.owned(host_id, principal.token_id)  # its next heartbeats noted on arrival
     body = ack.model_dump_json().encode()
-    # an answer that minted launch credentials is never repeated: each one retires the last
     own = worked.own  # None: a heartbeat after it in its group changed its host
-    if (
-        own is not None
-        and ack.status is HostStatus.ACTIVE
-        and not any(a.worker_token for a in ack.assignments)
-    ):
+    if any(a.worker_token for a in ack.assignments):
+        answers.launched(host_id)  # never repeated: each credential retires the last
+    elif own is not None and ack.status is HostStatus.ACTIVE:
         answers.put(
             host_id,
             req,
