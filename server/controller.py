@@ -19,15 +19,17 @@ import logging
 import os
 import select
 import signal
+import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Engine
+from sqlalchemy import Engine, update
+from sqlalchemy import select as select_rows
 from sqlalchemy.orm import Session, sessionmaker
 
 from server.cache import Caches
@@ -35,6 +37,7 @@ from server.config import Settings
 from server.db import checkpoint, make_engine, run_retrying, session_factory, transaction
 from server.host_answers import track
 from server.locks import ControllerLock, writer_lock_for
+from server.models import ControllerFence
 from server.notify import PLACEMENT, Bus, PgNotifyBus, open_bus
 from server.serve import settle_heap
 from server.services import control_loop, retention, scheduler
@@ -105,6 +108,56 @@ database is likely away, and every job left would fail the same way. Fewer are l
 round goes on with the other jobs (``Controller._sweep_round``)."""
 
 
+class FencedOut(RuntimeError):
+    """This controller's turn is over: another controller took the lock (:class:`Fence`)."""
+
+
+_FENCE_READ = (
+    select_rows(ControllerFence.epoch).where(ControllerFence.id == 1).with_for_update(read=True)
+)
+_FENCE_TAKE = (
+    update(ControllerFence)
+    .where(ControllerFence.id == 1)
+    .values(epoch=ControllerFence.epoch + 1)
+    .returning(ControllerFence.epoch)
+)
+
+
+class Fence:
+    """A controller's turn on PostgreSQL, as an epoch (``models.ControllerFence``): taken with
+    the controller lock, checked by each of the controller's write transactions.
+
+    The lock is a session advisory lock on a connection of its own, so it can be lost while
+    the controller's process goes on (that connection alone ended: an idle-session timeout, a
+    pooler, a network blip); a standby then takes it, and the first controller learned of it
+    only at its next round (``ControllerLock.check``), writing meanwhile through its other
+    connections. A write transaction now reads the epoch ``FOR SHARE`` first: one begun before
+    the takeover holds the row until it ends, so the new epoch (an ``UPDATE``) waits for it;
+    one begun after finds the epoch not its own and stops (:class:`FencedOut`) before writing.
+    SQLite needs none: its lock is a ``flock`` that only the process's end releases."""
+
+    def __init__(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    @classmethod
+    def take(cls, sessions: sessionmaker[Session]) -> Fence:
+        """A new turn: the next epoch, with who took it and when."""
+        holder = f"{socket.gethostname()}:{os.getpid()}"[:200]
+        with transaction(sessions) as s:
+            taken = _FENCE_TAKE.values(holder=holder, since=datetime.now(UTC))
+            epoch = s.execute(taken).scalar_one()
+        return cls(int(epoch))
+
+    def check(self, session: Session) -> None:
+        """Raise :class:`FencedOut` unless the epoch is still this turn's; holds the row (for
+        share) to the end of ``session``'s transaction."""
+        held = session.execute(_FENCE_READ).scalar_one()
+        if held != self.epoch:
+            raise FencedOut(
+                f"another controller took over (epoch {held}; this one's was {self.epoch})"
+            )
+
+
 class Controller:
     """Rounds of the control loop and the reaper while :meth:`run`'s ``stop`` is unset."""
 
@@ -154,6 +207,21 @@ class Controller:
         self.retention = retention.Retention(
             retention.Window(settings.telemetry_keep_iterations, settings.telemetry_keep_running_s)
         )
+        self.fence: Fence | None = None
+        """This controller's turn, while it holds the lock on PostgreSQL: its write
+        transactions check it (:meth:`_writing`). None: unchecked (SQLite, or a method called
+        without :meth:`run`, as tests and benches do)."""
+        self.turns = 0
+        """How many times this controller has taken the lock."""
+
+    @contextmanager
+    def _writing(self) -> Iterator[Session]:
+        """A write transaction of this controller's, under the writer lock (SQLite), that
+        stops before writing once another controller has taken over (:class:`Fence`)."""
+        with self.write_lock, transaction(self.sessions) as s:
+            if self.fence is not None:
+                self.fence.check(s)
+            yield s
 
     def poke(self, job_ids: Iterable[int] = ()) -> None:
         """Run the next round now instead of at the end of the interval: a worker sent urgent
@@ -217,14 +285,30 @@ class Controller:
                 log.exception("could not take the controller lock")
                 stop.wait(STANDBY_POLL_S)
                 continue
-            log.info("controller active on %s", self.engine.url.render_as_string())
-            self.active_since = datetime.now(UTC)
             try:
+                self._take_turn()
                 self._rounds(stop, lock)
             except Exception:  # lost the lock (its connection broke): try to take it again
                 log.exception("controller stopped; standing by")
             finally:
+                self.fence = None
                 lock.release()
+
+    def _take_turn(self) -> None:
+        """Begin a turn as the active controller, with the lock just taken: a new epoch on
+        PostgreSQL, and no memory of an earlier turn's jobs. Another controller may have
+        planned them since: this one takes them up from the database, as one that takes over
+        does (``LoopState.recall``)."""
+        if self.engine.dialect.name == "postgresql":
+            self.fence = Fence.take(self.sessions)
+        if self.turns:
+            self.state = control_loop.LoopState(min_decision_interval_s=1.0)
+            self._failing.clear()
+            self._hot_seen.clear()
+        self.turns += 1
+        self.active_since = datetime.now(UTC)
+        epoch = "" if self.fence is None else f" (epoch {self.fence.epoch})"
+        log.info("controller active on %s%s", self.engine.url.render_as_string(), epoch)
 
     def _rounds(self, stop: threading.Event, lock: ControllerLock) -> None:
         done = threading.Event()  # this controller's turn is over: the placement thread ends
@@ -249,6 +333,8 @@ class Controller:
             try:
                 if sweep:
                     self.sweep()
+            except FencedOut:
+                raise
             except Exception:  # a failed round must not stop the loop
                 log.exception("rebalance sweep failed")
             try:
@@ -259,11 +345,15 @@ class Controller:
                 next_reap = time.monotonic() + s.reaper_interval_s
                 try:
                     self.reap()
+                except FencedOut:
+                    raise
                 except Exception:  # the sweep must never take the server down
                     log.exception("lost-host sweep failed")
             if time.monotonic() >= next_roll_up:
                 try:
                     self.roll_up_telemetry()
+                except FencedOut:
+                    raise
                 except Exception:
                     log.exception("telemetry roll-up failed")
                 next_roll_up = time.monotonic() + s.retention_interval_s
@@ -370,6 +460,8 @@ class Controller:
             return failed_in_a_row  # failed lately: tried again after its wait
         try:
             self._sweep_job(job_id)
+        except FencedOut:
+            raise  # not the job's fault: this controller's turn is over
         except Exception:
             wait = min(SWEEP_RETRY_MAX_S, SWEEP_RETRY_FIRST_S * 2.0**failures)
             self._failing[job_id] = (failures + 1, time.monotonic() + wait)
@@ -393,7 +485,7 @@ class Controller:
             if self.prefetch:  # reads only, outside SQLite's writer lock
                 with transaction(self.sessions) as s:
                     control_loop.prefetch(s, self.state, job_id)
-            with self.write_lock, transaction(self.sessions) as s:
+            with self._writing() as s:
                 for job, version in control_loop.sweep_job(s, self.state, job_id):
                     log.info("job %d: plan v%d", job, version)
         except BaseException:
@@ -419,6 +511,9 @@ class Controller:
             budget.take(time.monotonic())
             try:
                 self.place()
+            except FencedOut:
+                log.warning("placement stopped: another controller took over")
+                return
             except Exception:  # a failed pass must not stop placement
                 log.exception("placement failed")
 
@@ -430,7 +525,7 @@ class Controller:
         jobs placed."""
 
         def once() -> list[int]:
-            with self.write_lock, transaction(self.sessions) as s:
+            with self._writing() as s:
                 now = datetime.now(UTC)
                 placed = scheduler.place_pending(
                     s, now, hold=self.settings.queue_hold, history=self.speed_history
@@ -458,7 +553,7 @@ class Controller:
         removed = 0
         for job_id in jobs:
             while time.monotonic() < deadline and not self._urgent:
-                with self.write_lock, transaction(self.sessions) as s:
+                with self._writing() as s:
                     moved = self.retention.roll_up(s, job_id)
                 removed += moved
                 if not moved:
@@ -478,7 +573,7 @@ class Controller:
         guard = host_service.LossGuard(s.host_loss_pause_share, s.host_loss_pause_min_hosts)
 
         def once() -> tuple[host_service.LostSweep, list[tuple[str, int]], list[tuple[int, int]]]:
-            with self.write_lock, transaction(self.sessions) as session:
+            with self._writing() as session:
                 now = datetime.now(UTC)
                 sweep = host_service.mark_lost(
                     session, now, s.host_lost_after_s, guard=guard, heard_since=self.active_since

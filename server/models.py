@@ -443,3 +443,25 @@ class ApiToken(Base):
     created_by: Mapped[str] = mapped_column(String(128))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime, default=None)
+
+
+class ControllerFence(Base):
+    """One row: the turn of the database's active controller (``server.controller``).
+
+    The controller lock on PostgreSQL is a session advisory lock on a connection of its own.
+    Should that connection alone break (the server or a pooler ending an idle session, a
+    network blip) while the controller's process goes on, the lock is free, a standby takes it,
+    and the first controller would write on through its other connections until it next checks
+    its lock, after a round that may take seconds (a minute on a starved machine). So each
+    controller takes a new ``epoch`` when it takes the lock, and each of its write transactions
+    first reads the epoch ``FOR SHARE`` and stops if it is not its own: one begun before the
+    takeover holds the row, so the new controller's epoch waits for it to end; one begun after
+    sees the new epoch and writes nothing."""
+
+    __tablename__ = "controller_fence"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    epoch: Mapped[int] = mapped_column(BigInteger, default=0)
+    holder: Mapped[str | None] = mapped_column(String(200), default=None)
+    """Which controller took the epoch: host name and process id."""
+    since: Mapped[datetime | None] = mapped_column(UTCDateTime, default=None)

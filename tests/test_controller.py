@@ -8,17 +8,24 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
+from sqlalchemy import Engine, func, select, text
+from sqlalchemy.orm import Session, sessionmaker
 
 from contract.base import PROTOCOL_VERSION
 from evenflow.local_cluster import server_process
-from server.db import make_engine
+from server.controller import STANDBY_POLL_S, Controller, FencedOut
+from server.db import make_engine, session_factory, transaction
 from server.locks import ControllerLock, WriterLock, writer_lock_for
-from tests.harness import ADMIN_TOKEN, ROOT, wait_placed
+from server.models import AuditEntry
+from server.services.audit import record
+from tests.harness import ADMIN_TOKEN, ROOT, make_settings, wait_placed
 
 
 def test_one_controller_lock_per_database(db_url: str) -> None:
@@ -278,3 +285,101 @@ def test_the_round_summary_says_what_rounds_and_placement_passes_took(
     assert window["paced_s"] == 1.5  # the rounds' waits for their pace (``controller_cores``)
     stats.add(10.0, 1, 1, cpu_s=0.05)  # a fresh window: the counts start again
     assert stats._passes == 0 and stats._placement_cpu == 0.0
+
+
+def _terminate_backend(engine: Engine, pid: int) -> None:
+    with engine.connect() as c:
+        c.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+        c.commit()
+
+
+def _until(done: Callable[[], bool], within_s: float = 15.0) -> None:
+    deadline = time.monotonic() + within_s
+    while not done():
+        assert time.monotonic() < deadline, "not within the time"
+        time.sleep(0.05)
+
+
+def _audited(sessions: sessionmaker[Session], action: str) -> int:
+    with transaction(sessions) as s:
+        q = select(func.count()).select_from(AuditEntry).where(AuditEntry.action == action)
+        return int(s.scalar(q) or 0)
+
+
+@pytest.mark.timeout(60)
+def test_a_controller_that_lost_its_lock_writes_nothing_once_another_took_over(
+    pg_url: str,
+) -> None:
+    """Its lock's connection alone ended (an idle-session timeout, a pooler) while its process
+    went on: a standby takes the lock, and the first controller's next write transaction stops
+    before writing; the one already under way when the standby took the lock holds the
+    standby's turn back until it ends, so the two never write at once."""
+    settings = make_settings(pg_url)
+    engines = [make_engine(pg_url) for _ in range(3)]
+    a_sessions = session_factory(engines[0])
+    a = Controller(settings, engine=engines[0], sessions=a_sessions)
+    b = Controller(settings, engine=engines[1], sessions=session_factory(engines[1]))
+    lock = ControllerLock(engines[0])
+    stop = threading.Event()
+    standby = threading.Thread(target=b.run, args=(stop,), daemon=True)
+    try:
+        assert lock.try_acquire()
+        a._take_turn()
+        assert a.fence is not None
+        assert lock._conn is not None
+        pid = int(lock._conn.execute(text("SELECT pg_backend_pid()")).scalar_one())
+        lock._conn.commit()
+        with a._writing() as s:  # under way when the lock is lost
+            _terminate_backend(engines[2], pid)
+            standby.start()
+            time.sleep(STANDBY_POLL_S + 1.0)  # b took the lock; its turn waits for this one
+            assert b.fence is None
+            record(s, "a", "test.in_turn", "x")
+        _until(lambda: b.fence is not None)
+        assert b.fence is not None and b.fence.epoch == a.fence.epoch + 1
+        with pytest.raises(FencedOut), a._writing() as s:
+            record(s, "a", "test.after_turn", "x")
+        with pytest.raises(FencedOut):
+            a.place()
+        assert _audited(a_sessions, "test.in_turn") == 1
+        assert _audited(a_sessions, "test.after_turn") == 0
+    finally:
+        stop.set()
+        if standby.is_alive():
+            standby.join(15)
+        lock.release()
+        for engine in engines:
+            engine.dispose()
+
+
+@pytest.mark.timeout(60)
+def test_a_controller_that_takes_its_lock_again_begins_a_new_turn(pg_url: str) -> None:
+    """A new epoch, and no memory of its jobs from the turn before: another controller may
+    have planned them in between, so it takes them up from the database, as one that takes
+    over does."""
+    engine, admin = make_engine(pg_url), make_engine(pg_url)
+    a = Controller(
+        make_settings(pg_url, rebalance_interval_s=0.1),
+        engine=engine,
+        sessions=session_factory(engine),
+    )
+    stop = threading.Event()
+    runner = threading.Thread(target=a.run, args=(stop,), daemon=True)
+    runner.start()
+    try:
+        _until(lambda: a.fence is not None)
+        assert a.fence is not None
+        first, memory = a.fence.epoch, a.state
+        with admin.connect() as c:
+            pid = c.execute(
+                text("SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted")
+            ).scalar_one()
+        _terminate_backend(admin, int(pid))
+        _until(lambda: a.turns == 2 and a.fence is not None)
+        assert a.fence is not None and a.fence.epoch == first + 1
+        assert a.state is not memory
+    finally:
+        stop.set()
+        runner.join(15)
+        engine.dispose()
+        admin.dispose()
