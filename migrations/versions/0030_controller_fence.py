@@ -8,7 +8,7 @@ a new epoch with the lock, and its write transactions stop when the epoch is no 
 
 Revision ID: 0030_controller_fence
 Revises: 0029_settled_through
-Create Date: 2026-12-07 03:10:00
+Create Date: 2026-12-07 02:50:00
 """
 
 from collections.abc import Sequence
