@@ -124,8 +124,9 @@ _FENCE_TAKE = (
 
 
 class Fence:
-    """A controller's turn on PostgreSQL, as an epoch (``models.ControllerFence``): taken with
-    the controller lock, checked by each of the controller's write transactions.
+    """A controller's turn, as an epoch (``models.ControllerFence``): taken with the controller
+    lock (on every backend: ``/metrics`` says whose turn it is and how many there were), and
+    on PostgreSQL checked by each of the controller's write transactions (``enforced``).
 
     The lock is a session advisory lock on a connection of its own, so it can be lost while
     the controller's process goes on (that connection alone ended: an idle-session timeout, a
@@ -136,17 +137,20 @@ class Fence:
     one begun after finds the epoch not its own and stops (:class:`FencedOut`) before writing.
     SQLite needs none: its lock is a ``flock`` that only the process's end releases."""
 
-    def __init__(self, epoch: int) -> None:
-        self.epoch = epoch
+    def __init__(self, epoch: int, *, enforced: bool) -> None:
+        self.epoch, self.enforced = epoch, enforced
 
     @classmethod
-    def take(cls, sessions: sessionmaker[Session]) -> Fence:
+    def take(
+        cls, sessions: sessionmaker[Session], write_lock: AbstractContextManager[Any]
+    ) -> Fence:
         """A new turn: the next epoch, with who took it and when."""
         holder = f"{socket.gethostname()}:{os.getpid()}"[:200]
-        with transaction(sessions) as s:
+        with write_lock, transaction(sessions) as s:
             taken = _FENCE_TAKE.values(holder=holder, since=datetime.now(UTC))
             epoch = s.execute(taken).scalar_one()
-        return cls(int(epoch))
+            enforced = s.get_bind().dialect.name == "postgresql"
+        return cls(int(epoch), enforced=enforced)
 
     def check(self, session: Session) -> None:
         """Raise :class:`FencedOut` unless the epoch is still this turn's; holds the row (for
@@ -208,9 +212,9 @@ class Controller:
             retention.Window(settings.telemetry_keep_iterations, settings.telemetry_keep_running_s)
         )
         self.fence: Fence | None = None
-        """This controller's turn, while it holds the lock on PostgreSQL: its write
-        transactions check it (:meth:`_writing`). None: unchecked (SQLite, or a method called
-        without :meth:`run`, as tests and benches do)."""
+        """This controller's turn, while it holds the lock: on PostgreSQL its write
+        transactions check it (:meth:`_writing`). None: not running (a method called without
+        :meth:`run`, as tests and benches do), unchecked."""
         self.turns = 0
         """How many times this controller has taken the lock."""
 
@@ -219,7 +223,7 @@ class Controller:
         """A write transaction of this controller's, under the writer lock (SQLite), that
         stops before writing once another controller has taken over (:class:`Fence`)."""
         with self.write_lock, transaction(self.sessions) as s:
-            if self.fence is not None:
+            if self.fence is not None and self.fence.enforced:
                 self.fence.check(s)
             yield s
 
@@ -295,20 +299,19 @@ class Controller:
                 lock.release()
 
     def _take_turn(self) -> None:
-        """Begin a turn as the active controller, with the lock just taken: a new epoch on
-        PostgreSQL, and no memory of an earlier turn's jobs. Another controller may have
-        planned them since: this one takes them up from the database, as one that takes over
-        does (``LoopState.recall``)."""
-        if self.engine.dialect.name == "postgresql":
-            self.fence = Fence.take(self.sessions)
+        """Begin a turn as the active controller, with the lock just taken: a new epoch, and no
+        memory of an earlier turn's jobs. Another controller may have planned them since: this
+        one takes them up from the database, as one that takes over does
+        (``LoopState.recall``)."""
+        self.fence = Fence.take(self.sessions, self.write_lock)
         if self.turns:
             self.state = control_loop.LoopState(min_decision_interval_s=1.0)
             self._failing.clear()
             self._hot_seen.clear()
         self.turns += 1
         self.active_since = datetime.now(UTC)
-        epoch = "" if self.fence is None else f" (epoch {self.fence.epoch})"
-        log.info("controller active on %s%s", self.engine.url.render_as_string(), epoch)
+        url = self.engine.url.render_as_string()
+        log.info("controller active on %s (epoch %d)", url, self.fence.epoch)
 
     def _rounds(self, stop: threading.Event, lock: ControllerLock) -> None:
         done = threading.Event()  # this controller's turn is over: the placement thread ends

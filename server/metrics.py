@@ -7,6 +7,7 @@ import gc
 import re
 import time
 from collections.abc import Callable, Iterator
+from datetime import datetime
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -18,7 +19,7 @@ from starlette.routing import compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from contract.enums import HostStatus, JobStatus
-from server.models import Host, Job
+from server.models import ControllerFence, Host, Job
 
 LOOP_LAG_EVERY_S = 0.1
 REMEMBERED = 65_536
@@ -72,7 +73,8 @@ class GcPauses:
 
 
 class _StateCollector(Collector):
-    """Jobs by status and hosts by status, read from the database at scrape time."""
+    """Jobs by status, hosts by status and the controller's turn, read from the database at
+    scrape time."""
 
     def __init__(self, sessions: sessionmaker[Session]) -> None:
         self.sessions = sessions
@@ -87,12 +89,40 @@ class _StateCollector(Collector):
             host_counts = dict(
                 s.execute(select(Host.status, func.count(Host.id)).group_by(Host.status)).all()
             )
+            fence = ControllerFence
+            row = s.execute(
+                select(fence.epoch, fence.holder, fence.since).where(fence.id == 1)
+            ).one_or_none()
+            turn = None if row is None else (int(row[0]), row[1], row[2])
         for st in JobStatus:
             jobs.add_metric([st.value], float(job_counts.get(st, 0)))
         for hs in HostStatus:
             hosts.add_metric([hs.value], float(host_counts.get(hs, 0)))
         yield jobs
         yield hosts
+        if turn is not None:
+            yield from _controller_turn(*turn)
+
+
+def _controller_turn(
+    epoch: int, holder: str | None, since: datetime | None
+) -> Iterator[GaugeMetricFamily]:
+    """The active controller's turn (``models.ControllerFence``): one more at every takeover,
+    so a fail-over shows as a step, with who took it and when."""
+    turn = GaugeMetricFamily(
+        "evenflow_controller_epoch",
+        "Turns the database's controllers have taken (one more at every start or takeover), "
+        "labelled with who took the last (host:pid)",
+        labels=["holder"],
+    )
+    turn.add_metric([holder or ""], float(epoch))
+    yield turn
+    if since is not None:
+        yield GaugeMetricFamily(
+            "evenflow_controller_since_seconds",
+            "When the active controller took its turn (Unix time)",
+            value=since.timestamp(),
+        )
 
 
 class Metrics:

@@ -446,7 +446,8 @@ class ApiToken(Base):
 
 
 class ControllerFence(Base):
-    """One row: the turn of the database's active controller (``server.controller``).
+    """One row: the turn of the database's active controller (``server.controller``), taken
+    on every backend (``/metrics``: ``evenflow_controller_epoch``) and checked on PostgreSQL.
 
     The controller lock on PostgreSQL is a session advisory lock on a connection of its own.
     Should that connection alone break (the server or a pooler ending an idle session, a

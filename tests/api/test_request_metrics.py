@@ -3,7 +3,10 @@ it came by; what a process remembers of raw paths to name them is bounded."""
 
 from __future__ import annotations
 
+import os
 import re
+import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -68,3 +71,18 @@ def test_fastapis_opentelemetry_is_asked_about_only_when_enabled(
         api = driven(client)
         assert api.client.get("/api/v1/jobs", headers=api.headers()).status_code == 200
     assert bool(asked) is enabled
+
+
+def test_metrics_say_whose_turn_the_controller_is_and_how_many_there_were(api: Api) -> None:
+    """The app's own controller took the lock at its start: the first turn of this database's,
+    taken by this process (a fail-over shows as one more)."""
+    holder = f"{socket.gethostname()}:{os.getpid()}"
+    line = f'evenflow_controller_epoch{{holder="{holder}"}} 1.0'
+    deadline = time.monotonic() + 10
+    text = ""
+    while line not in text:
+        assert time.monotonic() < deadline, text
+        time.sleep(0.05)
+        text = api.client.get("/metrics").text
+    since = re.search(r"^evenflow_controller_since_seconds ([\d.e+]+)$", text, re.M)
+    assert since is not None and abs(float(since.group(1)) - time.time()) < 60
