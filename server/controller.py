@@ -60,6 +60,12 @@ the iteration is judged once every rank has reported it, and the ranks on other 
 with their next regular batch, which at fleet scale would otherwise wait for the next round
 (seconds later: bench/fleet.py saw detection at 25 to 100 iterations against 2 alone)."""
 
+LOCK_CHECK_S = 5.0
+"""How often a round under way uses the controller lock's connection (``ControllerLock.check``):
+a round may take seconds at fleet scale, a minute on a starved machine, and a lock lost
+meanwhile ended the turn only once the round had; an idle connection may also be ended by the
+database (``idle_session_timeout``) or a pooler, which frees the lock."""
+
 HOT_CHECK_S = 0.5
 """How often a round looks for new telemetry of hot jobs (one query over the newest rows)."""
 
@@ -217,6 +223,8 @@ class Controller:
         :meth:`run`, as tests and benches do), unchecked."""
         self.turns = 0
         """How many times this controller has taken the lock."""
+        self._lock: ControllerLock | None = None
+        """The lock, while a turn's rounds run (:meth:`_rounds`)."""
 
     @contextmanager
     def _writing(self) -> Iterator[Session]:
@@ -319,9 +327,11 @@ class Controller:
             target=self.placements, args=(stop, done), name=PLACEMENT_THREAD, daemon=True
         )
         placer.start()
+        self._lock = lock
         try:
             self._round_loop(stop, lock)
         finally:
+            self._lock = None
             done.set()
             self._place_wake.set()
             placer.join(PLACE_JOIN_S)
@@ -384,7 +394,11 @@ class Controller:
         urgent: deque[int] = deque()
         paced = 0.0
         next_hot = next_live = time.monotonic() + HOT_CHECK_S
+        next_lock = time.monotonic() + LOCK_CHECK_S
         while True:
+            if time.monotonic() >= next_lock:
+                self._check_lock()
+                next_lock = time.monotonic() + LOCK_CHECK_S
             news: list[int] = []
             if time.monotonic() >= next_hot:
                 news = self._hot_news(live_ids)
@@ -426,6 +440,15 @@ class Controller:
             time.thread_time() - cpu,
             paced_s=paced,
         )
+
+    def _check_lock(self) -> None:
+        """Within a round: use the lock's connection, and end the turn if it broke."""
+        if self._lock is None:
+            return
+        try:
+            self._lock.check()
+        except Exception as exc:
+            raise FencedOut(f"the controller lock's connection broke: {exc}") from exc
 
     def _wait_paced(self, seconds: float) -> float:
         """Wait for the pace, at most until the next look at hot jobs (``HOT_CHECK_S``), or

@@ -20,6 +20,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from contract.base import PROTOCOL_VERSION
 from evenflow.local_cluster import server_process
+from server import controller as controller_module
 from server.controller import STANDBY_POLL_S, Controller, FencedOut
 from server.db import make_engine, session_factory, transaction
 from server.locks import ControllerLock, WriterLock, writer_lock_for
@@ -381,5 +382,35 @@ def test_a_controller_that_takes_its_lock_again_begins_a_new_turn(pg_url: str) -
     finally:
         stop.set()
         runner.join(15)
+        engine.dispose()
+        admin.dispose()
+
+
+@pytest.mark.parametrize("lost", [False, True])
+def test_a_round_under_way_ends_the_turn_once_the_lock_is_lost(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch, lost: bool
+) -> None:
+    """A round uses the lock's connection every ``LOCK_CHECK_S`` (a round may take a minute on
+    a starved machine; the database or a pooler may end a connection idle that long) and ends
+    the turn as soon as the lock is gone, not once every job has been swept."""
+    monkeypatch.setattr(controller_module, "LOCK_CHECK_S", 0.0)
+    engine, admin = make_engine(pg_url), make_engine(pg_url)
+    a = Controller(make_settings(pg_url), engine=engine, sessions=session_factory(engine))
+    lock = ControllerLock(engine)
+    try:
+        assert lock.try_acquire()
+        a._lock = lock
+        if lost:
+            assert lock._conn is not None
+            pid = int(lock._conn.execute(text("SELECT pg_backend_pid()")).scalar_one())
+            lock._conn.commit()
+            _terminate_backend(admin, pid)
+            with pytest.raises(FencedOut, match="lock's connection broke"):
+                a.sweep()
+        else:
+            a.sweep()
+            assert a.rounds == 1
+    finally:
+        lock.release()
         engine.dispose()
         admin.dispose()
