@@ -10,7 +10,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -148,6 +148,14 @@ def driven(client: TestClient) -> Api:
     it (placement: ``Api.place``; rounds: ``control_loop.sweep``), so tests are deterministic."""
     context_of(client.app).wake_controller = lambda _job_id: None  # type: ignore[arg-type]
     return Api(client)
+
+
+def until(check: Callable[[], Any], timeout_s: float = 10.0) -> None:
+    """Wait until ``check()`` is true, failing the test after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
 
 
 def free_port() -> int:

@@ -5,7 +5,6 @@ agent's loop is driven with the scripted launcher of ``test_agent_loop``."""
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -29,7 +28,7 @@ from contract.spec import JobSpec
 from evenflow.local_cluster import LocalCluster
 from server.context import context_of
 from tests.agent.test_agent_loop import ScriptedLauncher
-from tests.harness import Api, telemetry_record
+from tests.harness import Api, telemetry_record, until
 
 RANKS = 8
 
@@ -144,13 +143,6 @@ def _server_posts_of(app: FastAPI) -> int:
     )
 
 
-def _until(check: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
-
-
 def test_eight_ranks_batches_reach_the_server_as_one_post(
     api: Api, relayed: tuple[Agent, ScriptedLauncher, CountingPost, Any]
 ) -> None:
@@ -179,7 +171,7 @@ def test_the_flusher_posts_on_its_cadence_and_splits_at_the_contract_limit(
         _worker(launcher, job_id, 3).post_telemetry(
             _batch(3, range(start, min(rows, start + 4000)))
         )
-    _until(lambda: _stored(api, job_id) == rows)
+    until(lambda: _stored(api, job_id) == rows)
     sizes = [n for _, n, _ in post.posts]
     assert sum(sizes) == rows and max(sizes) <= MAX_TELEMETRY_RECORDS and len(sizes) <= 3
     assert relay.pending() == 0
@@ -193,7 +185,7 @@ def test_an_urgent_batch_is_posted_at_once_and_marked_urgent(
     job_id = _running_job(api, agent, launcher)
     _worker(launcher, job_id, 1).post_telemetry(_batch(1, range(3)))
     _worker(launcher, job_id, 2).post_telemetry(_batch(2, range(3), urgent=True))
-    _until(lambda: _stored(api, job_id) == 6, timeout_s=5)
+    until(lambda: _stored(api, job_id) == 6, timeout_s=5)
     assert post.posts == [(job_id, 6, True)]
 
 
@@ -265,10 +257,10 @@ def test_rows_posted_while_the_server_is_down_get_there_once_it_is_back(
     post.down = True
     for rank in (0, 7):
         _worker(launcher, job_id, rank).post_telemetry(_batch(rank, range(5)))
-    _until(lambda: post.failures >= 3)
+    until(lambda: post.failures >= 3)
     assert _stored(api, job_id) == 0
     post.down = False
-    _until(lambda: _stored(api, job_id) == 10)
+    until(lambda: _stored(api, job_id) == 10)
 
 
 def test_a_full_buffer_drops_its_oldest_rows(

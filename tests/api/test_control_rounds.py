@@ -17,7 +17,7 @@ from server.controller import Controller, CpuPace
 from server.db import transaction
 from server.notify import PLACEMENT
 from server.services import control_loop, scheduler
-from tests.harness import Api, statements
+from tests.harness import Api, statements, until
 
 
 def _post(api: Api, job: int, iterations: range) -> None:
@@ -157,13 +157,6 @@ def test_one_jobs_failing_sweep_does_not_stop_the_others(
     assert len(swept) == controller_module.ROUND_GIVES_UP_AFTER
 
 
-def _until(check: Any, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
-
-
 def test_placement_and_the_rounds_do_not_wait_for_each_other(
     api: Api, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -191,7 +184,7 @@ def test_placement_and_the_rounds_do_not_wait_for_each_other(
         assert sweeping.wait(10)
         job = int(api.submit(workers=2, global_batch=32, place=False)["id"])  # type: ignore[call-overload]
         controller.poke([PLACEMENT])
-        _until(
+        until(
             lambda: (
                 api.client.get(f"/api/v1/jobs/{job}", headers=api.headers()).json()["status"]
                 != "pending"
