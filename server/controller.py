@@ -152,9 +152,12 @@ class Fence:
     ) -> Fence:
         """A new turn: the next epoch, with who took it and when."""
         holder = f"{socket.gethostname()}:{os.getpid()}"[:200]
+        now = datetime.now(UTC)
         with write_lock, transaction(sessions) as s:
-            taken = _FENCE_TAKE.values(holder=holder, since=datetime.now(UTC))
-            epoch = s.execute(taken).scalar_one()
+            epoch = s.execute(_FENCE_TAKE.values(holder=holder, since=now)).scalar_one_or_none()
+            if epoch is None:  # its one row deleted by hand: the turns start again
+                epoch = 1
+                s.add(ControllerFence(id=1, epoch=epoch, holder=holder, since=now))
             enforced = s.get_bind().dialect.name == "postgresql"
         return cls(int(epoch), enforced=enforced)
 
@@ -329,19 +332,19 @@ class Controller:
         placer.start()
         self._lock = lock
         try:
-            self._round_loop(stop, lock)
+            self._round_loop(stop)
         finally:
             self._lock = None
             done.set()
             self._place_wake.set()
             placer.join(PLACE_JOIN_S)
 
-    def _round_loop(self, stop: threading.Event, lock: ControllerLock) -> None:
+    def _round_loop(self, stop: threading.Event) -> None:
         s = self.settings
         next_reap = time.monotonic() + s.reaper_interval_s
         next_roll_up = time.monotonic() + s.retention_interval_s
         while not self._pause(stop, s.rebalance_interval_s):
-            lock.check()
+            self._check_lock()
             sweep, self._sweep_now = self._sweep_now, False
             try:
                 if sweep:
@@ -442,7 +445,8 @@ class Controller:
         )
 
     def _check_lock(self) -> None:
-        """Within a round: use the lock's connection, and end the turn if it broke."""
+        """Use the lock's connection (between rounds, and within one every ``LOCK_CHECK_S``),
+        and end the turn if it broke."""
         if self._lock is None:
             return
         try:

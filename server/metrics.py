@@ -89,10 +89,8 @@ class _StateCollector(Collector):
             host_counts = dict(
                 s.execute(select(Host.status, func.count(Host.id)).group_by(Host.status)).all()
             )
-            fence = ControllerFence
-            row = s.execute(
-                select(fence.epoch, fence.holder, fence.since).where(fence.id == 1)
-            ).one_or_none()
+            columns = (ControllerFence.epoch, ControllerFence.holder, ControllerFence.since)
+            row = s.execute(select(*columns).where(ControllerFence.id == 1)).one_or_none()
             turn = None if row is None else (int(row[0]), row[1], row[2])
         for st in JobStatus:
             jobs.add_metric([st.value], float(job_counts.get(st, 0)))

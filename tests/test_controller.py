@@ -10,23 +10,23 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 
 import httpx
 import pytest
-from sqlalchemy import Engine, func, select, text
+from sqlalchemy import Engine, delete, func, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from contract.base import PROTOCOL_VERSION
 from evenflow.local_cluster import server_process
 from server import controller as controller_module
-from server.controller import STANDBY_POLL_S, Controller, FencedOut
-from server.db import make_engine, session_factory, transaction
+from server.controller import STANDBY_POLL_S, Controller, Fence, FencedOut
+from server.db import make_engine, migrate, session_factory, transaction
 from server.locks import ControllerLock, WriterLock, writer_lock_for
-from server.models import AuditEntry
+from server.models import AuditEntry, ControllerFence
 from server.services.audit import record
-from tests.harness import ADMIN_TOKEN, ROOT, make_settings, wait_placed
+from tests.harness import ADMIN_TOKEN, ROOT, make_settings, until, wait_placed
 
 
 def test_one_controller_lock_per_database(db_url: str) -> None:
@@ -294,13 +294,6 @@ def _terminate_backend(engine: Engine, pid: int) -> None:
         c.commit()
 
 
-def _until(done: Callable[[], bool], within_s: float = 15.0) -> None:
-    deadline = time.monotonic() + within_s
-    while not done():
-        assert time.monotonic() < deadline, "not within the time"
-        time.sleep(0.05)
-
-
 def _audited(sessions: sessionmaker[Session], action: str) -> int:
     with transaction(sessions) as s:
         q = select(func.count()).select_from(AuditEntry).where(AuditEntry.action == action)
@@ -336,7 +329,7 @@ def test_a_controller_that_lost_its_lock_writes_nothing_once_another_took_over(
             time.sleep(STANDBY_POLL_S + 1.0)  # b took the lock; its turn waits for this one
             assert b.fence is None
             record(s, "a", "test.in_turn", "x")
-        _until(lambda: b.fence is not None)
+        until(lambda: b.fence is not None, timeout_s=15)
         assert b.fence is not None and b.fence.epoch == a.fence.epoch + 1
         with pytest.raises(FencedOut), a._writing() as s:
             record(s, "a", "test.after_turn", "x")
@@ -368,7 +361,7 @@ def test_a_controller_that_takes_its_lock_again_begins_a_new_turn(pg_url: str) -
     runner = threading.Thread(target=a.run, args=(stop,), daemon=True)
     runner.start()
     try:
-        _until(lambda: a.fence is not None)
+        until(lambda: a.fence is not None, timeout_s=15)
         assert a.fence is not None
         first, memory = a.fence.epoch, a.state
         with admin.connect() as c:
@@ -376,7 +369,7 @@ def test_a_controller_that_takes_its_lock_again_begins_a_new_turn(pg_url: str) -
                 text("SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted")
             ).scalar_one()
         _terminate_backend(admin, int(pid))
-        _until(lambda: a.turns == 2 and a.fence is not None)
+        until(lambda: a.turns == 2 and a.fence is not None, timeout_s=15)
         assert a.fence is not None and a.fence.epoch == first + 1
         assert a.state is not memory
     finally:
@@ -414,3 +407,18 @@ def test_a_round_under_way_ends_the_turn_once_the_lock_is_lost(
         lock.release()
         engine.dispose()
         admin.dispose()
+
+
+def test_a_turn_is_taken_even_once_the_fence_row_was_deleted(db_url: str) -> None:
+    """Deleted by hand, the one row comes back with the next turn (the turns count from 1
+    again) instead of every controller failing to start."""
+    engine = make_engine(db_url)
+    migrate(engine)
+    sessions = session_factory(engine)
+    try:
+        with transaction(sessions) as s:
+            s.execute(delete(ControllerFence))
+        assert Fence.take(sessions, nullcontext()).epoch == 1
+        assert Fence.take(sessions, nullcontext()).epoch == 2
+    finally:
+        engine.dispose()
