@@ -134,6 +134,10 @@ class JobSpec(Request):
     rendezvous_timeout_s: float = Field(default=120.0, gt=0, le=3600, allow_inf_nan=False)
     """How long the ranks may take to meet (reach rank 0's address and port, all join); past
     it the job fails with a reason naming the address and port that could not be reached."""
+    collective_timeout_s: float = Field(default=600.0, ge=10, le=86_400, allow_inf_nan=False)
+    """How long a rank waits in a collective (an all-reduce, a re-synchronisation) for the
+    others before the job fails: long enough for a slow checkpoint write or a rank-0-only
+    evaluation, short enough that a rank lost inside a collective ends the job."""
     checkpoint: CheckpointSpec | None = None
     max_restarts: int = Field(default=3, ge=0, le=1000)
     """How many times the control plane restarts the job after a rank, its agent or its host

@@ -45,7 +45,7 @@ from torch import nn
 
 from agent.runtime.plan_sync import RuntimePlan
 from agent.runtime.resync import resync
-from agent.runtime.sampler import GlobalBatchSampler
+from agent.runtime.sampler import Sampler
 
 log = logging.getLogger("evenflow.runtime.checkpoint")
 
@@ -261,11 +261,13 @@ class Checkpointer:
         iteration: int,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        sampler: GlobalBatchSampler,
+        sampler: Sampler,
         plan: RuntimePlan,
         global_samples: int,
+        data: dict[str, Any] | None = None,
     ) -> Saved:
-        """Write the checkpoint after ``iteration`` iterations (on one rank only)."""
+        """Write the checkpoint after ``iteration`` iterations (on one rank only). ``data`` is
+        what the data source needs to agree with on resume (a stream's layout)."""
         epoch, k = sampler.position(iteration)
         state = {
             "format": FORMAT,
@@ -275,6 +277,8 @@ class Checkpointer:
             "dataset_size": sampler.dataset_size,
             "global_batch": sampler.global_batch,
             "seed": sampler.seed,
+            "sampler": sampler.describe(),
+            "data": data or {},
             "plan": {
                 "version": plan.version,
                 "batch_sizes": list(plan.batch_sizes),
@@ -293,18 +297,19 @@ class Checkpointer:
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        sampler: GlobalBatchSampler,
+        sampler: Sampler,
         *,
         rank: int,
         group: dist.ProcessGroup | None,
         control: dist.ProcessGroup | None,
+        data: dict[str, Any] | None = None,
     ) -> Resumed | None:
         """Every rank calls it before the first iteration. Rank 0 reads the newest readable
         checkpoint and every rank gets its model, optimizer, RNG and user state (a collective
         when the process group is initialised). None when there is no checkpoint yet."""
         header: list[Any] = [None]
         if rank == 0:
-            header[0] = self._read(model, optimizer, sampler)
+            header[0] = self._read(model, optimizer, sampler, data or {})
         if dist.is_initialized():
             dist.broadcast_object_list(header, src=0, group=control)
         meta = header[0]
@@ -323,18 +328,19 @@ class Checkpointer:
         return Resumed(meta["iteration"], meta["global_samples"], meta["url"])
 
     def _read(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, sampler: GlobalBatchSampler
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        sampler: Sampler,
+        data: dict[str, Any],
     ) -> dict[str, Any] | None:
         state = self.store.load_latest()
         if state is None:
             return None
         url = self.store.url_of(file_name(state["iteration"]))
-        for key in ("dataset_size", "global_batch", "seed"):
-            if state[key] != getattr(sampler, key):
-                return {
-                    "error": f"checkpoint {url} is for {key} {state[key]}, this job has "
-                    f"{getattr(sampler, key)}: it cannot resume exactly"
-                }
+        problem = _mismatch(state, sampler.describe(), data)
+        if problem is not None:
+            return {"error": f"checkpoint {url} {problem}: it cannot resume exactly"}
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         return {
@@ -344,3 +350,20 @@ class Checkpointer:
             "global_samples": int(state["global_samples"]),
             "url": url,
         }
+
+
+def _mismatch(state: dict[str, Any], sampler: dict[str, Any], data: dict[str, Any]) -> str | None:
+    """How the checkpoint's order of samples differs from this job's, or None."""
+    saved = state.get("sampler") or {
+        "dataset_size": state["dataset_size"],
+        "global_batch": state["global_batch"],
+        "seed": state["seed"],
+        "drop_last": False,
+    }
+    for key in sorted(set(saved) | set(sampler)):
+        if saved.get(key) != sampler.get(key):
+            return f"is for {key} {saved.get(key)}, this job has {sampler.get(key)}"
+    for key, value in sorted(state.get("data", {}).items()):
+        if data.get(key) != value:
+            return f"read its data with {key} {value}, this job with {data.get(key)}"
+    return None

@@ -1,25 +1,47 @@
-"""The per-rank training engine a workload (built-in or user) drives: ``prepare``, ``batches``,
-``step``.
+"""The per-rank training engine a user's loop drives: ``prepare``, ``batches``, ``backward``.
+
+A loop under Evenflow reads like a DDP or Accelerate loop::
+
+    model, opt = ctx.prepare(model, opt)
+    for x, y in ctx.batches(loader):               # this rank's share of each global batch
+        loss = F.cross_entropy(model(x), y, reduction="sum")
+        ctx.backward(loss)                         # count: the samples of the batch
+        if ctx.sync_gradients:                     # after the iteration's all-reduce
+            clip_grad_norm_(model.parameters(), 1.0)
+            opt.step(); sched.step(); opt.zero_grad()
 
 One iteration, on every active rank, in this order::
 
     plan agreement at the boundary (inside the gradient all-reduce, or one tiny broadcast)
       [-> when the plan changes who is active: regroup, and re-synchronise readmitted ranks]
-    -> data: this rank's slice of the global batch under the agreed plan
-    -> compute: forward + backward of the SUMMED loss (skipped with 0 samples), emulation padding;
-       a slice larger than this rank's memory cap in the plan is yielded as several micro-batches
-       (passes of at most the cap), each stepped, their gradients accumulated in place
-    -> sync: one coalesced all-reduce of gradients and loss, scaled by 1 / global count
-    -> optimizer step, zero the gradient buffer (the leader: the global loss -> metrics queue)
-    -> timing record -> telemetry queue (background threads send both)
+    -> data: this rank's slice of the global batch under the agreed plan (loaded ahead by the
+       DataLoader's workers; an empty batch when the slice is 0 samples, so every rank runs
+       the same steps); a slice larger than the memory cap comes as several passes
+    -> compute: the user's forward, and ``ctx.backward`` of each pass's SUMMED loss
+       (gradients accumulate; a pass with no samples back-propagates nothing)
+    -> sync, in the last pass's ``backward``: one all-reduce of gradients, loss sums, counts
+       and flags; gradients divided by the global count; ``ctx.sync_gradients`` turns true
+    -> the user's code: clip, optimizer step, scheduler, EMA, zero the gradients
+    -> when the loop asks for the next batch: timing record -> telemetry queue, checkpoint
+
+Every rank that holds the model runs the same user-visible steps in every iteration, so a
+scheduler or an EMA stepped in the loop body stays the same everywhere. Now and then
+(``replica_check_every``) the all-reduce also carries each rank's checksum of its parameters:
+replicas that differ fail the job naming the iteration and the ranks (:class:`ReplicaDivergence`).
+``ctx.stop()`` on any rank ends the job on all after the iteration its flag travels in; a rank
+that leaves its loop (``break``) joins the next all-reduce with a withdrawal instead of
+gradients, and every rank ends there without that update (on a CPU gloo job, where the flags are
+read every iteration; on CUDA they are read every ``loss_every`` iterations, so use
+``ctx.stop()`` there).
 
 A rank the agreed plan excludes leaves this loop at that boundary: it probes its speed on each
 tick from the leader and waits for a join notice (:mod:`agent.runtime.membership`); ``batches()``
-yields nothing meanwhile, and resumes at the join iteration with parameters, buffers and optimizer
-state re-synchronised. After the last iteration, ranks still excluded are re-synchronised too, so
-every rank ends with the trained model; a rank that *departed* (excluded, then its process died:
-the control plane lets the job go on without it) is left out of that, as of everything else. See :mod:`agent.runtime.workloads` for how a user loop
-uses this.
+yields nothing meanwhile, and resumes at the join iteration with parameters, buffers, optimizer
+state and registered state (``ctx.register_state``) re-synchronised. After the last iteration,
+ranks still excluded are re-synchronised too, so every rank ends with the trained model; a rank
+that *departed* (excluded, then its process died: the control plane lets the job go on without
+it) is left out of that, as of everything else. See :mod:`agent.runtime.workloads` for the whole
+user API.
 """
 
 from __future__ import annotations
@@ -28,7 +50,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Generator, Iterator
-from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, SupportsFloat
 
 import torch
@@ -36,74 +58,63 @@ import torch.distributed as dist
 from torch import nn
 
 from agent.runtime.checkpoint import Checkpointer, LoadState, Saved, SaveState, save_model
-from agent.runtime.datasets import DatasetLike, dataset_size, take
+from agent.runtime.datasets import DatasetLike, Passes, Source, as_source, to_device
 from agent.runtime.emulation import EMULATED_LABEL, Emulator
-from agent.runtime.gradients import GradientSync, broadcast_module
+from agent.runtime.gradients import GradientSync, broadcast_module, parameter_checksum
 from agent.runtime.membership import ExclusionOptions, GroupRole, Membership, Notice, Transition
 from agent.runtime.metrics import MetricReporter
 from agent.runtime.oom import MemoryGuard
 from agent.runtime.plan_sync import PlanAgreement, RuntimePlan, decode_plan
 from agent.runtime.probes import ProbeLoss, forward_sum, probe, probe_size
 from agent.runtime.resync import resync
-from agent.runtime.sampler import GlobalBatchSampler
+from agent.runtime.sampler import GlobalBatchSampler, Sampler, StreamSampler
+from agent.runtime.stats import MAX_LOSSES, ContextStats
 from agent.runtime.telemetry import JumpWatch, TelemetryClosed, clamp_ms
 from agent.runtime.timing import IterationTimer, IterationTiming
 from contract.agent import MetricPoint, TelemetryRecord
 from contract.spec import JobSpec
 
-__all__ = ["ContextStats", "DatasetLike", "EvenflowContext", "dataset_size"]
+__all__ = [
+    "MAX_LOSSES",
+    "ContextStats",
+    "DatasetLike",
+    "EvenflowContext",
+    "ReplicaDivergence",
+    "dataset_size",
+]
 
 log = logging.getLogger("evenflow.runtime.context")
-
-MAX_LOSSES = 4096
 
 EARLY_FLUSH_ITERATIONS = 3
 """Records of the first iterations are posted at once: the control plane takes its first look
 at a job after three iterations (``server.services.rebalancer.FIRST_LOOK``), and until its first
 plan the job trains on a blind split."""
 
+REPLICA_TOLERANCE = 1e-6
+"""Two ranks' parameter sums may differ by this much of the parameters' summed magnitude (float32
+slots, and reductions ordered differently on different devices); a rank that skipped or added a
+step differs by far more."""
 
-@dataclass
-class ContextStats:
-    """What one rank did; the raw material of :class:`~agent.runtime.trainer.RunResult`."""
+OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "mean": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+}
 
-    iterations: int = 0
-    samples_seen: int = 0
-    """Samples this rank trained on."""
-    global_samples: int = 0
-    """Samples in all global batches so far (sum of global counts)."""
-    losses: list[tuple[int, float]] = field(default_factory=list)
-    """(iteration, global mean loss), thinned to at most ``MAX_LOSSES`` entries spread over the
-    run; always holds the last iteration's."""
-    agreement_ms: float = 0.0
-    """Total host time spent at boundaries (agreement, and any regroup and re-synchronisation)."""
-    exclusions: list[tuple[int, int]] = field(default_factory=list)
-    """(first iteration sat out, iteration rejoined at) for each time this rank was excluded."""
-    probes: int = 0
-    """Speed probes this rank ran while excluded."""
-    resync_ms: list[float] = field(default_factory=list)
-    """Host time of each re-synchronisation this rank took part in."""
-    ooms: list[tuple[int, int]] = field(default_factory=list)
-    """(iteration, pass size) of each pass that ran out of memory and was redone smaller."""
-    resumed_from: int | None = None
-    """The iteration this run resumed at from a checkpoint (None: it started from 0)."""
-    checkpoints: list[tuple[int, int, float]] = field(default_factory=list)
-    """(iteration, bytes, write ms) of each checkpoint this rank wrote."""
-    _loss_stride: int = field(default=1, repr=False)
-    _loss_calls: int = field(default=0, repr=False)
 
-    def record_loss(self, iteration: int, value: float, *, last: bool) -> None:
-        """Keep every stride-th loss; when the list is full, keep every other and double the
-        stride, so memory stays bounded however long the run."""
-        keep = self._loss_calls % self._loss_stride == 0
-        self._loss_calls += 1
-        if keep or last:
-            self.losses.append((iteration, value))
-        if len(self.losses) > MAX_LOSSES:
-            self.losses = self.losses[::2]
-            self._loss_stride *= 2
-            if last and self.losses[-1][0] != iteration:
-                self.losses.append((iteration, value))
+class ReplicaDivergence(RuntimeError):
+    """The ranks' parameters are no longer the same: a step ran on some ranks only."""
+
+
+def dataset_size(dataset: DatasetLike) -> int:
+    """Samples in a dataset: dim 0 of its tensors (which must agree), or ``len``."""
+    if isinstance(dataset, tuple):
+        sizes = {t.shape[0] for t in dataset}
+        if len(sizes) != 1:
+            raise ValueError(f"dataset tensors disagree on their length: {sorted(sizes)}")
+        return sizes.pop()
+    return len(dataset)  # type: ignore[arg-type]
 
 
 class EvenflowContext:
@@ -131,6 +142,7 @@ class EvenflowContext:
         exclusion: ExclusionOptions = ExclusionOptions(),
         checkpointer: Checkpointer | None = None,
         on_checkpoint_saved: Callable[[Saved], None] | None = None,
+        replica_check_every: int = 100,
     ) -> None:
         self.spec = spec
         self.rank = rank
@@ -142,6 +154,8 @@ class EvenflowContext:
         self.loss_every = max(1, loss_every)
         self.piggyback = piggyback
         """Carry the plan agreement inside the gradient all-reduce when the buffers allow."""
+        self.replica_check_every = max(1, replica_check_every)
+        """Every this many iterations (and at the last) the ranks compare parameter checksums."""
         self._submit = submit
         self._metrics = MetricReporter(rank, submit_metric)
         """The global loss from the plan's leader, and what user code logs (``log``)."""
@@ -162,8 +176,18 @@ class EvenflowContext:
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self._sync: GradientSync | None = None
-        self._sampler: GlobalBatchSampler | None = None
-        self._awaiting_step = False
+        self._sampler: Sampler | None = None
+        self._source: Source | None = None
+        self._awaiting_backward = False
+        self._synced = False
+        """This iteration's gradients are all-reduced (``sync_gradients``)."""
+        self._in_loop = False
+        self._stop_asked = False
+        """This rank called ``stop()``: its flag rides every all-reduce from now on."""
+        self._stopping = False
+        """A rank asked to stop, or one withdrew: the loop ends after this iteration."""
+        self._withdrawn = False
+        """This iteration is abandoned: a rank left its loop, its update is not made."""
         self._data_pending = False
         """The iteration's data phase has not ended yet (its first pass's samples are not taken)."""
         self._plan: RuntimePlan = agreement.current
@@ -172,20 +196,27 @@ class EvenflowContext:
         """Sizes of this iteration's passes (one unless the memory cap splits the slice)."""
         self._pass = 0
         self._loss_acc: torch.Tensor | None = None
+        self._count_acc: float | torch.Tensor = 0.0
         self._guard = MemoryGuard(rank)
         self._total = 0
         self.membership = Membership(
-            rank, world_size, group=group, control_group=agreement.group, options=exclusion
+            rank,
+            world_size,
+            group=group,
+            control_group=agreement.group,
+            options=exclusion,
+            timeout=timedelta(seconds=spec.collective_timeout_s),
         )
         self.probe_loss: ProbeLoss | None = None
         """``probe_loss(batch)``: the summed loss of a batch as ``batches()`` yields it, for speed
         probes while excluded (default: the model's output summed; see :mod:`~agent.runtime.
         probes`)."""
-        self._dataset: DatasetLike | None = None
         self._probe_failed = False
         self.checkpointer = checkpointer
         """The job's checkpoints (None when its spec asks for none)."""
         self._on_saved = on_checkpoint_saved
+        self._states: dict[str, tuple[SaveState, LoadState]] = {}
+        """The user's registered state: kept in checkpoints, re-synchronised on readmission."""
         self._first_iteration = 0
         if emulator is not None:
             log.info("rank %d: %s speed %s", rank, EMULATED_LABEL, emulator.worker)
@@ -193,7 +224,7 @@ class EvenflowContext:
     # ----------------------------------------------------------------------------- user API
 
     @property
-    def args(self) -> dict[str, str | int | float | bool]:
+    def args(self) -> dict[str, Any]:
         return self.spec.workload.args
 
     @property
@@ -210,13 +241,22 @@ class EvenflowContext:
         """The plan in force for the current iteration."""
         return self._plan
 
+    @property
+    def sync_gradients(self) -> bool:
+        """True once this iteration's last pass is back-propagated and the gradients are
+        all-reduced: clip, step the optimizer and the scheduler, update an EMA and zero the
+        gradients then (as with Accelerate's ``accelerator.sync_gradients``)."""
+        return self._synced
+
     def prepare(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     ) -> tuple[nn.Module, torch.optim.Optimizer]:
         """Move the model to the device, copy rank 0's weights everywhere, own its gradients.
 
-        Without an optimizer, plain SGD at the job's learning rate is used. Build a custom
-        optimizer *after* moving the model, or pass the model already on ``ctx.device``.
+        Without an optimizer, plain SGD at the job's learning rate is used. An optimizer built
+        before, on the model's parameters, keeps working: the model is moved in place. Its
+        ``step()`` refuses to run inside the loop before the iteration's gradients are
+        synchronised (a port that would step on one rank's partial gradients fails at once).
         """
         model.to(self.device)
         broadcast_module(model, group=self.group)
@@ -225,10 +265,18 @@ class EvenflowContext:
         self.model, self.optimizer = model, optimizer
         slots = self.agreement.message_length if self.piggyback else 0
         self._sync = GradientSync(
-            model.parameters(), group=self.group, control_slots=slots, flag=self._flush is not None
+            model.parameters(),
+            group=self.group,
+            control_slots=slots,
+            flag=self._flush is not None,
+            rank=self.rank,
+            world_size=self.world_size,
         )
         if slots:
             self.agreement.use_channel(self._sync)
+        register = getattr(optimizer, "register_step_pre_hook", None)
+        if register is not None:
+            register(self._before_step)
         log.info("rank %d: plan agreement via %s", self.rank, self.agreement.transport)
         initial = self.agreement.current
         if dist.is_initialized():
@@ -242,10 +290,13 @@ class EvenflowContext:
         return model, optimizer
 
     def on_checkpoint(self, name: str, save: SaveState, load: LoadState) -> None:
-        """Keep state of the user's own in every checkpoint: ``save()`` returns it (any picklable
-        object; called on the rank that writes), ``load(obj)`` puts it back on every rank when
-        the job resumes, before the first batch. Register before ``ctx.batches()``. Without
-        checkpoints in the spec this does nothing."""
+        """Keep state of the user's own: ``save()`` returns it (any picklable object),
+        ``load(obj)`` puts it back. It goes in every checkpoint (put back on every rank when
+        the job resumes, before the first batch) and to a rank readmitted after an exclusion.
+        Register before ``ctx.batches()``."""
+        if name in self._states:
+            raise ValueError(f"state {name!r} is registered already")
+        self._states[name] = (save, load)
         if self.checkpointer is not None:
             self.checkpointer.add(name, save, load)
 
@@ -267,57 +318,51 @@ class EvenflowContext:
             return None
         return save_model(self.model, path, self.checkpointer)
 
-    def total_iterations(self, dataset_size: int) -> int:
-        """Iterations this job runs: ``iterations``, or ``epochs`` whole passes over the data."""
+    def total_iterations(self, dataset_size: int | None) -> int:
+        """Iterations this job runs: ``iterations``, or ``epochs`` whole passes over the data
+        (a stream, ``dataset_size`` None, needs ``iterations``)."""
         if self.spec.iterations is not None:
             return self.spec.iterations
+        if dataset_size is None:
+            raise ValueError(
+                "an IterableDataset has no length, so the job cannot count epochs over it: "
+                "give the job `iterations` instead of `epochs`"
+            )
         per_epoch = GlobalBatchSampler(dataset_size, self.spec.global_batch).batches_per_epoch
         return (self.spec.epochs or 1) * per_epoch
 
-    def batches(self, dataset: DatasetLike) -> Iterator[Any]:
-        """Yield this rank's local batch each iteration until the job's length is reached."""
+    def batches(self, data: DatasetLike) -> Iterator[Any]:
+        """Yield this rank's batch (or passes) each iteration until the job's length is reached
+        (see :mod:`agent.runtime.datasets` for what ``data`` may be)."""
         if self._sync is None:
             raise RuntimeError("call ctx.prepare(model, optimizer) before ctx.batches(...)")
-        n = dataset_size(dataset)
-        self._sampler = sampler = GlobalBatchSampler(n, self.spec.global_batch, seed=self.seed)
-        self._total = total = self.total_iterations(n)
-        self._dataset = dataset
-        self._resume()
+        source, settings = as_source(
+            data,
+            rank=self.rank,
+            seed=self.seed,
+            global_batch=self.spec.global_batch,
+            world_size=self.world_size,
+        )
+        sampler: Sampler
+        if source.size is None:
+            sampler = StreamSampler(self.spec.global_batch)
+        else:
+            sampler = GlobalBatchSampler(
+                source.size, self.spec.global_batch, seed=self.seed, drop_last=settings.drop_last
+            )
+        self._total = self.total_iterations(source.size)
+        if isinstance(sampler, GlobalBatchSampler) and self.spec.iterations is None:
+            self._total = (self.spec.epochs or 1) * sampler.batches_per_epoch  # drop_last counts
+        self._sampler, self._source = sampler, source
         try:
-            while self.iteration < total:
-                it = self.iteration
-                if self.membership.excluded:
-                    self._sit_out(it)  # returns readmitted at a later iteration, or at the end
-                    if self.iteration >= total:
-                        return  # the end notice: already re-synchronised
-                    it = self.iteration
-                else:
-                    t0 = time.perf_counter()
-                    self.agreement.at_boundary(it)
-                    self.stats.agreement_ms += (time.perf_counter() - t0) * 1000.0
-                    if self.membership.excluded:  # the agreed plan just excluded this rank
-                        continue
-                self._plan = self.agreement.current
-                self.membership.tick(it, self._plan)
-                yield from self._iteration(it, dataset, sampler)
-            final = self.agreement.current
-            if self.membership.role is GroupRole.ACTIVE and set(final.excluded) - set(
-                final.departed
-            ):
-                self.agreement.close()
-                tr = self.membership.end(self.iteration, final)
-                self._resync(tr, False)
-                self._sync.group = tr.group
-        except BaseException:  # failed, or the loop was left early: excluded ranks stop too
-            self.membership.abort(self.iteration, self.agreement.current)
-            raise
+            self._resume()
+            yield from self._loop()
         finally:
-            self.agreement.close()
-            self._emit(self.timer.drain())
+            source.close()
 
     @contextlib.contextmanager
     def recoverable(self) -> Iterator[None]:
-        """Wrap the loop body (forward and ``step``) so that running out of device memory
+        """Wrap the loop body (forward and ``backward``) so that running out of device memory
         redoes this rank's share in smaller passes instead of failing the job
         (:mod:`agent.runtime.oom`)::
 
@@ -328,7 +373,7 @@ class EvenflowContext:
         try:
             yield
         except torch.OutOfMemoryError as exc:
-            if not self._awaiting_step:
+            if not self._awaiting_backward:
                 raise  # not inside a pass of this context's
             # Kept without its traceback: the traceback's frames hold the failed pass's
             # activations and graph (nearly all of the device's memory), which must be freed
@@ -336,27 +381,88 @@ class EvenflowContext:
             # on a real H100 and failed the job.
             self._guard.pending = exc.with_traceback(None)
 
-    def step(self, loss_sum: torch.Tensor) -> float | None:
-        """Backward the summed loss; after the iteration's last pass, all-reduce and step the
-        optimizer. The global mean loss when it was recorded this iteration (every
-        ``loss_every`` iterations), else ``None`` (always ``None`` before the last pass)."""
-        if not self._awaiting_step:
-            raise RuntimeError("ctx.step() outside a batch of ctx.batches()")
+    def backward(
+        self, loss: torch.Tensor, *, count: float | torch.Tensor | None = None
+    ) -> float | None:
+        """Back-propagate one pass's summed loss; after the iteration's last pass, all-reduce.
+
+        ``count`` is what this pass's loss is a sum over (default: its samples; the number of
+        tokens for a per-token loss): gradients and the loss are divided by the sum of every
+        rank's counts in the iteration, so the update is that of the mean over the whole
+        global batch. Returns the global mean loss after the last pass when it was read this
+        iteration (every ``loss_every`` iterations), else None.
+        """
+        if not self._awaiting_backward:
+            raise RuntimeError(
+                "ctx.backward() (or ctx.step()) is called once for each batch ctx.batches() "
+                "yields: this call came outside the loop, or a second time for one batch"
+            )
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            what = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ValueError(
+                f"ctx.backward() takes the batch's loss summed to one value, got {what}: "
+                "use reduction='sum' (or .sum()) and pass the count it is a sum over"
+            )
+        assert self._sync is not None
         size = self._passes[self._pass]
         if self.emulator is not None:  # an emulated device runs out of memory here, as CUDA's would
             peak = self.emulator.allocate(size)
             if peak is not None:
                 self.timer.note_peak_memory(peak)
-        loss_sum.backward()  # accumulates into the gradient buffers over the passes
-        self._awaiting_step = False
+        if self._pass > 0 and self._sync.detached():
+            raise RuntimeError(
+                "the gradients were zeroed between two passes of one iteration (this rank's "
+                "share is larger than its memory cap, so it comes as several batches): zero "
+                "them after the optimizer step, under `if ctx.sync_gradients:`"
+            )
+        self._sync.attach()
+        if size > 0:  # an empty batch has no samples, so no gradient
+            loss.backward()
+        self._awaiting_backward = False
         self._pass += 1
-        loss = loss_sum.detach()
-        total = loss if self._loss_acc is None else self._loss_acc + loss
+        value = loss.detach().reshape(1)
+        self._loss_acc = value if self._loss_acc is None else self._loss_acc + value
+        self._count_acc = self._count_acc + (size if count is None else count)
         if self._pass < len(self._passes):
-            self._loss_acc = total
             return None
-        self._loss_acc = None
-        return self._finish(total)
+        return self._reduce()
+
+    def step(
+        self, loss: torch.Tensor, *, count: float | torch.Tensor | None = None
+    ) -> float | None:
+        """``backward(loss, count=count)``, then, once the gradients are synchronised, the
+        optimizer's step and zeroed gradients: the shorthand for a loop with nothing between."""
+        value = self.backward(loss, count=count)
+        if self._synced:
+            assert self.optimizer is not None and self._sync is not None
+            self.optimizer.step()
+            self._sync.zero_grad()
+        return value
+
+    def stop(self) -> None:
+        """End the job early, on every rank, from this one: the request travels in the next
+        gradient all-reduce, and every rank's loop ends after that iteration (the one in
+        progress when called before its last ``backward``, else the next). The job then ends
+        as if it had run its length: checkpoints, ``save_final`` and success."""
+        self._stop_asked = True
+
+    def all_reduce(self, value: torch.Tensor | SupportsFloat, op: str = "sum") -> Any:
+        """Combine ``value`` over the ranks training this iteration (``sum``, ``mean``, ``max``
+        or ``min``): a global metric. Every rank in the loop calls it at the same point; a rank
+        that sits out (excluded) takes no part, so it cannot deadlock on an exclusion. A tensor
+        comes back as a new tensor, a number as a float."""
+        if op not in OPS:
+            raise ValueError(f"op must be one of {sorted(OPS)}, not {op!r}")
+        as_tensor = isinstance(value, torch.Tensor)
+        t = value.detach().clone() if isinstance(value, torch.Tensor) else None
+        if t is None:
+            t = torch.tensor([float(value)], dtype=torch.float64)
+        if dist.is_initialized():
+            group = self.agreement.group if t.device.type == "cpu" else self._grad_group()
+            dist.all_reduce(t, op=OPS[op], group=group)
+        if op == "mean":
+            t = t / len(self._plan.active)
+        return t if as_tensor else float(t.item())
 
     def log(self, name: str, value: SupportsFloat, *, iteration: int | None = None) -> None:
         """Report a training metric of this rank (an accuracy, a learning rate, a user loss):
@@ -371,64 +477,117 @@ class EvenflowContext:
         control plane has said the job ended this raises ``TelemetryClosed``."""
         self._metrics.log(name, value, self._batch_iteration if iteration is None else iteration)
 
-    # ----------------------------------------------------------------------------- internals
+    # ----------------------------------------------------------------------------- the loop
 
-    def _iteration(
-        self, it: int, dataset: DatasetLike, sampler: GlobalBatchSampler
-    ) -> Iterator[Any]:
+    def _loop(self) -> Iterator[Any]:
+        """The iterations, from the resumed one to the job's end (or an early stop)."""
+        assert self._sync is not None
+        self._in_loop = True
+        try:
+            while self.iteration < self._total and not self._stopping:
+                it = self.iteration
+                if self.membership.excluded:
+                    if self._sit_out(it):  # the job ended meanwhile: already re-synchronised
+                        return
+                    it = self.iteration
+                else:
+                    t0 = time.perf_counter()
+                    self.agreement.at_boundary(it)
+                    self.stats.agreement_ms += (time.perf_counter() - t0) * 1000.0
+                    if self.membership.excluded:  # the agreed plan just excluded this rank
+                        continue
+                self._plan = self.agreement.current
+                self.membership.tick(it, self._plan)
+                yield from self._iteration(it)
+            self._end()
+        except GeneratorExit:  # the user's loop left (a break, or an error in its body)
+            self._left_loop()
+            raise
+        except BaseException:  # failed: excluded ranks stop too
+            self.membership.abort(self.iteration, self.agreement.current)
+            raise
+        finally:
+            self._in_loop = False
+            self.agreement.close()
+            self._emit(self.timer.drain())
+
+    def _iteration(self, it: int) -> Iterator[Any]:
         """One iteration's passes: this rank's slice, or its micro-batches of at most the
         plan's memory cap for this rank (gradients accumulate; the update is unchanged)."""
+        assert self._sampler is not None and self._source is not None
         self.timer.begin()
-        idx = sampler.local_indices(it, self._plan.batch_sizes, self.rank)
+        sizes = self._plan.batch_sizes
+        idx = self._sampler.local_indices(it, sizes, self.rank)
         self._local = len(idx)
         self._batch_iteration = it
-        self._passes, self._pass, self._loss_acc = (), 0, None
-        if self._local == 0:
-            self.timer.data_done()
-            self._finish(None)
-            return
+        self._synced = self._withdrawn = False
         cap = self._guard.cap(self._plan)
+        self._source.expect(self._passes_under(sizes, cap))
         self._data_pending = True
         while True:
             chunks = [idx] if cap is None or self._local <= cap else list(idx.split(cap))
-            self._passes, self._pass, self._loss_acc = tuple(len(c) for c in chunks), 0, None
+            self._passes, self._pass = tuple(len(c) for c in chunks), 0
+            self._loss_acc, self._count_acc = None, 0.0
             if len(chunks) > 1:
                 self.timer.note_pass_size(max(self._passes))
-            failed = yield from self._run_passes(dataset, chunks)
+            failed = yield from self._run_passes(it, chunks)
             if failed is None:
-                return
+                break
             cap = self._recover(*failed)
+            self._source.expect(self._passes_under(sizes, cap))
+        if not self._withdrawn:
+            self._complete(it)
+
+    def _passes_under(self, sizes: tuple[int, ...], cap: int | None) -> Passes:
+        """This rank's passes at any coming iteration, were the plan to stay."""
+        sampler, rank, total = self._sampler, self.rank, self._total
+        assert sampler is not None
+
+        def passes(iteration: int) -> list[torch.Tensor]:
+            if iteration >= total:
+                return []
+            idx = sampler.local_indices(iteration, sizes, rank)
+            return [idx] if cap is None or len(idx) <= cap else list(idx.split(cap))
+
+        return passes
 
     def _run_passes(
-        self, dataset: DatasetLike, chunks: list[torch.Tensor]
+        self, it: int, chunks: list[torch.Tensor]
     ) -> Generator[Any, None, tuple[int, BaseException] | None]:
         """Yield each pass; the failing pass's size and error when one ran out of memory.
 
         A pass's samples are taken just before it runs, not all of an iteration's at once: only
         one pass's inputs are on the device at a time (a pass's peak is its own), and on CUDA
         the host can gather the next pass while the device still computes this one, as a plain
-        loop does (no throughput change was measurable on an H100: README, "Measured on a real
-        H100"). The data phase ends with the first pass's samples; later passes' count as
+        loop does. The data phase ends with the first pass's samples; later passes' count as
         compute."""
+        assert self._source is not None
         for chunk in chunks:
-            part = take(dataset, chunk, self.device)
+            batch = self._source.take(it, chunk) if len(chunk) else self._source.empty()
+            part = to_device(batch, self.device)
+            del batch
             if self._data_pending:
                 self.timer.data_done()
                 self._data_pending = False
-            self._awaiting_step = True
+            self._awaiting_backward = True
             yield part
             del part
             exc = self._guard.take_pending()
             if exc is not None:
                 return self._passes[self._pass], exc
-            if self._awaiting_step:
-                raise RuntimeError("call ctx.step(loss_sum) exactly once per batch")
+            if self._awaiting_backward:
+                raise RuntimeError(
+                    "a batch of ctx.batches() went without ctx.backward(loss) (or "
+                    "ctx.step(loss)): call it once for every batch, on every rank"
+                )
+            if self._withdrawn:
+                return None
         return None
 
     def _recover(self, size: int, exc: BaseException) -> int:
         """Free what the failed attempt holds; the smaller cap to redo the share with."""
         assert self._sync is not None
-        self._awaiting_step = False
+        self._awaiting_backward = False
         self._sync.zero_grad()  # the partial gradients of the passes so far
         self._loss_acc = None
         if self.device.type == "cuda":
@@ -447,33 +606,142 @@ class EvenflowContext:
         )
         return cap
 
-    def _finish(self, loss_sum: torch.Tensor | None) -> float | None:
-        assert self._sync is not None and self.optimizer is not None and self._sampler
+    def _reduce(self) -> float | None:
+        """The iteration's all-reduce, after its last pass."""
+        assert self._sync is not None and self.model is not None
         it, b = self.iteration, self._local
         if self.emulator is not None and b > 0:
             elapsed = self.timer.compute_elapsed_ms()
             self.timer.add_padding(self.emulator.pad(it, b, elapsed, self._passes))
         self.timer.compute_done()
-        count = self._sampler.global_count(it)
-        mean_loss = self._sync.all_reduce(count, loss_sum)
+        last = it + 1 >= self._total
+        check = (it + 1) % self.replica_check_every == 0 or last
+        reduced = self._sync.reduce(
+            self._loss_acc,
+            self._count_acc,
+            stop=self._stop_asked,
+            checksum=parameter_checksum(self.model.parameters()) if check else None,
+            read=it % self.loss_every == 0 or last,
+        )
         self.timer.sync_done()
-        value = None
-        if it % self.loss_every == 0 or it + 1 >= self._total:
-            value = float(mean_loss.item())
-            self.stats.record_loss(it, value, last=it + 1 >= self._total)
-            if self.rank == self._plan.leader:  # every active rank holds the same value
-                self._metrics.loss(it, value)
-        self.optimizer.step()
+        self._loss_acc = None
+        if reduced.withdrawn:
+            self._abandon(it, "a rank left its loop")
+            return None
+        if reduced.stop:
+            self._stopping = True
+            self.stats.stopped_at = it + 1
+        if check:
+            self._verify(it, reduced.checksums or {})
+        self._synced = True
+        if not (it % self.loss_every == 0 or last or self._stopping):
+            return None
+        value = float(reduced.loss.item())
+        self.stats.record_loss(it, value, last=last or self._stopping)
+        if self.rank == self._plan.leader:  # every active rank holds the same value
+            self._metrics.loss(it, value)
+        return value
+
+    def _abandon(self, it: int, why: str) -> None:
+        """This iteration's update is not made (its gradients are incomplete); the loop ends."""
+        assert self._sync is not None
         self._sync.zero_grad()
-        self._emit(self.timer.finish(it, self._plan.version, b))
+        self._withdrawn = self._stopping = True
+        self.stats.stopped_at = it
+        log.warning("rank %d: %s; the job ends before iteration %d's update", self.rank, why, it)
+
+    def _verify(self, it: int, checksums: dict[int, tuple[float, float]]) -> None:
+        """Every rank that sent a checksum holds the same parameters as the plan's leader."""
+        self.stats.replica_checks += 1
+        ref = self._plan.leader
+        if ref not in checksums:
+            return
+        s0, a0 = checksums[ref]
+        bad = [
+            r
+            for r, (s, a) in sorted(checksums.items())
+            if abs(s - s0) > REPLICA_TOLERANCE * max(a, a0)
+        ]
+        if bad:
+            sums = ", ".join(f"rank {r}: {checksums[r][0]:.8g}" for r in [ref, *bad])
+            raise ReplicaDivergence(
+                f"the replicas' parameters differ before iteration {it}'s update: rank(s) "
+                f"{bad} differ from rank {ref} (parameter sums {sums}). A step ran on some "
+                "ranks only: an optimizer or scheduler step outside `if ctx.sync_gradients:`, "
+                "code that depends on ctx.rank, or a random draw that changes parameters"
+            )
+
+    def _complete(self, it: int) -> None:
+        """After the user's code of the iteration: its record, its counts, a checkpoint."""
+        assert self._sampler is not None and self._sync is not None
+        self._emit(self.timer.finish(it, self._plan.version, self._local))
         if self._sync.flag_seen() and self._flush is not None:
             self._flush()  # another rank's time jumped: the server needs this rank's records too
         self.stats.iterations += 1
-        self.stats.samples_seen += b
-        self.stats.global_samples += count
+        self.stats.samples_seen += self._local
+        self.stats.global_samples += self._sampler.global_count(it)
         self.iteration += 1
         self._maybe_checkpoint()
-        return value
+
+    def _left_loop(self) -> None:
+        """The user's loop stopped asking for batches before the job's end. If the iteration's
+        update was made, it is complete; at the job's end that is the end. Otherwise the other
+        ranks are on their way to an all-reduce this rank will not feed: it joins with a
+        withdrawal instead, so they end there without that update rather than wait for it
+        until the collective timeout."""
+        if self._synced and not self._withdrawn:
+            self._complete(self.iteration)
+            if self.iteration >= self._total or self._stopping:
+                self._end()
+                return
+        if self._withdrawn or not self._sync_reads_every_iteration():
+            return
+        try:
+            self._withdraw()
+        except Exception as exc:  # best effort: this rank is leaving anyway
+            log.warning("rank %d: could not withdraw from the job: %r", self.rank, exc)
+
+    def _sync_reads_every_iteration(self) -> bool:
+        return self._sync is not None and self._sync.reads_back_cheaply
+
+    def _withdraw(self) -> None:
+        assert self._sync is not None
+        it = self.iteration
+        if self._synced:  # between iterations: meet the others at the next boundary first
+            self.agreement.at_boundary(it)
+            if self.membership.excluded:
+                return
+            self._plan = self.agreement.current
+        log.warning("rank %d: left its loop at iteration %d; ending the job there", self.rank, it)
+        self._sync.zero_grad()
+        self._sync.reduce(None, 0.0, withdraw=True)
+        self._withdrawn = self._stopping = True
+        self.stats.stopped_at = it
+        self._end()
+
+    def _end(self) -> None:
+        """After the last iteration (or an early stop): ranks still excluded are re-synchronised
+        so that every rank ends with the trained model."""
+        assert self._sync is not None
+        final = self.agreement.current
+        if self.membership.role is GroupRole.ACTIVE and set(final.excluded) - set(final.departed):
+            self.agreement.close()
+            tr = self.membership.end(self.iteration, final)
+            self._resync(tr, False)
+            self._sync.group = tr.group
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """The optimizer's step pre-hook: inside the loop, only on synchronised gradients."""
+        if self._in_loop and not self._synced and not self.membership.excluded:
+            raise RuntimeError(
+                "optimizer.step() ran before this iteration's gradients were all-reduced: "
+                "step only when ctx.sync_gradients is true (after the iteration's last "
+                "ctx.backward), or every rank would step on its own partial gradients"
+            )
+
+    def _grad_group(self) -> dist.ProcessGroup | None:
+        assert self._sync is not None
+        return self._sync.group
 
     # ------------------------------------------------------------------------ checkpoints
 
@@ -482,7 +750,7 @@ class EvenflowContext:
         if self.checkpointer is None or self.iteration > 0:
             return
         assert self.model is not None and self.optimizer is not None and self._sampler
-        assert self._sync is not None
+        assert self._sync is not None and self._source is not None
         resumed = self.checkpointer.resume(
             self.model,
             self.optimizer,
@@ -490,6 +758,7 @@ class EvenflowContext:
             rank=self.rank,
             group=self._sync.group,
             control=self.agreement.group,
+            data=self._source.state(),
         )
         if resumed is None:
             log.info("rank %d: no checkpoint yet; starting at iteration 0", self.rank)
@@ -510,6 +779,7 @@ class EvenflowContext:
         if cp is None or not cp.due(self.iteration) or self.rank != self._plan.leader:
             return
         assert self.model is not None and self.optimizer is not None and self._sampler
+        assert self._source is not None
         saved = cp.save(
             iteration=self.iteration,
             model=self.model,
@@ -517,6 +787,7 @@ class EvenflowContext:
             sampler=self._sampler,
             plan=self._plan,
             global_samples=self.stats.global_samples,
+            data=self._source.state(),
         )
         self.stats.checkpoints.append((saved.iteration, saved.size_bytes, saved.write_ms))
         if self._on_saved is not None:
@@ -537,9 +808,10 @@ class EvenflowContext:
                 self._resync(tr, False)
         return tr.control, new.leader
 
-    def _sit_out(self, since: int) -> None:
+    def _sit_out(self, since: int) -> bool:
         """Excluded from ``since``: probe until readmitted (then ``self.iteration`` is the join
-        iteration and the agreement is in step) or until the end (``self.iteration`` = total)."""
+        iteration and the agreement is in step; False) or until the job's end, early or not
+        (then ``self.iteration`` is where it ended; True)."""
         assert self._sync is not None
         notice: Notice = self.membership.wait(since, self._probe)
         if notice.kind == "join":
@@ -559,21 +831,17 @@ class EvenflowContext:
         self.stats.exclusions.append((since, notice.iteration))
         self.iteration = notice.iteration
         log.info("rank %d: readmitted at iteration %d", self.rank, notice.iteration)
+        return notice.kind != "join"
 
     def _resync(self, tr: Transition, apply: bool) -> None:
         assert self.model is not None and self.optimizer is not None
         t0 = time.perf_counter()
         s, a = self.stats, self.agreement
-        records = None
+        records: tuple[Any, ...] | None = None
         if self.rank == tr.root:
-            records = (
-                a.history,
-                a.refused,
-                s.global_samples,
-                s.losses,
-                s._loss_stride,
-                s._loss_calls,
-            )
+            states = {name: save() for name, (save, _) in self._states.items()}
+            records = (a.history, a.refused, s.global_samples, s.losses, s._loss_stride)
+            records += (s._loss_calls, states)
         records = resync(
             self.model,
             self.optimizer,
@@ -584,18 +852,22 @@ class EvenflowContext:
             control=tr.control,
             extra=records,
         )
-        if apply:  # the job's records, so every rank ends with the same
-            a.history, a.refused, s.global_samples, s.losses, s._loss_stride, s._loss_calls = (
-                records
-            )
+        if apply:  # the job's records and the user's state, so every rank ends with the same
+            history, refused, samples, losses, stride, calls, states = records
+            a.history, a.refused, s.global_samples = history, refused, samples
+            s.losses, s._loss_stride, s._loss_calls = losses, stride, calls
+            for name, (_, load) in self._states.items():
+                if name in states:
+                    load(states[name])
         self.stats.resync_ms.append((time.perf_counter() - t0) * 1000.0)
 
     def _probe(self, iteration: int, version: int) -> None:
         """One speed probe while excluded; best effort (a failing probe stops probing)."""
         assert self.model is not None and self._sync is not None and self._sampler is not None
-        if self._probe_failed or self._dataset is None:
+        source = self._source
+        if self._probe_failed or source is None:
             return
-        dataset, sampler, plan = self._dataset, self._sampler, self.agreement.current
+        sampler, plan = self._sampler, self.agreement.current
         b = probe_size(
             len(plan.active),
             self.spec.global_batch,
@@ -606,7 +878,7 @@ class EvenflowContext:
         idx = sampler.permutation(sampler.position(iteration)[0])[:b]
         try:
             timing = probe(
-                lambda: take(dataset, idx, self.device),
+                lambda: to_device(source.load(idx), self.device),
                 self.probe_loss or forward_sum(self.model),
                 iteration=iteration,
                 batch_size=b,

@@ -3,28 +3,31 @@
 DDP averages gradients with equal weight per rank, which is wrong when rank ``r`` has ``b_r``
 samples and the ``b_r`` differ: the update would weight a sample on a small rank more than one on a
 large rank. Here every rank back-propagates the **sum** of its per-sample losses, the gradients are
-all-reduced with ``SUM``, and the result is multiplied by ``1 / B_global`` (the actual number of
-samples in this iteration's global batch). The update is then exactly the one single-process SGD
-makes on the concatenated global batch, up to floating-point reassociation.
+all-reduced with ``SUM``, and the result is divided by the iteration's global *count*: the samples
+of the global batch, or whatever the loss is normalised by (the tokens of a language model), summed
+over the ranks in the same collective. The update is then exactly the one a single process makes on
+the concatenated global batch, up to floating-point reassociation.
 
 Why an explicit coalesced all-reduce rather than ``DistributedDataParallel``:
 
-- A rank given 0 samples must compute nothing, yet still join the collective. DDP's reducer is
-  driven by autograd hooks fired during ``backward``; with no forward there are no hooks, the rank
-  never launches its buckets and the job hangs (or needs a fake forward, which is compute).
 - The gradients of each parameter live in one pre-allocated flat buffer per (device, dtype), and
   ``param.grad`` is a *view* into it (as DDP's ``gradient_as_bucket_view``). Backward accumulates
   straight into the buffer, so an iteration costs one collective per buffer (one for a usual
-  model), no per-iteration allocation and no copies. A zero-sample rank contributes the zeros it
-  already holds.
-- One extra float slot at the end of the first buffer carries the rank's loss sum, so the global
-  mean loss comes out of the same collective for free.
+  model), no per-iteration allocation and no copies. A rank whose batch is empty contributes the
+  zeros it already holds.
+- A few extra slots at the end of one float32/float64 buffer (the *carrier*) carry the
+  iteration's statistics in the same collective: the rank's loss sum (so the global mean loss
+  comes for free), its count, a stop request any rank may raise, and, on the iterations that
+  check it, every rank's checksum of its parameters (rank ``r`` writes slots ``r``, the others
+  zeros, so after the sum every rank holds every rank's value). A model whose gradients are all
+  16-bit gets a small float32 buffer of its own for them: a count or checksum in bfloat16 would
+  not be exact.
 - Optionally (``control_slots``), a few more slots carry small integers from one rank to all:
   the sender writes them, every other rank writes zeros, and the SUM delivers them exactly
   (float32 holds integers below 2**24 exactly; ``x + 0 == x``). The plan agreement uses this to
   ride on the gradient all-reduce instead of a collective of its own
-  (:class:`~agent.runtime.plan_sync.PlanAgreement`). Only for float32/float64 buffers on the CPU:
-  reading the slots back from a GPU every iteration would synchronise the host with the device.
+  (:class:`~agent.runtime.plan_sync.PlanAgreement`). Only for a carrier on the CPU: reading the
+  slots back from a GPU every iteration would synchronise the host with the device.
 
 How the buffers are summed (``exchange``): NCCL and large CPU buffers use ``all_reduce``. A
 small CPU buffer on gloo is summed by a **direct exchange** instead: one ``all_to_all_single`` in
@@ -37,10 +40,8 @@ bitwise identical on every rank: each rank performs the same elementwise IEEE ad
 same order, so parameters never drift apart.
 
 What this gives up: DDP overlaps bucket all-reduces with the rest of backward. This synchroniser
-reduces once, after backward. For the small and medium models this runtime targets that costs
-little; overlapping would mean per-bucket hooks plus an explicit path for zero-sample ranks.
-Module buffers (e.g. BatchNorm statistics) are broadcast once at start by
-:func:`broadcast_module`, not on every forward as DDP does.
+reduces once, after backward. Module buffers (e.g. BatchNorm statistics) are broadcast once at
+start by :func:`broadcast_module`, not on every forward as DDP does.
 """
 
 from __future__ import annotations
@@ -68,6 +69,9 @@ or nothing (zeros)."""
 CONTROL_MAX = 2**24
 """Control slot values must lie in (-CONTROL_MAX, CONTROL_MAX) to travel exactly in float32."""
 
+Checksum = tuple[float, float]
+"""A rank's parameters summarised: (sum of the values, sum of their magnitudes)."""
+
 
 @dataclass
 class _Bucket:
@@ -75,7 +79,23 @@ class _Bucket:
     params: list[nn.Parameter]
     views: list[torch.Tensor]
     scaled: torch.Tensor
-    """The part scaled by 1/global_count: gradients (and the loss slot), not control slots."""
+    """The part divided by the global count: gradients (and, in the carrier, the loss slot)."""
+
+
+@dataclass(frozen=True)
+class Reduced:
+    """What one all-reduce delivered besides the gradients."""
+
+    loss: torch.Tensor
+    """The global mean loss (1 element, on the carrier's device; reading it on CUDA syncs)."""
+    count: torch.Tensor
+    """The global count the gradients were divided by (1 element, on the carrier's device)."""
+    stop: bool | None
+    """Whether any rank asked to stop; None when the statistics were not read back."""
+    withdrawn: bool | None
+    """Whether a rank left the loop: its gradients are missing, the update must not be made."""
+    checksums: dict[int, Checksum] | None
+    """Rank -> its checksum, for the ranks that sent one; None when none was asked for."""
 
 
 class GradientSync:
@@ -85,13 +105,16 @@ class GradientSync:
 
         sync = GradientSync(model.parameters())
         loss_sum.backward()            # skipped on a rank with 0 samples
-        mean_loss = sync.all_reduce(global_count, loss_sum)
+        reduced = sync.reduce(loss_sum, count=local_samples)
         optimizer.step()
         sync.zero_grad()
 
     If something replaces ``param.grad`` (``optimizer.zero_grad(set_to_none=True)``, a user
-    assignment), the next ``all_reduce`` copies it back into the buffer and rebinds the view, so
+    assignment), the next reduction copies it back into the buffer and rebinds the view, so
     results stay right; only the zero-copy property is lost for that iteration.
+
+    ``rank`` and ``world_size`` place this rank's checksum slots; ``group`` may be any subgroup
+    of that world.
     """
 
     def __init__(
@@ -103,59 +126,57 @@ class GradientSync:
         flag: bool = False,
         exchange: Exchange = "auto",
         direct_max_elements: int = DIRECT_MAX_ELEMENTS,
+        rank: int = 0,
+        world_size: int = 1,
     ) -> None:
         self.group = group  # (the setter)
         self.exchange: Exchange = exchange
         """``auto``: the direct exchange for small CPU buffers on gloo, else ``all_reduce``."""
         self.direct_max_elements = direct_max_elements
+        self.rank, self.world_size = rank, world_size
         self.last_method: str = ""
-        """How the last :meth:`all_reduce` summed its (last) buffer: "all_reduce", "direct"
-        or "local" (no process group)."""
+        """How the last reduction summed its (last) buffer: "all_reduce", "direct" or "local"
+        (no process group)."""
         by_key: dict[tuple[torch.device, torch.dtype], list[nn.Parameter]] = {}
         for p in params:
             if p.requires_grad:
                 by_key.setdefault((p.device, p.dtype), []).append(p)
         if not by_key:
             raise ValueError("no parameters require gradients")
-        self._buckets: list[_Bucket] = []
+        keys = list(by_key)
+        carrier = _carrier(keys)
         self.control_capacity = 0
-        """Control slots available (0 when no CPU float32/float64 buffer can carry them)."""
+        """Control slots available (0 when the carrier is not a CPU buffer)."""
         self.has_flag = False
-        """Whether :meth:`raise_flag` reaches the other ranks (a CPU float buffer carries it)."""
-        control_bucket = -1
-        for i, ((device, dtype), ps) in enumerate(by_key.items()):
-            extra = 1 if i == 0 else 0  # loss slot
-            if (
-                (control_slots or flag)
-                and control_bucket < 0
-                and device.type == "cpu"
-                and dtype in (torch.float32, torch.float64)
-            ):
-                control_bucket, self.control_capacity, self.has_flag = i, control_slots, flag
-            n = sum(p.numel() for p in ps) + extra
-            control = self.control_capacity + self.has_flag if control_bucket == i else 0
-            flat = torch.zeros(n + control, device=device, dtype=dtype)
-            views = []
-            offset = 0
-            for p in ps:
-                view = flat[offset : offset + p.numel()].view_as(p)
-                offset += p.numel()
-                if p.grad is not None:
-                    view.copy_(p.grad)
-                p.grad = view
-                views.append(view)
-            self._buckets.append(_Bucket(flat, ps, views, flat[:n]))
-        self._loss_slot = self._buckets[0].scaled[-1:]
-        carrier = self._buckets[control_bucket].flat if control_bucket >= 0 else torch.empty(0)
-        n = carrier.numel() - self.control_capacity - self.has_flag
-        self._tail = carrier[n:]
-        """The control slots, then the flag slot: read back with one copy per iteration."""
-        self._control = self._tail[: self.control_capacity]
-        self._flag = self._tail[self.control_capacity :]
-        self._flag_out = False
-        self._flag_seen = False
+        """Whether :meth:`raise_flag` reaches the other ranks (a CPU carrier carries it)."""
+        on_cpu = carrier is not None and keys[carrier][0].type == "cpu"
+        if on_cpu and (control_slots or flag):
+            self.control_capacity, self.has_flag = control_slots, flag
+        # The carrier's tail: loss | count, stop, withdraw, flag?, control..., then 2 checksum
+        # slots per rank.
+        self._head = 3 + self.has_flag + self.control_capacity
+        tail = 1 + self._head + 2 * world_size
+        self._buckets: list[_Bucket] = []
+        for i, key in enumerate(keys):
+            self._buckets.append(_bucket(key, by_key[key], tail if i == carrier else 0))
+        if carrier is None:  # 16-bit gradients only: the statistics get a float32 buffer
+            device = keys[0][0]
+            flat = torch.zeros(tail, device=device, dtype=torch.float32)
+            self._buckets.append(_Bucket(flat, [], [], flat[:1]))
+            carrier = len(self._buckets) - 1
+        flat = self._buckets[carrier].flat
+        n = flat.numel() - tail
+        self._loss_slot = flat[n : n + 1]
+        self._stats = flat[n + 1 :]
+        """count, stop, withdraw, [flag], control..., then the checksums: read back in one
+        copy."""
+        self._cpu_carrier = flat.device.type == "cpu"
         self._outgoing: ControlValues = None
         self._received: list[int] | None = None
+        self._flag_out = False
+        self._flag_seen = False
+
+    # --------------------------------------------------------------- control and flag
 
     def send_control(self, values: ControlValues) -> None:
         """Values this rank adds to the control slots at the next all-reduce (``None``: zeros).
@@ -192,8 +213,13 @@ class GradientSync:
 
     @property
     def numel(self) -> int:
-        """Elements all-reduced per iteration (gradients, loss slot and control slots)."""
+        """Elements all-reduced per iteration (gradients, statistics and control slots)."""
         return sum(b.flat.numel() for b in self._buckets)
+
+    @property
+    def reads_back_cheaply(self) -> bool:
+        """Whether the statistics can be read every iteration without a device sync."""
+        return self._cpu_carrier
 
     def zero_grad(self) -> None:
         """Zero the buffers (and so every ``param.grad``) in place."""
@@ -201,42 +227,132 @@ class GradientSync:
             b.flat.zero_()
             self._rebind(b, copy=False)
 
-    def all_reduce(self, global_count: int, loss_sum: torch.Tensor | None = None) -> torch.Tensor:
-        """Sum gradients over ranks, scale by ``1/global_count``; return the global mean loss.
+    def attach(self) -> None:
+        """Make each ``param.grad`` that was set to None (``zero_grad()``'s default) its zeroed
+        buffer view again, before a backward: autograd then accumulates into the buffer, with
+        no allocation and no copy at the reduction."""
+        for b in self._buckets:
+            for p, view in zip(b.params, b.views, strict=True):
+                if p.grad is None:
+                    view.zero_()
+                    p.grad = view
 
-        ``loss_sum`` is this rank's summed loss (``None`` or absent on a rank with 0 samples).
-        The returned 1-element tensor lives on the buffer's device; reading it on CUDA syncs.
+    def detached(self) -> list[str]:
+        """Shapes of the parameters whose gradient is None now (zeroed with set_to_none)."""
+        return [str(tuple(p.shape)) for b in self._buckets for p in b.params if p.grad is None]
+
+    # --------------------------------------------------------------------- reduction
+
+    def all_reduce(self, global_count: int, loss_sum: torch.Tensor | None = None) -> torch.Tensor:
+        """Sum gradients over ranks, scale by ``1/global_count`` (known to every rank); return
+        the global mean loss. ``loss_sum`` is this rank's summed loss (``None`` with 0 samples).
         """
         if global_count < 1:
             raise ValueError("global_count must be at least 1")
+        return self.reduce(loss_sum, global_count=global_count).loss
+
+    def reduce(
+        self,
+        loss_sum: torch.Tensor | None,
+        count: float | torch.Tensor = 0.0,
+        *,
+        global_count: int | None = None,
+        stop: bool = False,
+        withdraw: bool = False,
+        checksum: Checksum | None = None,
+        read: bool = True,
+    ) -> Reduced:
+        """Sum gradients, losses and counts over the group; divide gradients and loss by the
+        summed count (or by ``global_count`` when every rank knows it).
+
+        ``stop`` asks every rank to stop; ``withdraw`` says this rank left the loop (it sends
+        no gradients); ``checksum`` sends this rank's parameter checksum.
+        ``read`` reads the statistics back (stop, checksums); it always happens on a CPU
+        carrier, and on a GPU it waits for the device, so the caller asks only now and then.
+        """
         for b in self._buckets:
             self._rebind(b, copy=True)
+        self._fill(loss_sum, count, stop, withdraw, checksum)
+        for b in self._buckets:
+            self._sum(b.flat)
+        read = read or self._cpu_carrier or checksum is not None
+        stats = None
+        if read:  # the checksum slots only on the iterations that send them
+            stats = (self._stats if checksum is not None else self._stats[: self._head]).tolist()
+        if global_count is not None:
+            scale: float | torch.Tensor = 1.0 / global_count
+        elif stats is not None:
+            scale = 1.0 / stats[0] if stats[0] > 0 else 0.0
+        else:
+            total = self._stats[:1]
+            scale = torch.where(total > 0, 1.0 / total, torch.zeros_like(total))
+        for b in self._buckets:
+            if isinstance(scale, torch.Tensor):
+                b.scaled.mul_(scale.to(b.flat.device, b.flat.dtype))
+            else:
+                b.scaled.mul_(scale)
+        return self._take(stats)
+
+    def _fill(
+        self,
+        loss_sum: torch.Tensor | None,
+        count: float | torch.Tensor,
+        stop: bool,
+        withdraw: bool,
+        checksum: Checksum | None,
+    ) -> None:
         if loss_sum is None:
             self._loss_slot.zero_()
         else:
             self._loss_slot.copy_(loss_sum.detach().reshape(1))
+        self._stats.zero_()
+        if isinstance(count, torch.Tensor):
+            self._stats[:1].copy_(count.detach().reshape(1))
+        elif count:
+            self._stats[0] = float(count)
+        if stop:
+            self._stats[1] = 1.0
+        if withdraw:
+            self._stats[2] = 1.0
         if self.has_flag:
-            self._flag.fill_(1.0 if self._flag_out else 0.0)
+            self._stats[3] = 1.0 if self._flag_out else 0.0
             self._flag_out = False
         if self.control_capacity:
-            self._control.zero_()
             outgoing, self._outgoing = self._outgoing, None
             if callable(outgoing):
                 outgoing = outgoing()
                 if outgoing is not None:
                     self._check_control(outgoing)
             if outgoing:
-                self._control[: len(outgoing)] = torch.tensor(outgoing, dtype=self._control.dtype)
-        scale = 1.0 / global_count
-        for b in self._buckets:
-            self._sum(b.flat)
-            b.scaled.mul_(scale)
-        if self._tail.numel():
-            tail = self._tail.tolist()
+                at = 3 + self.has_flag
+                values = torch.tensor(outgoing, dtype=self._stats.dtype)
+                self._stats[at : at + len(outgoing)] = values
+        if checksum is not None:
+            at = self._head + 2 * self.rank
+            self._stats[at] = checksum[0]
+            self._stats[at + 1] = checksum[1]
+
+    def _take(self, stats: list[float] | None) -> Reduced:
+        checks = None
+        if stats is not None:
+            if self.has_flag:
+                self._flag_seen = stats[3] > 0.5
             if self.control_capacity:
-                self._received = [round(v) for v in tail[: self.control_capacity]]
-            self._flag_seen = self.has_flag and tail[-1] > 0.5
-        return self._loss_slot
+                at = 3 + self.has_flag
+                self._received = [round(v) for v in stats[at : at + self.control_capacity]]
+            slots = stats[self._head :]
+            checks = {
+                r: (slots[2 * r], slots[2 * r + 1])
+                for r in range(len(slots) // 2)
+                if slots[2 * r + 1] != 0.0
+            }
+        return Reduced(
+            loss=self._loss_slot,
+            count=self._stats[:1],
+            stop=None if stats is None else stats[1] > 0.5,
+            withdrawn=None if stats is None else stats[2] > 0.5,
+            checksums=checks or None,
+        )
 
     @property
     def group(self) -> dist.ProcessGroup | None:
@@ -289,6 +405,51 @@ class GradientSync:
             else:
                 view.copy_(p.grad)
             p.grad = view
+
+
+def _carrier(keys: list[tuple[torch.device, torch.dtype]]) -> int | None:
+    """The bucket whose tail carries the statistics: the first float32/float64 one, on the CPU
+    if there is one there (its slots are read back without a device sync); None when all
+    gradients are 16-bit."""
+    wide = [i for i, (_, dtype) in enumerate(keys) if dtype in (torch.float32, torch.float64)]
+    cpu = [i for i in wide if keys[i][0].type == "cpu"]
+    return (cpu or wide)[0] if wide else None
+
+
+def _bucket(
+    key: tuple[torch.device, torch.dtype], params: list[nn.Parameter], tail: int
+) -> _Bucket:
+    """One flat gradient buffer for ``params``, ``tail`` slots after them; every ``.grad``
+    becomes a view into it (keeping what it held)."""
+    device, dtype = key
+    n = sum(p.numel() for p in params)
+    flat = torch.zeros(n + tail, device=device, dtype=dtype)
+    views = []
+    offset = 0
+    for p in params:
+        view = flat[offset : offset + p.numel()].view_as(p)
+        offset += p.numel()
+        if p.grad is not None:
+            view.copy_(p.grad)
+        p.grad = view
+        views.append(view)
+    # Gradients and the loss slot (the first of the tail) are divided by the count.
+    return _Bucket(flat, params, views, flat[: n + (1 if tail else 0)])
+
+
+def parameter_checksum(params: Iterable[torch.Tensor]) -> Checksum:
+    """(sum, sum of magnitudes) of every parameter, in float64: equal on ranks that hold equal
+    parameters; the magnitudes scale the tolerance two ranks' sums are compared with."""
+    total = magnitude = None
+    with torch.no_grad():
+        for p in params:
+            s = p.sum(dtype=torch.float64)
+            a = p.abs().sum(dtype=torch.float64)
+            total = s if total is None else total + s
+            magnitude = a if magnitude is None else magnitude + a
+    if total is None or magnitude is None:
+        return 0.0, 0.0
+    return float(total), float(magnitude)
 
 
 def broadcast_module(

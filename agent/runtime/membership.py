@@ -60,6 +60,7 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -144,10 +145,13 @@ class Membership:
         control_group: dist.ProcessGroup | None = None,
         store: dist.Store | None = None,
         options: ExclusionOptions = ExclusionOptions(),
+        timeout: timedelta | None = None,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
         self.options = options
+        self.timeout = timeout
+        """The collective timeout of the groups made here (None: torch's default)."""
         self.role = GroupRole.ACTIVE
         self.log: list[Ranks] = []
         """Every subgroup created so far (rank sets, in creation order); the same on all ranks
@@ -189,7 +193,7 @@ class Membership:
             return self._world
         if active not in self.log:
             backend = None if dist.get_backend() == "gloo" else "cpu:gloo,cuda:nccl"
-            group = dist.new_group(list(active), backend=backend)
+            group = dist.new_group(list(active), backend=backend, timeout=self.timeout)
             self.log.append(active)
             if self.rank in active:
                 self._groups[active] = group
@@ -221,7 +225,8 @@ class Membership:
         for ranks in notice.log[len(self.log) :]:
             assert self.rank not in ranks, "an excluded rank missed a group it belongs to"
             backend = None if dist.get_backend() == "gloo" else "cpu:gloo,cuda:nccl"
-            dist.new_group(list(ranks), backend=backend)  # not a member: local, immediate
+            # Not a member: local and immediate.
+            dist.new_group(list(ranks), backend=backend, timeout=self.timeout)
             self.log.append(ranks)
         group, control = self.groups_for(active)
         self.role = GroupRole.ACTIVE

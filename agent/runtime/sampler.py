@@ -10,7 +10,12 @@ never skips or repeats a sample: each epoch consumes every index exactly once, w
 plans was used. When ``N % B != 0`` the last global batch of an epoch has ``N % B`` samples; it is
 split in proportion to the plan with largest-remainder rounding (:func:`split_count`), so it is
 still consumed exactly once, and the gradient is scaled by the actual global count
-(:meth:`GlobalBatchSampler.global_count`).
+(:meth:`GlobalBatchSampler.global_count`). With ``drop_last`` (a DataLoader's), an epoch has
+``N // B`` full global batches and the ``N % B`` samples left are not used in that epoch.
+
+A stream (an ``IterableDataset``) has no permutation: :class:`StreamSampler` numbers its samples
+in the order they come, global batch ``i`` is positions ``[i*B, (i+1)*B)``, and each rank takes
+its contiguous slice of them in the same way.
 """
 
 from __future__ import annotations
@@ -68,21 +73,37 @@ class GlobalBatchSampler:
     dataset_size: int
     global_batch: int
     seed: int = 0
-    _epoch: int = field(default=-1, init=False, repr=False)
-    _perm: torch.Tensor = field(
-        default_factory=lambda: torch.empty(0, dtype=torch.long), init=False, repr=False
-    )
+    drop_last: bool = False
+    _perms: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
+    """The last two epochs' permutations (loading ahead reads the next epoch's early)."""
 
     def __post_init__(self) -> None:
         if self.dataset_size < 1:
             raise ValueError("dataset_size must be at least 1")
         if self.global_batch < 1:
             raise ValueError("global_batch must be at least 1")
+        if self.drop_last and self.dataset_size < self.global_batch:
+            raise ValueError(
+                f"drop_last with {self.dataset_size} samples leaves no global batch of "
+                f"{self.global_batch}"
+            )
 
     @property
     def batches_per_epoch(self) -> int:
-        """Global batches per epoch, the last one partial when ``N % B != 0``."""
+        """Global batches per epoch, the last one partial when ``N % B != 0`` (and dropped
+        with ``drop_last``)."""
+        if self.drop_last:
+            return self.dataset_size // self.global_batch
         return -(-self.dataset_size // self.global_batch)
+
+    def describe(self) -> dict[str, int | bool]:
+        """What a checkpoint must agree with to resume this sampler's order exactly."""
+        return {
+            "dataset_size": self.dataset_size,
+            "global_batch": self.global_batch,
+            "seed": self.seed,
+            "drop_last": self.drop_last,
+        }
 
     def position(self, iteration: int) -> tuple[int, int]:
         """(epoch, global batch index within the epoch) of an iteration."""
@@ -95,13 +116,15 @@ class GlobalBatchSampler:
 
     def permutation(self, epoch: int) -> torch.Tensor:
         """The epoch's permutation of ``range(N)``; identical on every rank for the same seed."""
-        if epoch != self._epoch:
+        perm = self._perms.get(epoch)
+        if perm is None:
             g = torch.Generator()
             # Distinct, reproducible stream per (seed, epoch).
             g.manual_seed((self.seed * 1_000_003 + epoch) % (2**63 - 1))
-            self._perm = torch.randperm(self.dataset_size, generator=g)
-            self._epoch = epoch
-        return self._perm
+            perm = self._perms[epoch] = torch.randperm(self.dataset_size, generator=g)
+            for old in sorted(self._perms)[:-2]:
+                del self._perms[old]
+        return perm
 
     def local_sizes(self, iteration: int, batch_sizes: Sequence[int]) -> list[int]:
         """Per-rank sample counts for this iteration under a plan summing to B."""
@@ -120,3 +143,46 @@ class GlobalBatchSampler:
         sizes = self.local_sizes(iteration, batch_sizes)
         start = k * self.global_batch + offsets(sizes)[rank]
         return self.permutation(epoch)[start : start + sizes[rank]]
+
+
+@dataclass
+class StreamSampler:
+    """Positions in a stream: global batch ``i`` is ``[i*B, (i+1)*B)``, split by the plan."""
+
+    global_batch: int
+    dataset_size: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.global_batch < 1:
+            raise ValueError("global_batch must be at least 1")
+
+    def position(self, iteration: int) -> tuple[int, int]:
+        """(epoch, batch): a stream is one epoch."""
+        return 0, iteration
+
+    def global_count(self, iteration: int) -> int:
+        return self.global_batch
+
+    def local_sizes(self, iteration: int, batch_sizes: Sequence[int]) -> list[int]:
+        if sum(batch_sizes) != self.global_batch:
+            raise ValueError(
+                f"plan sums to {sum(batch_sizes)}, global batch is {self.global_batch}"
+            )
+        return list(batch_sizes)
+
+    def local_indices(self, iteration: int, batch_sizes: Sequence[int], rank: int) -> torch.Tensor:
+        """Stream positions rank ``rank`` trains on at this iteration (possibly none)."""
+        sizes = self.local_sizes(iteration, batch_sizes)
+        start = iteration * self.global_batch + offsets(sizes)[rank]
+        return torch.arange(start, start + sizes[rank])
+
+    def permutation(self, epoch: int) -> torch.Tensor:
+        """The stream's order is its own (what a probe starts from)."""
+        return torch.arange(self.global_batch)
+
+    def describe(self) -> dict[str, int | bool]:
+        return {"stream": True, "global_batch": self.global_batch}
+
+
+Sampler = GlobalBatchSampler | StreamSampler

@@ -66,8 +66,11 @@ class RuntimeOptions:
     """Read the global loss every k iterations (default 1 on CPU, 20 on CUDA: reading syncs)."""
     emulate: bool = True
     """Apply the spec's ``emulation`` entry for this rank (when the spec has one)."""
-    timeout: timedelta = timedelta(minutes=10)
-    """Collective timeout when this function initialises the process group."""
+    timeout: timedelta | None = None
+    """Collective timeout when this function initialises the process group (default: the
+    spec's ``collective_timeout_s``)."""
+    replica_check_every: int = 100
+    """Every this many iterations the ranks compare checksums of their parameters."""
     assignment: DeviceAssignment | None = None
     """The device and backend the control plane placed this rank on (never what torch can
     see). None: gloo on the CPU, or the current CUDA device when the caller initialised an NCCL
@@ -165,7 +168,8 @@ def run_training(
     created = not dist.is_initialized()
     if created:
         rdzv = rendezvous or Rendezvous.from_env(os.environ, spec.rendezvous_timeout_s)
-        init_process_group(rdzv, options.assignment or DeviceAssignment(), options.timeout)
+        timeout = options.timeout or timedelta(seconds=spec.collective_timeout_s)
+        init_process_group(rdzv, options.assignment or DeviceAssignment(), timeout)
     start = time.monotonic()
     fetcher: PlanFetcher | None = None
     sender: TelemetrySender | None = None
@@ -178,7 +182,8 @@ def run_training(
         backend = str(dist.get_backend())
         device = device_for(backend, options.assignment)
         # The plan agreement's int64 tensor stays on the CPU: under NCCL it gets a gloo group.
-        control = dist.new_group(backend="gloo") if backend != "gloo" else None
+        timeout = options.timeout or timedelta(seconds=spec.collective_timeout_s)
+        control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
         if rank == 0 and initial_plan is None and fetch_plan is not None:
             initial_plan = _fetch_initial(fetch_plan, options.initial_plan_timeout_s)
         initial = agree_initial(
@@ -226,6 +231,7 @@ def run_training(
             exclusion=options.exclusion,
             checkpointer=checkpointer,
             on_checkpoint_saved=_reporting(reporter, report_checkpoint),
+            replica_check_every=options.replica_check_every,
         )
         run_workload(ctx)
         stats = ctx.stats

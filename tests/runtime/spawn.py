@@ -2,7 +2,8 @@
 
 The parent owns the rendezvous ``TCPStore`` (bound to port 0, so there is no race for a free
 port); children connect to it. A child's exception comes back as its traceback text; a hang is
-killed at the deadline and fails the test instead of blocking it.
+killed at the deadline and fails the test instead of blocking it. Children are not daemonic, so a
+rank may start DataLoader worker processes of its own.
 """
 
 from __future__ import annotations
@@ -42,8 +43,7 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 6
     store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False)
     out = ctx.Queue()
     procs = [
-        ctx.Process(target=_child, args=(fn, r, world, store.port, args, out), daemon=True)
-        for r in range(world)
+        ctx.Process(target=_child, args=(fn, r, world, store.port, args, out)) for r in range(world)
     ]
     for p in procs:
         p.start()

@@ -28,6 +28,7 @@ from .spawn import run_ranks
 
 N, B, LR, MOMENTUM, EPOCHS = 117, 12, 0.05, 0.9, 2  # 117 % 12 = 9: a partial last batch
 PER_EPOCH = -(-N // B)
+STEP_LR, GAMMA = 4, 0.8
 ITERATIONS = EPOCHS * PER_EPOCH
 
 # (iteration from which the leader proposes it, plan); the channel and pipelined transports put
@@ -123,13 +124,23 @@ def _scripted_worker(rank: int, world: int, transport: str) -> dict[str, object]
     )
     script.ctx = ctx
     model = _model(seed=100 + rank)  # different on purpose: prepare's broadcast fixes it
-    model, _ = ctx.prepare(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM))
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    # Stepped in the loop on the active ranks only: a rank that sat out gets it at its join.
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=STEP_LR, gamma=GAMMA)
+    ctx.register_state("sched", sched)
+    model, _ = ctx.prepare(model, opt)
     trained: list[tuple[int, list[int]]] = []
     for x, y, idx in ctx.batches(_data()):
-        trained.append((ctx.iteration, idx.tolist()))
-        ctx.step(_loss_sum(model, x, y))
+        if len(idx):
+            trained.append((ctx.iteration, idx.tolist()))
+        ctx.backward(_loss_sum(model, x, y))
+        if ctx.sync_gradients:
+            opt.step()
+            sched.step()
+            opt.zero_grad()
     assert agreement.transport == transport
     return {
+        "sched": sched.state_dict(),
         "params": [p.detach().flatten().tolist() for p in model.parameters()],
         "trained": trained,
         "history": agreement.history,
@@ -180,6 +191,7 @@ def _single_process() -> list[torch.Tensor]:
     x, y, _ = _data()
     model = _model(seed=100)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=STEP_LR, gamma=GAMMA)
     sampler = GlobalBatchSampler(N, B, seed=1)
     for it in range(ITERATIONS):
         epoch, k = sampler.position(it)
@@ -187,6 +199,7 @@ def _single_process() -> list[torch.Tensor]:
         opt.zero_grad()
         (_loss_sum(model, x[idx], y[idx]) / len(idx)).backward()
         opt.step()
+        sched.step()
     return [p.detach().flatten() for p in model.parameters()]
 
 
@@ -247,6 +260,8 @@ def _check_scripted_run(
         )
         assert diff < 1e-6
     assert runs[0]["params"] == runs[1]["params"] == runs[2]["params"]
+    # the scheduler each rank stepped only while active: all in step, the sat-out ones too
+    assert [run["sched"]["last_epoch"] for run in runs] == [ITERATIONS] * 3
     assert runs[0]["losses"] == runs[1]["losses"] == runs[2]["losses"]
 
     # telemetry: a normal row per trained iteration; probes only inside the exclusion windows,

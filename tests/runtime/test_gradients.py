@@ -189,7 +189,8 @@ def test_sync_keeps_grads_as_views_and_recovers_from_set_to_none() -> None:
     torch.optim.SGD(model.parameters(), lr=0.1).zero_grad(set_to_none=True)
     _loss_sum(model, x, y).backward()  # grads now live outside the buffer
     sync.all_reduce(N)
-    assert sync.numel == sum(p.numel() for p in model.parameters()) + 1
+    # Gradients, then loss, count, stop and withdrawal slots and a checksum pair per rank.
+    assert sync.numel == sum(p.numel() for p in model.parameters()) + 1 + 3 + 2
     flat = sync._buckets[0].flat
     for p in model.parameters():
         assert p.grad is not None

@@ -13,6 +13,8 @@ from agent.runtime.workloads import Workload
 
 BODY_RUNS: list[int] = []
 """Iterations whose loop body ran in this process (``train`` only)."""
+BATCH_ROWS: list[int] = []
+"""Rows of each batch the body got (``train`` only)."""
 
 
 def _data(seed: int, n: int = 600) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,6 +40,7 @@ def train(ctx: EvenflowContext) -> None:
     model, _ = ctx.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05))
     for x, y in ctx.batches((x_all, y_all)):
         BODY_RUNS.append(ctx.iteration)
+        BATCH_ROWS.append(x.shape[0])
         loss = nn.functional.mse_loss(model(x), y, reduction="sum")
         ctx.step(loss)
 
