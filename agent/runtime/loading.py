@@ -12,8 +12,10 @@ A plan agreed at a boundary may give this rank another slice of a global batch t
 loaded. Then the batch is assembled in the training process: the samples the stale requests of
 that iteration hold are kept, only the ones they miss are read here, and the user's ``collate_fn``
 runs on the result. The stall is the time to read the difference (a plan usually moves a few
-samples between neighbours), never a whole share again. The same happens when running out of
-memory splits a pass into smaller ones. Every sample of a global batch is taken by exactly one
+samples between neighbours), never a whole share again; for the later iterations loaded ahead
+under the old plan, the samples they miss are read at once by a background thread, so by their
+turn they are usually there. The same happens when running out of memory splits a pass into
+smaller ones. (So a dataset must also be readable in the training process, from a thread.) Every sample of a global batch is taken by exactly one
 rank whatever happened, because which samples a rank takes is decided by the sampler, not by
 what was loaded (:mod:`agent.runtime.sampler`).
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,6 +120,9 @@ class WorkerLoader(Source):
         """Requests made and not yet received, in order."""
         self._ready: dict[int, list[tuple[torch.Tensor, Loaded]]] = {}
         self._iter: Iterator[Loaded] | None = None
+        self._moved: dict[int, Future[dict[int, Any]]] = {}
+        """Iteration -> the samples its stale requests miss, being read in the background."""
+        self._reader: ThreadPoolExecutor | None = None
         self._empty: Any = None
         self.pin = settings.pin_memory and torch.cuda.is_available()
         # Augmentations differ between ranks as between workers (the user's generator, if any,
@@ -142,6 +148,8 @@ class WorkerLoader(Source):
         self._consumer = iteration
         for it in [k for k in self._ready if k < iteration]:
             del self._ready[it]
+        for it in [k for k in self._moved if k < iteration]:
+            del self._moved[it]
         if self._iter is None:
             self._iter = iter(self._loader)
         while self._pending and self._pending[0][0] <= iteration:
@@ -154,6 +162,7 @@ class WorkerLoader(Source):
                 if self._empty is None:
                     self._empty = empty_like(loaded.batch)
                 return loaded.batch
+        self._read_moved(after=iteration)
         return self._assemble(iteration, indices)
 
     def empty(self) -> Any:
@@ -162,6 +171,9 @@ class WorkerLoader(Source):
         return self._empty
 
     def close(self) -> None:
+        if self._reader is not None:
+            self._reader.shutdown(wait=True, cancel_futures=True)
+            self._reader = None
         it, self._iter = self._iter, None
         shutdown = getattr(it, "_shutdown_workers", None)
         if shutdown is not None:
@@ -180,13 +192,39 @@ class WorkerLoader(Source):
     def _passes_at(self, iteration: int) -> list[torch.Tensor]:
         return [p for p in self._passes(iteration) if len(p)] or [_NOTHING]
 
+    def _read_moved(self, after: int) -> None:
+        """The plan changed under requests already made: start reading, in the background,
+        the samples the coming iterations' stale requests miss."""
+        held: dict[int, set[int]] = {}
+        for it, idx in self._pending:
+            held.setdefault(it, set()).update(idx.tolist())
+        for it, entries in self._ready.items():
+            for idx, _ in entries:
+                held.setdefault(it, set()).update(idx.tolist())
+        for it, have in held.items():
+            if it <= after or it in self._moved:
+                continue
+            missing = [i for p in self._passes(it) for i in p.tolist() if i not in have]
+            if missing:
+                if self._reader is None:
+                    workers = max(1, self.settings.num_workers)
+                    self._reader = ThreadPoolExecutor(workers, "evenflow-moved-samples")
+                self._moved[it] = self._reader.submit(self._read, missing)
+                self.reloaded += len(missing)
+
+    def _read(self, indices: list[int]) -> dict[int, Any]:
+        return dict(zip(indices, fetch(self.dataset, indices), strict=True))
+
     def _assemble(self, iteration: int, indices: torch.Tensor) -> Any:
-        """The batch of ``indices`` from the samples this iteration's requests hold, reading
-        only the missing ones here."""
+        """The batch of ``indices`` from the samples this iteration's requests hold (and the
+        ones read for it in the background), reading only what is still missing here."""
         have: dict[int, Any] = {}
         for idx, loaded in self._ready.get(iteration, ()):
             if loaded.raw is not None:
                 have.update(zip(idx.tolist(), loaded.raw.samples(), strict=True))
+        moved = self._moved.pop(iteration, None)
+        if moved is not None:
+            have.update(moved.result())
         want = indices.tolist()
         missing = [i for i in want if i not in have]
         if missing:
