@@ -35,8 +35,8 @@ browser-deps:
 	  { [ "$$(id -u)" = 0 ] && (apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium docker-compose >/dev/null) || echo "note: could not install chromium/docker-compose"; }
 
 lint: setup $(NODE_STAMP)
-	$(BIN)/ruff check contract server agent evenflow frontend migrations tests bench
-	$(BIN)/ruff format --check contract server agent evenflow frontend migrations tests bench
+	$(BIN)/ruff check contract server agent evenflow frontend migrations tests bench examples
+	$(BIN)/ruff format --check contract server agent evenflow frontend migrations tests bench examples
 	npx --no-install eslint frontend/static tests/js eslint.config.js
 
 # The dashboard's pure modules (no DOM) under node's own test runner.
@@ -44,7 +44,7 @@ jstest:
 	node --test tests/js/*.test.js
 
 typecheck: setup
-	$(BIN)/mypy contract server agent evenflow bench
+	$(BIN)/mypy contract server agent evenflow bench examples
 
 pytest: setup browser-deps
 	$(BIN)/pytest -q

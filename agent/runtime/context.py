@@ -56,6 +56,7 @@ from typing import Any, SupportsFloat
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.data import IterableDataset
 
 from agent.runtime.checkpoint import Checkpointer, LoadState, Saved, SaveState, save_model
 from agent.runtime.datasets import DatasetLike, Passes, Source, as_source, to_device
@@ -218,6 +219,8 @@ class EvenflowContext:
         self._states: dict[str, tuple[SaveState, LoadState]] = {}
         """The user's registered state: kept in checkpoints, re-synchronised on readmission."""
         self._first_iteration = 0
+        self._after: tuple[tuple[int, ...], Any, Any] | None = None
+        """(ranks, group, control) once the loop ended with ranks re-synchronised into it."""
         if emulator is not None:
             log.info("rank %d: %s speed %s", rank, EMULATED_LABEL, emulator.worker)
 
@@ -318,18 +321,25 @@ class EvenflowContext:
             return None
         return save_model(self.model, path, self.checkpointer)
 
-    def total_iterations(self, dataset_size: int | None) -> int:
-        """Iterations this job runs: ``iterations``, or ``epochs`` whole passes over the data
-        (a stream, ``dataset_size`` None, needs ``iterations``)."""
+    def total_iterations(self, data: int | DatasetLike | None) -> int:
+        """Iterations this job runs (what a schedule's ``total_steps`` wants): ``iterations``,
+        or ``epochs`` whole passes over ``data`` (a dataset size, or what ``batches`` takes: a
+        DataLoader's ``drop_last`` counts). A stream (None, or an IterableDataset) needs
+        ``iterations``."""
         if self.spec.iterations is not None:
             return self.spec.iterations
-        if dataset_size is None:
+        size, drop_last = data, False
+        if isinstance(data, torch.utils.data.DataLoader):
+            size, drop_last = data.dataset, data.drop_last
+        if size is not None and not isinstance(size, int):
+            size = None if isinstance(size, IterableDataset) else dataset_size(size)
+        if size is None:
             raise ValueError(
                 "an IterableDataset has no length, so the job cannot count epochs over it: "
                 "give the job `iterations` instead of `epochs`"
             )
-        per_epoch = GlobalBatchSampler(dataset_size, self.spec.global_batch).batches_per_epoch
-        return (self.spec.epochs or 1) * per_epoch
+        sampler = GlobalBatchSampler(size, self.spec.global_batch, drop_last=drop_last)
+        return (self.spec.epochs or 1) * sampler.batches_per_epoch
 
     def batches(self, data: DatasetLike) -> Iterator[Any]:
         """Yield this rank's batch (or passes) each iteration until the job's length is reached
@@ -350,9 +360,7 @@ class EvenflowContext:
             sampler = GlobalBatchSampler(
                 source.size, self.spec.global_batch, seed=self.seed, drop_last=settings.drop_last
             )
-        self._total = self.total_iterations(source.size)
-        if isinstance(sampler, GlobalBatchSampler) and self.spec.iterations is None:
-            self._total = (self.spec.epochs or 1) * sampler.batches_per_epoch  # drop_last counts
+        self._total = self.total_iterations(data)
         self._sampler, self._source = sampler, source
         try:
             self._resume()
@@ -457,12 +465,22 @@ class EvenflowContext:
         t = value.detach().clone() if isinstance(value, torch.Tensor) else None
         if t is None:
             t = torch.tensor([float(value)], dtype=torch.float64)
+        ranks, group, control = self._in_step()
         if dist.is_initialized():
-            group = self.agreement.group if t.device.type == "cpu" else self._grad_group()
-            dist.all_reduce(t, op=OPS[op], group=group)
+            dist.all_reduce(t, op=OPS[op], group=control if t.device.type == "cpu" else group)
         if op == "mean":
-            t = t / len(self._plan.active)
+            t = t / len(ranks)
         return t if as_tensor else float(t.item())
+
+    def shard(self, data: Any) -> Any:
+        """This rank's part of ``data`` (a Dataset, a sequence or a tensor) among the ranks in
+        the loop now, every k-th item from its place: split an evaluation set with it and
+        combine the results with :meth:`all_reduce`. Every item goes to exactly one of them."""
+        ranks = self._in_step()[0]
+        place, k = ranks.index(self.rank), len(ranks)
+        if isinstance(data, torch.Tensor | list | tuple | range):
+            return data[place::k]
+        return torch.utils.data.Subset(data, range(place, len(data), k))
 
     def log(self, name: str, value: SupportsFloat, *, iteration: int | None = None) -> None:
         """Report a training metric of this rank (an accuracy, a learning rate, a user loss):
@@ -729,6 +747,7 @@ class EvenflowContext:
             tr = self.membership.end(self.iteration, final)
             self._resync(tr, False)
             self._sync.group = tr.group
+            self._after = (final.members, tr.group, tr.control)
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """The optimizer's step pre-hook: inside the loop, only on synchronised gradients."""
@@ -739,9 +758,13 @@ class EvenflowContext:
                 "ctx.backward), or every rank would step on its own partial gradients"
             )
 
-    def _grad_group(self) -> dist.ProcessGroup | None:
+    def _in_step(self) -> tuple[tuple[int, ...], Any, Any]:
+        """The ranks that run the user's code now, with their gradient and control groups:
+        the active ranks in the loop, every rank still in the job after it."""
+        if self._after is not None:
+            return self._after
         assert self._sync is not None
-        return self._sync.group
+        return self._plan.active, self._sync.group, self.agreement.group
 
     # ------------------------------------------------------------------------ checkpoints
 
@@ -828,6 +851,7 @@ class EvenflowContext:
             tr = self.membership.rejoin(notice, members)
             self._resync(tr, True)
             self._sync.group = tr.group
+            self._after = (members, tr.group, tr.control)
         self.stats.exclusions.append((since, notice.iteration))
         self.iteration = notice.iteration
         log.info("rank %d: readmitted at iteration %d", self.rank, notice.iteration)

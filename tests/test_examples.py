@@ -1,0 +1,120 @@
+"""The examples as jobs through the whole local stack (control plane, agent, two gloo ranks of
+unequal emulated speeds, so unequal shares and plan changes): each ends with the model one
+process trains on the same global batches."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import default_collate
+
+from agent.runtime.sampler import GlobalBatchSampler
+from contract.spec import JobSpec
+from evenflow.local_cluster import LocalCluster
+from examples import image, stream, text
+
+B, ITERATIONS, SEED = 32, 12, 5
+EMULATION = [{"per_sample_ms": 1.5}, {"per_sample_ms": 4.5}]  # rank 0 three times as fast
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    with LocalCluster(tmp_path_factory.mktemp("examples"), workers=2, agents=1) as c:
+        yield c
+
+
+def run(cluster: LocalCluster, entrypoint: str, args: dict[str, Any], out: Path) -> dict[str, Any]:
+    """Run an example as a job; its final model's state."""
+    spec = JobSpec.model_validate(
+        {
+            "name": entrypoint.split(":")[0].split(".")[-1],
+            "workload": {"entrypoint": entrypoint, "seed": SEED, "args": {**args, "out": str(out)}},
+            "global_batch": B,
+            "iterations": ITERATIONS,
+            "workers": 2,
+            "emulation": EMULATION,
+            "policy": {"name": "minmax", "explore_iterations": 3},
+        }
+    )
+    job = cluster.submit(spec)
+    done = cluster.wait(job.id, timeout_s=240)
+    assert done.status.value == "succeeded", done.error
+    plans = {tuple(p.batch_sizes) for p in cluster.client.plans(job.id).items}
+    assert any(a != b for a, b in plans), plans  # the ranks had unequal shares
+    state: dict[str, Any] = torch.load(out, weights_only=True)
+    return state
+
+
+def assert_same(state: dict[str, Any], model: nn.Module) -> None:
+    for name, p in model.state_dict().items():
+        diff = (state[name] - p).abs().max().item()
+        assert torch.allclose(state[name], p, rtol=1e-5, atol=1e-6), (name, diff)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_the_image_example_equals_one_process(cluster: LocalCluster, tmp_path: Path) -> None:
+    args = {
+        "data_dir": str(tmp_path / "data"),
+        "images": 512,
+        "batch": 64,
+        "augment": False,  # random crops differ between processes; the rest is exact
+        "dropout": 0.0,
+        "eval_every": 5,
+        "seed": 1,
+    }
+    state = run(cluster, "examples.image:train", args, tmp_path / "final.pt")
+    train_set, _ = image.datasets(args)
+    model, opt, sched, ema = image.build(args, ITERATIONS)
+    sampler = GlobalBatchSampler(len(train_set), B, seed=SEED, drop_last=True)
+    for it in range(ITERATIONS):
+        x, y = default_collate([train_set[i] for i in _global_batch(sampler, it)])
+        (nn.functional.cross_entropy(model(x), y, reduction="sum") / len(y)).backward()
+        image.after_sync(model, opt, sched, ema, 1.0)
+    assert_same(state, model)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_the_text_example_equals_one_process(cluster: LocalCluster, tmp_path: Path) -> None:
+    args = {"sequences": 400, "dropout": 0.0, "workers": 1, "seed": 2}
+    state = run(cluster, "examples.text:train", args, tmp_path / "final.pt")
+    data = text.dataset(args)
+    model, opt, sched = text.build(args, ITERATIONS)
+    sampler = GlobalBatchSampler(len(data), B, seed=SEED)
+    for it in range(ITERATIONS):
+        batch = text.pad_collate([data[i] for i in _global_batch(sampler, it)])
+        loss, tokens = text.token_loss(model, batch)
+        (loss / tokens).backward()  # the mean over every real token of the global batch
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    assert_same(state, model)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_the_stream_example_equals_one_process(cluster: LocalCluster, tmp_path: Path) -> None:
+    args = {"dropout": 0.0, "workers": 2, "seed": 3}
+    state = run(cluster, "examples.stream:train", args, tmp_path / "final.pt")
+    model, opt = stream.build(args)
+    batches = iter(stream.loader_of(args, B))  # the user's own DataLoader, in one process
+    for _ in range(ITERATIONS):
+        batch = next(batches)
+        (stream.loss_sum(model, batch) / B).backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    assert_same(state, model)
+
+
+def _global_batch(sampler: GlobalBatchSampler, it: int) -> list[int]:
+    epoch, k = sampler.position(it)
+    idx = sampler.permutation(epoch)[k * B : k * B + sampler.global_count(it)]
+    return [int(i) for i in idx]
