@@ -22,35 +22,42 @@ A job's ``workload.entrypoint`` is ``"package.module:function"``. The function r
            x, y = load_my_tensors()
            return Workload(model, (x, y), lambda out, y: F.cross_entropy(out, y, reduction="sum"))
 
-2. Keep your own loop; three changes adapt it (``prepare``, ``batches``, ``step``)::
+2. Keep your own loop (``docs/porting.md`` goes through a port line by line)::
 
        def train(ctx):
-           model = MyNet()
-           model, opt = ctx.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
-           for x, y in ctx.batches((x_all, y_all)):        # this rank's share, plan-aware
+           model, opt = ctx.prepare(model, opt)             # device, rank 0's weights
+           for x, y in ctx.batches(loader):                  # this rank's share, plan-aware
                loss = F.cross_entropy(model(x), y, reduction="sum")   # SUM, not mean
-               ctx.step(loss)                               # backward, all-reduce, opt.step
+               ctx.backward(loss)                            # count= for a per-token loss
+               if ctx.sync_gradients:                        # gradients all-reduced
+                   clip_grad_norm_(model.parameters(), 1.0)
+                   opt.step(); sched.step(); opt.zero_grad()
 
-   Rules: call ``ctx.step`` exactly once per batch and do not call ``backward``, ``zero_grad``
-   or ``opt.step`` yourself. A share above this rank's memory cap comes as several batches
-   (passes) of one iteration; ``step`` accumulates them and steps the optimizer after the last.
-   Wrap the body in ``with ctx.recoverable():`` and a pass that runs out of device memory is
-   redone in smaller passes instead of failing the job (a returned ``Workload`` does this). Do not ``break`` out of the loop on one rank only. On an iteration
-   where this rank's share is 0 samples, the loop body is *skipped* (the context joins the
-   all-reduce and steps the optimizer itself), so per-iteration side effects such as an LR
-   scheduler belong outside the body or should read ``ctx.iteration``.
+   ``ctx.batches`` takes a DataLoader (its workers, ``collate_fn`` and prefetch are kept; the
+   plan replaces its batch size and sampler), a Dataset, an IterableDataset or tensors
+   (:mod:`agent.runtime.datasets`). ``ctx.step(loss)`` is the shorthand for backward, then step
+   and zero when synchronised. A share above this rank's memory cap comes as several batches
+   (passes) of one iteration: ``ctx.backward`` each, and step and zero only under
+   ``ctx.sync_gradients`` (a step or a zeroing between the passes raises). Wrap the body in
+   ``with ctx.recoverable():`` and a pass that runs out of device memory is redone in smaller
+   passes instead of failing the job (a returned ``Workload`` does this).
+
+   Every rank in the loop runs the body every iteration: a rank whose share is 0 samples gets
+   an empty batch (same structure, 0 rows), so schedulers and EMAs stepped in the body stay the
+   same everywhere; the ranks compare parameter checksums now and then and fail the job if they
+   differ (:class:`~agent.runtime.context.ReplicaDivergence`). ``ctx.all_reduce(value, op)`` is a
+   global metric over the ranks in the loop and ``ctx.shard(data)`` this rank's part of an
+   evaluation set; ``ctx.stop()`` on one rank ends the job on all.
 
    While a plan *excludes* this rank (partial all-reduce, :mod:`agent.runtime.membership`),
    ``ctx.batches()`` yields nothing: the body is skipped for every iteration the rank sits out,
    and the next batch it yields is that of the iteration it is readmitted at (``ctx.iteration``
-   jumps there), with the model's parameters and buffers and the optimizer's state already
-   replaced by the group's. Meanwhile it times probes on its own: a forward + backward of a
-   small batch through ``ctx.probe_loss(batch)`` if set (a returned ``Workload`` sets it from
-   its ``loss_fn``), else the model's output summed, gradients discarded. Set
-   ``ctx.probe_loss`` before the loop when the model cannot be called on the first element
-   of a batch. State kept outside the model and optimizer (an LR scheduler, a custom EMA)
-   is not re-synchronised. When the loop ends every rank holds the trained model, including
-   one still excluded at the end, so saving a checkpoint on rank 0 stays right.
+   jumps there), with the model's parameters and buffers, the optimizer's state and what was
+   registered with ``ctx.register_state`` already replaced by the group's. Meanwhile it times
+   probes on its own: a forward + backward of a small batch through ``ctx.probe_loss(batch)``
+   if set (a returned ``Workload`` sets it from its ``loss_fn``), else the model's output
+   summed, gradients discarded. When the loop ends every rank holds the trained model,
+   including one still excluded at the end, so saving on rank 0 stays right.
 
 Checkpoints
 -----------

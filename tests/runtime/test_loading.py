@@ -78,46 +78,61 @@ def drive(
     return got
 
 
-sizes_strategy = st.lists(st.integers(0, B), min_size=WORLD - 1, max_size=WORLD - 1).filter(
-    lambda s: sum(s) <= B
-)
+def sizes(world: int) -> st.SearchStrategy[tuple[int, ...]]:
+    """Plans of ``world`` ranks summing to B (zero shares included)."""
+    head = st.lists(st.integers(0, B), min_size=world - 1, max_size=world - 1)
+    return head.filter(lambda h: sum(h) <= B).map(lambda h: (*h, B - sum(h)))
+
+
+Plans = list[tuple[tuple[int, ...], int | None]]
 
 
 @st.composite
-def plan_runs(draw: Any) -> tuple[list[tuple[tuple[int, ...], int | None]], int, int]:
-    """Plans for 2 epochs (each kept a few iterations), a resume point and its worker count."""
-    per_epoch = -(-N // B)
-    plans: list[tuple[tuple[int, ...], int | None]] = []
-    while len(plans) < 2 * per_epoch:
-        head = draw(sizes_strategy)
-        sizes = (*head, B - sum(head))
+def plans_of(draw: Any, world: int, count: int) -> Plans:
+    """``count`` iterations of plans of ``world`` ranks, each kept a few iterations, with
+    memory caps now and then."""
+    plans: Plans = []
+    while len(plans) < count:
         cap = draw(st.sampled_from([None, None, 2, 3]))
-        plans += [(sizes, cap)] * draw(st.integers(1, 4))
-    return plans[: 2 * per_epoch], draw(st.integers(1, 2 * per_epoch - 1)), draw(st.sampled_from([0, 1, 2]))
+        plans += [(draw(sizes(world)), cap)] * draw(st.integers(1, 4))
+    return plans[:count]
+
+
+@st.composite
+def plan_runs(draw: Any) -> tuple[Plans, int, int, int]:
+    """Two epochs of plans: 3 ranks until a resume, then another number of ranks, reading
+    with another number of DataLoader workers."""
+    total = 2 * -(-N // B)
+    resume_at = draw(st.integers(1, total - 1))
+    world_after = draw(st.integers(1, 4))
+    before = draw(plans_of(WORLD, resume_at))
+    after = draw(plans_of(world_after, total - resume_at))
+    return before + after, resume_at, world_after, draw(st.sampled_from([0, 1, 2]))
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(run=plan_runs())
 def test_every_sample_once_per_epoch_through_plan_changes_exclusions_and_a_resume(
-    run: tuple[list[tuple[tuple[int, ...], int | None]], int, int],
+    run: tuple[Plans, int, int, int],
 ) -> None:
-    plans, resume_at, workers_after = run
+    plans, resume_at, world_after, workers_after = run
     sampler = GlobalBatchSampler(N, B, seed=3)
     loader = DataLoader(Indexed(), collate_fn=collate, num_workers=2, prefetch_factor=2)
 
-    def loaders(data: DataLoader[Any]) -> list[Any]:
+    def loaders(data: DataLoader[Any], world: int) -> list[Any]:
         return [
-            as_source(data, rank=r, seed=3, global_batch=B, world_size=WORLD)[0]
-            for r in range(WORLD)
+            as_source(data, rank=r, seed=3, global_batch=B, world_size=world)[0]
+            for r in range(world)
         ]
 
-    first = loaders(loader)
+    first = loaders(loader, WORLD)
     got = drive(first, sampler, plans[:resume_at], 0)
     for source in first:
         source.close()
-    # a resume: fresh processes, perhaps another worker count, from the checkpoint's iteration
+    # a resume from the checkpoint's iteration: fresh processes, another number of ranks,
+    # another number of DataLoader workers
     again = DataLoader(Indexed(), collate_fn=collate, num_workers=workers_after)
-    second = loaders(again)
+    second = loaders(again, world_after)
     got |= drive(second, sampler, plans, resume_at)
     for source in second:
         source.close()
