@@ -25,7 +25,7 @@ from agent.runtime.checkpoint import (
     restore_rng,
 )
 from agent.runtime.plan_sync import RuntimePlan
-from agent.runtime.sampler import GlobalBatchSampler
+from agent.runtime.sampler import GlobalBatchSampler, StreamSampler
 from agent.runtime.trainer import RunResult, RuntimeOptions, run_training
 from agent.runtime.worker import checkpoint_dir, worker_main
 from contract.agent import WORKER_EXIT_FATAL
@@ -36,11 +36,26 @@ from .spawn import run_ranks
 B, SAMPLES, EVERY = 48, 600, 10  # 600 % 48 = 24: every epoch ends on a partial batch
 
 
-def spec(iterations: int, path: str | None, workers: int = 2, max_workers: int = 3) -> JobSpec:
+MLP = {"builtin": "mlp", "seed": 7, "args": {"samples": SAMPLES}}
+# The schedule's length is the whole job's, also in the run "killed" early.
+LOADER = {
+    "entrypoint": "tests.runtime.user_workload:train_loader",
+    "seed": 7,
+    "args": {"steps": 40},
+}
+
+
+def spec(
+    iterations: int,
+    path: str | None,
+    workers: int = 2,
+    max_workers: int = 3,
+    workload: dict[str, object] = MLP,
+) -> JobSpec:
     return JobSpec.model_validate(
         {
             "name": "ckpt",
-            "workload": {"builtin": "mlp", "seed": 7, "args": {"samples": SAMPLES}},
+            "workload": workload,
             "global_batch": B,
             "iterations": iterations,
             "workers": workers,
@@ -55,9 +70,11 @@ def equal(world: int) -> RuntimePlan:
     return RuntimePlan(1, tuple(sizes))
 
 
-def _train(rank: int, world: int, iterations: int, path: str | None) -> tuple[RunResult, dict]:
+def _train(
+    rank: int, world: int, iterations: int, path: str | None, workload: dict[str, object] = MLP
+) -> tuple[RunResult, dict]:
     result = run_training(
-        spec(iterations, path),
+        spec(iterations, path, workload=workload),
         initial_plan=equal(world),
         options=RuntimeOptions(close_deadline_s=1),
     )
@@ -69,18 +86,19 @@ def _train(rank: int, world: int, iterations: int, path: str | None) -> tuple[Ru
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("workload", [MLP, LOADER], ids=["tensors", "dataloader"])
 def test_a_stopped_job_resumed_on_other_workers_ends_as_an_uninterrupted_one(
-    tmp_path: Path,
+    tmp_path: Path, workload: dict[str, object]
 ) -> None:
     total = 40
-    reference = run_ranks(_train, 2, total, str(tmp_path / "ref"))
+    reference = run_ranks(_train, 2, total, str(tmp_path / "ref"), workload)
     ref_result, ref_model = reference[0]
 
     resumed_dir = str(tmp_path / "job")
-    first = run_ranks(_train, 2, 23, resumed_dir)  # "killed" after 23: last checkpoint at 20
+    first = run_ranks(_train, 2, 23, resumed_dir, workload)  # "killed" after 23: last at 20
     assert [c[0] for c in first[0][0].checkpoints] == [10, 20]
     os.remove(f"{resumed_dir}/final.pt")
-    second = run_ranks(_train, 3, total, resumed_dir)  # back on three workers
+    second = run_ranks(_train, 3, total, resumed_dir, workload)  # back on three workers
     result, model = second[0]
 
     assert result.resumed_from == 20
@@ -127,6 +145,55 @@ def test_a_checkpoint_of_another_dataset_is_refused_not_resumed(tmp_path: Path) 
     )
     with pytest.raises(CheckpointError, match="dataset_size 100, this job has 90"):
         cp.resume(model, opt, GlobalBatchSampler(90, 10), rank=0, group=None, control=None)
+    with pytest.raises(CheckpointError, match="drop_last False, this job has True"):
+        sampler = GlobalBatchSampler(100, 10, drop_last=True)
+        cp.resume(model, opt, sampler, rank=0, group=None, control=None)
+    stream = StreamSampler(10)
+    cp.save(
+        iteration=10,
+        model=model,
+        optimizer=opt,
+        sampler=stream,
+        plan=RuntimePlan(1, (10,)),
+        global_samples=100,
+        data={"stream_piece": 10, "num_workers": 2},
+    )
+    with pytest.raises(CheckpointError, match="read its data with num_workers 2, this job with 4"):
+        data = {"stream_piece": 10, "num_workers": 4}
+        cp.resume(model, opt, stream, rank=0, group=None, control=None, data=data)
+    resumed = cp.resume(
+        model,
+        opt,
+        stream,
+        rank=0,
+        group=None,
+        control=None,
+        data={"stream_piece": 10, "num_workers": 2},
+    )
+    assert resumed is not None and resumed.iteration == 10
+
+
+def test_a_checkpoint_written_before_samplers_described_themselves_still_resumes(
+    tmp_path: Path,
+) -> None:
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    old = {
+        "format": 1,
+        "iteration": 5,
+        "dataset_size": 100,
+        "global_batch": 10,
+        "seed": 0,
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "rng": capture_rng(),
+        "user": {},
+        "global_samples": 50,
+    }
+    CheckpointStore(str(tmp_path)).save(old)
+    cp = Checkpointer(CheckpointStore(str(tmp_path)), every=5)
+    resumed = cp.resume(model, opt, GlobalBatchSampler(100, 10), rank=0, group=None, control=None)
+    assert resumed is not None and resumed.iteration == 5
 
 
 def test_user_state_and_rng_come_back(tmp_path: Path) -> None:

@@ -64,3 +64,36 @@ def train_logged(ctx: EvenflowContext) -> None:
     for x, y in ctx.batches((x_all, y_all)):
         ctx.step(nn.functional.mse_loss(model(x), y, reduction="sum"))
         ctx.log("local_batch", torch.tensor(float(x.shape[0])))
+
+
+class _Pairs(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i], self.y[i]
+
+
+def train_loader(ctx: EvenflowContext) -> None:
+    """A loop as ported from a DDP script: a DataLoader with workers, AdamW with a schedule
+    registered, clipping and stepping on synchronised gradients, the final model saved."""
+    torch.manual_seed(ctx.seed)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    x_all, y_all = _data(ctx.seed, n=int(ctx.args.get("samples", 600)))
+    loader = torch.utils.data.DataLoader(_Pairs(x_all, y_all), batch_size=16, num_workers=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    steps = int(ctx.args.get("steps", 0)) or ctx.total_iterations(loader)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.01, total_steps=steps)
+    ctx.register_state("sched", sched)
+    model, opt = ctx.prepare(model, opt)
+    for x, y in ctx.batches(loader):
+        ctx.backward(nn.functional.mse_loss(model(x), y, reduction="sum"))
+        if ctx.sync_gradients:
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+    ctx.save_final()
