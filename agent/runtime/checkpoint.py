@@ -233,6 +233,8 @@ class Resumed:
     iteration: int
     global_samples: int
     url: str
+    positions: dict[int, int]
+    """Shard -> samples trained on, for a sharded stream (empty otherwise)."""
 
 
 class Checkpointer:
@@ -265,9 +267,11 @@ class Checkpointer:
         plan: RuntimePlan,
         global_samples: int,
         data: dict[str, Any] | None = None,
+        positions: dict[int, int] | None = None,
     ) -> Saved:
         """Write the checkpoint after ``iteration`` iterations (on one rank only). ``data`` is
-        what the data source needs to agree with on resume (a stream's layout)."""
+        what the data source needs to agree with on resume (a stream's layout), ``positions``
+        how far every rank read its shards of a sharded stream."""
         epoch, k = sampler.position(iteration)
         state = {
             "format": FORMAT,
@@ -279,6 +283,7 @@ class Checkpointer:
             "seed": sampler.seed,
             "sampler": sampler.describe(),
             "data": data or {},
+            "positions": positions or {},
             "plan": {
                 "version": plan.version,
                 "batch_sizes": list(plan.batch_sizes),
@@ -325,7 +330,9 @@ class Checkpointer:
         for name, (_, load) in self.hooks.items():
             if name in meta["user"]:
                 load(meta["user"][name])
-        return Resumed(meta["iteration"], meta["global_samples"], meta["url"])
+        return Resumed(
+            meta["iteration"], meta["global_samples"], meta["url"], meta.get("positions", {})
+        )
 
     def _read(
         self,
@@ -349,6 +356,7 @@ class Checkpointer:
             "user": state["user"],
             "global_samples": int(state["global_samples"]),
             "url": url,
+            "positions": state.get("positions", {}),
         }
 
 

@@ -219,6 +219,8 @@ class EvenflowContext:
         self._states: dict[str, tuple[SaveState, LoadState]] = {}
         """The user's registered state: kept in checkpoints, re-synchronised on readmission."""
         self._first_iteration = 0
+        self._frozen: dict[int, int] = {}
+        """Sharded streams: how far ranks had read their shards when they were excluded."""
         self._after: tuple[tuple[int, ...], Any, Any] | None = None
         """(ranks, group, control) once the loop ended with ranks re-synchronised into it."""
         if emulator is not None:
@@ -787,6 +789,7 @@ class EvenflowContext:
             log.info("rank %d: no checkpoint yet; starting at iteration 0", self.rank)
             return
         self.iteration = self._first_iteration = resumed.iteration
+        self._source.restore(resumed.positions)
         self.stats.resumed_from = resumed.iteration
         self.stats.global_samples = resumed.global_samples
         if len(self.agreement.history) == 1:
@@ -799,10 +802,13 @@ class EvenflowContext:
         """After an iteration: the plan's leader (rank 0 unless excluded; parameters are the same
         on every active rank) writes a checkpoint when one is due."""
         cp = self.checkpointer
-        if cp is None or not cp.due(self.iteration) or self.rank != self._plan.leader:
+        if cp is None or not cp.due(self.iteration):
             return
         assert self.model is not None and self.optimizer is not None and self._sampler
         assert self._source is not None
+        positions = self._positions()  # every active rank takes part
+        if self.rank != self._plan.leader:
+            return
         saved = cp.save(
             iteration=self.iteration,
             model=self.model,
@@ -811,6 +817,7 @@ class EvenflowContext:
             plan=self._plan,
             global_samples=self.stats.global_samples,
             data=self._source.state(),
+            positions=positions,
         )
         self.stats.checkpoints.append((saved.iteration, saved.size_bytes, saved.write_ms))
         if self._on_saved is not None:
@@ -819,11 +826,38 @@ class EvenflowContext:
             except Exception as exc:  # reporting a checkpoint is best effort
                 log.warning("checkpoint %d not reported: %r", saved.iteration, exc)
 
+    def _positions(self) -> dict[int, int] | None:
+        """Positions only the ranks know (a sharded stream's): gathered from every active rank
+        (a collective among them), with those of excluded ranks as of their exclusion."""
+        assert self._source is not None
+        mine = self._source.rank_state()
+        if mine is None:
+            return None
+        merged = dict(self._frozen)
+        for state in self._gather(mine, self.agreement.group):
+            for shard, n in state.items():
+                merged[shard] = max(merged.get(shard, 0), n)
+        return merged
+
+    def _gather(self, state: dict[int, int], group: Any) -> list[dict[int, int]]:
+        if not dist.is_initialized():
+            return [state]
+        out: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(out, state, group=group)
+        return out
+
     # ------------------------------------------------------------------------ membership
 
     def _regroup(self, iteration: int, old: RuntimePlan, new: RuntimePlan) -> tuple[Any, int]:
         """The agreement's hook, on every rank of ``old.active``, when ``new`` changes them."""
         assert self._sync is not None
+        leaving = set(old.active) - set(new.active)
+        mine = self._source.rank_state() if self._source is not None else None
+        if leaving and mine is not None:  # a sharded stream: keep the leavers' positions
+            for shard, n in (
+                p for state in self._gather(mine, self.agreement.group) for p in state.items()
+            ):
+                self._frozen[shard] = max(self._frozen.get(shard, 0), n)
         tr = self.membership.switch(iteration, old, new)
         if self.membership.role is GroupRole.ACTIVE:
             self._sync.group = tr.group

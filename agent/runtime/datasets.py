@@ -75,6 +75,14 @@ class Source:
         """What a checkpoint keeps of the source beyond the iteration (a stream's layout)."""
         return {}
 
+    def rank_state(self) -> dict[int, int] | None:
+        """A position this rank alone knows (how far it read its shards), gathered from every
+        rank into checkpoints; None when the iteration says where every rank stands."""
+        return None
+
+    def restore(self, positions: dict[int, int]) -> None:
+        """Start where a checkpoint's gathered positions say."""
+
     def close(self) -> None:
         """Stop loading (worker processes end)."""
 
@@ -233,7 +241,15 @@ def as_source(
             f"tuple of tensors, not {type(data).__name__}"
         )
     if isinstance(dataset, IterableDataset):
-        return StreamLoader(dataset, settings, global_batch=global_batch, seed=seed), settings
+        stream = StreamLoader(
+            dataset,
+            settings,
+            global_batch=global_batch,
+            seed=seed,
+            rank=rank,
+            world_size=world_size,
+        )
+        return stream, settings
     if not hasattr(dataset, "__len__"):
         raise TypeError(f"{type(dataset).__name__} has no len(): a map-style Dataset needs one")
     if settings.num_workers == 0:

@@ -255,3 +255,78 @@ def test_a_stream_that_ends_before_the_job_says_so() -> None:
     source.take(1, sampler.local_indices(1, (B,), 0))
     with pytest.raises(StreamEnded, match="ended after 20 samples, but iteration 2 needs"):
         source.take(2, sampler.local_indices(2, (B,), 0))
+
+
+class Shards(IterableDataset[dict[str, Any]]):
+    """A corpus of shards (as files would be): sample ``k`` of shard ``s`` is ``1000*s + k``."""
+
+    num_shards = 8
+
+    def __init__(self, length: int = 40) -> None:
+        self.length = length
+        self.opened: list[tuple[int, int, int]] = []
+        """(pid, shard, start) of every read_shard, in the process that read it."""
+
+    def read_shard(self, shard: int, start: int) -> Iterator[dict[str, Any]]:
+        import os
+
+        self.opened.append((os.getpid(), shard, start))
+        for k in range(start, self.length):
+            i = 1000 * shard + k
+            yield {"i": i, "x": torch.full((1 + k % 2,), float(i))}
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:  # a plain loop's order: shard by shard
+        for shard in range(self.num_shards):
+            yield from self.read_shard(shard, 0)
+
+
+def _sharded_ranks(world: int, workers: int, starts: dict[int, int]) -> list[StreamLoader]:
+    loader = DataLoader(Shards(), batch_size=4, collate_fn=collate, num_workers=workers)
+    out = []
+    for rank in range(world):
+        source = StreamLoader(
+            Shards(), LoaderSettings.of(loader), global_batch=B, seed=0, rank=rank, world_size=world
+        )
+        source.restore(starts)
+        out.append(source)
+    return out
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_sharded_stream_is_read_only_by_the_ranks_that_train_on_it(workers: int) -> None:
+    sampler = StreamSampler(B)
+    first = _sharded_ranks(2, workers, {})
+    plans = [((5, 3), None)] * 3 + [((8, 0), None)] * 2 + [((2, 6), 3)] * 3
+    got = drive(first, sampler, plans, 0, stream=True)
+    taken = {
+        r: [i for it in range(len(plans)) for i in got.get(it, []) if i in mine]
+        for r, mine in ((r, _owned(r, 2)) for r in range(2))
+    }
+    assert sorted(i for it in got for i in got[it]) == sorted(taken[0] + taken[1])  # nothing else
+    for r in range(2):  # each rank read its own shards, in order, nothing skipped
+        assert _prefixes(taken[r])
+    positions: dict[int, int] = {}
+    for source in first:
+        for shard, n in (source.rank_state() or {}).items():
+            positions[shard] = max(positions.get(shard, 0), n)
+        source.close()
+    # resumed on three ranks from those positions: every shard goes on where it stood
+    second = _sharded_ranks(3, workers, positions)
+    more = drive(second, sampler, [((3, 3, 2), None)] * 6, 0, stream=True)
+    for source in second:
+        source.close()
+    everything = [i for part in (got, more) for it in part for i in part[it]]
+    assert len(everything) == len(set(everything)) == B * 14  # none twice
+    assert _prefixes(everything)  # none skipped
+
+
+def _owned(rank: int, world: int) -> set[int]:
+    return {1000 * s + k for s in range(rank, 8, world) for k in range(40)}
+
+
+def _prefixes(ids: list[int]) -> bool:
+    """Whether the samples of each shard are its first ones, each once."""
+    by_shard: dict[int, list[int]] = {}
+    for i in ids:
+        by_shard.setdefault(i // 1000, []).append(i % 1000)
+    return all(sorted(v) == list(range(len(v))) for v in by_shard.values())

@@ -295,3 +295,79 @@ def test_misuse_of_backward_and_step_is_an_error_that_says_what_to_do() -> None:
     ctx.backward(loss)
     with pytest.raises(RuntimeError, match="a second time for one batch"):
         ctx.backward(loss)
+
+
+class Corpus(torch.utils.data.IterableDataset[dict[str, torch.Tensor]]):
+    """Twelve shards of 30 token sequences; sample k of shard s is tagged 1000*s + k."""
+
+    num_shards = 12
+
+    def read_shard(self, shard: int, start: int) -> Any:
+        g = torch.Generator().manual_seed(shard)
+        for k in range(30):
+            ids = torch.randint(1, VOCAB, (3 + k % 5,), generator=g)
+            if k >= start:
+                yield {"ids": ids, "tag": torch.tensor([1000 * shard + k])}
+
+    def __iter__(self) -> Any:
+        for shard in range(self.num_shards):
+            yield from self.read_shard(shard, 0)
+
+
+def _tagged(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    batch = pad(items)
+    batch["tag"] = torch.cat([it["tag"] for it in items]) if items else torch.zeros(0)
+    return batch
+
+
+def _sharded_worker(
+    rank: int, world: int, path: str, iterations: int, script: list[tuple[int, RuntimePlan]]
+) -> list[tuple[int, list[int]]]:
+    from agent.runtime.checkpoint import Checkpointer, CheckpointStore
+    from agent.runtime.membership import ExclusionOptions
+
+    initial = RuntimePlan(1, (8, 8) if world == 2 else (6, 5, 5), B)
+    proposer = Script(script)
+    agreement = PlanAgreement(
+        initial, rank=rank, world_size=world, global_batch=B, propose=proposer
+    )
+    ctx = EvenflowContext(
+        spec(world, iterations),
+        agreement,
+        rank=rank,
+        world_size=world,
+        checkpointer=Checkpointer(CheckpointStore(path), every=5),
+        exclusion=ExclusionOptions(probe_every=1, poll_s=0.001),
+    )
+    proposer.ctx = ctx
+    model, _ = ctx.prepare(TinyLM())
+    ctx.probe_loss = lambda batch: token_loss(model, batch)[0]
+    trained = []
+    for batch in ctx.batches(DataLoader(Corpus(), batch_size=4, collate_fn=_tagged, num_workers=1)):
+        trained.append((ctx.iteration, batch["tag"].tolist()))
+        ctx.step(token_loss(model, batch)[0])
+    return trained
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_a_sharded_stream_resumes_every_shard_where_it_stood(tmp_path: Any) -> None:
+    # three ranks; rank 2 excluded from iteration 4 (its shards stand still), checkpoints at
+    # 5 and 10 while it is out; the job stops after 12 and resumes from 10 on two ranks
+    exclude = [(3, RuntimePlan(2, (9, 7, 0), B, (2,)))]
+    first = run_ranks(_sharded_worker, 3, str(tmp_path), 12, exclude, timeout=100)
+    second = run_ranks(_sharded_worker, 2, str(tmp_path), 20, [], timeout=100)
+    kept = [t for run in first for it, tags in run if it < 10 for t in tags]
+    redone = [t for run in second for it, tags in run for t in tags]
+    assert min(it for run in second for it, _ in run) == 10
+    everything = kept + redone
+    assert len(everything) == len(set(everything)) == 20 * B  # none twice
+    by_shard: dict[int, list[int]] = {}
+    for t in everything:
+        by_shard.setdefault(t // 1000, []).append(t % 1000)
+    for shard, ks in by_shard.items():  # none skipped: each shard read from its start, in turn
+        assert sorted(ks) == list(range(len(ks))), shard
+    # rank 2 read only its own shards before it sat out (2, 5, 8, 11); after the resume,
+    # its shard 2 went on from where it stood (rank 0's now)
+    assert {t // 1000 for it, tags in first[2] for t in tags} <= {2, 5, 8, 11}
+    assert any(t // 1000 == 2 for run in second for _, tags in run for t in tags)
