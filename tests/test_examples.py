@@ -118,3 +118,25 @@ def _global_batch(sampler: GlobalBatchSampler, it: int) -> list[int]:
     epoch, k = sampler.position(it)
     idx = sampler.permutation(epoch)[k * B : k * B + sampler.global_count(it)]
     return [int(i) for i in idx]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_a_job_stopped_early_by_one_rank_succeeds_at_that_iteration(cluster: LocalCluster) -> None:
+    spec = JobSpec.model_validate(
+        {
+            "name": "early",
+            "workload": {
+                "entrypoint": "tests.runtime.user_workload:train_until_good_enough",
+                "args": {"stop_at": 6},
+            },
+            "global_batch": B,
+            "iterations": 500,
+            "workers": 2,
+        }
+    )
+    job = cluster.submit(spec)
+    done = cluster.wait(job.id, timeout_s=240)
+    assert done.status.value == "succeeded", done.error
+    # rank 1 asked after iteration 6's step: the flag rode iteration 7's all-reduce, the last
+    assert cluster.last_iteration(job.id) == 7

@@ -97,3 +97,16 @@ def train_loader(ctx: EvenflowContext) -> None:
             sched.step()
             opt.zero_grad()
     ctx.save_final()
+
+
+def train_until_good_enough(ctx: EvenflowContext) -> None:
+    """``train``, ended early from one rank once its own loss is small (an early stop)."""
+    torch.manual_seed(ctx.seed)
+    model = nn.Linear(4, 1)
+    x_all, y_all = _data(ctx.seed, n=int(ctx.args.get("samples", 600)))
+    model, _ = ctx.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05))
+    for x, y in ctx.batches((x_all, y_all)):
+        loss = nn.functional.mse_loss(model(x), y, reduction="sum")
+        ctx.step(loss)
+        if ctx.rank == ctx.world_size - 1 and ctx.iteration == int(ctx.args.get("stop_at", 5)):
+            ctx.stop()
