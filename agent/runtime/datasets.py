@@ -36,6 +36,8 @@ from torch.utils.data import (
 )
 from torch.utils.data.distributed import DistributedSampler
 
+from agent.runtime.packing import map_containers
+
 log = logging.getLogger("evenflow.runtime.datasets")
 
 DatasetLike = torch.Tensor | tuple[torch.Tensor, ...] | Dataset[Any] | DataLoader[Any]
@@ -192,34 +194,14 @@ def empty_like(batch: Any) -> Any:
         return batch[:0]  # a numpy array
     if isinstance(batch, list) and all(isinstance(x, str | bytes | int | float) for x in batch):
         return []
-    if isinstance(batch, dict):
-        out = {k: empty_like(v) for k, v in batch.items()}
-        try:
-            return out if type(batch) is dict else type(batch)(out)
-        except TypeError:
-            return out
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(empty_like(x) for x in batch))
-    if isinstance(batch, list | tuple):
-        return type(batch)(empty_like(x) for x in batch)
-    return batch
+    return map_containers(batch, empty_like)
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
     """``batch`` with every tensor on ``device`` (copies are non-blocking)."""
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)
-    if isinstance(batch, dict):
-        out = {k: to_device(v, device) for k, v in batch.items()}
-        try:
-            return out if type(batch) is dict else type(batch)(out)
-        except TypeError:
-            return out
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(to_device(b, device) for b in batch))
-    if isinstance(batch, list | tuple):
-        return type(batch)(to_device(b, device) for b in batch)
-    return batch
+    return map_containers(batch, lambda b: to_device(b, device))
 
 
 def as_source(

@@ -12,7 +12,7 @@ tensor plus a small pickle; :meth:`Packed.samples` rebuilds them as views of tha
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,25 +86,25 @@ def _strip(obj: Any, tensors: list[torch.Tensor]) -> Any:
             return obj
         tensors.append(obj)
         return _Hole()
-    return _map(obj, lambda x: _strip(x, tensors))
+    return map_containers(obj, lambda x: _strip(x, tensors))
 
 
 def _place(obj: Any, slots: Iterator[_Slot]) -> Any:
     if isinstance(obj, _Hole):
         return next(slots)
-    return _map(obj, lambda x: _place(x, slots))
+    return map_containers(obj, lambda x: _place(x, slots))
 
 
 def _rebuild(obj: Any, buffer: torch.Tensor) -> Any:
     if isinstance(obj, _Slot):
         n = _numel(obj.shape) * obj.dtype.itemsize
         return buffer[obj.offset : obj.offset + n].view(obj.dtype).view(obj.shape)
-    return _map(obj, lambda x: _rebuild(x, buffer))
+    return map_containers(obj, lambda x: _rebuild(x, buffer))
 
 
-def _map(obj: Any, fn: Any) -> Any:
-    """``fn`` applied to the items of a list, tuple (named too) or dict; other objects as
-    they are."""
+def map_containers(obj: Any, fn: Callable[[Any], Any]) -> Any:
+    """``fn`` applied to the items of a list, tuple (named too) or dict, in a container of the
+    same type where it can be built so; other objects as they are."""
     if isinstance(obj, list):
         return [fn(x) for x in obj]
     if isinstance(obj, tuple):
