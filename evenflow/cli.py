@@ -24,6 +24,7 @@ from pydantic import BaseModel, ValidationError
 from rich import box
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from agent.client import ApiClient, ApiError, make_http
 from contract.api import OverrideCreate, TokenCreate
@@ -35,7 +36,10 @@ from contract.spec import JobSpec
 from evenflow import job_views
 
 DEFAULT_SERVER = "http://127.0.0.1:8000"
-console = Console()
+console = Console(markup=False)
+"""Text from the server (errors, tracebacks, reasons) is printed as it is: square brackets in it
+are not markup (a traceback's ``[/usr/lib/...]`` was a MarkupError); styles are given as
+``Text`` spans."""
 
 
 def server_url(value: str) -> str:
@@ -175,7 +179,7 @@ def cmd_jobs_show(args: argparse.Namespace) -> None:
     _emit(args, job, JOB_COLUMNS, lambda j: _job_rows([j]))
     console.print(f"owner {job.owner}")
     if job.error:
-        console.print(f"[red]error:[/red] {job.error}")
+        console.print(Text.assemble(("error:", "red"), f" {job.error}"))
     _print_pending([job])
     workers = Table("rank", "device", "host", "state", "exit", title="workers")
     for w in job.workers:
@@ -261,7 +265,7 @@ _LIVE_STATES = {"assigned", "launching", "running"}
 
 def _print_rank_log(r: Any) -> None:
     exit_text = "" if r.exit_code is None else f", exit {r.exit_code}"
-    console.print(f"[bold]rank {r.rank}[/bold] ({r.state.value}{exit_text})")
+    console.print(Text.assemble((f"rank {r.rank}", "bold"), f" ({r.state.value}{exit_text})"))
     body = r.log_tail or r.error
     if not body:
         console.print("  (no log uploaded)")
@@ -600,8 +604,12 @@ def cmd_demo(args: argparse.Namespace) -> None:
         cluster.admin_token = token
     with cluster:
         console.print(
-            f"[bold]Evenflow demo[/bold]: {n} EMULATED workers (per-sample ms "
-            f"{[w.per_sample_ms for w in profile.workers]}, +5 ms each), real torch.distributed (gloo)"
+            Text.assemble(
+                ("Evenflow demo", "bold"),
+                f": {n} EMULATED workers (per-sample ms "
+                f"{[w.per_sample_ms for w in profile.workers]}, +5 ms each), real "
+                "torch.distributed (gloo)",
+            )
         )
         console.print(f"dashboard  {cluster.url}/   (log in with the token below)")
         console.print(f"API docs   {cluster.url}/docs")

@@ -355,11 +355,13 @@ def test_jobs_show_lists_restarts_and_jobs_checkpoints_lists_checkpoints(
         headers={"Authorization": f"Bearer {env.admin_token}"},
     )
     assert r.status_code == 201, r.text
-    report = WorkerReport(job_id=job.id, rank=1, state=WorkerState.FAILED, error="OOM killed")
+    # brackets in a reason are text, not markup (a traceback's paths were a MarkupError)
+    error = 'OOM killed in [/usr/lib/python3/x.py] at "[bold]"'
+    report = WorkerReport(job_id=job.id, rank=1, state=WorkerState.FAILED, error=error)
     client.heartbeat(host.id, Heartbeat(workers=[report]))
     assert main(["jobs", "show", str(job.id)]) == 0
     out = capsys.readouterr().out
-    assert "restarts" in out and "rank 1 failed: OOM killed" in out
+    assert "restarts" in out and f"rank 1 failed: {error}" in out
     assert "iteration 10" in out and "restarts: 1 of at most 3" in out
     listed = _json(capsys, "jobs", "checkpoints", str(job.id))
     assert isinstance(listed, dict) and [c["iteration"] for c in listed["items"]] == [10]
