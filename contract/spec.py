@@ -5,10 +5,11 @@ The control plane stores it; agents and workers read it back from their assignme
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, JsonValue, field_validator, model_validator
 
 from contract.base import Id, Name, Request, Text
 from contract.enums import PolicyName
@@ -67,6 +68,21 @@ class EmulatedWorker(Request):
 
 ENTRYPOINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
+MAX_ARGS_BYTES = 16_384
+"""Largest ``workload.args`` as compact JSON: they travel in every worker's environment."""
+
+MAX_ARGS_DEPTH = 8
+"""Deepest nesting of one argument's value (lists and objects within each other)."""
+
+
+def _depth(value: object) -> int:
+    """How many lists and objects ``value`` nests (0 for a number or a string)."""
+    if isinstance(value, dict):
+        return 1 + max((_depth(v) for v in value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max((_depth(v) for v in value), default=0)
+    return 0
+
 
 class WorkloadSpec(Request):
     """What to train: a built-in workload or a user entrypoint ``module:function``."""
@@ -75,7 +91,27 @@ class WorkloadSpec(Request):
     entrypoint: Text | None = Field(default=None, max_length=255)
     learning_rate: float = Field(default=0.05, gt=0, le=10, allow_inf_nan=False)
     seed: int = Field(default=0, ge=0, le=2**31 - 1)
-    args: dict[Text, Text | int | float | bool] = Field(default_factory=dict, max_length=64)
+    args: dict[Text, JsonValue] = Field(default_factory=dict, max_length=64)
+    """What the entrypoint reads as ``ctx.args``: any JSON (numbers, strings, lists, nested
+    objects), at most ``MAX_ARGS_BYTES`` as JSON and ``MAX_ARGS_DEPTH`` levels deep."""
+
+    @field_validator("args")
+    @classmethod
+    def _bounded_args(cls, args: dict[str, JsonValue]) -> dict[str, JsonValue]:
+        for key, value in args.items():
+            depth = _depth(value)
+            if depth > MAX_ARGS_DEPTH:
+                raise ValueError(
+                    f"args.{key} nests {depth} levels deep; at most {MAX_ARGS_DEPTH} are allowed"
+                )
+        size = len(json.dumps(args, separators=(",", ":"), allow_nan=False))
+        if size > MAX_ARGS_BYTES:
+            biggest = max(args, key=lambda k: len(json.dumps(args[k])))
+            raise ValueError(
+                f"args take {size} bytes as JSON, at most {MAX_ARGS_BYTES}; the largest is "
+                f"args.{biggest}: pass big inputs as files the entrypoint reads"
+            )
+        return args
 
     @model_validator(mode="after")
     def _one_of(self) -> WorkloadSpec:

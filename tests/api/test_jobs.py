@@ -248,3 +248,32 @@ def test_list_is_newest_first_with_total(api: Api) -> None:
     assert page["total"] == 3
     assert [j["id"] for j in page["items"]] == ids[::-1][:2]
     assert api.client.get("/api/v1/jobs/424242", headers=api.headers()).status_code == 404
+
+
+def test_workload_args_take_any_json_within_bounds(api: Api) -> None:
+    api.register("h", devices=1)
+    args = {"layers": [64, 128, 256], "optim": {"name": "adamw", "betas": [0.9, 0.95]}, "x": None}
+    body = {
+        "name": "j",
+        "workload": {"entrypoint": "mytrain.main:train", "args": args},
+        "global_batch": 8,
+        "iterations": 1,
+        "workers": 1,
+    }
+    r = api.client.post("/api/v1/jobs", json=body, headers=api.headers())
+    assert r.status_code == 201, r.text
+    assert r.json()["spec"]["workload"]["args"] == args
+    deep: object = 1
+    for _ in range(9):
+        deep = [deep]
+    too_deep = {**body, "workload": {"entrypoint": "a:b", "args": {"grid": deep}}}
+    r = api.client.post("/api/v1/jobs", json=too_deep, headers=api.headers())
+    assert r.status_code == 422
+    assert r.json()["field"].startswith("workload.args")
+    assert "args.grid nests 9 levels deep; at most 8" in r.json()["detail"]
+    assert "\n" not in r.json()["detail"]
+    big = {**body, "workload": {"entrypoint": "a:b", "args": {"ok": 1, "table": ["x" * 100] * 200}}}
+    r = api.client.post("/api/v1/jobs", json=big, headers=api.headers())
+    assert r.status_code == 422
+    assert "at most 16384; the largest is args.table" in r.json()["detail"]
+    assert api.client.get("/api/v1/jobs", headers=api.headers()).json()["total"] == 1
