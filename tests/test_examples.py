@@ -140,3 +140,25 @@ def test_a_job_stopped_early_by_one_rank_succeeds_at_that_iteration(cluster: Loc
     assert done.status.value == "succeeded", done.error
     # rank 1 asked after iteration 6's step: the flag rode iteration 7's all-reduce, the last
     assert cluster.last_iteration(job.id) == 7
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_an_entrypoint_that_cannot_be_imported_fails_the_job_at_once(
+    cluster: LocalCluster,
+) -> None:
+    spec = JobSpec.model_validate(
+        {
+            "name": "broken",
+            "workload": {"entrypoint": "mytrain_not_installed.train:main"},
+            "global_batch": B,
+            "iterations": 10,
+            "workers": 2,
+            "max_restarts": 3,
+        }
+    )
+    job = cluster.submit(spec)
+    done = cluster.wait(job.id, timeout_s=60)
+    assert done.status.value == "failed"
+    assert done.restarts == 0  # the same on every attempt: not retried
+    assert "No module named 'mytrain_not_installed'" in (done.error or "")

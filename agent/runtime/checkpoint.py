@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from agent.runtime.errors import FatalJobError
 from agent.runtime.plan_sync import RuntimePlan
 from agent.runtime.resync import resync
 from agent.runtime.sampler import Sampler
@@ -59,7 +60,7 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be written, or cannot resume this job."""
 
 
-class CheckpointPathError(CheckpointError):
+class CheckpointPathError(CheckpointError, FatalJobError):
     """The checkpoint directory cannot be written: the job cannot run as specified."""
 
 

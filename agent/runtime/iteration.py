@@ -19,6 +19,7 @@ from torch import nn
 
 from agent.runtime.datasets import Passes, Source, to_device
 from agent.runtime.emulation import Emulator
+from agent.runtime.errors import FatalJobError
 from agent.runtime.gradients import GradientSync, parameter_checksum
 from agent.runtime.membership import Membership
 from agent.runtime.metrics import MetricReporter
@@ -43,7 +44,7 @@ slots, and reductions ordered differently on different devices); a rank that ski
 step differs by far more."""
 
 
-class ReplicaDivergence(RuntimeError):
+class ReplicaDivergence(FatalJobError):
     """The ranks' parameters are no longer the same: a step ran on some ranks only."""
 
 

@@ -52,13 +52,14 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from agent.runtime.datasets import LoaderSettings, Source, empty_like
+from agent.runtime.errors import FatalJobError
 from agent.runtime.packing import Packed, pack
 
 PIECE = 64
 """Samples per piece when the user gave no batch size (a bare IterableDataset)."""
 
 
-class StreamEnded(RuntimeError):
+class StreamEnded(FatalJobError):
     """The stream ran out before the job's last iteration."""
 
 

@@ -159,12 +159,15 @@ def run_training(
     through ``rendezvous`` (default: from MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE with the
     spec's ``rendezvous_timeout_s``) and destroys it at the end. Rank 0's ``initial_plan`` is
     used on all ranks; without one, rank 0 fetches it. Other ranks may pass ``None``. Raises if
-    the plan or the workload is unusable, and
-    :class:`~agent.runtime.checkpoint.CheckpointPathError` before anything else when the
-    spec's checkpoint directory cannot be written. With checkpoints, the run resumes from the
+    the plan or the workload is unusable; before anything else,
+    :class:`~agent.runtime.checkpoint.CheckpointPathError` when the spec's checkpoint directory
+    cannot be written and :class:`~agent.runtime.errors.EntrypointError` when its entrypoint
+    cannot be imported. With checkpoints, the run resumes from the
     newest one in the directory.
     """
     checkpointer = make_checkpointer(spec, options.checkpoint_dir)
+    if spec.workload.entrypoint is not None:  # before the rendezvous: an import error is final
+        load_entrypoint(spec.workload.entrypoint)
     created = not dist.is_initialized()
     if created:
         rdzv = rendezvous or Rendezvous.from_env(os.environ, spec.rendezvous_timeout_s)

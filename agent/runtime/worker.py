@@ -31,8 +31,9 @@ The agent daemon launches one process per rank with this environment:
 Exit status 0 after a completed run, 1 on any failure (the traceback is logged to stderr), 2
 when the environment is incomplete or malformed, 3 (``WORKER_EXIT_JOB_ENDED``) when the control
 plane said the job had ended (its telemetry answered 409): one log line, no traceback; 4
-(``WORKER_EXIT_FATAL``) when the job cannot run as specified (its checkpoint directory cannot
-be written), which the control plane does not retry; 5 when its agent died.
+(``WORKER_EXIT_FATAL``) when the job cannot run as specified (``agent.runtime.errors``: its
+entrypoint cannot be imported, its checkpoint directory cannot be written, its stream ran out,
+its replicas diverged), which the control plane does not retry; 5 when its agent died.
 
 ``EVENFLOW_TOKEN`` is the rank's own credential, minted for this job and rank: it reads the
 job's plan and posts this rank's telemetry and metrics, nothing else, and dies with the job.
@@ -55,7 +56,7 @@ import traceback
 import httpx
 from pydantic import ValidationError
 
-from agent.runtime.checkpoint import CheckpointPathError
+from agent.runtime.errors import FatalJobError
 from agent.runtime.parent import die_with_agent
 from agent.runtime.remote import RemoteControlPlane
 from agent.runtime.rendezvous import DeviceAssignment, Rendezvous
@@ -140,9 +141,9 @@ def worker_main(environ: dict[str, str] | None = None) -> int:
                 rendezvous=rdzv,
                 report_checkpoint=lambda saved: remote.report_checkpoint(rank, saved),
             )
-    except CheckpointPathError as exc:
+    except FatalJobError as exc:  # the same on every attempt: the job fails, no restart
         log.error("%s", exc)
-        _write_error(env, str(exc))
+        _write_error(env, traceback.format_exc())
         return WORKER_EXIT_FATAL
     except TelemetryClosed as exc:
         log.warning("job %d has ended on the control plane (%s); stopping", job_id, exc)

@@ -83,6 +83,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from agent.runtime.errors import EntrypointError
 from contract.spec import WorkloadSpec
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -164,15 +165,21 @@ def builtin(spec: WorkloadSpec) -> Workload:
 
 
 def load_entrypoint(ref: str) -> Callable[..., Any]:
-    """Import ``"package.module:function"`` and return the function."""
+    """Import ``"package.module:function"`` and return the function; ``EntrypointError`` (the
+    job cannot run: no restart helps) when it cannot."""
     module_name, sep, attr = ref.partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"entrypoint {ref!r} must look like 'package.module:function'")
-    module = importlib.import_module(module_name)
+        raise EntrypointError(f"entrypoint {ref!r} must look like 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except (ImportError, SyntaxError) as exc:  # the same on every rank, every attempt
+        raise EntrypointError(
+            f"entrypoint {ref!r} cannot be imported: {type(exc).__name__}: {exc}"
+        ) from exc
     try:
         fn: Callable[..., Any] = getattr(module, attr)
     except AttributeError:
-        raise ValueError(f"entrypoint {ref!r}: module has no attribute {attr!r}") from None
+        raise EntrypointError(f"entrypoint {ref!r}: module has no attribute {attr!r}") from None
     if not callable(fn):
-        raise ValueError(f"entrypoint {ref!r} is not callable")
+        raise EntrypointError(f"entrypoint {ref!r} is not callable")
     return fn

@@ -271,6 +271,12 @@ def test_the_worker_exits_fatal_on_an_unwritable_path(tmp_path: Path) -> None:
     }
     assert worker_main(env) == WORKER_EXIT_FATAL
     assert "job-4' cannot be written" in error_file.read_text()
+    # an entrypoint that cannot be imported fails the same way on every attempt: fatal too,
+    # before the rendezvous
+    broken = spec(5, None, workload={"entrypoint": "no_such_package.train:main"})
+    assert worker_main({**env, "EVENFLOW_SPEC": broken.model_dump_json()}) == WORKER_EXIT_FATAL
+    last = error_file.read_text().strip().splitlines()[-1]
+    assert "cannot be imported: ModuleNotFoundError: No module named 'no_such_package'" in last
 
 
 def test_checkpoint_directories() -> None:

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from agent.runtime.context import MAX_LOSSES, ContextStats, EvenflowContext, dataset_size
+from agent.runtime.errors import EntrypointError
 from agent.runtime.plan_sync import PlanAgreement, RuntimePlan
 from agent.runtime.telemetry import JumpWatch
 from agent.runtime.trainer import run_workload
@@ -81,9 +82,9 @@ def test_entrypoint_errors(user_module: None) -> None:
         run_workload(context(spec({"entrypoint": "user_workload:not_a_workload"}))[0])
     with pytest.raises(RuntimeError, match="neither returned a Workload"):
         run_workload(context(spec({"entrypoint": "user_workload:does_nothing"}))[0])
-    with pytest.raises(ValueError, match="no attribute 'missing'"):
+    with pytest.raises(EntrypointError, match="no attribute 'missing'"):
         load_entrypoint("user_workload:missing")
-    with pytest.raises(ModuleNotFoundError):
+    with pytest.raises(EntrypointError, match="ModuleNotFoundError: No module named 'no_such"):
         load_entrypoint("no_such_module_xyz:f")
 
 
