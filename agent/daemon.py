@@ -467,8 +467,7 @@ class Agent:
             if end is None:
                 continue
             proc.ended(end)
-            if end.code != 0:
-                proc.log_tail = _log_tail(proc.log_path)
+            proc.log_tail = _log_tail(proc.log_path)  # succeeded too: what it printed
             if proc.stop_requested or end.code == WORKER_EXIT_JOB_ENDED:
                 proc.state = WorkerState.STOPPED
             elif end.code == 0:

@@ -91,7 +91,7 @@ class WorkerReport(Request):
     earlier attempt's processes are ignored."""
     log_tail: Text | None = Field(default=None, max_length=LOG_TAIL_CHARS)
     """The last lines of the rank's log (at most ``LOG_TAIL_CHARS``), sent with a rank that
-    failed or was stopped: what it printed before it ended."""
+    ended, succeeded or not: what it printed before it ended."""
 
 
 class Heartbeat(Request):

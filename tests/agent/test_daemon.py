@@ -105,6 +105,12 @@ def test_job_runs_to_success_with_rebalanced_plans(agent: tuple[Agent, ApiClient
     assert len(plans) >= 2 and plans[0].source.value == "automatic"
     final = plans[0].batch_sizes
     assert final[0] > final[1], "the 3x faster rank gets more samples"
+    # what each rank printed is on the server once it succeeded
+    logs = admin.logs(job.id).items
+    assert [log.rank for log in logs] == [0, 1]
+    for log in logs:
+        assert log.state is WorkerState.SUCCEEDED and log.log_tail is not None
+        assert "finished:" in log.log_tail
 
 
 def test_failed_rank_fails_the_job_with_its_traceback(agent: tuple[Agent, ApiClient]) -> None:
