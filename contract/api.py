@@ -79,6 +79,18 @@ class CheckpointOut(Response):
     created_at: datetime
 
 
+class ContextOut(Response):
+    """A code archive uploaded for jobs to run (``POST /api/v1/contexts``)."""
+
+    sha256: str
+    """What a job's ``workload.context`` names it by."""
+    size_bytes: int
+    created_at: datetime
+    created_by: str
+    new: bool = False
+    """Whether this upload stored it (False: an archive of the same bytes was there)."""
+
+
 class RankLogOut(Response):
     """One rank's end as its agent reported it: the root cause and the last lines of its log."""
 

@@ -89,6 +89,10 @@ class WorkloadSpec(Request):
 
     builtin: Literal["mlp", "cnn-digits"] | None = None
     entrypoint: Text | None = Field(default=None, max_length=255)
+    context: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    """The SHA-256 of the code archive uploaded for the job (``evenflow jobs submit --context
+    DIR``, ``POST /api/v1/contexts``): every host unpacks it into the job's directory and runs
+    the ranks there, with it first on ``sys.path``."""
     learning_rate: float = Field(default=0.05, gt=0, le=10, allow_inf_nan=False)
     seed: int = Field(default=0, ge=0, le=2**31 - 1)
     args: dict[Text, JsonValue] = Field(default_factory=dict, max_length=64)
@@ -119,6 +123,8 @@ class WorkloadSpec(Request):
             raise ValueError("give exactly one of builtin or entrypoint")
         if self.entrypoint is not None and not ENTRYPOINT.match(self.entrypoint):
             raise ValueError("entrypoint must look like 'package.module:function'")
+        if self.context is not None and self.entrypoint is None:
+            raise ValueError("a context holds the code of an entrypoint: give one")
         return self
 
 

@@ -31,6 +31,7 @@ from server.api.heartbeats import HeartbeatGroups
 from server.api.routes import (
     audit,
     checkpoints,
+    contexts,
     events,
     health,
     hosts,
@@ -73,6 +74,7 @@ API_ROUTES = (
     telemetry,
     job_metrics,
     checkpoints,
+    contexts,
     events,
     audit,
     tokens,
@@ -174,7 +176,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         api_prefix=API_PREFIX,
         public=PUBLIC_PATHS,
         max_body=MAX_BODY_BYTES,
-        body_limits={"/login": MAX_LOGIN_BODY},
+        body_limits={
+            "/login": MAX_LOGIN_BODY,
+            API_PREFIX + contexts.UPLOAD_PATH: context.settings.context_max_bytes,
+        },
     )
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     return app

@@ -28,6 +28,10 @@ class Settings(BaseSettings):
     ``docker-compose.yml`` gives every agent service, each from its own secret). A token that
     changes here replaces the one set before for that host. Never the admin token."""
 
+    context_max_bytes: int = Field(default=64 * 2**20, ge=1024, le=2**34)
+    """The largest code archive a job may ship (``POST /api/v1/contexts``); past it the upload
+    is refused with 413 naming the limit."""
+
     host_lost_after_s: float = Field(default=30.0, gt=0)
     """A host that has not sent a heartbeat for this long is marked lost: counted from its last
     heartbeat, or from when this database's controller became active if that is later (while no

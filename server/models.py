@@ -22,6 +22,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Text,
@@ -166,6 +167,32 @@ def departed_ranks(departures: list[dict[str, Any]] | None, attempt: int) -> fro
     return frozenset(int(d["rank"]) for d in departures or [] if d["attempt"] == attempt)
 
 
+class Context(Base):
+    """An uploaded code archive, its bytes in ``context_chunks`` (every server sharing the
+    database serves it, PostgreSQL included)."""
+
+    __tablename__ = "contexts"
+
+    sha256: Mapped[str] = mapped_column(String(64), primary_key=True)
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    chunks: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    created_by: Mapped[str] = mapped_column(String(128))
+
+
+class ContextChunk(Base):
+    """One piece of an archive, in order: read and written a piece at a time, so no server
+    holds a whole archive in memory."""
+
+    __tablename__ = "context_chunks"
+
+    sha256: Mapped[str] = mapped_column(
+        String(64), ForeignKey("contexts.sha256", ondelete="CASCADE"), primary_key=True
+    )
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True)
+    data: Mapped[bytes] = mapped_column(LargeBinary)
+
+
 class Job(Base):
     __tablename__ = "jobs"
 
@@ -203,6 +230,10 @@ class Job(Base):
     identified models in this attempt (exploring is over); None while it explores. Kept in the
     job, not only in the controller's memory, so that a controller that takes over does not
     take a job settled after warm-up (``static``, ``adaptive``) for one still exploring."""
+
+    context: Mapped[str | None] = mapped_column(String(64), default=None, index=True)
+    """The code archive the job runs (``spec.workload.context``), kept beside the spec so an
+    agent's right to read an archive is one indexed lookup."""
 
     workers: Mapped[list[Worker]] = relationship(
         back_populates="job", order_by="Worker.rank", cascade="all, delete-orphan"

@@ -44,7 +44,7 @@ from server.models import (
     Worker,
     departed_ranks,
 )
-from server.services import departures, events, scheduler
+from server.services import contexts, departures, events, scheduler
 from server.services.audit import record
 from server.services.tokens import Principal
 
@@ -91,9 +91,12 @@ def _check_devices(session: Session, ids: list[int]) -> None:
 def create(session: Session, spec: JobSpec, principal: Principal, now: datetime) -> Job:
     if spec.devices is not None:
         _check_devices(session, spec.devices)
+    if spec.workload.context is not None:
+        contexts.require(session, spec.workload.context)
     scheduler.check_placeable(session, spec)
     job = Job(
         name=spec.name,
+        context=spec.workload.context,
         owner=principal.name,
         spec=spec.model_dump(mode="json"),
         status=JobStatus.PENDING.value,
