@@ -6,7 +6,8 @@ and talk to the real app in-process, without sockets.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
@@ -24,6 +25,7 @@ from contract.agent import (
 from contract.api import (
     AuditOut,
     CheckpointOut,
+    ContextOut,
     EventOut,
     HostOut,
     JobOut,
@@ -76,6 +78,15 @@ def _not_ours(resp: httpx.Response) -> str:
     )
 
 
+def _error(resp: httpx.Response) -> ApiError:
+    try:
+        body = resp.json()
+        detail, field = str(body.get("detail", resp.text)), body.get("field")
+    except ValueError:
+        detail, field = _not_ours(resp), None
+    return ApiError(resp.status_code, detail, field)
+
+
 class ApiClient:
     def __init__(self, http: httpx.Client, token: str | None = None) -> None:
         self.http = http
@@ -91,17 +102,20 @@ class ApiClient:
         params: dict[str, Any] | None = None,
         ok: tuple[int, ...] = (200, 201),
         timeout: Any = httpx.USE_CLIENT_DEFAULT,
+        content: Any = None,
+        headers: dict[str, str] | None = None,
     ) -> httpx.Response:
         resp = self.http.request(
-            method, API + path, json=json, params=params, headers=self._headers, timeout=timeout
+            method,
+            API + path,
+            json=json,
+            params=params,
+            headers={**self._headers, **(headers or {})},
+            timeout=timeout,
+            content=content,
         )
         if resp.status_code not in ok:
-            try:
-                body = resp.json()
-                detail, field = str(body.get("detail", resp.text)), body.get("field")
-            except ValueError:
-                detail, field = _not_ours(resp), None
-            raise ApiError(resp.status_code, detail, field)
+            raise _error(resp)
         return resp
 
     def _page(
@@ -146,6 +160,52 @@ class ApiClient:
     def hosts(self, *, limit: int | None = None, offset: int = 0) -> Page[HostOut]:
         """Hosts by id (all of them unless ``limit``)."""
         return self._page("/hosts", HostOut, limit=limit, offset=offset)
+
+    # -- contexts
+    def upload_context(
+        self, archive: Path, sha256: str, on_sent: Callable[[int], object] | None = None
+    ) -> ContextOut:
+        """Upload a code archive, streamed from the file a MiB at a time (``on_sent(bytes)``
+        after each); the server checks its digest."""
+
+        def pieces() -> Iterator[bytes]:
+            with archive.open("rb") as f:
+                while piece := f.read(1 << 20):
+                    yield piece
+                    if on_sent is not None:
+                        on_sent(len(piece))
+
+        resp = self._call(
+            "POST",
+            "/contexts",
+            content=pieces(),
+            headers={
+                "X-Evenflow-Sha256": sha256,
+                "Content-Type": "application/octet-stream",
+                "Content-Length": str(archive.stat().st_size),
+            },
+            timeout=httpx.Timeout(self.http.timeout.connect, read=300.0, write=300.0, pool=30.0),
+        )
+        return ContextOut.model_validate(resp.json())
+
+    def context_info(self, sha256: str) -> ContextOut | None:
+        """The stored archive of that digest, or None when there is none."""
+        resp = self._call("GET", f"/contexts/{sha256}/info", ok=(200, 404))
+        return None if resp.status_code == 404 else ContextOut.model_validate(resp.json())
+
+    def context_bytes(self, sha256: str) -> Iterator[bytes]:
+        """A code archive's bytes as they arrive (a generator: the request is made when the
+        first piece is asked for, and closed when the caller stops)."""
+        with self.http.stream(
+            "GET",
+            f"{API}/contexts/{sha256}",
+            headers=self._headers,
+            timeout=httpx.Timeout(self.http.timeout.connect, read=300.0, write=30.0, pool=30.0),
+        ) as resp:
+            if resp.status_code != 200:
+                resp.read()
+                raise _error(resp)
+            yield from resp.iter_bytes(1 << 20)
 
     # -- jobs
     def submit(self, spec: JobSpec | dict[str, Any]) -> JobOut:

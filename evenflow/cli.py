@@ -12,7 +12,9 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -23,6 +25,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 from rich import box
 from rich.console import Console
+from rich.progress import Progress
 from rich.table import Table
 from rich.text import Text
 
@@ -33,7 +36,7 @@ from contract.dashboard import MetricsOut
 from contract.enums import OverrideKind, Role
 from contract.problems import explain
 from contract.spec import JobSpec
-from evenflow import job_views
+from evenflow import contexts, job_views
 
 DEFAULT_SERVER = "http://127.0.0.1:8000"
 console = Console(markup=False)
@@ -136,10 +139,50 @@ def cmd_jobs_submit(args: argparse.Namespace) -> None:
         raw = yaml.safe_load(Path(args.file).read_text())
     except (OSError, yaml.YAMLError) as exc:
         raise SystemExit(f"error: cannot read {args.file}: {exc}") from exc
-    job = _client(args).submit(_validated(JobSpec, raw, args.file))
+    client = _client(args)
+    if args.context is not None:
+        if not isinstance(raw, dict) or not isinstance(raw.get("workload"), dict):
+            raise SystemExit(f"error: {args.file} has no workload to give the context to")
+        raw["workload"]["context"] = _ship_context(client, Path(args.context), quiet=args.json)
+    job = client.submit(_validated(JobSpec, raw, args.file))
     _emit(args, job, JOB_COLUMNS, lambda j: _job_rows([j]), title="submitted")
     if not args.json:
         _print_pending([job])
+
+
+def _ship_context(client: ApiClient, directory: Path, *, quiet: bool) -> str:
+    """Pack ``directory`` (its ``.evenflowignore`` honoured), upload it unless the server has
+    those bytes already, and return their SHA-256 for the spec's ``workload.context``."""
+    with tempfile.TemporaryDirectory(prefix="evenflow-context-") as tmp:
+        try:
+            packed = contexts.pack_directory(directory, Path(tmp) / "context.tar.gz")
+        except ValueError as exc:
+            raise SystemExit(f"error: {exc}") from exc
+        size = contexts.format_size(packed.size_bytes)
+        if client.context_info(packed.sha256) is not None:
+            what = "already on the server"
+        else:
+            try:
+                with Progress(transient=True, disable=quiet) as progress:
+                    task = progress.add_task(f"uploading {directory}", total=packed.size_bytes)
+                    client.upload_context(
+                        packed.path, packed.sha256, on_sent=lambda n: progress.advance(task, n)
+                    )
+            except ApiError as exc:
+                if exc.status_code == 413:  # "request body over N bytes"
+                    found = re.search(r"\d+", exc.detail)
+                    limit = int(found.group()) if found else packed.size_bytes
+                    raise SystemExit(
+                        "error: " + contexts.over_limit_message(packed, limit)
+                    ) from exc
+                raise
+            what = "uploaded"
+        if not quiet:
+            console.print(
+                f"context {directory}: {packed.files} files, {size} packed, {what} "
+                f"(sha256 {packed.sha256[:12]})"
+            )
+        return packed.sha256
 
 
 M = TypeVar("M", bound=BaseModel)
@@ -754,6 +797,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p = jobs.add_parser("submit", parents=[client], help="submit a job spec (YAML)")
     p.add_argument("file")
+    p.add_argument(
+        "--context",
+        metavar="DIR",
+        help="ship DIR (your code: .git and what its .evenflowignore lists are left out) with "
+        "the job; the ranks run in it, with it first on sys.path",
+    )
     p.set_defaults(func=cmd_jobs_submit)
     p = jobs.add_parser("list", parents=[client])
     p.add_argument("--status")

@@ -4,6 +4,7 @@ non-zero exits with the server's message."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 import time
@@ -19,7 +20,8 @@ from contract.api import HostOut, JobOut, TokenCreate
 from contract.base import PROTOCOL_VERSION
 from contract.enums import DeviceKind, Role, WorkerState
 from evenflow.cli import main
-from tests.harness import LiveServer, wait_placed
+from server.app import create_app
+from tests.harness import ADMIN_TOKEN, LiveServer, make_settings, serving, wait_placed
 
 
 @pytest.fixture
@@ -416,3 +418,56 @@ def test_jobs_logs_prints_each_ranks_tail(
     assert "rank 1" in out and "rank 0" not in out
     assert main(["jobs", "logs", str(job.id), "--rank", "9"]) == 1
     assert "no rank 9" in capsys.readouterr().err
+
+
+def test_submit_with_a_context_ships_the_directory_once(
+    env: LiveServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _cpu_host(ApiClient(make_http(env.url, env.admin_token)), "ctx-host")
+    code = tmp_path / "mytrain"
+    (code / "mytrain").mkdir(parents=True)
+    (code / "mytrain" / "__init__.py").write_text("")
+    (code / "mytrain" / "main.py").write_text("def train(ctx):\n    pass\n")
+    (code / "data").mkdir()
+    (code / "data" / "huge.bin").write_bytes(b"x" * 10_000)
+    (code / ".evenflowignore").write_text("data/\n")
+    spec = tmp_path / "job.yaml"
+    spec.write_text(
+        "name: shipped\nworkload: {entrypoint: 'mytrain.main:train'}\n"
+        "global_batch: 8\niterations: 5\nworkers: 1\n"
+    )
+    assert main(["jobs", "submit", str(spec), "--context", str(code)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert re.search(r"context \S*mytrain: 3 files, [\d.]+ K?i?B packed, uploaded", out), out
+    admin = ApiClient(make_http(env.url, env.admin_token))
+    (job,) = admin.jobs().items
+    sha = job.spec["workload"]["context"]
+    info = admin.context_info(sha)
+    assert info is not None and info.size_bytes < 10_000  # data/ was left out
+    assert main(["jobs", "submit", str(spec), "--context", str(code)]) == 0  # the same code
+    assert "already on the server" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="nowhere does not exist"):
+        main(["jobs", "submit", str(spec), "--context", str(tmp_path / "nowhere")])
+
+
+def test_a_context_over_the_servers_limit_is_refused_naming_its_biggest_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app = create_app(make_settings(f"sqlite:///{tmp_path / 'e.db'}", context_max_bytes=4096))
+    with serving(app) as url:
+        monkeypatch.setenv("EVENFLOW_SERVER", url)
+        monkeypatch.setenv("EVENFLOW_TOKEN", ADMIN_TOKEN)
+        code = tmp_path / "code"
+        code.mkdir()
+        (code / "weights.bin").write_bytes(os.urandom(20_000))  # does not compress
+        (code / "train.py").write_text("def main(ctx):\n    pass\n")
+        spec = tmp_path / "job.yaml"
+        spec.write_text(
+            "name: big\nworkload: {entrypoint: 'train:main'}\nglobal_batch: 8\n"
+            "iterations: 5\nworkers: 1\n"
+        )
+        with pytest.raises(SystemExit) as exc:
+            main(["jobs", "submit", str(spec), "--context", str(code)])
+        message = str(exc.value)
+        assert "over the server's limit of 4.0 KiB" in message
+        assert "weights.bin (19.5 KiB)" in message and ".evenflowignore" in message
