@@ -67,6 +67,7 @@ import httpx
 
 from agent.backoff import Backoff
 from agent.client import ApiClient, ApiError
+from agent.contexts import ContextCache, ContextError
 from agent.environment import device_variables, worker_environment, worker_threads
 from agent.launcher import (
     Launcher,
@@ -79,6 +80,7 @@ from agent.network import check_address
 from agent.relay import RELAY_ENV, TelemetryRelay
 from contract.agent import (
     LOG_TAIL_CHARS,
+    WORKER_EXIT_FATAL,
     WORKER_EXIT_JOB_ENDED,
     Assignment,
     DeviceInfo,
@@ -98,6 +100,8 @@ FATAL_REGISTER_STATUSES = (401, 403, 404, 405, 409)
 the host, or an address that is not an Evenflow control plane (404/405: no such API there)."""
 ERROR_TAIL_LINES = 60
 HOLD_EXIT_REPORT_S = 30.0
+RESERVED_PACKAGES = ("agent", "contract", "evenflow", "server")
+"""Evenflow's own top-level packages: a job's code may not bring one of the same name."""
 """How long a rank's end is kept out of the heartbeat while its job's relayed telemetry cannot be
 flushed; then it is reported anyway (the rows stay buffered and are retried)."""
 
@@ -212,6 +216,8 @@ class Agent:
         if self.launcher is None:
             self.launcher = SubprocessLauncher(self.workdir / "state" / self.name)
         self._launcher: Launcher = self.launcher
+        self._contexts = ContextCache(self.workdir / "contexts", self.client.context_bytes)
+        """The code archives of jobs placed here: fetched once per host and digest, bounded."""
         self._record = self.workdir / "state" / f"{self.name}.agent.json"
         self._adopt_dead_predecessor()
 
@@ -411,7 +417,14 @@ class Agent:
         jobdir.mkdir(parents=True, exist_ok=True)
         log_path, error_path = jobdir / f"rank-{a.rank}.log", jobdir / f"rank-{a.rank}.error"
         error_path.unlink(missing_ok=True)
+        try:
+            code = self._code(a, jobdir)
+        except ContextError as exc:
+            self._fail_unlaunched(a, str(exc), fatal=exc.__cause__ is None)
+            return
         env = self._worker_env(a, worker_token, jobdir, error_path)
+        if code is not None:  # the job's code first on sys.path
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(code), env.get("PYTHONPATH")) if p)
         if self.relay is not None:
             self.relay.grant(a.job_id, a.rank, worker_token)
             env[RELAY_ENV] = self.relay.url
@@ -422,6 +435,7 @@ class Agent:
                 command=[self.python, "-m", "agent.runtime.worker"],
                 env=env,
                 log_path=log_path,
+                cwd=code,
             )
         )
         self.procs[(a.job_id, a.rank, a.attempt)] = WorkerProcess(a, pid, log_path, error_path)
@@ -433,6 +447,35 @@ class Agent:
             pid,
             a.device_kind.value,
             a.device_index,
+        )
+
+    def _code(self, a: Assignment, jobdir: Path) -> Path | None:
+        """The job's shipped code, unpacked in its directory (None when it shipped none)."""
+        sha256 = (a.spec.get("workload") or {}).get("context")
+        if not sha256:
+            return None
+        code = self._contexts.unpack(sha256, jobdir / "context")
+        for name in RESERVED_PACKAGES:
+            if (code / name / "__init__.py").exists() or (code / f"{name}.py").exists():
+                raise ContextError(
+                    f"the context's top-level {name!r} would hide Evenflow's own package of "
+                    "that name from its ranks: move it into a package of another name"
+                )
+        return code
+
+    def _fail_unlaunched(self, a: Assignment, error: str, *, fatal: bool) -> None:
+        """Report a rank this agent could not start, with why (fatal: the same everywhere)."""
+        self.done.add((a.job_id, a.rank, a.attempt))
+        log.error("job %d rank %d not launched: %s", a.job_id, a.rank, error)
+        self.pending.append(
+            WorkerReport(
+                job_id=a.job_id,
+                rank=a.rank,
+                state=WorkerState.FAILED,
+                error=error,
+                exit_code=WORKER_EXIT_FATAL if fatal else None,
+                attempt=a.attempt,
+            )
         )
 
     def _worker_env(

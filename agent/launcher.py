@@ -43,6 +43,8 @@ class LaunchSpec:
     command: Sequence[str]
     env: Mapping[str, str]
     log_path: Path
+    cwd: Path | None = None
+    """Where the process starts (the job's unpacked code, when it shipped some)."""
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,7 @@ class SubprocessLauncher:
             popen = subprocess.Popen(
                 list(spec.command),
                 env=dict(spec.env),
+                cwd=spec.cwd,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
