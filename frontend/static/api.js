@@ -15,7 +15,10 @@ export class ApiError extends Error {
 
 async function request(method, path, body) {
   const init = { method, credentials: "same-origin", headers: { Accept: "application/json" } };
-  if (body !== undefined) {
+  if (body instanceof Blob) {
+    init.headers["Content-Type"] = "application/octet-stream";
+    init.body = body; // a file's bytes as they are (a code archive)
+  } else if (body !== undefined) {
     init.headers["Content-Type"] = "application/json";
     init.body = JSON.stringify(body);
   }
@@ -70,6 +73,7 @@ export const api = {
     page(`/jobs${status ? `?status=${encodeURIComponent(status)}` : ""}`, { limit, offset }),
   job: (id) => get(`/jobs/${id}`),
   submitJob: (spec) => post("/jobs", spec),
+  uploadContext: (file) => post("/contexts", file),
   cancelJob: (id) => post(`/jobs/${id}/cancel`),
   plan: (id) => get(`/jobs/${id}/plan`),
   plans: (id) => all(`/jobs/${id}/plans`),

@@ -121,8 +121,22 @@ function showErrors(err) {
 }
 
 form.elements["workload.builtin"].addEventListener("change", () => {
-  $('[data-field="workload.entrypoint"]', form).hidden = value("workload.builtin") !== "";
+  const builtin = value("workload.builtin") !== "";
+  $('[data-field="workload.entrypoint"]', form).hidden = builtin;
+  $('[data-field="workload.context"]', form).hidden = builtin;
 });
+
+/** The chosen code archive uploaded (once per content: the server dedupes), its SHA-256. */
+async function uploadedContext() {
+  const file = form.elements["workload.context"].files?.[0];
+  if (!file || value("workload.builtin") !== "") return null;
+  try {
+    return (await api.uploadContext(file)).sha256;
+  } catch (err) {
+    if (err.status !== undefined) err.field = "workload.context"; // shown beside the file input
+    throw err;
+  }
+}
 
 form.addEventListener("submit", async (event) => {
   event.preventDefault();
@@ -132,7 +146,10 @@ form.addEventListener("submit", async (event) => {
   const button = $("#submit-button");
   button.disabled = true;
   try {
-    const job = await api.submitJob(specFromForm());
+    const spec = specFromForm();
+    const context = await uploadedContext();
+    if (context) spec.workload.context = context;
+    const job = await api.submitJob(spec);
     result.replaceChildren("Submitted ", el("a", { href: `/jobs/${job.id}`, id: "submitted-link" }, `job #${job.id}`), ` (${job.status}).`);
     await refresh();
   } catch (err) {

@@ -3,6 +3,11 @@ validation shown beside the right input."""
 
 from __future__ import annotations
 
+import hashlib
+import io
+import tarfile
+from pathlib import Path
+
 import pytest
 
 from tests.ui.harness import LiveApp, Page, sign_in
@@ -47,6 +52,36 @@ def test_submit_a_job_through_the_form(page: Page, live_app: LiveApp, cluster: C
     assert "emulated" in row.inner_text()
     # Submission answers before placement; the list shows it placed at its next refresh.
     row.filter(has_text="starting").wait_for(timeout=15_000)
+
+
+def test_submit_a_job_with_its_code_through_the_form(
+    page: Page, live_app: LiveApp, cluster: Cluster, tmp_path: Path
+) -> None:
+    pg = page.page
+    cluster.register("cpu-a", 2)
+    operator = cluster.token("operator", name="olga")
+    sign_in(pg, live_app.url, operator)
+    archive = tmp_path / "code.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        data = b"def main(ctx):\n    pass\n"
+        info = tarfile.TarInfo("mytrain/train.py")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    pg.fill("input[name=name]", "shipped")
+    pg.select_option("select[name='workload.builtin']", "")  # your entrypoint
+    pg.fill("input[name='workload.entrypoint']", "mytrain.train:main")
+    pg.set_input_files("input[name='workload.context']", str(archive))
+    pg.fill("input[name=global_batch]", "64")
+    pg.fill("input[name=workers]", "2")
+    pg.fill("input[name=iterations]", "10")
+    pg.click("#submit-button")
+    pg.locator("#submitted-link").wait_for()
+    (job,) = cluster.client.get("/api/v1/jobs").json()["items"]
+    sha = hashlib.sha256(archive.read_bytes()).hexdigest()
+    workload = job["spec"]["workload"]
+    assert (workload["entrypoint"], workload["context"]) == ("mytrain.train:main", sha)
+    stored = cluster.client.get(f"/api/v1/contexts/{sha}")
+    assert stored.status_code == 200 and stored.content == archive.read_bytes()
 
 
 def test_job_list_shows_speed_from_recent_telemetry(
