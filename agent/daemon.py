@@ -100,6 +100,8 @@ FATAL_REGISTER_STATUSES = (401, 403, 404, 405, 409)
 the host, or an address that is not an Evenflow control plane (404/405: no such API there)."""
 ERROR_TAIL_LINES = 60
 HOLD_EXIT_REPORT_S = 30.0
+UNPACKED_MIN_BYTES, UNPACKED_RATIO = 512 * 2**20, 20
+"""A context may unpack to 512 MiB, or 20 times its archive if that is more; past it, a bomb."""
 RESERVED_PACKAGES = ("agent", "contract", "evenflow", "server")
 """Evenflow's own top-level packages: a job's code may not bring one of the same name."""
 """How long a rank's end is kept out of the heartbeat while its job's relayed telemetry cannot be
@@ -216,7 +218,9 @@ class Agent:
         if self.launcher is None:
             self.launcher = SubprocessLauncher(self.workdir / "state" / self.name)
         self._launcher: Launcher = self.launcher
-        self._contexts = ContextCache(self.workdir / "contexts", self.client.context_bytes)
+        self._contexts = ContextCache(
+            self.workdir / "contexts", self.client.context_bytes, max_archive_bytes=2**34
+        )
         """The code archives of jobs placed here: fetched once per host and digest, bounded."""
         self._record = self.workdir / "state" / f"{self.name}.agent.json"
         self._adopt_dead_predecessor()
@@ -454,7 +458,11 @@ class Agent:
         sha256 = (a.spec.get("workload") or {}).get("context")
         if not sha256:
             return None
-        code = self._contexts.unpack(sha256, jobdir / "context")
+        # A bomb is what unpacks far past its archive: the bound grows with the archive, whose
+        # own size the control plane bounds (EVENFLOW_CONTEXT_MAX_BYTES).
+        size = self._contexts.archive(sha256).stat().st_size
+        limit = max(UNPACKED_MIN_BYTES, UNPACKED_RATIO * size)
+        code = self._contexts.unpack(sha256, jobdir / "context", max_unpacked_bytes=limit)
         for name in RESERVED_PACKAGES:
             if (code / name / "__init__.py").exists() or (code / f"{name}.py").exists():
                 raise ContextError(
