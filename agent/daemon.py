@@ -69,6 +69,7 @@ from agent.backoff import Backoff
 from agent.client import ApiClient, ApiError
 from agent.contexts import ContextCache, ContextError
 from agent.environment import device_variables, worker_environment, worker_threads
+from agent.interpreters import InterpreterError, Interpreters
 from agent.launcher import (
     Launcher,
     LaunchSpec,
@@ -222,6 +223,8 @@ class Agent:
             self.workdir / "contexts", self.client.context_bytes, max_archive_bytes=2**34
         )
         """The code archives of jobs placed here: fetched once per host and digest, bounded."""
+        self._interpreters = Interpreters()
+        """The environments jobs named, each checked once (``agent.interpreters``)."""
         self._record = self.workdir / "state" / f"{self.name}.agent.json"
         self._adopt_dead_predecessor()
 
@@ -429,6 +432,13 @@ class Agent:
         env = self._worker_env(a, worker_token, jobdir, error_path)
         if code is not None:  # the job's code first on sys.path
             env["PYTHONPATH"] = os.pathsep.join(p for p in (str(code), env.get("PYTHONPATH")) if p)
+        python = (a.spec.get("environment") or {}).get("python") or self.python
+        if python != self.python:
+            try:
+                self._interpreters.check(python, a.backend, env)
+            except InterpreterError as exc:
+                self._fail_unlaunched(a, str(exc), fatal=True)
+                return
         if self.relay is not None:
             self.relay.grant(a.job_id, a.rank, worker_token)
             env[RELAY_ENV] = self.relay.url
@@ -436,7 +446,7 @@ class Agent:
             LaunchSpec(
                 job_id=a.job_id,
                 rank=a.rank,
-                command=[self.python, "-m", "agent.runtime.worker"],
+                command=[python, "-m", "agent.runtime.worker"],
                 env=env,
                 log_path=log_path,
                 cwd=code,

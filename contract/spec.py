@@ -128,6 +128,16 @@ class WorkloadSpec(Request):
         return self
 
 
+class EnvironmentSpec(Request):
+    """Where a job's ranks run on each host."""
+
+    python: str | None = Field(default=None, min_length=2, max_length=1024, pattern=r"^/\S+$")
+    """The interpreter of a prepared environment (a venv or conda env holding torch, the job's
+    dependencies and Evenflow itself: ``/opt/envs/train/bin/python``), the same path on every
+    host; default the agent's own. Checked on each host before the ranks start: it must import
+    Evenflow's runtime and a torch that can run the job's backend."""
+
+
 class PolicySpec(Request):
     name: PolicyName = Field(default=PolicyName.ADAPTIVE, strict=False)
     rebalance_every: int = Field(default=20, ge=1, le=1_000_000)
@@ -169,6 +179,7 @@ class JobSpec(Request):
     devices: list[Id] | None = Field(default=None, min_length=1, max_length=1024)
     """Explicit device ids (from GET /hosts); instead of ``workers``."""
     policy: PolicySpec = Field(default_factory=PolicySpec)
+    environment: EnvironmentSpec = Field(default_factory=EnvironmentSpec)
     emulation: list[EmulatedWorker] | None = Field(default=None, max_length=1024)
     """One entry per rank; labels the job as emulated everywhere it shows."""
     max_batch_per_worker: int | None = Field(default=None, ge=1, le=10_000_000)

@@ -210,6 +210,7 @@ def test_bad_specs_are_422_naming_the_field(api: Api) -> None:
         ({**base, "epochs": 2}, ""),
         ({**base, "workers": 2, "emulation": [{"per_sample_ms": 1.0}]}, ""),
         ({**base, "devices": [99], "workers": None}, "devices"),
+        ({**base, "environment": {"python": "python3"}}, "environment.python"),  # not a path
     ]
     for body, field in cases:
         body = {k: v for k, v in body.items() if v is not None}
