@@ -90,7 +90,7 @@ from contract.agent import (
     HostRegister,
     WorkerReport,
 )
-from contract.base import PROTOCOL_VERSION
+from contract.base import CONTEXT_UNPACKED_MIN_BYTES, CONTEXT_UNPACKED_RATIO, PROTOCOL_VERSION
 from contract.enums import DeviceKind, WorkerState
 
 log = logging.getLogger("evenflow.agent")
@@ -101,8 +101,6 @@ FATAL_REGISTER_STATUSES = (401, 403, 404, 405, 409)
 the host, or an address that is not an Evenflow control plane (404/405: no such API there)."""
 ERROR_TAIL_LINES = 60
 HOLD_EXIT_REPORT_S = 30.0
-UNPACKED_MIN_BYTES, UNPACKED_RATIO = 512 * 2**20, 20
-"""A context may unpack to 512 MiB, or 20 times its archive if that is more; past it, a bomb."""
 RESERVED_PACKAGES = ("agent", "contract", "evenflow", "server")
 """Evenflow's own top-level packages: a job's code may not bring one of the same name."""
 """How long a rank's end is kept out of the heartbeat while its job's relayed telemetry cannot be
@@ -471,7 +469,7 @@ class Agent:
         # A bomb is what unpacks far past its archive: the bound grows with the archive, whose
         # own size the control plane bounds (EVENFLOW_CONTEXT_MAX_BYTES).
         size = self._contexts.archive(sha256).stat().st_size
-        limit = max(UNPACKED_MIN_BYTES, UNPACKED_RATIO * size)
+        limit = max(CONTEXT_UNPACKED_MIN_BYTES, CONTEXT_UNPACKED_RATIO * size)
         code = self._contexts.unpack(sha256, jobdir / "context", max_unpacked_bytes=limit)
         for name in RESERVED_PACKAGES:
             if (code / name / "__init__.py").exists() or (code / f"{name}.py").exists():

@@ -37,6 +37,12 @@ MAX_PLAN_WAIT_S = 30.0
 must exceed it."""
 
 
+CONTEXT_UNPACKED_MIN_BYTES = 512 * 2**20
+CONTEXT_UNPACKED_RATIO = 20
+"""A job's code archive may unpack to 20 times its size, or 512 MiB if that is more: past it,
+it is a bomb (refused at upload by the server, and at unpacking by every agent)."""
+
+
 MAX_WORKERS = 10_000
 
 

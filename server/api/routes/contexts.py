@@ -15,7 +15,7 @@ from starlette.concurrency import run_in_threadpool
 from contract.api import ContextOut
 from server.api.deps import Authenticated, Context, Now, Operator, SessionDep
 from server.errors import Invalid
-from server.services import contexts
+from server.services import archives, contexts
 
 router = APIRouter(prefix="/contexts", tags=["contexts"])
 
@@ -45,7 +45,8 @@ async def upload_context(
     """Upload a job's code as one archive (``.tar.gz``, ``.tar`` or ``.zip``) in the body; it
     is stored once under the SHA-256 of its bytes, which a job's ``workload.context`` names.
     ``X-Evenflow-Sha256`` (optional) is the digest the client computed: a body that hashes to
-    anything else is refused as corrupt. Past the server's limit (``EVENFLOW_CONTEXT_MAX_BYTES``,
+    anything else is refused as corrupt, and so is one an agent could not safely unpack (an
+    entry outside it, a link out, a device, a bomb). Past the server's limit (``EVENFLOW_CONTEXT_MAX_BYTES``,
     64 MiB by default) the answer is 413."""
     expected = request.headers.get("x-evenflow-sha256")
     if expected is not None and not EXPECTED.match(expected):
@@ -65,6 +66,7 @@ async def upload_context(
                 f"the archive is corrupt: its {size} bytes hash to {sha256}, not {expected}",
                 field="sha256",
             )
+        await run_in_threadpool(archives.check_archive, spool, size)
         return await run_in_threadpool(contexts.store, context, spool, sha256, size, principal, now)
 
 
