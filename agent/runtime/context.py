@@ -209,6 +209,8 @@ class EvenflowContext(IterationSteps, Readmission):
         self._states: dict[str, tuple[SaveState, LoadState]] = {}
         """The user's registered state: kept in checkpoints, re-synchronised on readmission."""
         self._first_iteration = 0
+        self.ended = False
+        """The loop ran to the job's end, or the job was stopped early (every rank ends there)."""
         self._frozen: dict[int, int] = {}
         """Sharded streams: how far ranks had read their shards when they were excluded."""
         self._after: tuple[tuple[int, ...], Any, Any] | None = None
@@ -235,6 +237,11 @@ class EvenflowContext(IterationSteps, Readmission):
     def plan(self) -> RuntimePlan:
         """The plan in force for the current iteration."""
         return self._plan
+
+    @property
+    def started(self) -> bool:
+        """Whether ``batches()`` was called."""
+        return self._sampler is not None
 
     @property
     def sync_gradients(self) -> bool:

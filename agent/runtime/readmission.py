@@ -57,12 +57,14 @@ class Readmission:
     _frozen: dict[int, int]
     _after: tuple[tuple[int, ...], Any, Any] | None
     _probe_failed: bool
+    ended: bool
     _emit: Any
 
     def _end(self) -> None:
         """After the last iteration (or an early stop): ranks still excluded are re-synchronised
         so that every rank ends with the trained model."""
         assert self._sync is not None
+        self.ended = True
         final = self.agreement.current
         if self.membership.role is GroupRole.ACTIVE and set(final.excluded) - set(final.departed):
             self.agreement.close()
@@ -134,7 +136,8 @@ class Readmission:
         self.stats.exclusions.append((since, notice.iteration))
         self.iteration = notice.iteration
         log.info("rank %d: readmitted at iteration %d", self.rank, notice.iteration)
-        return notice.kind != "join"
+        self.ended = notice.kind != "join"
+        return self.ended
 
     def _resync(self, tr: Transition, apply: bool) -> None:
         assert self.model is not None and self.optimizer is not None

@@ -346,9 +346,15 @@ def run_workload(ctx: EvenflowContext) -> None:
         train_workload(ctx, returned)
     elif returned is not None:
         raise TypeError(f"entrypoint {spec.entrypoint} returned {type(returned).__name__}")
-    elif ctx.stats.iterations == 0:
+    elif not ctx.started:
         raise RuntimeError(
             f"entrypoint {spec.entrypoint} neither returned a Workload nor ran ctx.batches()"
+        )
+    elif not ctx.ended:  # the other ranks wait for this one in a collective: say who left
+        raise RuntimeError(
+            f"rank {ctx.rank}'s entrypoint returned at iteration {ctx.iteration}, before the "
+            "job's end: every rank runs ctx.batches() to its end (to stop early, call "
+            "ctx.stop() on any rank)"
         )
 
 

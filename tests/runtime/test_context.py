@@ -88,6 +88,14 @@ def test_entrypoint_errors(user_module: None) -> None:
         load_entrypoint("no_such_module_xyz:f")
 
 
+def test_an_entrypoint_that_returns_before_the_jobs_end_names_its_rank(user_module: None) -> None:
+    import user_workload
+
+    with pytest.raises(RuntimeError, match="rank 0's entrypoint returned at iteration 0, before"):
+        run_workload(context(spec({"entrypoint": "user_workload:train_and_leave"}))[0])
+    user_workload.HELD.clear()
+
+
 def test_misuse_of_the_loop_is_an_error() -> None:
     ctx, _ = context(spec({"builtin": "mlp", "args": {"samples": 64}}))
     x, y = torch.randn(64, 3), torch.randn(64, 1)

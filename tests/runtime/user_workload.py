@@ -110,3 +110,18 @@ def train_until_good_enough(ctx: EvenflowContext) -> None:
         ctx.step(loss)
         if ctx.rank == ctx.world_size - 1 and ctx.iteration == int(ctx.args.get("stop_at", 5)):
             ctx.stop()
+
+
+HELD: list[object] = []
+
+
+def train_and_leave(ctx: EvenflowContext) -> None:
+    """``train`` that leaves after one batch with its loop held open (so the runtime never hears
+    of it): the rank's process would end while its peers wait for it."""
+    model = nn.Linear(4, 1)
+    x_all, y_all = _data(ctx.seed)
+    model, _ = ctx.prepare(model)
+    batches = ctx.batches((x_all, y_all))
+    x, y = next(batches)
+    ctx.step(nn.functional.mse_loss(model(x), y, reduction="sum"))
+    HELD.append(batches)
