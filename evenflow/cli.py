@@ -81,7 +81,18 @@ def _emit(
 
 
 FOLDED = frozenset(
-    {"name", "owner", "model", "use", "action", "model t(b)", "fit", "detail", "url", "reason"}
+    {
+        "name",
+        "owner",
+        "model",
+        "use",
+        "action",
+        "model t(b)",
+        "fit",
+        "detail",
+        "url",
+        "reason",
+    }
 )
 """Columns of free text: they wrap onto more lines at 80 columns; the others (ids, statuses,
 numbers, times) keep their width, so nothing is cut short and short values stay whole."""
@@ -266,19 +277,28 @@ def cmd_jobs_checkpoints(args: argparse.Namespace) -> None:
         return [
             [
                 c.iteration,
-                c.created_at.strftime("%Y-%m-%d %H:%M:%S"),
-                f"{c.size_bytes / 1024:.1f} KiB",
-                f"{c.write_ms:.1f}",
+                c.created_at.strftime("%m-%d %H:%M:%S"),
+                contexts.format_size(c.size_bytes),
+                f"{c.write_ms:.0f}",
                 c.rank,
                 c.attempt,
-                c.url,
             ]
             for c in p.items
         ]
 
-    columns = ["iteration", "written", "size", "write ms", "rank", "attempt", "url"]
+    columns = ["iteration", "written", "size", "write ms", "rank", "attempt"]
     shown = f"newest {len(page.items)} of " if len(page.items) < page.total else ""
     _emit(args, page, columns, rows, title=f"{shown}{page.total} checkpoints of job {args.id}")
+    if args.json or not page.items:
+        return
+    # Where they are, under the table (no column of 80 could hold a URL): one folder when they
+    # share it under the usual names, else each URL on a line of its own.
+    folder = page.items[0].url.rpartition("/")[0]
+    if all(c.url == f"{folder}/ckpt-{c.iteration:012d}.pt" for c in page.items):
+        console.print(f"in {folder}/ as ckpt-<iteration>.pt", soft_wrap=True)
+        return
+    for c in page.items:
+        console.print(f"{c.iteration}: {c.url}", soft_wrap=True)
 
 
 def cmd_jobs_logs(args: argparse.Namespace) -> None:
