@@ -167,11 +167,12 @@ def departed_ranks(departures: list[dict[str, Any]] | None, attempt: int) -> fro
     return frozenset(int(d["rank"]) for d in departures or [] if d["attempt"] == attempt)
 
 
-class Context(Base):
-    """An uploaded code archive, its bytes in ``context_chunks`` (every server sharing the
-    database serves it, PostgreSQL included)."""
+class Blob(Base):
+    """Bytes uploaded to the control plane (a job's code archive, an artifact of its outputs),
+    named by their SHA-256 and kept in ``blob_chunks``, so every server sharing the database
+    serves them (PostgreSQL included)."""
 
-    __tablename__ = "contexts"
+    __tablename__ = "blobs"
 
     sha256: Mapped[str] = mapped_column(String(64), primary_key=True)
     size_bytes: Mapped[int] = mapped_column(BigInteger)
@@ -180,14 +181,14 @@ class Context(Base):
     created_by: Mapped[str] = mapped_column(String(128))
 
 
-class ContextChunk(Base):
-    """One piece of an archive, in order: read and written a piece at a time, so no server
-    holds a whole archive in memory."""
+class BlobChunk(Base):
+    """One piece of a blob, in order: read and written a piece at a time, so no server holds a
+    whole blob in memory."""
 
-    __tablename__ = "context_chunks"
+    __tablename__ = "blob_chunks"
 
     sha256: Mapped[str] = mapped_column(
-        String(64), ForeignKey("contexts.sha256", ondelete="CASCADE"), primary_key=True
+        String(64), ForeignKey("blobs.sha256", ondelete="CASCADE"), primary_key=True
     )
     seq: Mapped[int] = mapped_column(Integer, primary_key=True)
     data: Mapped[bytes] = mapped_column(LargeBinary)

@@ -16,7 +16,7 @@ import pytest
 from contract.enums import Role
 from server.context import context_of
 from server.services import archives
-from server.services.contexts import CHUNK_BYTES
+from server.services.blobs import CHUNK_BYTES
 from tests.harness import Api
 
 

@@ -15,7 +15,7 @@ from starlette.concurrency import run_in_threadpool
 from contract.api import ContextOut
 from server.api.deps import Authenticated, Context, Now, Operator, SessionDep
 from server.errors import Invalid
-from server.services import archives, contexts
+from server.services import archives, blobs, contexts
 
 router = APIRouter(prefix="/contexts", tags=["contexts"])
 
@@ -85,7 +85,7 @@ def download_context(
     of it)."""
     contexts.check_readable(session, sha256, principal)
     return StreamingResponse(
-        contexts.read(context, sha256),
+        blobs.read(context, sha256),
         media_type="application/octet-stream",
         headers={"X-Evenflow-Sha256": sha256},
     )
