@@ -23,6 +23,7 @@ from contract.agent import (
     TelemetryBatch,
 )
 from contract.api import (
+    ArtifactOut,
     AuditOut,
     CheckpointOut,
     ContextOut,
@@ -199,6 +200,24 @@ class ApiClient:
         with self.http.stream(
             "GET",
             f"{API}/contexts/{sha256}",
+            headers=self._headers,
+            timeout=httpx.Timeout(self.http.timeout.connect, read=300.0, write=30.0, pool=30.0),
+        ) as resp:
+            if resp.status_code != 200:
+                resp.read()
+                raise _error(resp)
+            yield from resp.iter_bytes(1 << 20)
+
+    # -- artifacts
+    def artifacts(self, job_id: int) -> Page[ArtifactOut]:
+        """Every file a job left, by rank and name."""
+        return self._page(f"/jobs/{job_id}/artifacts", ArtifactOut, limit=None)
+
+    def artifact_bytes(self, job_id: int, artifact_id: int) -> Iterator[bytes]:
+        """The bytes of an artifact the server holds a copy of, as they arrive."""
+        with self.http.stream(
+            "GET",
+            f"{API}/jobs/{job_id}/artifacts/{artifact_id}/content",
             headers=self._headers,
             timeout=httpx.Timeout(self.http.timeout.connect, read=300.0, write=30.0, pool=30.0),
         ) as resp:

@@ -318,6 +318,28 @@ class CheckpointReport(Request):
     write_ms: Ms = 0.0
 
 
+class ArtifactReport(Request):
+    """A file a job's rank left in its output directory, or its final model
+    (``POST /jobs/{id}/artifacts``)."""
+
+    rank: int = Field(ge=0, lt=MAX_WORKERS)
+    name: str = Field(min_length=1, max_length=512)
+    """Its path relative to the output directory (``final.pt`` for ``ctx.save_final()``): not
+    absolute, no ``..``, no NUL or backslash."""
+    size_bytes: int = Field(ge=0, le=2**62)
+    url: Text = Field(min_length=1, max_length=2048)
+    """Where it is: a path on the rank's host, or the URL of shared storage."""
+    shared: bool = False
+    """On storage other hosts reach (a shared path, an object store), not the rank's disk."""
+
+    @field_validator("name")
+    @classmethod
+    def _relative(cls, name: str) -> str:
+        if name.startswith("/") or ".." in name.split("/") or "\x00" in name or "\\" in name:
+            raise ValueError("must be a path inside the output directory (no '/' first, no '..')")
+        return name
+
+
 class TelemetryAck(Response):
     accepted: int
     duplicates: int

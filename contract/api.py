@@ -79,6 +79,24 @@ class CheckpointOut(Response):
     created_at: datetime
 
 
+class ArtifactOut(Response):
+    """A file a job left (``GET /jobs/{id}/artifacts``): where it is and whether the server holds
+    its bytes (``GET /jobs/{id}/artifacts/{artifact_id}/content``)."""
+
+    id: int
+    job_id: int
+    attempt: int
+    rank: int
+    name: str
+    size_bytes: int
+    url: str
+    host: str | None
+    """The host whose disk holds it (None: on shared storage)."""
+    stored: bool
+    """The server holds a copy of its bytes."""
+    created_at: datetime
+
+
 class ContextOut(Response):
     """A code archive uploaded for jobs to run (``POST /api/v1/contexts``)."""
 

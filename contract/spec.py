@@ -128,6 +128,16 @@ class WorkloadSpec(Request):
         return self
 
 
+class OutputsSpec(Request):
+    """Where the files a job writes under ``ctx.output_dir`` go (they become its artifacts)."""
+
+    path: Text | None = Field(default=None, min_length=1, max_length=1024)
+    """A directory or fsspec URL every host reaches (``/shared/out``, ``s3://bucket/out``): the
+    job's outputs go under ``<path>/job-<id>/`` and are listed where they are. Default: each
+    rank's own directory on its host's disk, whose files are uploaded to the control plane when
+    the rank ends (at most ``EVENFLOW_ARTIFACT_MAX_BYTES`` a job) and listed with their hosts."""
+
+
 class EnvironmentSpec(Request):
     """Where a job's ranks run on each host."""
 
@@ -180,6 +190,7 @@ class JobSpec(Request):
     """Explicit device ids (from GET /hosts); instead of ``workers``."""
     policy: PolicySpec = Field(default_factory=PolicySpec)
     environment: EnvironmentSpec = Field(default_factory=EnvironmentSpec)
+    outputs: OutputsSpec = Field(default_factory=OutputsSpec)
     emulation: list[EmulatedWorker] | None = Field(default=None, max_length=1024)
     """One entry per rank; labels the job as emulated everywhere it shows."""
     max_batch_per_worker: int | None = Field(default=None, ge=1, le=10_000_000)

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+import fsspec
 import httpx
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -299,6 +300,52 @@ def cmd_jobs_checkpoints(args: argparse.Namespace) -> None:
         return
     for c in page.items:
         console.print(f"{c.iteration}: {c.url}", soft_wrap=True)
+
+
+def cmd_jobs_artifacts(args: argparse.Namespace) -> None:
+    """What a job left, and with ``--download DIR`` each file copied there: from the server's
+    copy, else from shared storage this machine reaches."""
+    client = _client(args)
+    page = client.artifacts(args.id)
+
+    def rows(p: Any) -> list[list[Any]]:
+        return [[a.rank, a.name, contexts.format_size(a.size_bytes), _kept(a)] for a in p.items]
+
+    _emit(args, page, ["rank", "name", "size", "kept"], rows, title=f"artifacts of job {args.id}")
+    if args.download is None:
+        return
+    target = Path(args.download)
+    by_rank = len({a.rank for a in page.items}) > 1
+    for a in page.items:
+        dest = target / (f"rank-{a.rank}" if by_rank else "") / a.name
+        how = _download(client, a, dest)
+        if not args.json:
+            console.print(f"{a.name}: {how}", soft_wrap=True)
+
+
+def _kept(a: Any) -> str:
+    if a.stored:
+        return "server" + (f" (and host {a.host})" if a.host else "")
+    return f"host {a.host}" if a.host else "shared"
+
+
+def _download(client: ApiClient, a: Any, dest: Path) -> str:
+    """Copy one artifact to ``dest``; what happened, in words."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if a.stored:
+        with dest.open("wb") as f:
+            for piece in client.artifact_bytes(a.job_id, a.id):
+                f.write(piece)
+        return f"downloaded to {dest}"
+    try:
+        fs, path = fsspec.core.url_to_fs(a.url)
+        if a.host is None and fs.exists(path):  # shared storage this machine reaches
+            fs.get(path, str(dest))
+            return f"copied from {a.url} to {dest}"
+    except Exception as exc:
+        return f"not copied: {a.url} cannot be read from here ({exc})"
+    where = f"on host {a.host}" if a.host else "on storage this machine does not reach"
+    return f"not copied: it is {where}, at {a.url}, and the server holds no copy"
 
 
 def cmd_jobs_logs(args: argparse.Namespace) -> None:
@@ -824,6 +871,12 @@ def build_parser() -> argparse.ArgumentParser:
         "the job; the ranks run in it, with it first on sys.path",
     )
     p.set_defaults(func=cmd_jobs_submit)
+    p = jobs.add_parser(
+        "artifacts", parents=[client], help="what a job left: its final model and output files"
+    )
+    p.add_argument("id", type=int)
+    p.add_argument("--download", metavar="DIR", help="copy them into DIR")
+    p.set_defaults(func=cmd_jobs_artifacts)
     p = jobs.add_parser("list", parents=[client])
     p.add_argument("--status")
     p.add_argument("--limit", type=int, default=100)

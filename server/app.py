@@ -29,6 +29,8 @@ from server.api.bodies import component_schemas
 from server.api.gate import DATABASE_DOWN, Gate, database_unavailable, error_response
 from server.api.heartbeats import HeartbeatGroups
 from server.api.routes import (
+    artifact_content,
+    artifacts,
     audit,
     checkpoints,
     contexts,
@@ -74,6 +76,8 @@ API_ROUTES = (
     telemetry,
     job_metrics,
     checkpoints,
+    artifacts,
+    artifact_content,
     contexts,
     events,
     audit,
@@ -180,6 +184,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             "/login": MAX_LOGIN_BODY,
             API_PREFIX + contexts.UPLOAD_PATH: context.settings.context_max_bytes,
         },
+        body_limit_patterns=[(artifact_content.CONTENT_PATH, context.settings.artifact_max_bytes)],
     )
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     return app

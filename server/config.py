@@ -32,6 +32,11 @@ class Settings(BaseSettings):
     """The largest code archive a job may ship (``POST /api/v1/contexts``); past it the upload
     is refused with 413 naming the limit."""
 
+    artifact_max_bytes: int = Field(default=512 * 2**20, ge=1024, le=2**36)
+    """The most bytes of a job's artifacts the server keeps copies of (what its ranks left on
+    their hosts' own disks: the final model, files under ``ctx.output_dir``); past it an upload
+    is refused with 413 and the artifact stays listed where it is."""
+
     host_lost_after_s: float = Field(default=30.0, gt=0)
     """A host that has not sent a heartbeat for this long is marked lost: counted from its last
     heartbeat, or from when this database's controller became active if that is later (while no

@@ -418,6 +418,27 @@ class Checkpoint(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
+class Artifact(Base):
+    """A file a job's rank left in its output directory (or its final model): where it is, and
+    the blob holding a copy of its bytes when the rank uploaded one."""
+
+    __tablename__ = "artifacts"
+    __table_args__ = (UniqueConstraint("job_id", "rank", "name"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    attempt: Mapped[int] = mapped_column(Integer)
+    rank: Mapped[int] = mapped_column(Integer)
+    name: Mapped[str] = mapped_column(String(512))
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    url: Mapped[str] = mapped_column(Text)
+    host: Mapped[str | None] = mapped_column(String(255), default=None)
+    blob: Mapped[str | None] = mapped_column(
+        String(64), ForeignKey("blobs.sha256", ondelete="SET NULL"), default=None
+    )
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
 class StragglerEvent(Base):
     __tablename__ = "straggler_events"
 

@@ -134,6 +134,7 @@ class EvenflowContext(IterationSteps, Readmission):
         checkpointer: Checkpointer | None = None,
         on_checkpoint_saved: Callable[[Saved], None] | None = None,
         replica_check_every: int = 100,
+        output_dir: str | None = None,
     ) -> None:
         self.spec = spec
         self.rank = rank
@@ -145,6 +146,9 @@ class EvenflowContext(IterationSteps, Readmission):
         self.loss_every = max(1, loss_every)
         self.piggyback = piggyback
         """Carry the plan agreement inside the gradient all-reduce when the buffers allow."""
+        self._output_dir = output_dir
+        self.final_model: str | None = None
+        """Where ``save_final`` wrote the trained model (on the rank that wrote it)."""
         self.replica_check_every = max(1, replica_check_every)
         """Every this many iterations (and at the last) the ranks compare parameter checksums."""
         self._submit = submit
@@ -307,18 +311,30 @@ class EvenflowContext(IterationSteps, Readmission):
         scheduler, an EMA, a GradScaler)."""
         self.on_checkpoint(name, obj.state_dict, obj.load_state_dict)
 
+    @property
+    def output_dir(self) -> str:
+        """Where this rank writes files the job should leave behind (its artifacts): a
+        directory, or an fsspec URL with the spec's ``outputs.path``. What is there when the
+        rank ends is listed by ``evenflow jobs artifacts`` (and, on the hosts' own disks,
+        uploaded to the control plane)."""
+        if self._output_dir is None:
+            raise RuntimeError("this job has no output directory: give the spec outputs.path")
+        return self._output_dir
+
     def save_final(self, path: str | None = None) -> str | None:
         """Save the trained model's ``state_dict`` (call it after the loop; every rank holds the
-        trained model then): to ``path`` (a file or fsspec URL), or ``final.pt`` in the job's
-        checkpoint directory. Rank 0 writes, atomically; it returns the URL there, None
-        elsewhere."""
+        trained model then): to ``path`` (a file or fsspec URL), else ``final.pt`` in the job's
+        checkpoint directory when it has one, else in ``output_dir``. Rank 0 writes,
+        atomically; it returns the URL there, None elsewhere. It is one of the job's
+        artifacts."""
         if self.model is None:
             raise RuntimeError("call ctx.prepare(model, optimizer) before ctx.save_final()")
         if path is None and self.checkpointer is None:
-            raise ValueError("save_final needs a path when the job has no checkpoint directory")
+            path = f"{self.output_dir.rstrip('/')}/final.pt"
         if self.rank != 0:
             return None
-        return save_model(self.model, path, self.checkpointer)
+        self.final_model = save_model(self.model, path, self.checkpointer)
+        return self.final_model
 
     def total_iterations(self, data: int | DatasetLike | None) -> int:
         """Iterations this job runs (what a schedule's ``total_steps`` wants): ``iterations``,

@@ -9,6 +9,8 @@ lives in ``agent/client.py``. Endpoints (Bearer token)::
     PUT  {server}/api/v1/jobs/{job_id}/rendezvous  RendezvousIn -> RendezvousOut (rank 0)
     GET  {server}/api/v1/jobs/{job_id}/rendezvous  -> RendezvousOut (port null until published)
     POST {server}/api/v1/jobs/{job_id}/checkpoints CheckpointReport -> CheckpointOut
+    POST {server}/api/v1/jobs/{job_id}/artifacts   ArtifactReport -> ArtifactOut
+    PUT  {server}/api/v1/jobs/{job_id}/artifacts/{id}/content   the file's bytes
 
 ``fetch_plan`` sends the version it last received as ``known_version`` (and ``If-None-Match``
 with the last ETag, if the server gives one) and answers ``None`` on 304. With ``plan_wait_s``
@@ -31,6 +33,7 @@ job has ended.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -39,6 +42,7 @@ from agent.client import long_poll_timeout
 from agent.runtime.checkpoint import Saved
 from agent.runtime.telemetry import TelemetryClosed
 from contract.agent import (
+    ArtifactReport,
     CheckpointReport,
     MetricAck,
     MetricBatch,
@@ -76,6 +80,7 @@ class RemoteControlPlane:
         self.metrics_url = f"{base}/metrics"
         self.rendezvous_url = f"{base}/rendezvous"
         self.checkpoints_url = f"{base}/checkpoints"
+        self.artifacts_url = f"{base}/artifacts"
         self._auth = {"Authorization": f"Bearer {token}"}
         self._etag: str | None = None
         self._version: int | None = None
@@ -151,6 +156,38 @@ class RemoteControlPlane:
             content=body.model_dump_json(),
             headers={**self._auth, "Content-Type": "application/json"},
         )
+        _raise_for(response)
+
+    def report_artifact(self, body: ArtifactReport) -> int:
+        """Tell the control plane of a file this rank left; the artifact's id."""
+        response = self._client.post(
+            self.artifacts_url,
+            content=body.model_dump_json(),
+            headers={**self._auth, "Content-Type": "application/json"},
+        )
+        _raise_for(response)
+        return int(response.json()["id"])
+
+    def upload_artifact(self, artifact_id: int, path: str, size: int) -> None:
+        """Upload the bytes of a reported artifact from this host's disk, a MiB at a time."""
+
+        def pieces() -> Iterator[bytes]:
+            with open(path, "rb") as f:
+                while piece := f.read(1 << 20):
+                    yield piece
+
+        response = self._client.put(
+            f"{self.artifacts_url}/{artifact_id}/content",
+            content=pieces(),
+            headers={
+                **self._auth,
+                "Content-Type": "application/octet-stream",
+                "Content-Length": str(size),
+            },
+            timeout=httpx.Timeout(30.0, read=600.0, write=600.0, pool=30.0),
+        )
+        if response.status_code == httpx.codes.REQUEST_ENTITY_TOO_LARGE:
+            raise RuntimeError(f"not kept by the control plane: {_detail(response)}")
         _raise_for(response)
 
 

@@ -77,6 +77,8 @@ class RuntimeOptions:
     group itself."""
     exclusion: ExclusionOptions = field(default_factory=ExclusionOptions)
     """How an excluded rank probes its speed and waits to be readmitted."""
+    output_dir: str | None = None
+    """This rank's ``ctx.output_dir`` (a directory or fsspec URL); None: the job has none."""
     checkpoint_dir: str | None = None
     """Where this job's checkpoints go (a directory or fsspec URL) when its spec asks for
     checkpoints; default the spec's ``checkpoint.path`` as it is."""
@@ -121,6 +123,10 @@ class RunResult:
     """The iteration this run resumed at from a checkpoint (None: it started from 0)."""
     checkpoints: list[tuple[int, int, float]] = field(default_factory=list)
     """(iteration, bytes, write ms) of each checkpoint this rank wrote."""
+    output_dir: str | None = None
+    """Where this rank's ``ctx.output_dir`` was (its files are the job's artifacts)."""
+    final_model: str | None = None
+    """Where ``ctx.save_final()`` wrote the trained model, on the rank that wrote it."""
 
     @property
     def plan_versions(self) -> list[int]:
@@ -235,6 +241,7 @@ def run_training(
             checkpointer=checkpointer,
             on_checkpoint_saved=_reporting(reporter, report_checkpoint),
             replica_check_every=options.replica_check_every,
+            output_dir=options.output_dir,
         )
         run_workload(ctx)
         stats = ctx.stats
@@ -258,6 +265,8 @@ def run_training(
             resync_ms=stats.resync_ms,
             resumed_from=stats.resumed_from,
             checkpoints=stats.checkpoints,
+            output_dir=options.output_dir,
+            final_model=ctx.final_model,
         )
     finally:
         if reporter is not None:

@@ -56,6 +56,7 @@ import traceback
 import httpx
 from pydantic import ValidationError
 
+from agent.runtime import outputs
 from agent.runtime.errors import FatalJobError
 from agent.runtime.parent import die_with_agent
 from agent.runtime.remote import RemoteControlPlane
@@ -107,6 +108,7 @@ def worker_main(environ: dict[str, str] | None = None) -> int:
             telemetry_flush_s=float(env.get("EVENFLOW_TELEMETRY_S", "2.0")),
             assignment=DeviceAssignment.from_env(env),
             checkpoint_dir=checkpoint_dir(spec, job_id, env.get("EVENFLOW_JOB_DIR")),
+            output_dir=output_dir(spec, job_id, int(env["RANK"]), env.get("EVENFLOW_JOB_DIR")),
         )
         rdzv = Rendezvous.from_env(env, spec.rendezvous_timeout_s)
         # The plan fetch is a long-poll held up to this long (new plans arrive at once).
@@ -141,6 +143,9 @@ def worker_main(environ: dict[str, str] | None = None) -> int:
                 rendezvous=rdzv,
                 report_checkpoint=lambda saved: remote.report_checkpoint(rank, saved),
             )
+            shared = spec.outputs.path is not None
+            found = outputs.collect(result.output_dir, result.final_model, rank=rank, shared=shared)
+            outputs.publish(found, rank, remote.report_artifact, remote.upload_artifact)
     except FatalJobError as exc:  # the same on every attempt: the job fails, no restart
         log.error("%s", exc)
         _write_error(env, traceback.format_exc())
@@ -158,6 +163,14 @@ def worker_main(environ: dict[str, str] | None = None) -> int:
         with open(env["EVENFLOW_RESULT"], "w") as f:
             f.write(text)
     return 0
+
+
+def output_dir(spec: JobSpec, job_id: int, rank: int, job_dir: str | None) -> str | None:
+    """Where this rank's ``ctx.output_dir`` is: ``<outputs.path>/job-<id>`` (shared by the
+    ranks), else its own ``outputs/rank-<r>`` in the agent's job directory."""
+    if spec.outputs.path is not None:
+        return f"{spec.outputs.path.rstrip('/')}/job-{job_id}"
+    return f"{job_dir.rstrip('/')}/outputs/rank-{rank}" if job_dir else None
 
 
 def checkpoint_dir(spec: JobSpec, job_id: int, job_dir: str | None) -> str | None:

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import urlsplit
@@ -119,10 +119,13 @@ class Gate:
         public: frozenset[str],
         max_body: int,
         body_limits: Mapping[str, int],
+        body_limit_patterns: Sequence[tuple[re.Pattern[str], int]] = (),
     ) -> None:
         self.app, self.context = app, context
         self.api_prefix, self.public = api_prefix + "/", public
         self.max_body, self.body_limits = max_body, body_limits
+        self.body_limit_patterns = body_limit_patterns
+        """Limits of paths with ids in them (an artifact's upload), by pattern."""
         settings = context.settings
         self.allowed_origins = frozenset(_origin(o) for o in settings.allowed_origins)
         self.failures = context.auth_failures
@@ -155,7 +158,7 @@ class Gate:
             if posted and int(posted[1]) <= MAX_ID:  # else the route's 422 for the path
                 await self._telemetry(scope, receive, send, int(posted[1]))
                 return
-        limit = self.body_limits.get(scope["path"], self.max_body)
+        limit = self._limit(scope["path"])
         seen = 0
 
         async def counted() -> Message:
@@ -168,10 +171,20 @@ class Gate:
 
         await self.app(scope, counted, send)
 
+    def _limit(self, path: str) -> int:
+        """The most bytes a request's body to ``path`` may have."""
+        found = self.body_limits.get(path)
+        if found is not None:
+            return found
+        for pattern, limit in self.body_limit_patterns:
+            if pattern.fullmatch(path):
+                return limit
+        return self.max_body
+
     async def _body(self, scope: Scope, receive: Receive, send: Send) -> bytes | None:
         """A small request's whole body, up to the path's limit; None once it is answered
         (413) or its client has left."""
-        limit = self.body_limits.get(scope["path"], self.max_body)
+        limit = self._limit(scope["path"])
         chunks: list[bytes] = []
         size, more = 0, True
         while more:
@@ -282,7 +295,7 @@ class Gate:
         """413 for a declared ``Content-Length`` over the path's limit (a chunked body is
         counted as the app reads it)."""
         declared = headers.get("content-length", "")
-        limit = self.body_limits.get(path, self.max_body)
+        limit = self._limit(path)
         if declared.isdigit() and int(declared) > limit:
             return error_response(413, f"request body over {limit} bytes")
         return None

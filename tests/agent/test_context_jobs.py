@@ -7,11 +7,14 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from evenflow.cli import main
 from evenflow.local_cluster import LocalCluster
 
 TRAIN = """
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -26,6 +29,10 @@ def main(ctx):
     model, _ = ctx.prepare(nn.Linear(4, 1))
     for xb, yb in ctx.batches((x, y)):
         ctx.step(nn.functional.mse_loss(model(xb), yb, reduction="sum"))
+    out = Path(ctx.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"notes-{ctx.rank}.txt").write_text(f"rank {ctx.rank} was here")
+    ctx.save_final()  # rank 0: final.pt in its output directory
 """
 
 
@@ -69,6 +76,13 @@ def test_a_package_installed_nowhere_runs_from_its_context_on_two_agents(
         assert main(["jobs", "logs", str(job.id)]) == 0
         out = capsys.readouterr().out
         assert "hello from rank 0" in out and "hello from rank 1" in out
+        # what the ranks left on their hosts' disks, downloaded through the server
+        got = tmp_path / "got"
+        assert main(["jobs", "artifacts", str(job.id), "--download", str(got)]) == 0
+        assert (got / "rank-0" / "notes-0.txt").read_text() == "rank 0 was here"
+        assert (got / "rank-1" / "notes-1.txt").read_text() == "rank 1 was here"
+        final = torch.load(got / "rank-0" / "final.pt", weights_only=True)
+        assert set(final) == {"weight", "bias"}
 
 
 @pytest.mark.distributed
