@@ -19,7 +19,7 @@ Modules, by what they are:
   :mod:`~agent.runtime.telemetry`: per-iteration timings, emulated speeds, best-effort delivery.
 - :mod:`~agent.runtime.workloads`, :mod:`~agent.runtime.context`, :mod:`~agent.runtime.stats`:
   what to train, and the per-rank loop engine (the user entrypoint API is documented in
-  ``workloads``; porting a script in ``docs/porting.md``).
+  ``workloads``; porting a script in ``docs/guide/porting.md``).
 - :mod:`~agent.runtime.rendezvous`: the rank's device and backend from its assignment, and the
   bounded rendezvous (rank 0 binds a free port and publishes it).
 - :mod:`~agent.runtime.trainer`: ``run_training``; :mod:`~agent.runtime.worker`: the process

@@ -22,7 +22,7 @@ A job's ``workload.entrypoint`` is ``"package.module:function"``. The function r
            x, y = load_my_tensors()
            return Workload(model, (x, y), lambda out, y: F.cross_entropy(out, y, reduction="sum"))
 
-2. Keep your own loop (``docs/porting.md`` goes through a port line by line)::
+2. Keep your own loop (``docs/guide/porting.md`` goes through a port line by line)::
 
        def train(ctx):
            model, opt = ctx.prepare(model, opt)             # device, rank 0's weights

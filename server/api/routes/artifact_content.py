@@ -12,6 +12,7 @@ from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from contract.api import ArtifactOut
+from server.api.bodies import JSONRoute
 from server.api.deps import (
     Authenticated,
     Context,
@@ -24,7 +25,7 @@ from server.api.deps import (
 from server.api.statuses import declare
 from server.services import artifacts, blobs
 
-router = APIRouter(prefix="/jobs", tags=["artifacts"])
+router = APIRouter(prefix="/jobs", tags=["artifacts"], route_class=JSONRoute)
 
 CONTENT_PATH = re.compile(r"^/api/v1/jobs/\d+/artifacts/\d+/content$")
 """An artifact's upload: the gate gives it the artifact size limit."""

@@ -13,11 +13,12 @@ from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from contract.api import ContextOut
+from server.api.bodies import JSONRoute
 from server.api.deps import Authenticated, Context, Now, Operator, SessionDep
 from server.errors import Invalid
 from server.services import archives, blobs, contexts
 
-router = APIRouter(prefix="/contexts", tags=["contexts"])
+router = APIRouter(prefix="/contexts", tags=["contexts"], route_class=JSONRoute)
 
 UPLOAD_PATH = "/contexts"
 """The upload's path under the API prefix: the gate gives it the context size limit."""
