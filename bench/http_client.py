@@ -208,7 +208,7 @@ class LeanClient:
         requests to come, as a fleet's agents each hold one kept alive (each heartbeats every
         2 s). Opened as a burst needed them instead, the first request on each waited seconds
         at a loaded server: every one of 161 heartbeats that waited over 3 s outside the app
-        in a 1,250-host run did (bench/fleet.py, ``docs/capacity.md``'s thirtieth day)."""
+        in a 1,250-host run did."""
         loop = asyncio.get_running_loop()
         gate = asyncio.Semaphore(at_once)
 

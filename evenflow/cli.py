@@ -827,7 +827,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="NAME",
         help="an environment variable of the agent never passed to workers (repeatable); the "
-        "agent's token never is, and workers get only an allow-list (see README, Trust model)",
+        "agent's token never is, and workers get only an allow-list (docs/operations/trust-model.md)",
     )
     p.add_argument(
         "--replace",

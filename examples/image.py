@@ -2,7 +2,8 @@
 DataLoader workers, AdamW with a one-cycle schedule, clipping, an EMA of the weights, a held-out
 evaluation now and then, checkpoints, and the final model saved.
 
-Run it as a job (from the repository root, so that ``examples`` can be imported)::
+Run it as a job from the repository root (where a local cluster's workers start, so that
+``examples`` can be imported; your own code travels with ``--context``)::
 
     evenflow jobs submit examples/image.yaml
 

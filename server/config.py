@@ -85,15 +85,10 @@ class Settings(BaseSettings):
     (``server.serve.ControllerProcess``; the solver it runs for placement inherits it). Its
     rounds are background work that can wait a moment; the fleet's heartbeats and telemetry
     are answers that hosts wait on. On a control-plane machine whose cores are all busy, at the
-    same nice the rounds (half a core at 200 jobs) took their share from the API and
-    PostgreSQL whenever a burst of job starts and ends came, and every request waited for
-    CPU (``bench/fleet.py``, 1,250 hosts on 2 cores: heartbeat p99 0.12 to 2.8 s at nice 0,
-    0.06 to 1.3 s at 10, lower in 9 of 11 neighbouring runs, detection no worse;
-    docs/capacity.md, "A twenty-third day"). Its rounds are slower then, and detection can be
-    too: with a neighbour taking one of the two cores the heartbeat p99 was 0.16 to 0.71 s at
-    nice 10 (4 runs) against 0.74 and 8.9 s at 0 (2 runs), and detection within alone + 2 came
-    for 5 to 9 of a run's 10 stragglers against 9 and 10 (docs/capacity.md, "A twenty-fifth
-    day"). 0: the server's priority."""
+    same nice the rounds took their share from the API and PostgreSQL whenever a burst of job
+    starts and ends came, and every request waited for CPU. Its rounds are slower then, and
+    detection can be too (``docs/decisions/0006-controller-process-niced.md`` has the
+    figures). 0: the server's priority."""
 
     controller_cores: float = Field(default=0.0, ge=0)
     """How much of a core the controller's rounds may take, averaged over a round: a job's
@@ -101,9 +96,8 @@ class Settings(BaseSettings):
     paid back at this rate. Urgent work is never held (a job poked for a straggler, or hot:
     ``server.controller.HOT_S``); its CPU still counts. At fleet scale every job has new
     telemetry every round and rounds run back to back, so the controller takes whatever the
-    machine leaves it, and the more often it sweeps a job the more each row costs: 0.48 of a
-    core at 200 jobs on 2 cores, against 0.30 paced at 0.25, with detection and ingest as
-    prompt (``bench/fleet.py``, docs/capacity.md "A twenty-fifth day"). For a small
+    machine leaves it, and the more often it sweeps a job the more each row costs (measured in
+    ``docs/decisions/0006-controller-process-niced.md``). For a small
     control-plane machine shared with PostgreSQL; on one with cores to spare a cap only makes
     rounds longer, and ``controller_nice`` already lets the API and the database go first when
     the cores are busy. 0 (the default): not paced."""

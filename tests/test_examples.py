@@ -162,3 +162,12 @@ def test_an_entrypoint_that_cannot_be_imported_fails_the_job_at_once(
     assert done.status.value == "failed"
     assert done.restarts == 0  # the same on every attempt: not retried
     assert "No module named 'mytrain_not_installed'" in (done.error or "")
+
+
+@pytest.mark.parametrize("name", ["image", "text", "stream"])
+def test_each_example_has_a_job_spec_naming_it(name: str) -> None:
+    import yaml
+
+    path = Path(__file__).parents[1] / "examples" / f"{name}.yaml"
+    spec = JobSpec.model_validate(yaml.safe_load(path.read_text()))
+    assert spec.workload.entrypoint == f"examples.{name}:train"

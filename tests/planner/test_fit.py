@@ -69,7 +69,7 @@ def test_finds_the_floor_of_a_transformer_like_curve() -> None:
 
 
 def test_published_v100_figures() -> None:
-    # Gavel's measured step times (see data/README.md).
+    # Gavel's published V100 step times (ms) for a ResNet at four batch sizes.
     resnet = fit_model(
         [Observation(b, t) for b, t in [(16, 87.7), (32, 128.4), (64, 227.5), (128, 400.5)]]
     )
