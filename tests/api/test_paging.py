@@ -16,7 +16,9 @@ a batch lookup, not a collection to page through."""
 
 
 def _ok_schema(operation: dict[str, Any]) -> dict[str, Any]:
-    schema: dict[str, Any] = operation["responses"]["200"]["content"]["application/json"]["schema"]
+    """The JSON schema of an operation's 200 answer ({} for bytes: an archive, an artifact)."""
+    content = operation["responses"]["200"].get("content", {})
+    schema: dict[str, Any] = content.get("application/json", {}).get("schema", {})
     return schema
 
 

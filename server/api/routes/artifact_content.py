@@ -77,7 +77,17 @@ async def upload_artifact(
 @router.get(
     "/{job_id}/artifacts/{artifact_id}/content",
     response_class=StreamingResponse,
-    responses=declare(404),
+    responses={
+        **declare(404),
+        **{
+            200: {
+                "description": "The artifact's bytes.",
+                "content": {
+                    "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}
+                },
+            }
+        },
+    },
 )
 def download_artifact(
     session: SessionDep, context: Context, _: JobReader, job_id: PathId, artifact_id: PathId

@@ -78,7 +78,18 @@ def context_info(session: SessionDep, principal: Authenticated, sha256: Sha256) 
     return contexts.info(session, sha256, principal)
 
 
-@router.get("/{sha256}", response_class=StreamingResponse)
+@router.get(
+    "/{sha256}",
+    response_class=StreamingResponse,
+    responses={
+        200: {
+            "description": "The archive's bytes.",
+            "content": {
+                "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}
+            },
+        }
+    },
+)
 def download_context(
     session: SessionDep, context: Context, principal: Authenticated, sha256: Sha256
 ) -> StreamingResponse:
