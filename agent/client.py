@@ -197,16 +197,7 @@ class ApiClient:
     def context_bytes(self, sha256: str) -> Iterator[bytes]:
         """A code archive's bytes as they arrive (a generator: the request is made when the
         first piece is asked for, and closed when the caller stops)."""
-        with self.http.stream(
-            "GET",
-            f"{API}/contexts/{sha256}",
-            headers=self._headers,
-            timeout=httpx.Timeout(self.http.timeout.connect, read=300.0, write=30.0, pool=30.0),
-        ) as resp:
-            if resp.status_code != 200:
-                resp.read()
-                raise _error(resp)
-            yield from resp.iter_bytes(1 << 20)
+        return self._bytes(f"/contexts/{sha256}")
 
     # -- artifacts
     def artifacts(self, job_id: int) -> Page[ArtifactOut]:
@@ -215,9 +206,13 @@ class ApiClient:
 
     def artifact_bytes(self, job_id: int, artifact_id: int) -> Iterator[bytes]:
         """The bytes of an artifact the server holds a copy of, as they arrive."""
+        return self._bytes(f"/jobs/{job_id}/artifacts/{artifact_id}/content")
+
+    def _bytes(self, path: str) -> Iterator[bytes]:
+        """A download's bytes, a MiB at a time, streamed (read timeout 300 s)."""
         with self.http.stream(
             "GET",
-            f"{API}/jobs/{job_id}/artifacts/{artifact_id}/content",
+            API + path,
             headers=self._headers,
             timeout=httpx.Timeout(self.http.timeout.connect, read=300.0, write=30.0, pool=30.0),
         ) as resp:

@@ -401,21 +401,11 @@ class Agent:
     def _refuse(self, a: Assignment) -> None:
         """A rank to run without a credential was handed out before (to an earlier instance of
         this agent): launching it again cannot join its job."""
-        self.done.add((a.job_id, a.rank, a.attempt))
         error = (
             f"rank {a.rank} of job {a.job_id} was already handed to an earlier agent on this "
             "host; its credential is not known to this agent, so it is not launched again"
         )
-        log.error("%s", error)
-        self.pending.append(
-            WorkerReport(
-                job_id=a.job_id,
-                rank=a.rank,
-                state=WorkerState.FAILED,
-                error=error,
-                attempt=a.attempt,
-            )
-        )
+        self._fail_unlaunched(a, error, fatal=False)
 
     def _launch(self, a: Assignment, worker_token: str) -> None:
         jobdir = self.workdir / f"job-{a.job_id}"

@@ -21,6 +21,7 @@ structure with no samples (what a rank whose share is 0 trains on).
 from __future__ import annotations
 
 import logging
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -52,8 +53,8 @@ REPLACEABLE_SAMPLERS = (SequentialSampler, RandomSampler, DistributedSampler)
 """Samplers a DataLoader may carry without a warning: what they decide, the plan decides."""
 
 
-class Source:
-    """This rank's batches, drawn by index (the base serves tensors)."""
+class Source(ABC):
+    """This rank's batches, drawn by index."""
 
     size: int | None
     """Samples in one epoch; None for a stream."""
@@ -62,16 +63,19 @@ class Source:
         """What this rank takes at each iteration under the plan in force (its passes), so
         that the coming ones can be loaded ahead. Nothing to do for a source that loads on
         demand."""
+        return None
 
+    @abstractmethod
     def take(self, iteration: int, indices: torch.Tensor) -> Any:
-        raise NotImplementedError
+        """The collated batch of these samples (``iteration`` -1: load it now)."""
 
     def load(self, indices: torch.Tensor) -> Any:
         """A batch of these samples, loaded now (speed probes while excluded)."""
         return self.take(-1, indices)
 
+    @abstractmethod
     def empty(self) -> Any:
-        raise NotImplementedError
+        """A batch of the usual structure with no samples."""
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint keeps of the source beyond the iteration (a stream's layout)."""
@@ -84,9 +88,11 @@ class Source:
 
     def restore(self, positions: dict[int, int]) -> None:
         """Start where a checkpoint's gathered positions say."""
+        return None
 
     def close(self) -> None:
         """Stop loading (worker processes end)."""
+        return None
 
 
 class TensorSource(Source):
