@@ -60,6 +60,7 @@ from torch.utils.data import IterableDataset
 
 from agent.runtime.checkpoint import Checkpointer, LoadState, Saved, SaveState, save_model
 from agent.runtime.datasets import DatasetLike, Source, as_source
+from agent.runtime.ddp import OverlapSync
 from agent.runtime.emulation import EMULATED_LABEL, Emulator
 from agent.runtime.gradients import GradientSync, broadcast_module
 from agent.runtime.iteration import IterationSteps, ReplicaDivergence
@@ -93,6 +94,17 @@ OPS = {
     "max": dist.ReduceOp.MAX,
     "min": dist.ReduceOp.MIN,
 }
+
+
+def resolve_gradient_sync(choice: str, device: torch.device, distributed: bool) -> str:
+    """The synchroniser a ``ddp`` job uses: ``auto`` takes DDP's overlap on GPUs and the
+    coalesced all-reduce on CPUs, where it measured faster (``bench/engines.py``); without a
+    process group there is nothing to overlap."""
+    if not distributed:
+        return "coalesced"
+    if choice == "auto":
+        return "overlap" if device.type == "cuda" else "coalesced"
+    return choice
 
 
 def dataset_size(dataset: DatasetLike) -> int:
@@ -135,6 +147,7 @@ class EvenflowContext(IterationSteps, Readmission):
         on_checkpoint_saved: Callable[[Saved], None] | None = None,
         replica_check_every: int = 100,
         output_dir: str | None = None,
+        gradient_sync: str | None = None,
     ) -> None:
         self.spec = spec
         self.rank = rank
@@ -145,6 +158,11 @@ class EvenflowContext(IterationSteps, Readmission):
         self.group = group
         self.loss_every = max(1, loss_every)
         self.piggyback = piggyback
+        self.gradient_sync = resolve_gradient_sync(
+            gradient_sync or spec.gradient_sync, self.device, dist.is_initialized()
+        )
+        """``overlap`` (DDP, :mod:`agent.runtime.ddp`) or ``coalesced`` (one all-reduce after
+        backward, :mod:`agent.runtime.gradients`)."""
         """Carry the plan agreement inside the gradient all-reduce when the buffers allow."""
         self._output_dir = output_dir
         self.final_model: str | None = None
@@ -170,7 +188,7 @@ class EvenflowContext(IterationSteps, Readmission):
         """The iteration of the batch ``batches()`` yielded last (what ``log`` reports at)."""
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
-        self._sync: GradientSync | None = None
+        self._sync: GradientSync | OverlapSync | None = None
         self._sampler: Sampler | None = None
         self._source: Source | None = None
         self._awaiting_backward = False
@@ -190,6 +208,8 @@ class EvenflowContext(IterationSteps, Readmission):
         self._passes: tuple[int, ...] = ()
         """Sizes of this iteration's passes (one unless the memory cap splits the slice)."""
         self._pass = 0
+        self._check = False
+        """This iteration's all-reduce carries the replicas' checksums."""
         self._loss_acc: torch.Tensor | None = None
         self._count_acc: float | torch.Tensor = 0.0
         self._guard = MemoryGuard(rank)
@@ -270,20 +290,37 @@ class EvenflowContext(IterationSteps, Readmission):
             optimizer = torch.optim.SGD(model.parameters(), lr=self.spec.workload.learning_rate)
         self.model, self.optimizer = model, optimizer
         slots = self.agreement.message_length if self.piggyback else 0
-        self._sync = GradientSync(
-            model.parameters(),
-            group=self.group,
-            control_slots=slots,
-            flag=self._flush is not None,
-            rank=self.rank,
-            world_size=self.world_size,
-        )
+        wrapped: nn.Module = model
+        if self.gradient_sync == "overlap":
+            overlap = OverlapSync(
+                model,
+                group=self.group,
+                control_slots=slots,
+                flag=self._flush is not None,
+                rank=self.rank,
+                world_size=self.world_size,
+            )
+            self._sync, wrapped = overlap, overlap.ddp
+        else:
+            self._sync = GradientSync(
+                model.parameters(),
+                group=self.group,
+                control_slots=slots,
+                flag=self._flush is not None,
+                rank=self.rank,
+                world_size=self.world_size,
+            )
         if slots:
             self.agreement.use_channel(self._sync)
         register = getattr(optimizer, "register_step_pre_hook", None)
         if register is not None:
             register(self._before_step)
-        log.info("rank %d: plan agreement via %s", self.rank, self.agreement.transport)
+        log.info(
+            "rank %d: gradients %s; plan agreement via %s",
+            self.rank,
+            "by DDP, overlapped with backward" if self._sync.overlaps else "in one all-reduce",
+            self.agreement.transport,
+        )
         initial = self.agreement.current
         if dist.is_initialized():
             self.membership.setup(initial)
@@ -293,7 +330,7 @@ class EvenflowContext(IterationSteps, Readmission):
                 self.agreement.set_group(control, initial.leader)
         elif initial.excluded:
             raise ValueError("a plan with excluded ranks needs an initialised process group")
-        return model, optimizer
+        return wrapped, optimizer
 
     def on_checkpoint(self, name: str, save: SaveState, load: LoadState) -> None:
         """Keep state of the user's own: ``save()`` returns it (any picklable object),
@@ -439,14 +476,19 @@ class EvenflowContext(IterationSteps, Readmission):
                 "them after the optimizer step, under `if ctx.sync_gradients:`"
             )
         self._sync.attach()
-        if size > 0:  # an empty batch has no samples, so no gradient
-            loss.backward()
-        self._awaiting_backward = False
-        self._pass += 1
+        last = self._pass + 1 == len(self._passes)
         value = loss.detach().reshape(1)
         self._loss_acc = value if self._loss_acc is None else self._loss_acc + value
         self._count_acc = self._count_acc + (size if count is None else count)
-        if self._pass < len(self._passes):
+        if last:
+            self._arm()
+        if size > 0:  # an empty batch has no samples, so no gradient
+            loss.backward()
+        elif last:
+            self._sync.backward_empty()  # (DDP: every bucket's all-reduce still runs)
+        self._awaiting_backward = False
+        self._pass += 1
+        if not last:
             return None
         return self._reduce()
 

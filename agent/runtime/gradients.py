@@ -48,7 +48,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -98,83 +98,41 @@ class Reduced:
     """Rank -> its checksum, for the ranks that sent one; None when none was asked for."""
 
 
-class GradientSync:
-    """Owns the gradient buffers of a set of parameters and all-reduces them exactly.
+class SlotChannel:
+    """The statistics and signals an iteration's all-reduce carries besides the gradients.
 
-    Use it in place of ``optimizer.zero_grad()`` and DDP::
-
-        sync = GradientSync(model.parameters())
-        loss_sum.backward()            # skipped on a rank with 0 samples
-        reduced = sync.reduce(loss_sum, count=local_samples)
-        optimizer.step()
-        sync.zero_grad()
-
-    If something replaces ``param.grad`` (``optimizer.zero_grad(set_to_none=True)``, a user
-    assignment), the next reduction copies it back into the buffer and rebinds the view, so
-    results stay right; only the zero-copy property is lost for that iteration.
-
-    ``rank`` and ``world_size`` place this rank's checksum slots; ``group`` may be any subgroup
-    of that world.
+    The slots follow one layout, whoever sums them: ``loss | count, stop, withdraw, [flag],
+    control..., then 2 checksum slots per rank``. :class:`GradientSync` keeps them at the end of
+    its carrier buffer; :class:`~agent.runtime.ddp.OverlapSync` sums them in a small collective
+    of their own launched with DDP's first bucket.
     """
 
-    def __init__(
-        self,
-        params: Iterable[nn.Parameter],
-        group: dist.ProcessGroup | None = None,
-        *,
-        control_slots: int = 0,
-        flag: bool = False,
-        exchange: Exchange = "auto",
-        direct_max_elements: int = DIRECT_MAX_ELEMENTS,
-        rank: int = 0,
-        world_size: int = 1,
-    ) -> None:
-        self.group = group  # (the setter)
-        self.exchange: Exchange = exchange
-        """``auto``: the direct exchange for small CPU buffers on gloo, else ``all_reduce``."""
-        self.direct_max_elements = direct_max_elements
+    def _init_slots(
+        self, *, cheap: bool, control_slots: int, flag: bool, rank: int, world_size: int
+    ) -> int:
+        """Lay the slots out; return how many elements they take. ``cheap``: the slots are read
+        back without a device sync (a CPU tensor), which control slots and the flag need."""
         self.rank, self.world_size = rank, world_size
-        self.last_method: str = ""
-        """How the last reduction summed its (last) buffer: "all_reduce", "direct" or "local"
-        (no process group)."""
-        by_key: dict[tuple[torch.device, torch.dtype], list[nn.Parameter]] = {}
-        for p in params:
-            if p.requires_grad:
-                by_key.setdefault((p.device, p.dtype), []).append(p)
-        if not by_key:
-            raise ValueError("no parameters require gradients")
-        keys = list(by_key)
-        carrier = _carrier(keys)
         self.control_capacity = 0
-        """Control slots available (0 when the carrier is not a CPU buffer)."""
+        """Control slots available (0 when the slots do not live on the CPU)."""
         self.has_flag = False
-        """Whether :meth:`raise_flag` reaches the other ranks (a CPU carrier carries it)."""
-        on_cpu = carrier is not None and keys[carrier][0].type == "cpu"
-        if on_cpu and (control_slots or flag):
+        """Whether :meth:`raise_flag` reaches the other ranks (slots on the CPU carry it)."""
+        if cheap and (control_slots or flag):
             self.control_capacity, self.has_flag = control_slots, flag
-        # The carrier's tail: loss | count, stop, withdraw, flag?, control..., then 2 checksum
-        # slots per rank.
         self._head = 3 + self.has_flag + self.control_capacity
-        tail = 1 + self._head + 2 * world_size
-        self._buckets: list[_Bucket] = []
-        for i, key in enumerate(keys):
-            self._buckets.append(_bucket(key, by_key[key], tail if i == carrier else 0))
-        if carrier is None:  # 16-bit gradients only: the statistics get a float32 buffer
-            device = keys[0][0]
-            flat = torch.zeros(tail, device=device, dtype=torch.float32)
-            self._buckets.append(_Bucket(flat, [], [], flat[:1]))
-            carrier = len(self._buckets) - 1
-        flat = self._buckets[carrier].flat
-        n = flat.numel() - tail
-        self._loss_slot = flat[n : n + 1]
-        self._stats = flat[n + 1 :]
-        """count, stop, withdraw, [flag], control..., then the checksums: read back in one
-        copy."""
-        self._cpu_carrier = flat.device.type == "cpu"
+        self._cpu_carrier = cheap
         self._outgoing: ControlValues = None
         self._received: list[int] | None = None
         self._flag_out = False
         self._flag_seen = False
+        return 1 + self._head + 2 * world_size
+
+    def _bind_slots(self, slots: torch.Tensor) -> None:
+        """Where the slots live: ``slots`` holds the loss, then the statistics."""
+        self._loss_slot = slots[:1]
+        self._stats = slots[1:]
+        """count, stop, withdraw, [flag], control..., then the checksums: read back in one
+        copy."""
 
     # --------------------------------------------------------------- control and flag
 
@@ -212,14 +170,144 @@ class GradientSync:
         return received
 
     @property
-    def numel(self) -> int:
-        """Elements all-reduced per iteration (gradients, statistics and control slots)."""
-        return sum(b.flat.numel() for b in self._buckets)
-
-    @property
     def reads_back_cheaply(self) -> bool:
         """Whether the statistics can be read every iteration without a device sync."""
         return self._cpu_carrier
+
+    def _fill(
+        self,
+        loss_sum: torch.Tensor | None,
+        count: float | torch.Tensor,
+        stop: bool,
+        withdraw: bool,
+        checksum: Checksum | None,
+    ) -> None:
+        if loss_sum is None:
+            self._loss_slot.zero_()
+        else:
+            self._loss_slot.copy_(loss_sum.detach().reshape(1))
+        self._stats.zero_()
+        if isinstance(count, torch.Tensor):
+            self._stats[:1].copy_(count.detach().reshape(1))
+        elif count:
+            self._stats[0] = float(count)
+        if stop:
+            self._stats[1] = 1.0
+        if withdraw:
+            self._stats[2] = 1.0
+        if self.has_flag:
+            self._stats[3] = 1.0 if self._flag_out else 0.0
+            self._flag_out = False
+        if self.control_capacity:
+            outgoing, self._outgoing = self._outgoing, None
+            if callable(outgoing):
+                outgoing = outgoing()
+                if outgoing is not None:
+                    self._check_control(outgoing)
+            if outgoing:
+                at = 3 + self.has_flag
+                values = torch.tensor(outgoing, dtype=self._stats.dtype)
+                self._stats[at : at + len(outgoing)] = values
+        if checksum is not None:
+            at = self._head + 2 * self.rank
+            self._stats[at] = checksum[0]
+            self._stats[at + 1] = checksum[1]
+
+    def _take(self, stats: list[float] | None) -> Reduced:
+        checks = None
+        if stats is not None:
+            if self.has_flag:
+                self._flag_seen = stats[3] > 0.5
+            if self.control_capacity:
+                at = 3 + self.has_flag
+                self._received = [round(v) for v in stats[at : at + self.control_capacity]]
+            slots = stats[self._head :]
+            checks = {
+                r: (slots[2 * r], slots[2 * r + 1])
+                for r in range(len(slots) // 2)
+                if slots[2 * r + 1] != 0.0
+            }
+        return Reduced(
+            loss=self._loss_slot,
+            count=self._stats[:1],
+            stop=None if stats is None else stats[1] > 0.5,
+            withdrawn=None if stats is None else stats[2] > 0.5,
+            checksums=checks or None,
+        )
+
+
+class GradientSync(SlotChannel):
+    """Owns the gradient buffers of a set of parameters and all-reduces them exactly.
+
+    Use it in place of ``optimizer.zero_grad()`` and DDP::
+
+        sync = GradientSync(model.parameters())
+        loss_sum.backward()            # skipped on a rank with 0 samples
+        reduced = sync.reduce(loss_sum, count=local_samples)
+        optimizer.step()
+        sync.zero_grad()
+
+    If something replaces ``param.grad`` (``optimizer.zero_grad(set_to_none=True)``, a user
+    assignment), the next reduction copies it back into the buffer and rebinds the view, so
+    results stay right; only the zero-copy property is lost for that iteration.
+
+    ``rank`` and ``world_size`` place this rank's checksum slots; ``group`` may be any subgroup
+    of that world.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[nn.Parameter],
+        group: dist.ProcessGroup | None = None,
+        *,
+        control_slots: int = 0,
+        flag: bool = False,
+        exchange: Exchange = "auto",
+        direct_max_elements: int = DIRECT_MAX_ELEMENTS,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        self.group = group  # (the setter)
+        self.exchange: Exchange = exchange
+        """``auto``: the direct exchange for small CPU buffers on gloo, else ``all_reduce``."""
+        self.direct_max_elements = direct_max_elements
+        self.last_method: str = ""
+        """How the last reduction summed its (last) buffer: "all_reduce", "direct" or "local"
+        (no process group)."""
+        by_key: dict[tuple[torch.device, torch.dtype], list[nn.Parameter]] = {}
+        for p in params:
+            if p.requires_grad:
+                by_key.setdefault((p.device, p.dtype), []).append(p)
+        if not by_key:
+            raise ValueError("no parameters require gradients")
+        keys = list(by_key)
+        carrier = _carrier(keys)
+        on_cpu = carrier is not None and keys[carrier][0].type == "cpu"
+        tail = self._init_slots(
+            cheap=on_cpu,
+            control_slots=control_slots,
+            flag=flag,
+            rank=rank,
+            world_size=world_size,
+        )
+        self._buckets: list[_Bucket] = []
+        for i, key in enumerate(keys):
+            self._buckets.append(_bucket(key, by_key[key], tail if i == carrier else 0))
+        if carrier is None:  # 16-bit gradients only: the statistics get a float32 buffer
+            device = keys[0][0]
+            flat = torch.zeros(tail, device=device, dtype=torch.float32)
+            self._buckets.append(_Bucket(flat, [], [], flat[:1]))
+            carrier = len(self._buckets) - 1
+        flat = self._buckets[carrier].flat
+        self._bind_slots(flat[flat.numel() - tail :])
+        self._armed: dict[str, Any] | None = None
+        self._on_launch: Callable[[], None] | None = None
+        self._cpu_carrier = flat.device.type == "cpu"  # (16-bit models: read, no control)
+
+    @property
+    def numel(self) -> int:
+        """Elements all-reduced per iteration (gradients, statistics and control slots)."""
+        return sum(b.flat.numel() for b in self._buckets)
 
     def zero_grad(self) -> None:
         """Zero the buffers (and so every ``param.grad``) in place."""
@@ -293,67 +381,6 @@ class GradientSync:
                 b.scaled.mul_(scale)
         return self._take(stats)
 
-    def _fill(
-        self,
-        loss_sum: torch.Tensor | None,
-        count: float | torch.Tensor,
-        stop: bool,
-        withdraw: bool,
-        checksum: Checksum | None,
-    ) -> None:
-        if loss_sum is None:
-            self._loss_slot.zero_()
-        else:
-            self._loss_slot.copy_(loss_sum.detach().reshape(1))
-        self._stats.zero_()
-        if isinstance(count, torch.Tensor):
-            self._stats[:1].copy_(count.detach().reshape(1))
-        elif count:
-            self._stats[0] = float(count)
-        if stop:
-            self._stats[1] = 1.0
-        if withdraw:
-            self._stats[2] = 1.0
-        if self.has_flag:
-            self._stats[3] = 1.0 if self._flag_out else 0.0
-            self._flag_out = False
-        if self.control_capacity:
-            outgoing, self._outgoing = self._outgoing, None
-            if callable(outgoing):
-                outgoing = outgoing()
-                if outgoing is not None:
-                    self._check_control(outgoing)
-            if outgoing:
-                at = 3 + self.has_flag
-                values = torch.tensor(outgoing, dtype=self._stats.dtype)
-                self._stats[at : at + len(outgoing)] = values
-        if checksum is not None:
-            at = self._head + 2 * self.rank
-            self._stats[at] = checksum[0]
-            self._stats[at + 1] = checksum[1]
-
-    def _take(self, stats: list[float] | None) -> Reduced:
-        checks = None
-        if stats is not None:
-            if self.has_flag:
-                self._flag_seen = stats[3] > 0.5
-            if self.control_capacity:
-                at = 3 + self.has_flag
-                self._received = [round(v) for v in stats[at : at + self.control_capacity]]
-            slots = stats[self._head :]
-            checks = {
-                r: (slots[2 * r], slots[2 * r + 1])
-                for r in range(len(slots) // 2)
-                if slots[2 * r + 1] != 0.0
-            }
-        return Reduced(
-            loss=self._loss_slot,
-            count=self._stats[:1],
-            stop=None if stats is None else stats[1] > 0.5,
-            withdrawn=None if stats is None else stats[2] > 0.5,
-            checksums=checks or None,
-        )
-
     @property
     def group(self) -> dist.ProcessGroup | None:
         """The process group gradients are summed over (``None``: the default group)."""
@@ -364,6 +391,61 @@ class GradientSync:
         self._group = group
         self._peers: tuple[int, bool] | None = None
         """(group size, gloo backend), read from torch.distributed once per group."""
+
+    # ------------------------------------------------- the runtime's steps (as OverlapSync)
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether gradients are summed during backward (no: once, after it)."""
+        return False
+
+    def expect(self, sync: bool) -> None:
+        """(Passes accumulate into the buffers; nothing to set before a forward.)"""
+
+    def arm(
+        self,
+        loss_sum: torch.Tensor | None,
+        count: float | torch.Tensor = 0.0,
+        *,
+        stop: bool = False,
+        withdraw: bool = False,
+        checksum: Checksum | None = None,
+        read: bool = True,
+        on_launch: Callable[[], None] | None = None,
+    ) -> None:
+        """What the iteration's reduction carries; ``on_launch`` runs at :meth:`launch`."""
+        self._armed = {
+            "loss_sum": loss_sum,
+            "count": count,
+            "stop": stop,
+            "withdraw": withdraw,
+            "checksum": checksum,
+            "read": read,
+        }
+        self._on_launch = on_launch
+
+    def backward_empty(self) -> None:
+        """(A pass without samples adds nothing to the buffers.)"""
+
+    def launch(self) -> None:
+        """The last pass's backward is done: run ``on_launch`` (an emulated device pads its
+        compute there); the sum itself happens in :meth:`collect`."""
+        on_launch, self._on_launch = self._on_launch, None
+        if on_launch is not None:
+            on_launch()
+
+    def collect(self) -> Reduced:
+        """Sum what :meth:`arm` set up (see :meth:`reduce`)."""
+        armed, self._armed = self._armed, None
+        if armed is None:
+            raise RuntimeError("collect() without arm()")
+        loss_sum = armed.pop("loss_sum")
+        return self.reduce(loss_sum, **armed)
+
+    def discard(self) -> None:
+        """Drop a failed attempt's partial gradients (out of memory): the share is redone."""
+        self._armed = None
+        self.zero_grad()
 
     def _sum(self, flat: torch.Tensor) -> None:
         """Sum ``flat`` over the group's ranks in place."""

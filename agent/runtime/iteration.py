@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from agent.runtime.datasets import Passes, Source, to_device
+from agent.runtime.ddp import OverlapSync
 from agent.runtime.emulation import Emulator
 from agent.runtime.errors import FatalJobError
 from agent.runtime.gradients import GradientSync, parameter_checksum
@@ -62,7 +63,7 @@ class IterationSteps:
     stats: ContextStats
     loss_every: int
     replica_check_every: int
-    _sync: GradientSync | None
+    _sync: GradientSync | OverlapSync | None
     _sampler: Sampler | None
     _source: Source | None
     _plan: RuntimePlan
@@ -85,6 +86,7 @@ class IterationSteps:
     _withdrawn: bool
     _stopping: bool
     _stop_asked: bool
+    _check: bool
     _maybe_checkpoint: Any
     _end: Any
 
@@ -138,8 +140,10 @@ class IterationSteps:
         the host can gather the next pass while the device still computes this one, as a plain
         loop does. The data phase ends with the first pass's samples; later passes' count as
         compute."""
-        assert self._source is not None
-        for chunk in chunks:
+        assert self._source is not None and self._sync is not None
+        for i, chunk in enumerate(chunks):
+            # DDP: only the last pass with samples all-reduces; the others accumulate (no_sync)
+            self._sync.expect(i + 1 == len(chunks) and len(chunk) > 0)
             batch = self._source.take(it, chunk) if len(chunk) else self._source.empty()
             part = to_device(batch, self.device)
             del batch
@@ -165,7 +169,7 @@ class IterationSteps:
         """Free what the failed attempt holds; the smaller cap to redo the share with."""
         assert self._sync is not None
         self._awaiting_backward = False
-        self._sync.zero_grad()  # the partial gradients of the passes so far
+        self._sync.discard()  # the partial gradients of the passes so far
         self._loss_acc = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -183,23 +187,40 @@ class IterationSteps:
         )
         return cap
 
-    def _reduce(self) -> float | None:
-        """The iteration's all-reduce, after its last pass."""
+    def _arm(self) -> None:
+        """Before the iteration's last backward: what its all-reduce carries."""
         assert self._sync is not None and self.model is not None
-        it, b = self.iteration, self._local
-        if self.emulator is not None and b > 0:
-            elapsed = self.timer.compute_elapsed_ms()
-            self.timer.add_padding(self.emulator.pad(it, b, elapsed, self._passes))
-        self.timer.compute_done()
+        it = self.iteration
         last = it + 1 >= self._total
-        check = (it + 1) % self.replica_check_every == 0 or last
-        reduced = self._sync.reduce(
+        self._check = (it + 1) % self.replica_check_every == 0 or last
+        self._sync.arm(
             self._loss_acc,
             self._count_acc,
             stop=self._stop_asked,
-            checksum=parameter_checksum(self.model.parameters()) if check else None,
+            checksum=parameter_checksum(self.model.parameters()) if self._check else None,
             read=it % self.loss_every == 0 or last,
+            on_launch=self._pad,
         )
+
+    def _pad(self) -> None:
+        """An emulated device's compute lasts as long as its emulated speed says: padded just
+        before the gradients leave this rank (after backward, or at DDP's first bucket)."""
+        if self.emulator is not None and self._local > 0:
+            elapsed = self.timer.compute_elapsed_ms()
+            self.timer.add_padding(
+                self.emulator.pad(self.iteration, self._local, elapsed, self._passes)
+            )
+
+    def _reduce(self) -> float | None:
+        """The iteration's all-reduce, after its last pass (with DDP: its end, since backward
+        summed the buckets as it went)."""
+        assert self._sync is not None and self.model is not None
+        it = self.iteration
+        last = it + 1 >= self._total
+        check = self._check
+        self._sync.launch()
+        self.timer.compute_done()
+        reduced = self._sync.collect()
         self.timer.sync_done()
         self._loss_acc = None
         if reduced.withdrawn:

@@ -21,6 +21,7 @@ from torch import nn
 
 from agent.runtime.checkpoint import LoadState, SaveState
 from agent.runtime.datasets import Source, to_device
+from agent.runtime.ddp import OverlapSync
 from agent.runtime.emulation import Emulator
 from agent.runtime.gradients import GradientSync
 from agent.runtime.membership import GroupRole, Membership, Notice, Transition
@@ -50,7 +51,7 @@ class Readmission:
     emulator: Emulator | None
     stats: ContextStats
     probe_loss: ProbeLoss | None
-    _sync: GradientSync | None
+    _sync: GradientSync | OverlapSync | None
     _sampler: Sampler | None
     _source: Source | None
     _states: dict[str, tuple[SaveState, LoadState]]
