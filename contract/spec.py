@@ -203,6 +203,14 @@ class JobSpec(Request):
     others before the job fails: long enough for a slow checkpoint write or a rank-0-only
     evaluation, short enough that a rank lost inside a collective ends the job."""
     checkpoint: CheckpointSpec | None = None
+    engine: Literal["ddp"] = "ddp"
+    """How the ranks hold the model: ``ddp``, a whole replica on every rank, gradients summed
+    exactly over unequal shares."""
+    gradient_sync: Literal["auto", "overlap", "coalesced"] = "auto"
+    """How a ``ddp`` job sums gradients: ``overlap``, PyTorch's DistributedDataParallel with an
+    exact weighting hook (bucketed all-reduces during backward); ``coalesced``, one all-reduce
+    after backward (faster for small models and on CPUs); ``auto``, overlap on GPUs and
+    coalesced on CPUs."""
     max_restarts: int = Field(default=3, ge=0, le=1000)
     """How many times the control plane restarts the job after a rank, its agent or its host
     fails (from the last checkpoint, or from iteration 0 without one) before it fails it."""

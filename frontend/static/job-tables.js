@@ -58,6 +58,7 @@ export function renderHead(state, liveMode) {
   const facts = [
     ["workers", fmtNum(state.world)],
     ["global batch", fmtNum(spec.global_batch)],
+    ["engine", `${spec.engine ?? "ddp"} · gradients ${spec.gradient_sync ?? "auto"}`],
     ["policy", `${spec.policy?.name ?? "minmax"} · every ${spec.policy?.rebalance_every ?? "—"} it`],
     ["plan", job.plan_version ? `v${job.plan_version}` : "—"],
     ["length", spec.iterations ? `${fmtNum(spec.iterations)} iterations` : `${spec.epochs} epochs`],

@@ -211,6 +211,8 @@ def test_bad_specs_are_422_naming_the_field(api: Api) -> None:
         ({**base, "workers": 2, "emulation": [{"per_sample_ms": 1.0}]}, ""),
         ({**base, "devices": [99], "workers": None}, "devices"),
         ({**base, "environment": {"python": "python3"}}, "environment.python"),  # not a path
+        ({**base, "engine": "zero3"}, "engine"),
+        ({**base, "gradient_sync": "fast"}, "gradient_sync"),
     ]
     for body, field in cases:
         body = {k: v for k, v in body.items() if v is not None}

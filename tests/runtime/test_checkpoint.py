@@ -51,6 +51,7 @@ def spec(
     workers: int = 2,
     max_workers: int = 3,
     workload: dict[str, object] = MLP,
+    sync: str = "auto",
 ) -> JobSpec:
     return JobSpec.model_validate(
         {
@@ -61,6 +62,7 @@ def spec(
             "workers": workers,
             "max_workers": max_workers,
             "checkpoint": None if path is None else {"every_iterations": EVERY, "path": path},
+            "gradient_sync": sync,
         }
     )
 
@@ -71,10 +73,15 @@ def equal(world: int) -> RuntimePlan:
 
 
 def _train(
-    rank: int, world: int, iterations: int, path: str | None, workload: dict[str, object] = MLP
+    rank: int,
+    world: int,
+    iterations: int,
+    path: str | None,
+    workload: dict[str, object] = MLP,
+    sync: str = "auto",
 ) -> tuple[RunResult, dict]:
     result = run_training(
-        spec(iterations, path, workload=workload),
+        spec(iterations, path, workload=workload, sync=sync),
         initial_plan=equal(world),
         options=RuntimeOptions(close_deadline_s=1),
     )
@@ -86,19 +93,25 @@ def _train(
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("workload", [MLP, LOADER], ids=["tensors", "dataloader"])
+@pytest.mark.parametrize(
+    ("workload", "sync"),
+    [(MLP, "coalesced"), (LOADER, "coalesced"), (MLP, "overlap")],
+    ids=["tensors", "dataloader", "tensors-ddp"],
+)
 def test_a_stopped_job_resumed_on_other_workers_ends_as_an_uninterrupted_one(
-    tmp_path: Path, workload: dict[str, object]
+    tmp_path: Path, workload: dict[str, object], sync: str
 ) -> None:
+    """A checkpoint is the unwrapped model's, so DDP's resume on 3 workers of a 2-worker job
+    is the same as the coalesced synchroniser's."""
     total = 40
-    reference = run_ranks(_train, 2, total, str(tmp_path / "ref"), workload)
+    reference = run_ranks(_train, 2, total, str(tmp_path / "ref"), workload, sync)
     ref_result, ref_model = reference[0]
 
     resumed_dir = str(tmp_path / "job")
-    first = run_ranks(_train, 2, 23, resumed_dir, workload)  # "killed" after 23: last at 20
+    first = run_ranks(_train, 2, 23, resumed_dir, workload, sync)  # "killed" at 23: last at 20
     assert [c[0] for c in first[0][0].checkpoints] == [10, 20]
     os.remove(f"{resumed_dir}/final.pt")
-    second = run_ranks(_train, 3, total, resumed_dir, workload)  # back on three workers
+    second = run_ranks(_train, 3, total, resumed_dir, workload, sync)  # back on three workers
     result, model = second[0]
 
     assert result.resumed_from == 20

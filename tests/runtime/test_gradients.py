@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from agent.runtime.context import EvenflowContext
 from agent.runtime.gradients import Exchange, GradientSync, broadcast_module
@@ -88,7 +89,7 @@ CAPPED = [
 
 
 def _context_worker(
-    rank: int, world: int, capped: bool = False
+    rank: int, world: int, capped: bool = False, sync: str = "coalesced"
 ) -> tuple[list[list[float]], list[tuple[int, int]]]:
     """The same through the runtime's loop: plans arrive from rank 0's proposer mid-run."""
     spec = JobSpec.model_validate(
@@ -116,8 +117,9 @@ def _context_worker(
         global_batch=B,
         propose=lambda: next(proposals),
     )
-    ctx = EvenflowContext(spec, agreement, rank=rank, world_size=world)
+    ctx = EvenflowContext(spec, agreement, rank=rank, world_size=world, gradient_sync=sync)
     model, _ = ctx.prepare(_model(seed=100 + rank))
+    assert isinstance(model, DistributedDataParallel) == (sync == "overlap")
     for xb, yb in ctx.batches(_data()):
         if capped:
             cap = agreement.current.cap_of(rank)
@@ -171,6 +173,25 @@ def test_unequal_batches_match_single_process_sgd_and_naive_mean_does_not() -> N
         assert history == [(0, 1), (2, 2), (3, 3)]  # a change, then a rank with 0 samples
         assert _max_diff(params, reference) < 1e-6
     for params, history in (r[5] for r in results):  # gradient accumulation under memory caps
+        assert history == [(0, 1), (2, 2), (3, 3)]
+        assert _max_diff(params, reference) < 1e-6
+
+
+def _overlap_worker(rank: int, world: int) -> tuple[object, ...]:
+    return (
+        _context_worker(rank, world, sync="overlap"),
+        _context_worker(rank, world, capped=True, sync="overlap"),
+    )
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(90)
+def test_ddp_with_the_exact_hook_matches_single_process_sgd() -> None:
+    """PyTorch's DDP (bucketed all-reduces in backward) under the same plans: a plan change, a
+    rank with 0 samples (it all-reduces zeros), and shares run as accumulated passes under
+    no_sync on some ranks and not others."""
+    reference = _single_process()
+    for params, history in (r for result in run_ranks(_overlap_worker, 3) for r in result):
         assert history == [(0, 1), (2, 2), (3, 3)]
         assert _max_diff(params, reference) < 1e-6
 

@@ -120,8 +120,8 @@ def _optimizer(model: nn.Module) -> tuple[torch.optim.Optimizer, Any]:
     return opt, sched
 
 
-def _exact_worker(rank: int, world: int, workers: int) -> dict[str, Any]:
-    ctx = context(rank, world, SCRIPT)
+def _exact_worker(rank: int, world: int, workers: int, sync: str) -> dict[str, Any]:
+    ctx = context(rank, world, SCRIPT, gradient_sync=sync)
     model = TinyLM()
     opt, sched = _optimizer(model)  # built before prepare, as a DDP script does
     model, _ = ctx.prepare(model, opt)
@@ -164,9 +164,12 @@ def _single_process() -> list[torch.Tensor]:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("workers", [0, 2])
-def test_a_per_token_loss_with_clipping_and_a_schedule_equals_one_process(workers: int) -> None:
-    runs = run_ranks(_exact_worker, 2, workers, timeout=100)
+@pytest.mark.parametrize(("workers", "sync"), [(0, "coalesced"), (2, "coalesced"), (0, "overlap")])
+def test_a_per_token_loss_with_clipping_and_a_schedule_equals_one_process(
+    workers: int, sync: str
+) -> None:
+    """With the coalesced all-reduce, and with DDP (overlap): the same model either way."""
+    runs = run_ranks(_exact_worker, 2, workers, sync, timeout=100)
     reference = _single_process()
     for run in runs:
         assert run["history"] == [(0, 1), (3, 2), (6, 3), (9, 4)]
@@ -210,8 +213,8 @@ def test_replicas_that_drift_apart_fail_the_job_naming_the_iteration_and_rank() 
         assert "rank(s) [1] differ from rank 0" in outcome
 
 
-def _stopping_worker(rank: int, world: int, leave: str) -> dict[str, Any]:
-    ctx = context(rank, world, [(1, RuntimePlan(2, (12, 4), B))], iterations=40)
+def _stopping_worker(rank: int, world: int, leave: str, sync: str) -> dict[str, Any]:
+    ctx = context(rank, world, [(1, RuntimePlan(2, (12, 4), B))], iterations=40, gradient_sync=sync)
     model = TinyLM()
     opt, _ = _optimizer(model)
     model, _ = ctx.prepare(model, opt)
@@ -234,11 +237,12 @@ def _stopping_worker(rank: int, world: int, leave: str) -> dict[str, Any]:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(90)
-def test_a_stop_or_a_break_on_one_rank_ends_the_job_on_every_rank() -> None:
-    stopped = run_ranks(_stopping_worker, 2, "stop", timeout=80)
+@pytest.mark.parametrize("sync", ["coalesced", "overlap"])
+def test_a_stop_or_a_break_on_one_rank_ends_the_job_on_every_rank(sync: str) -> None:
+    stopped = run_ranks(_stopping_worker, 2, "stop", sync, timeout=80)
     for run in stopped:
         assert (run["iterations"], run["stopped_at"], run["bodies"]) == (7, 7, 7)
-    left = run_ranks(_stopping_worker, 2, "break", timeout=80)
+    left = run_ranks(_stopping_worker, 2, "break", sync, timeout=80)
     # rank 0 completed iteration 9 and left; rank 1 ran iteration 10's body, whose update
     # was not made (rank 0's gradients never came): both hold the model of 10 updates
     assert [(r["iterations"], r["stopped_at"]) for r in left] == [(10, 10), (10, 10)]

@@ -129,6 +129,7 @@ def test_charts_load_history_and_gain_live_points(
     else:  # the window holds rank 2's slow iterations (a loaded machine got there first)
         assert idle[2] == min(idle), "the others wait for the straggler"
     assert pg.locator("#job-speed").inner_text().endswith("samples/s")
+    assert "ddp · gradients auto" in pg.locator("#job-facts").inner_text()  # the spec's engine
     # A straggler event shows as a marker on the timeline and in the events table.
     record_straggler(live_app, running.id, rank=2, iteration=running.workers.iteration)
     pg.wait_for_function(
