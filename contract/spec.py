@@ -203,9 +203,11 @@ class JobSpec(Request):
     others before the job fails: long enough for a slow checkpoint write or a rank-0-only
     evaluation, short enough that a rank lost inside a collective ends the job."""
     checkpoint: CheckpointSpec | None = None
-    engine: Literal["ddp"] = "ddp"
+    engine: Literal["ddp", "fsdp"] = "ddp"
     """How the ranks hold the model: ``ddp``, a whole replica on every rank, gradients summed
-    exactly over unequal shares."""
+    exactly over unequal shares; ``fsdp``, parameters, gradients and optimizer state sharded
+    over the ranks (PyTorch's FSDP2), every rank running the same number of passes and none
+    ever excluded."""
     gradient_sync: Literal["auto", "overlap", "coalesced"] = "auto"
     """How a ``ddp`` job sums gradients: ``overlap``, PyTorch's DistributedDataParallel with an
     exact weighting hook (bucketed all-reduces during backward); ``coalesced``, one all-reduce
@@ -240,7 +242,19 @@ class JobSpec(Request):
             raise ValueError("global_batch exceeds workers * max_batch_per_worker")
         if self.global_batch % self.policy.granularity:
             raise ValueError("global_batch must be a multiple of policy.granularity")
+        self._engine_fits()
         return self
+
+    def _engine_fits(self) -> None:
+        if self.engine != "fsdp":
+            return
+        if self.gradient_sync != "auto":
+            raise ValueError("gradient_sync chooses how a ddp job sums gradients; fsdp has one way")
+        if self.workload.builtin is not None:
+            raise ValueError(
+                f"engine fsdp shards a model's blocks; builtin {self.workload.builtin} has none "
+                "(use an entrypoint whose model has layers, or engine ddp)"
+            )
 
     @property
     def world_size(self) -> int:

@@ -41,7 +41,9 @@ import fsspec
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from agent.runtime.errors import FatalJobError
 from agent.runtime.plan_sync import RuntimePlan
@@ -64,6 +66,10 @@ class CheckpointPathError(CheckpointError, FatalJobError):
     """The checkpoint directory cannot be written: the job cannot run as specified."""
 
 
+class CheckpointEngineError(CheckpointError, FatalJobError):
+    """The newest checkpoint was written by a job of another engine (ddp / fsdp)."""
+
+
 @dataclass(frozen=True)
 class Saved:
     """One checkpoint written."""
@@ -78,6 +84,13 @@ class Saved:
 
 def file_name(iteration: int) -> str:
     return f"ckpt-{iteration:012d}.pt"
+
+
+def shards_name(iteration: int) -> str:
+    """The directory of a sharded checkpoint's model and optimizer (torch.distributed.checkpoint
+    format: every rank's shards and one metadata file); its ``.pt`` is written after it, so a
+    reader that finds the ``.pt`` finds the shards complete."""
+    return f"ckpt-{iteration:012d}.shards"
 
 
 class CheckpointStore:
@@ -139,6 +152,9 @@ class CheckpointStore:
         for old in self.iterations()[: -self.keep]:
             with contextlib.suppress(FileNotFoundError):
                 self.fs.rm(self._path(file_name(old)))
+            with contextlib.suppress(FileNotFoundError):
+                if self.fs.exists(self._path(shards_name(old))):
+                    self.fs.rm(self._path(shards_name(old)), recursive=True)
         return Saved(iteration, len(data), url, (time.perf_counter() - t0) * 1000.0)
 
     def load(self, iteration: int) -> dict[str, Any]:
@@ -183,11 +199,13 @@ def write_atomic(fs: Any, path: str, data: bytes) -> None:
         raise
 
 
-def save_model(model: nn.Module, path: str | None, checkpointer: Checkpointer | None) -> str:
-    """Write ``model.state_dict()`` atomically to ``path`` (a file or fsspec URL), or as
-    ``final.pt`` in the checkpoint directory; return where it went."""
+def save_model(
+    model: nn.Module | dict[str, Any], path: str | None, checkpointer: Checkpointer | None
+) -> str:
+    """Write ``model.state_dict()`` (or a state dict) atomically to ``path`` (a file or fsspec
+    URL), or as ``final.pt`` in the checkpoint directory; return where it went."""
     buf = io.BytesIO()
-    torch.save(model.state_dict(), buf)
+    torch.save(model if isinstance(model, dict) else model.state_dict(), buf)
     if path is None:
         if checkpointer is None:
             raise ValueError("no path and no checkpoint directory to save the model in")
@@ -269,10 +287,12 @@ class Checkpointer:
         global_samples: int,
         data: dict[str, Any] | None = None,
         positions: dict[int, int] | None = None,
+        shards: str | None = None,
     ) -> Saved:
         """Write the checkpoint after ``iteration`` iterations (on one rank only). ``data`` is
         what the data source needs to agree with on resume (a stream's layout), ``positions``
-        how far every rank read its shards of a sharded stream."""
+        how far every rank read its shards of a sharded stream. ``shards``: the model and
+        optimizer were written sharded by every rank (:meth:`save_shards`) there."""
         epoch, k = sampler.position(iteration)
         state = {
             "format": FORMAT,
@@ -290,14 +310,30 @@ class Checkpointer:
                 "batch_sizes": list(plan.batch_sizes),
                 "excluded": list(plan.excluded),
             },
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
+            "engine": "fsdp" if shards else "ddp",
+            **(
+                {"shards": shards}
+                if shards
+                else {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+            ),
             "rng": capture_rng(),
             "user": {name: save() for name, (save, _) in self.hooks.items()},
             "global_samples": global_samples,
             "saved_at": time.time(),
         }
         return self.store.save(state)
+
+    def save_shards(
+        self, iteration: int, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> str:
+        """Every rank of a sharded job: its shards of the model and the optimizer state, with
+        torch.distributed.checkpoint (which a job of another world size loads, resharded)."""
+        name = shards_name(iteration)
+        model_state, optim_state = get_state_dict(model, optimizer)
+        dcp.save(
+            {"model": model_state, "optimizer": optim_state}, checkpoint_id=self.store.url_of(name)
+        )
+        return name
 
     def resume(
         self,
@@ -309,21 +345,26 @@ class Checkpointer:
         group: dist.ProcessGroup | None,
         control: dist.ProcessGroup | None,
         data: dict[str, Any] | None = None,
+        sharded: bool = False,
     ) -> Resumed | None:
         """Every rank calls it before the first iteration. Rank 0 reads the newest readable
         checkpoint and every rank gets its model, optimizer, RNG and user state (a collective
         when the process group is initialised). None when there is no checkpoint yet."""
         header: list[Any] = [None]
         if rank == 0:
-            header[0] = self._read(model, optimizer, sampler, data or {})
+            header[0] = self._read(model, optimizer, sampler, data or {}, sharded)
         if dist.is_initialized():
             dist.broadcast_object_list(header, src=0, group=control)
         meta = header[0]
         if meta is None:
             return None
         if "error" in meta:
-            raise CheckpointError(meta["error"])
-        if dist.is_initialized():
+            if dist.is_initialized():  # every rank has the reason before any leaves with it
+                dist.barrier(group=control)
+            raise (CheckpointEngineError if meta.get("engine") else CheckpointError)(meta["error"])
+        if sharded:
+            self._load_shards(model, optimizer, meta["shards"])
+        elif dist.is_initialized():
             resync(
                 model, optimizer, rank=rank, root=0, apply=rank != 0, group=group, control=control
             )
@@ -335,23 +376,42 @@ class Checkpointer:
             meta["iteration"], meta["global_samples"], meta["url"], meta.get("positions", {})
         )
 
+    def _load_shards(self, model: nn.Module, optimizer: torch.optim.Optimizer, name: str) -> None:
+        """Every rank: its shards, resharded from whatever world size wrote them."""
+        model_state, optim_state = get_state_dict(model, optimizer)
+        dcp.load(
+            {"model": model_state, "optimizer": optim_state}, checkpoint_id=self.store.url_of(name)
+        )  # in place, into these dicts
+        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+
     def _read(
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         sampler: Sampler,
         data: dict[str, Any],
+        sharded: bool,
     ) -> dict[str, Any] | None:
         state = self.store.load_latest()
         if state is None:
             return None
         url = self.store.url_of(file_name(state["iteration"]))
+        written = state.get("engine", "ddp")
+        if written != ("fsdp" if sharded else "ddp"):
+            return {
+                "error": f"checkpoint {url} was written by a job of engine {written}; this job's "
+                f"engine is {'fsdp' if sharded else 'ddp'}, so it cannot resume from it (give "
+                "the job another checkpoint.path, or the engine that wrote it)",
+                "engine": written,
+            }
         problem = _mismatch(state, sampler.describe(), data)
         if problem is not None:
             return {"error": f"checkpoint {url} {problem}: it cannot resume exactly"}
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        if not sharded:
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
         return {
+            "shards": state.get("shards"),
             "iteration": int(state["iteration"]),
             "rng": state["rng"],
             "user": state["user"],

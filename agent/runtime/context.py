@@ -49,19 +49,21 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any, SupportsFloat
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.utils.data import IterableDataset
 
 from agent.runtime.checkpoint import Checkpointer, LoadState, Saved, SaveState, save_model
 from agent.runtime.datasets import DatasetLike, Source, as_source
 from agent.runtime.ddp import OverlapSync
 from agent.runtime.emulation import EMULATED_LABEL, Emulator
+from agent.runtime.fsdp import ShardedSync
 from agent.runtime.gradients import GradientSync, broadcast_module
 from agent.runtime.iteration import IterationSteps, ReplicaDivergence
 from agent.runtime.membership import ExclusionOptions, Membership
@@ -188,7 +190,7 @@ class EvenflowContext(IterationSteps, Readmission):
         """The iteration of the batch ``batches()`` yielded last (what ``log`` reports at)."""
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
-        self._sync: GradientSync | OverlapSync | None = None
+        self._sync: GradientSync | OverlapSync | ShardedSync | None = None
         self._sampler: Sampler | None = None
         self._source: Source | None = None
         self._awaiting_backward = False
@@ -275,7 +277,11 @@ class EvenflowContext(IterationSteps, Readmission):
         return self._synced
 
     def prepare(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        shard: Sequence[type[nn.Module]] | None = None,
     ) -> tuple[nn.Module, torch.optim.Optimizer]:
         """Move the model to the device, copy rank 0's weights everywhere, own its gradients.
 
@@ -283,6 +289,11 @@ class EvenflowContext(IterationSteps, Readmission):
         before, on the model's parameters, keeps working: the model is moved in place. Its
         ``step()`` refuses to run inside the loop before the iteration's gradients are
         synchronised (a port that would step on one rank's partial gradients fails at once).
+
+        Under ``engine: fsdp`` the model is sharded in place (``fully_shard`` on each instance
+        of the ``shard`` classes, by default every ``nn.ModuleList``'s layers, then the root)
+        and the optimizer switched to the sharded parameters, so a script moves from ``ddp`` to
+        ``fsdp`` by its spec alone (:mod:`agent.runtime.fsdp`).
         """
         model.to(self.device)
         broadcast_module(model, group=self.group)
@@ -291,7 +302,20 @@ class EvenflowContext(IterationSteps, Readmission):
         self.model, self.optimizer = model, optimizer
         slots = self.agreement.message_length if self.piggyback else 0
         wrapped: nn.Module = model
-        if self.gradient_sync == "overlap":
+        if self.spec.engine == "fsdp" and dist.is_initialized():
+            if self.agreement.current.excluded:
+                raise RuntimeError("a sharded (fsdp) job cannot start with a rank excluded")
+            self._sync = ShardedSync(
+                model,
+                optimizer,
+                device=self.device,
+                shard=shard,
+                control_slots=slots,
+                flag=self._flush is not None,
+                rank=self.rank,
+                world_size=self.world_size,
+            )
+        elif self.gradient_sync == "overlap":
             overlap = OverlapSync(
                 model,
                 group=self.group,
@@ -316,9 +340,9 @@ class EvenflowContext(IterationSteps, Readmission):
         if register is not None:
             register(self._before_step)
         log.info(
-            "rank %d: gradients %s; plan agreement via %s",
+            "rank %d: gradients by %s; plan agreement via %s",
             self.rank,
-            "by DDP, overlapped with backward" if self._sync.overlaps else "in one all-reduce",
+            type(self._sync).__name__,
             self.agreement.transport,
         )
         initial = self.agreement.current
@@ -368,9 +392,14 @@ class EvenflowContext(IterationSteps, Readmission):
             raise RuntimeError("call ctx.prepare(model, optimizer) before ctx.save_final()")
         if path is None and self.checkpointer is None:
             path = f"{self.output_dir.rstrip('/')}/final.pt"
+        model: nn.Module | dict[str, Any] = self.model
+        if isinstance(self._sync, ShardedSync):  # gathered whole from every rank's shards
+            model = get_model_state_dict(
+                self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            )
         if self.rank != 0:
             return None
-        self.final_model = save_model(self.model, path, self.checkpointer)
+        self.final_model = save_model(model, path, self.checkpointer)
         return self.final_model
 
     def total_iterations(self, data: int | DatasetLike | None) -> int:
@@ -482,7 +511,14 @@ class EvenflowContext(IterationSteps, Readmission):
         self._count_acc = self._count_acc + (size if count is None else count)
         if last:
             self._arm()
-        if size > 0:  # an empty batch has no samples, so no gradient
+        if isinstance(self._sync, ShardedSync):  # every pass joins every layer's collectives
+            if not loss.requires_grad:
+                raise RuntimeError(
+                    "in a sharded (fsdp) job every rank back-propagates every pass, an empty "
+                    "batch's too (its loss is 0 but must come from the model's forward)"
+                )
+            loss.backward()
+        elif size > 0:  # an empty batch has no samples, so no gradient
             loss.backward()
         elif last:
             self._sync.backward_empty()  # (DDP: every bucket's all-reduce still runs)
@@ -619,6 +655,7 @@ class EvenflowContext(IterationSteps, Readmission):
             group=self._sync.group,
             control=self.agreement.group,
             data=self._source.state(),
+            sharded=isinstance(self._sync, ShardedSync),
         )
         if resumed is None:
             log.info("rank %d: no checkpoint yet; starting at iteration 0", self.rank)
@@ -642,9 +679,13 @@ class EvenflowContext(IterationSteps, Readmission):
         assert self.model is not None and self.optimizer is not None and self._sampler
         assert self._source is not None
         positions = self._positions()  # every active rank takes part
+        shards = None
+        if isinstance(self._sync, ShardedSync):  # every rank writes its shards first
+            shards = cp.save_shards(self.iteration, self.model, self.optimizer)
         if self.rank != self._plan.leader:
             return
         saved = cp.save(
+            shards=shards,
             iteration=self.iteration,
             model=self.model,
             optimizer=self.optimizer,

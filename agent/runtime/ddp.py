@@ -185,6 +185,11 @@ class OverlapSync(SlotChannel):
         return True
 
     @property
+    def withdraws(self) -> bool:
+        """A rank that leaves its loop joins every bucket's all-reduce with zeros."""
+        return True
+
+    @property
     def numel(self) -> int:
         return sum(p.numel() for p in self._params) + self._slots.numel()
 

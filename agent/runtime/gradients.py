@@ -399,6 +399,11 @@ class GradientSync(SlotChannel):
         """Whether gradients are summed during backward (no: once, after it)."""
         return False
 
+    @property
+    def withdraws(self) -> bool:
+        """A rank that leaves its loop can join the others' all-reduce with a withdrawal."""
+        return True
+
     def expect(self, sync: bool) -> None:
         """(Passes accumulate into the buffers; nothing to set before a forward.)"""
 

@@ -21,6 +21,7 @@ from agent.runtime.datasets import Passes, Source, to_device
 from agent.runtime.ddp import OverlapSync
 from agent.runtime.emulation import Emulator
 from agent.runtime.errors import FatalJobError
+from agent.runtime.fsdp import ShardedSync, equal_passes
 from agent.runtime.gradients import GradientSync, parameter_checksum
 from agent.runtime.membership import Membership
 from agent.runtime.metrics import MetricReporter
@@ -63,7 +64,7 @@ class IterationSteps:
     stats: ContextStats
     loss_every: int
     replica_check_every: int
-    _sync: GradientSync | OverlapSync | None
+    _sync: GradientSync | OverlapSync | ShardedSync | None
     _sampler: Sampler | None
     _source: Source | None
     _plan: RuntimePlan
@@ -104,7 +105,7 @@ class IterationSteps:
         self._source.expect(self._passes_under(sizes, cap))
         self._data_pending = True
         while True:
-            chunks = [idx] if cap is None or self._local <= cap else list(idx.split(cap))
+            chunks = self._chunks(idx, sizes, cap)
             self._passes, self._pass = tuple(len(c) for c in chunks), 0
             self._loss_acc, self._count_acc = None, 0.0
             if len(chunks) > 1:
@@ -125,10 +126,19 @@ class IterationSteps:
         def passes(iteration: int) -> list[torch.Tensor]:
             if iteration >= total:
                 return []
-            idx = sampler.local_indices(iteration, sizes, rank)
-            return [idx] if cap is None or len(idx) <= cap else list(idx.split(cap))
+            return self._chunks(sampler.local_indices(iteration, sizes, rank), sizes, cap)
 
         return passes
+
+    def _chunks(
+        self, idx: torch.Tensor, sizes: tuple[int, ...], cap: int | None
+    ) -> list[torch.Tensor]:
+        """This rank's passes: its share, cut at its memory cap; under sharding, as many passes
+        as the rank that needs most (every rank joins every layer's collectives)."""
+        if isinstance(self._sync, ShardedSync):
+            caps = [self._plan.cap_of(r) for r in range(len(sizes))]
+            return equal_passes(sizes, caps, self.rank, idx)
+        return [idx] if cap is None or len(idx) <= cap else list(idx.split(cap))
 
     def _run_passes(
         self, it: int, chunks: list[torch.Tensor]
@@ -192,7 +202,8 @@ class IterationSteps:
         assert self._sync is not None and self.model is not None
         it = self.iteration
         last = it + 1 >= self._total
-        self._check = (it + 1) % self.replica_check_every == 0 or last
+        sharded = isinstance(self._sync, ShardedSync)  # (shards differ by rank: nothing to compare)
+        self._check = ((it + 1) % self.replica_check_every == 0 or last) and not sharded
         self._sync.arm(
             self._loss_acc,
             self._count_acc,
@@ -300,7 +311,7 @@ class IterationSteps:
             log.warning("rank %d: could not withdraw from the job: %r", self.rank, exc)
 
     def _sync_reads_every_iteration(self) -> bool:
-        return self._sync is not None and self._sync.reads_back_cheaply
+        return self._sync is not None and self._sync.reads_back_cheaply and self._sync.withdraws
 
     def _withdraw(self) -> None:
         assert self._sync is not None

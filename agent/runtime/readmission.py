@@ -23,6 +23,7 @@ from agent.runtime.checkpoint import LoadState, SaveState
 from agent.runtime.datasets import Source, to_device
 from agent.runtime.ddp import OverlapSync
 from agent.runtime.emulation import Emulator
+from agent.runtime.fsdp import ShardedSync
 from agent.runtime.gradients import GradientSync
 from agent.runtime.membership import GroupRole, Membership, Notice, Transition
 from agent.runtime.plan_sync import PlanAgreement, RuntimePlan, decode_plan
@@ -51,7 +52,7 @@ class Readmission:
     emulator: Emulator | None
     stats: ContextStats
     probe_loss: ProbeLoss | None
-    _sync: GradientSync | OverlapSync | None
+    _sync: GradientSync | OverlapSync | ShardedSync | None
     _sampler: Sampler | None
     _source: Source | None
     _states: dict[str, tuple[SaveState, LoadState]]

@@ -213,6 +213,16 @@ def test_bad_specs_are_422_naming_the_field(api: Api) -> None:
         ({**base, "environment": {"python": "python3"}}, "environment.python"),  # not a path
         ({**base, "engine": "zero3"}, "engine"),
         ({**base, "gradient_sync": "fast"}, "gradient_sync"),
+        ({**base, "engine": "fsdp"}, ""),  # builtin mlp has no blocks to shard
+        (
+            {
+                **base,
+                "engine": "fsdp",
+                "workload": {"entrypoint": "m:f"},
+                "gradient_sync": "overlap",
+            },
+            "",
+        ),
     ]
     for body, field in cases:
         body = {k: v for k, v in body.items() if v is not None}
