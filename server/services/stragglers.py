@@ -503,6 +503,8 @@ def _mitigate(
         sync_ms=sync_ms,
     )
     config = ladder_config(session, job, sync_ms, watch)
+    if spec.engine == "fsdp":  # every rank holds a shard: re-plan, never take one out
+        config = replace(config, may_exclude=False)
     decision, watch.ladder = decide(situation, watch.ladder, config)
     watch.rested = None
     if decision.new_batch_sizes is None:

@@ -94,6 +94,9 @@ class LadderConfig:
     server passes about two measured all-reduces once it has measured one."""
     exclude_min_ratio: float = 2.0
     """Only a rank at least this many times slower than its model may be excluded."""
+    may_exclude: bool = True
+    """Whether a rank may leave the all-reduce group at all: not in a sharded (fsdp) job, where
+    every rank holds a shard and joins every layer's collectives; the ladder re-plans there."""
     fine_tune_fraction: float = 0.05
     """Fine-tuning moves at most this fraction of the global batch."""
     horizon_min: int = 10
@@ -405,7 +408,7 @@ def _candidates(
                 excluded,
             ),
         ]
-        for ratio, rank, start in open_events:
+        for ratio, rank, start in open_events if config.may_exclude else ():
             if ratio < config.exclude_min_ratio or rank in excluded or spent((rank, start)):
                 continue
             if rank in situation.overrides.pins or len(situation.ranks) - len(excluded) < 2:

@@ -154,6 +154,12 @@ def test_exclusion_is_priced_and_never_taken_when_regrouping_costs_too_much() ->
     assert decision.action is Action.EXCLUDE and decision.rank == 3
     assert decision.new_batch_sizes is not None and decision.new_batch_sizes[3] == 0
     assert state.excluded == (3,)
+    # a sharded job's ranks all hold a shard: the same straggler is re-planned around instead
+    sharded = LadderConfig(regroup_ms=0.0, resync_ms=0.0, may_exclude=False)
+    decision, state = decide(s, LadderState(), sharded)
+    assert decision.action in (Action.REPLAN, Action.FINE_TUNE) and state.excluded == ()
+    assert Action.EXCLUDE not in {c.action for c in decision.candidates}
+    assert decision.new_batch_sizes is not None and decision.new_batch_sizes[3] < PLAN[3]
 
 
 def test_exclusion_is_not_taken_when_the_all_reduce_is_measured_not_to_slow() -> None:
