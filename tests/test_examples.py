@@ -28,8 +28,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         yield c
 
 
-def run(cluster: LocalCluster, entrypoint: str, args: dict[str, Any], out: Path) -> dict[str, Any]:
-    """Run an example as a job; its final model's state."""
+def run(
+    cluster: LocalCluster, entrypoint: str, args: dict[str, Any], out: Path, **extra: Any
+) -> dict[str, Any]:
+    """Run an example as a job (``extra``: more of the job spec); its final model's state."""
     spec = JobSpec.model_validate(
         {
             "name": entrypoint.split(":")[0].split(".")[-1],
@@ -39,6 +41,7 @@ def run(cluster: LocalCluster, entrypoint: str, args: dict[str, Any], out: Path)
             "workers": 2,
             "emulation": EMULATION,
             "policy": {"name": "minmax", "explore_iterations": 3},
+            **extra,
         }
     )
     job = cluster.submit(spec)
@@ -81,9 +84,14 @@ def test_the_image_example_equals_one_process(cluster: LocalCluster, tmp_path: P
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-def test_the_text_example_equals_one_process(cluster: LocalCluster, tmp_path: Path) -> None:
+@pytest.mark.parametrize("engine", ["ddp", "fsdp"])
+def test_the_text_example_equals_one_process(
+    cluster: LocalCluster, tmp_path: Path, engine: str
+) -> None:
+    """The same script under either engine: sharded by its spec alone (its transformer's
+    layers, its optimizer and schedule built before ctx.prepare)."""
     args = {"sequences": 400, "dropout": 0.0, "workers": 1, "seed": 2}
-    state = run(cluster, "examples.text:train", args, tmp_path / "final.pt")
+    state = run(cluster, "examples.text:train", args, tmp_path / "final.pt", engine=engine)
     data = text.dataset(args)
     model, opt, sched = text.build(args, ITERATIONS)
     sampler = GlobalBatchSampler(len(data), B, seed=SEED)
