@@ -57,6 +57,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import IterableDataset
 
 from agent.runtime.checkpoint import Checkpointer, LoadState, Saved, SaveState, save_model
@@ -295,6 +296,13 @@ class EvenflowContext(IterationSteps, Readmission):
         and the optimizer switched to the sharded parameters, so a script moves from ``ddp`` to
         ``fsdp`` by its spec alone (:mod:`agent.runtime.fsdp`).
         """
+        if isinstance(model, nn.parallel.DistributedDataParallel | FSDPModule):
+            raise TypeError(
+                f"ctx.prepare() got a model already wrapped in {type(model).__name__}: pass your "
+                "module itself; Evenflow wraps it as the job's engine says (engine ddp returns a "
+                "DistributedDataParallel, engine fsdp shards it), and a second wrapper would "
+                "reduce the gradients twice"
+            )
         model.to(self.device)
         broadcast_module(model, group=self.group)
         if optimizer is None:

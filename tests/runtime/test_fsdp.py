@@ -272,3 +272,46 @@ def test_blocks_and_passes() -> None:
     assert [len(c) for c in equal_passes((9, 7, 0), (None, 2, None), 1, idx)] == [2, 2, 2, 1]
     assert [len(c) for c in equal_passes((9, 7, 0), (None, 2, None), 2, idx[:0])] == [0] * 4
     assert [len(c) for c in equal_passes((9, 7), (None, None), 0, torch.arange(9))] == [9]
+
+
+def _misuse_worker(rank: int, world: int) -> list[str]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    seen = []
+    for wrap in ("ddp", "fsdp"):
+        ctx = _context(rank, world, 2, [], engine=wrap)
+        model = LayeredLM()
+        wrapped = DistributedDataParallel(model) if wrap == "ddp" else model
+        if wrap == "fsdp":
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(model)
+        try:
+            ctx.prepare(wrapped)
+        except TypeError as exc:
+            seen.append(str(exc))
+    # DDP's overlap: a loss computed with the module it wraps never reaches DDP
+    spec = _spec(world, 2, "ddp").model_copy(update={"gradient_sync": "overlap"})
+    agreement = PlanAgreement(
+        RuntimePlan(1, (8, 8), B), rank=rank, world_size=world, global_batch=B
+    )
+    ctx = EvenflowContext(spec, agreement, rank=rank, world_size=world)
+    inner = LayeredLM()
+    ctx.prepare(inner)  # (the DDP wrapper it returns goes unused: the mistake)
+    try:
+        for batch in ctx.batches(DataLoader(Tokens(), collate_fn=pad)):
+            ctx.backward(token_loss(inner, batch)[0])
+    except RuntimeError as exc:
+        seen.append(str(exc))
+    return seen
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(90)
+def test_a_model_wrapped_twice_or_bypassed_is_an_error_that_says_what_to_do() -> None:
+    for seen in run_ranks(_misuse_worker, 2, timeout=80):
+        assert "already wrapped in DistributedDataParallel: pass your module itself" in seen[0]
+        assert "already wrapped in FSDPLayeredLM" in seen[1]
+        assert (
+            "did not reach DDP: compute the loss with the model ctx.prepare() returned" in seen[2]
+        )
