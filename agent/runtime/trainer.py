@@ -23,6 +23,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,7 @@ from agent.runtime.membership import ExclusionOptions
 from agent.runtime.metrics import MetricSender, PostMetrics
 from agent.runtime.plan_sync import PlanAgreement, RuntimePlan, agree_initial
 from agent.runtime.rendezvous import DeviceAssignment, Rendezvous, init_process_group
+from agent.runtime.sender import BatchSender
 from agent.runtime.telemetry import PostTelemetry, TelemetrySender, TelemetryStats
 from agent.runtime.workloads import Workload, builtin, load_entrypoint
 from contract.agent import PlanOut
@@ -210,6 +212,7 @@ def run_training(
             if rank == initial.leader:
                 fetcher.start()
         sender, metric_sender = _senders(post_telemetry, post_metrics, options)
+        _settle_before_checkpoints(checkpointer, sender, metric_sender)
         agreement = PlanAgreement(
             initial,
             rank=rank,
@@ -305,6 +308,22 @@ def _senders(
             max_buffer=options.telemetry_max_buffer,
         )
     return sender, metric_sender
+
+
+def _settle_before_checkpoints(
+    checkpointer: Checkpointer | None, *senders: BatchSender[Any] | None
+) -> None:
+    """Before each checkpoint, every sender delivers what it holds (bounded, and not at all
+    while its posts fail): ``Checkpointer.settle``."""
+    if checkpointer is None:
+        return
+
+    def settle() -> None:
+        for sender in senders:
+            if sender is not None:
+                sender.settle()
+
+    checkpointer.settle = settle
 
 
 def make_checkpointer(spec: JobSpec, directory: str | None) -> Checkpointer | None:
