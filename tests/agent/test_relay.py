@@ -442,3 +442,24 @@ def test_a_real_job_posts_through_its_agents_relay(tmp_path: Path) -> None:
     assert stored == 4 * iterations  # every rank's every row, flushed before its end
     assert all(r["telemetry"]["delivered"] == iterations for r in results)
     assert server_posts >= 1 and 2 * server_posts <= worker_posts, (server_posts, worker_posts)
+
+
+def test_a_host_that_never_comes_back_loses_only_what_its_relay_took_since_its_last_post(
+    api: Api, relayed: tuple[Agent, ScriptedLauncher, CountingPost, Any], tmp_path: Path
+) -> None:
+    """The bound for a host whose disk is gone with it: the server lacks exactly what the relay
+    acknowledged since its last post (at most one flush interval of rows), nothing older."""
+    agent, launcher, _post, make_relay = relayed
+    relay = make_relay()
+    job_id = _running_job(api, agent, launcher)
+    worker = _worker(launcher, job_id, 6)
+    worker.post_telemetry(_batch(6, range(10)))
+    assert relay.flush_all()  # the flusher's post
+    worker.post_telemetry(_batch(6, range(10, 13)))
+    _die(relay)  # and the host's disk with it: the spool is never read again
+    r = api.client.get(f"/api/v1/jobs/{job_id}/telemetry", headers=api.headers()).json()
+    assert sorted(row["iteration"] for row in r["items"]) == list(range(10))
+    spool = Spool(tmp_path / "spool" / "host-a")
+    assert [(key, len(payload) > 0) for key, payload in spool.recover(lambda k, p: 3)] == [
+        ((job_id, "telemetry"), True)
+    ]  # what was lost is what the spool held: the rows since the last post
