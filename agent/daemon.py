@@ -311,7 +311,8 @@ class Agent:
             for p in self.procs.values()
             if p.state != p.reported and p.assignment.job_id not in held
         ]
-        reports = [p.report() for p in sent] + self.pending
+        pending = [r for r in self.pending if r.job_id not in held]
+        reports = [p.report() for p in sent] + pending
         try:
             ack = self.client.heartbeat(
                 self.host_id, Heartbeat(workers=reports, instance=self.instance)
@@ -332,7 +333,7 @@ class Agent:
             return None
         for p in sent:
             p.reported = p.state
-        self.pending.clear()
+        self.pending = [r for r in self.pending if r.job_id in held]
         self.failed_jobs.clear()  # the answer says what becomes of their other ranks
         self._reconcile(ack.assignments)
         self._forget_reported()

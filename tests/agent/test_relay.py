@@ -31,6 +31,7 @@ from contract.agent import (
     MetricPoint,
     TelemetryAck,
     TelemetryBatch,
+    WorkerReport,
 )
 from contract.base import MAX_TELEMETRY_RECORDS
 from contract.enums import JobStatus, Role, WorkerState
@@ -463,3 +464,31 @@ def test_a_host_that_never_comes_back_loses_only_what_its_relay_took_since_its_l
     assert [(key, len(payload) > 0) for key, payload in spool.recover(lambda k, p: 3)] == [
         ((job_id, "telemetry"), True)
     ]  # what was lost is what the spool held: the rows since the last post
+
+
+def test_a_rank_reported_without_a_process_waits_for_its_jobs_rows_too(
+    api: Api, relayed: tuple[Agent, ScriptedLauncher, CountingPost, Any]
+) -> None:
+    """A rank the agent reports without having run it (its predecessor did: a restarted
+    agent's report) is held back like an ended rank while its job's spooled rows cannot go."""
+    agent, launcher, post, make_relay = relayed
+    make_relay()
+    job_id = _running_job(api, agent, launcher)
+    seen: list[tuple[list[tuple[int, WorkerState]], int]] = []
+    heartbeat = agent.client.heartbeat
+
+    def watched(host_id: int, hb: Heartbeat) -> HeartbeatAck:
+        seen.append(([(w.rank, w.state) for w in hb.workers], _stored(api, job_id)))
+        return heartbeat(host_id, hb)
+
+    agent.client.heartbeat = watched  # type: ignore[method-assign]
+    _worker(launcher, job_id, 5).post_telemetry(_batch(5, range(10)))
+    agent.pending.append(
+        WorkerReport(job_id=job_id, rank=5, state=WorkerState.FAILED, error="gone", exit_code=5)
+    )
+    post.down = True
+    agent.tick()
+    assert seen[-1] == ([], 0) and len(agent.pending) == 1
+    post.down = False
+    agent.tick()
+    assert seen[-1] == ([(5, WorkerState.FAILED)], 10) and agent.pending == []
