@@ -95,15 +95,13 @@ def _digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-def _items(kind: str, body: bytes) -> list[Item]:
-    """The rows or points of one worker post (raises ``ValidationError``)."""
+def _parse(kind: str, body: bytes) -> tuple[list[Item], bool]:
+    """The rows or points of one worker post, and whether it is urgent (raises
+    ``ValidationError``)."""
     if kind == TELEMETRY:
-        return list(TelemetryBatch.model_validate_json(body).all_records())
-    return list(MetricBatch.model_validate_json(body).points)
-
-
-def _urgent(kind: str, body: bytes) -> bool:
-    return kind == TELEMETRY and TelemetryBatch.model_validate_json(body).urgent
+        batch = TelemetryBatch.model_validate_json(body)
+        return list(batch.all_records()), batch.urgent
+    return list(MetricBatch.model_validate_json(body).points), False
 
 
 class TelemetryRelay:
@@ -202,14 +200,14 @@ class TelemetryRelay:
             if key[1] not in KINDS:
                 return None
             try:
-                return len(_items(key[1], payload))
+                return len(_parse(key[1], payload)[0])
             except ValidationError:
                 return None
 
         records = spool.recover(count)
         with self._cond:
             for key, payload in records:
-                self._rows.setdefault(key, deque()).extend(_items(key[1], payload))
+                self._rows.setdefault(key, deque()).extend(_parse(key[1], payload)[0])
             self.recovered = sum(len(rows) for rows in self._rows.values())
         if records or spool.torn:
             log.info(
@@ -237,8 +235,7 @@ class TelemetryRelay:
                 f"{kind} for job {job_id}"
             }
         try:
-            items = _items(kind, body)
-            urgent = _urgent(kind, body)
+            items, urgent = _parse(kind, body)
         except ValidationError as exc:
             return 422, {"detail": str(exc).splitlines()[0], "errors": json.loads(exc.json())}
         other = next((r.rank for r in items if r.rank != grant[1]), None)

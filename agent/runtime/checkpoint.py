@@ -251,10 +251,11 @@ class Checkpointer:
         self.every = every
         self.hooks: dict[str, tuple[SaveState, LoadState]] = {}
         self.settle = settle
-        """Run on every rank when a checkpoint is due, before it is written: waits (bounded)
-        until what this rank reported of the iterations done (telemetry, metrics) is delivered
-        (to the agent's relay, which keeps it on disk), so a resume from the checkpoint never
-        skips iterations whose records died with the rank."""
+        """Run on every rank in the loop when a checkpoint is due, before it is written: waits
+        (bounded) until what the ranks reported of the iterations done (telemetry, metrics) is
+        delivered (to the agent's relay, which keeps it on disk), so a resume from the
+        checkpoint never skips iterations whose records died with a rank. It may be a
+        collective: every rank in the loop asks ``due`` at the same iterations."""
 
     def add(self, name: str, save: SaveState, load: LoadState) -> None:
         if name in self.hooks:
@@ -267,10 +268,7 @@ class Checkpointer:
         (``settle``)."""
         due = iteration > 0 and iteration % self.every == 0
         if due and self.settle is not None:
-            try:
-                self.settle()
-            except Exception as exc:  # best effort: never into the training loop
-                log.warning("reports before checkpoint %d not settled: %r", iteration, exc)
+            self.settle()
         return due
 
     def save(

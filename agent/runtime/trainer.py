@@ -212,7 +212,6 @@ def run_training(
             if rank == initial.leader:
                 fetcher.start()
         sender, metric_sender = _senders(post_telemetry, post_metrics, options)
-        _settle_before_checkpoints(checkpointer, sender, metric_sender)
         agreement = PlanAgreement(
             initial,
             rank=rank,
@@ -224,6 +223,7 @@ def run_training(
             pipelined=options.pipelined_agreement,
             max_batch=spec.max_batch_per_worker,
         )
+        _settle_before_checkpoints(checkpointer, [sender, metric_sender], lambda: agreement.group)
         emulator = None
         if spec.emulation is not None and options.emulate:
             emulator = Emulator(spec.emulation[rank])
@@ -311,17 +311,27 @@ def _senders(
 
 
 def _settle_before_checkpoints(
-    checkpointer: Checkpointer | None, *senders: BatchSender[Any] | None
+    checkpointer: Checkpointer | None,
+    senders: list[BatchSender[Any] | None],
+    group: Callable[[], dist.ProcessGroup | None],
 ) -> None:
     """Before each checkpoint, every sender delivers what it holds (bounded, and not at all
-    while its posts fail): ``Checkpointer.settle``."""
+    while its posts fail), and the ranks in the loop (``group``: the agreement's, of the active
+    ranks) wait for one another, so the leader writes only once every rank's records of the
+    iterations the checkpoint holds are delivered: ``Checkpointer.settle``."""
     if checkpointer is None:
         return
 
     def settle() -> None:
         for sender in senders:
-            if sender is not None:
+            if sender is None:
+                continue
+            try:
                 sender.settle()
+            except Exception as exc:  # best effort: never into the training loop
+                log.warning("%s not settled before a checkpoint: %r", sender.what, exc)
+        if dist.is_initialized() and dist.get_world_size(group()) > 1:
+            dist.all_reduce(torch.zeros(1), group=group())  # a CPU tensor: gloo in any group
 
     checkpointer.settle = settle
 
