@@ -17,11 +17,14 @@ code never sees the agent's token nor any variable the operator marks secret. A 
 stops because its job ended on the control plane exits with ``WORKER_EXIT_JOB_ENDED`` and is
 reported stopped.
 
-Workers post their telemetry to the agent's relay (``agent.relay``, started by ``run``; its
-URL reaches them as ``EVENFLOW_TELEMETRY_RELAY``), which takes each rank's batches with the
-credential handed to it and posts one batch per job. Before a heartbeat reports that a rank
-ended, its job's relayed rows are flushed (the report waits while they cannot be, at most
-``HOLD_EXIT_REPORT_S``), so the control plane has all of a rank's rows when it learns of its end.
+Workers post their telemetry and metrics to the agent's relay (``agent.relay``, started by
+``run``; its URL reaches them as ``EVENFLOW_TELEMETRY_RELAY``), which takes each rank's batches
+with the credential handed to it, keeps them in its spool (``workdir/spool/<host name>``,
+``agent.spool``) before it answers, and posts one batch per job and kind. A relay started over
+an earlier agent's spool posts what it holds before the agent's first heartbeat. Before a
+heartbeat reports that a rank ended (or could not be launched), its job's relayed rows are
+flushed (the report waits while they cannot be, at most ``HOLD_EXIT_REPORT_S``), so the control
+plane has all of a rank's rows when it learns of its end.
 
 Processes are started, polled and stopped through an injected ``agent.launcher.Launcher`` (tests
 script one). The real one records each running worker (pid, start time) under
@@ -38,6 +41,10 @@ with the agent's pid and process start time): an agent started again on the host
 predecessor died (a crash, ``kill -9``, a reboot) finds that process gone and carries on as
 the same instance, so it takes its host back at once instead of being refused until the dead
 one's heartbeat is ``live_after_s`` old. A predecessor that still runs is never taken over.
+The ranks the predecessor ran died with it (``agent.runtime.parent``); the control plane still
+wants them run, but their credentials died with it too, so the agent reports each failed with
+``WORKER_EXIT_AGENT_GONE`` and the reason "host h1's agent restarted (it died while rank 0 of
+job 7 ran)", which the job's restart records.
 
 When a rank fails, the control plane decides, on the heartbeat that reports it, what becomes of
 the other ranks: it fails the job (they are told to stop), restarts it as a new *attempt*
@@ -79,8 +86,10 @@ from agent.launcher import (
 )
 from agent.network import check_address
 from agent.relay import RELAY_ENV, TelemetryRelay
+from agent.spool import Spool
 from contract.agent import (
     LOG_TAIL_CHARS,
+    WORKER_EXIT_AGENT_GONE,
     WORKER_EXIT_FATAL,
     WORKER_EXIT_JOB_ENDED,
     Assignment,
@@ -101,10 +110,12 @@ FATAL_REGISTER_STATUSES = (401, 403, 404, 405, 409)
 the host, or an address that is not an Evenflow control plane (404/405: no such API there)."""
 ERROR_TAIL_LINES = 60
 HOLD_EXIT_REPORT_S = 30.0
+"""How long a rank's end is kept out of the heartbeat while its job's relayed telemetry cannot be
+flushed; then it is reported anyway (the rows stay in the spool and are retried)."""
 RESERVED_PACKAGES = ("agent", "contract", "evenflow", "server")
 """Evenflow's own top-level packages: a job's code may not bring one of the same name."""
-"""How long a rank's end is kept out of the heartbeat while its job's relayed telemetry cannot be
-flushed; then it is reported anyway (the rows stay buffered and are retried)."""
+SPOOL_MAX_BYTES = 512 * 2**20
+"""The relay's spool bound (all jobs): past it, workers keep their rows and retry."""
 
 
 def discover_devices(cpu_workers: int | None = None) -> list[DeviceInfo]:
@@ -210,6 +221,10 @@ class Agent:
     """The workers' telemetry relay (``agent.relay``); ``run`` starts one when none is given
     and ``relay_telemetry`` is set. Without one, workers post their telemetry to the server."""
     relay_telemetry: bool = True
+    spool_max_bytes: int = SPOOL_MAX_BYTES
+    predecessor: str | None = None
+    """How the agent this host ran before ended, when this one carries on as its instance:
+    ``"died"`` (its process is gone without having stopped) or ``"stopped"``."""
     held_since: dict[int, float] = field(default_factory=dict)
     """Jobs whose ranks' ends are held back until their relayed rows are flushed: since when."""
 
@@ -232,7 +247,8 @@ class Agent:
         try:
             record = json.loads(self._record.read_text())
             instance, pid, started = str(record["instance"]), int(record["pid"]), record["start"]
-        except (OSError, ValueError, KeyError, TypeError):
+            stopped = record.get("stopped") is True
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return
         if pid == os.getpid() or started is None:
             return
@@ -244,10 +260,14 @@ class Agent:
             pid,
         )
         self.instance = instance
+        self.predecessor = "stopped" if stopped else "died"
 
-    def _write_record(self) -> None:
-        record = {"instance": self.instance, "pid": os.getpid()}
+    def _write_record(self, *, stopped: bool = False) -> None:
+        """Record this agent (``stopped``: it stopped its workers and is about to exit)."""
+        record: dict[str, object] = {"instance": self.instance, "pid": os.getpid()}
         record["start"] = process_start_time(os.getpid())
+        if stopped:
+            record["stopped"] = True
         try:
             self._record.parent.mkdir(parents=True, exist_ok=True)
             tmp = self._record.with_suffix(".tmp")
@@ -291,7 +311,8 @@ class Agent:
             for p in self.procs.values()
             if p.state != p.reported and p.assignment.job_id not in held
         ]
-        reports = [p.report() for p in sent] + self.pending
+        pending = [r for r in self.pending if r.job_id not in held]
+        reports = [p.report() for p in sent] + pending
         try:
             ack = self.client.heartbeat(
                 self.host_id, Heartbeat(workers=reports, instance=self.instance)
@@ -312,7 +333,7 @@ class Agent:
             return None
         for p in sent:
             p.reported = p.state
-        self.pending.clear()
+        self.pending = [r for r in self.pending if r.job_id in held]
         self.failed_jobs.clear()  # the answer says what becomes of their other ranks
         self._reconcile(ack.assignments)
         self._forget_reported()
@@ -331,6 +352,7 @@ class Agent:
             for p in self.procs.values()
             if p.state.terminal and p.state != p.reported
         }
+        ended |= {r.job_id for r in self.pending if r.state.terminal}
         held = set()
         for job_id in sorted(ended):
             if self.relay.flush(job_id):
@@ -365,8 +387,13 @@ class Agent:
         """Tick until ``stop`` is set, then stop every worker (and the telemetry relay, which
         it starts first unless ``relay_telemetry`` is off)."""
         if self.relay is None and self.relay_telemetry:
-            self.relay = TelemetryRelay(self.client.post_telemetry, flush_s=self._telemetry_s())
-            self.relay.start()
+            self.relay = TelemetryRelay(
+                self.client.post_telemetry,
+                post_metrics=self.client.post_metrics,
+                spool=Spool(self.workdir / "spool" / self.name, max_bytes=self.spool_max_bytes),
+                flush_s=self._telemetry_s(),
+            )
+            self.relay.start()  # what an earlier agent's spool holds goes first
         while not stop.is_set() and not self.replaced:
             try:
                 self.tick()
@@ -399,13 +426,17 @@ class Agent:
                 )
 
     def _refuse(self, a: Assignment) -> None:
-        """A rank to run without a credential was handed out before (to an earlier instance of
-        this agent): launching it again cannot join its job."""
+        """A rank to run without a credential was handed out before, to an earlier agent
+        process of this host, and died with it: launching it again cannot join its job (the
+        control plane restarts the job), and the report says why in words."""
+        how = {
+            "died": "it died",
+            "stopped": "it was stopped",
+        }.get(self.predecessor or "", "an earlier agent process of the host ended")
         error = (
-            f"rank {a.rank} of job {a.job_id} was already handed to an earlier agent on this "
-            "host; its credential is not known to this agent, so it is not launched again"
+            f"host {self.name}'s agent restarted ({how} while rank {a.rank} of job {a.job_id} ran)"
         )
-        self._fail_unlaunched(a, error, fatal=False)
+        self._fail_unlaunched(a, error, fatal=False, exit_code=WORKER_EXIT_AGENT_GONE)
 
     def _launch(self, a: Assignment, worker_token: str) -> None:
         jobdir = self.workdir / f"job-{a.job_id}"
@@ -469,7 +500,9 @@ class Agent:
                 )
         return code
 
-    def _fail_unlaunched(self, a: Assignment, error: str, *, fatal: bool) -> None:
+    def _fail_unlaunched(
+        self, a: Assignment, error: str, *, fatal: bool, exit_code: int | None = None
+    ) -> None:
         """Report a rank this agent could not start, with why (fatal: the same everywhere)."""
         self.done.add((a.job_id, a.rank, a.attempt))
         log.error("job %d rank %d not launched: %s", a.job_id, a.rank, error)
@@ -479,7 +512,7 @@ class Agent:
                 rank=a.rank,
                 state=WorkerState.FAILED,
                 error=error,
-                exit_code=WORKER_EXIT_FATAL if fatal else None,
+                exit_code=WORKER_EXIT_FATAL if fatal else exit_code,
                 attempt=a.attempt,
             )
         )
@@ -576,6 +609,8 @@ class Agent:
                 self._stop(proc)
         if self.relay is not None:
             self.relay.close()
+        if self.host_id is not None and not self.replaced:
+            self._write_record(stopped=True)
 
 
 def _last_lines(path: Path) -> str:

@@ -47,6 +47,11 @@ WORKER_EXIT_FATAL = 4
 """A worker's exit status when the job cannot run as specified wherever it is placed (its
 checkpoint path cannot be written): the control plane fails the job without restarting it."""
 
+WORKER_EXIT_AGENT_GONE = 5
+"""A worker's exit status when its agent died (``agent.runtime.parent``), and what an agent
+started again reports for a rank its dead predecessor ran (``error`` then says so in words):
+the control plane restarts the job, naming the agent's end as the reason."""
+
 
 class HostRegister(Request):
     protocol_version: int = Field(ge=0, le=MAX_ID)

@@ -260,12 +260,20 @@ class Checkpointer:
     """A job's checkpoints as its training loop sees them: when one is due, what goes in it,
     and how every rank resumes from the newest (one rank reads, all receive)."""
 
-    def __init__(self, store: CheckpointStore, every: int) -> None:
+    def __init__(
+        self, store: CheckpointStore, every: int, settle: Callable[[], object] | None = None
+    ) -> None:
         if every < 1:
             raise ValueError("every must be at least 1")
         self.store = store
         self.every = every
         self.hooks: dict[str, tuple[SaveState, LoadState]] = {}
+        self.settle = settle
+        """Run on every rank in the loop when a checkpoint is due, before it is written: waits
+        (bounded) until what the ranks reported of the iterations done (telemetry, metrics) is
+        delivered (to the agent's relay, which keeps it on disk), so a resume from the
+        checkpoint never skips iterations whose records died with a rank. It may be a
+        collective: every rank in the loop asks ``due`` at the same iterations."""
 
     def add(self, name: str, save: SaveState, load: LoadState) -> None:
         if name in self.hooks:
@@ -273,8 +281,13 @@ class Checkpointer:
         self.hooks[name] = (save, load)
 
     def due(self, iteration: int) -> bool:
-        """Whether a checkpoint is written once ``iteration`` iterations are done."""
-        return iteration > 0 and iteration % self.every == 0
+        """Whether a checkpoint is written once ``iteration`` iterations are done. Every rank
+        asks after each iteration; when one is, this rank's reports are settled first
+        (``settle``)."""
+        due = iteration > 0 and iteration % self.every == 0
+        if due and self.settle is not None:
+            self.settle()
+        return due
 
     def save(
         self,

@@ -25,10 +25,12 @@ import signal
 import sys
 import threading
 
+from contract.agent import WORKER_EXIT_AGENT_GONE
+
 log = logging.getLogger("evenflow.runtime.parent")
 
 CHECK_INTERVAL_S = 1.0
-EXIT_AGENT_GONE = 5
+EXIT_AGENT_GONE = WORKER_EXIT_AGENT_GONE
 """Exit status of a worker whose agent died (nobody is left to read it but init); not 4,
 ``WORKER_EXIT_FATAL``, which tells the control plane not to restart the job."""
 PR_SET_PDEATHSIG = 1

@@ -18,9 +18,10 @@ it is a long-poll: the server holds the request until a newer plan is committed 
 at once) or ``plan_wait_s`` passes (then 304), so a new plan arrives within milliseconds
 instead of a poll interval later; the request's read timeout is the client's plus
 ``plan_wait_s``. It raises on anything else that is not a 2xx. With ``telemetry_relay`` (the
-agent's relay, ``agent.relay``: ``EVENFLOW_TELEMETRY_RELAY``) telemetry goes there instead, with
-the same body and credential; the relay posts a host's ranks in one batch per job. Everything
-else goes to the server. ``post_telemetry`` raises on
+agent's relay, ``agent.relay``: ``EVENFLOW_TELEMETRY_RELAY``) telemetry and metrics go there
+instead, with the same bodies and credential; the relay keeps them on the host's disk before it
+answers and posts a host's ranks in one batch per job. Everything else goes to the server (a
+relay that cannot keep a batch answers 503, which the senders retry). ``post_telemetry`` raises on
 failure, which makes the telemetry sender retry, except that it raises ``TelemetryClosed`` when
 the job has ended (409, or 401: the rank's credential died with its job), which stops the
 rank; ``post_metrics`` likewise. All run on the runtime's background threads, never in the
@@ -77,7 +78,7 @@ class RemoteControlPlane:
         self.plan_url = f"{base}/plan"
         relay = f"{telemetry_relay.rstrip('/')}/api/v1/jobs/{job_id}" if telemetry_relay else base
         self.telemetry_url = f"{relay}/telemetry"
-        self.metrics_url = f"{base}/metrics"
+        self.metrics_url = f"{relay}/metrics"
         self.rendezvous_url = f"{base}/rendezvous"
         self.checkpoints_url = f"{base}/checkpoints"
         self.artifacts_url = f"{base}/artifacts"

@@ -23,6 +23,10 @@ Accounting is exact: ``submitted == delivered + dropped + pending``.
   the final :class:`TelemetryStats`; whatever is still pending then is lost (and counted).
 - :meth:`~BatchSender.flush_soon` makes the thread post at once (unless it is backing off after
   a failure), with ``urgent`` set for that post.
+- :meth:`~BatchSender.settle` waits (bounded) until every item submitted so far is delivered:
+  the training loop calls it before a checkpoint, so that a checkpoint, which a restarted job
+  resumes from, never holds iterations whose records are still only in this process. It
+  gives up at once while posts fail: training never waits on a control plane that is down.
 """
 
 from __future__ import annotations
@@ -53,6 +57,8 @@ class TelemetryClosed(Exception):
 
 CLOSE_RETRY_S = 0.2
 """Longest wait between retries once closing (the close deadline bounds the total)."""
+SETTLE_S = 5.0
+"""Longest :meth:`BatchSender.settle` waits (a relay that neither answers nor fails)."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +106,7 @@ class BatchSender(Generic[T]):
         self._closing = False
         self._closed: TelemetryClosed | None = None
         self._urgent = False
+        self._hurry = False  # post now, not urgent (settle)
         self._deadline = float("inf")
         self._submitted = self._delivered = self._dropped = self._failures = self._posts = 0
         self._thread = threading.Thread(target=self._run, name=f"evenflow-{what}", daemon=True)
@@ -122,6 +129,29 @@ class BatchSender(Generic[T]):
         with self._cond:
             self._urgent = True
             self._cond.notify()
+
+    def settle(self, timeout_s: float = SETTLE_S) -> bool:
+        """Post what is queued now and wait until every item submitted before the call has
+        left the queue (delivered, or dropped), at most ``timeout_s``; returns at once, False,
+        while the sender is backing off after a failure (or once a post fails meanwhile)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            target = self._submitted
+            failures = self._failures
+            self._hurry = True
+            self._cond.notify_all()
+            while self._submitted - len(self._queue) - self._in_flight < target:
+                left = deadline - time.monotonic()
+                if (
+                    left <= 0
+                    or self._backoff.failing
+                    or self._failures != failures
+                    or self._closed is not None
+                    or not self._thread.is_alive()
+                ):
+                    return False
+                self._cond.wait(left)
+            return True
 
     @property
     def stats(self) -> TelemetryStats:
@@ -178,7 +208,7 @@ class BatchSender(Generic[T]):
                         delay = backoff.current_s or self.flush_interval_s
                     due = last_attempt + delay
                     full = not backoff.failing and (
-                        self._urgent or len(self._queue) >= self.flush_records
+                        self._urgent or self._hurry or len(self._queue) >= self.flush_records
                     )
                     if self._queue and (full or now >= due):
                         break
@@ -189,6 +219,7 @@ class BatchSender(Generic[T]):
                 n = min(len(self._queue), self.max_batch)
                 batch = [self._queue.popleft() for _ in range(n)]
                 urgent, self._urgent = self._urgent, False
+                self._hurry = self._hurry and len(self._queue) > 0
                 self._in_flight = n
             last_attempt = time.monotonic()
             ok = self._send(batch, urgent)
@@ -197,6 +228,7 @@ class BatchSender(Generic[T]):
                 if self._closed is not None:  # the job ended: nothing more will be taken
                     self._dropped += n + len(self._queue)
                     self._queue.clear()
+                    self._cond.notify_all()
                     return
                 if ok:
                     self._delivered += n
@@ -207,6 +239,7 @@ class BatchSender(Generic[T]):
                     self._queue.extendleft(reversed(batch))
                     self._trim()
                     backoff.failed()
+                self._cond.notify_all()  # settle() waits on what left the queue
 
     def _send(self, batch: list[T], urgent: bool) -> bool:
         try:

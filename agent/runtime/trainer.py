@@ -23,6 +23,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,7 @@ from agent.runtime.membership import ExclusionOptions
 from agent.runtime.metrics import MetricSender, PostMetrics
 from agent.runtime.plan_sync import PlanAgreement, RuntimePlan, agree_initial
 from agent.runtime.rendezvous import DeviceAssignment, Rendezvous, init_process_group
+from agent.runtime.sender import BatchSender
 from agent.runtime.telemetry import PostTelemetry, TelemetrySender, TelemetryStats
 from agent.runtime.workloads import Workload, builtin, load_entrypoint
 from contract.agent import PlanOut
@@ -221,6 +223,7 @@ def run_training(
             pipelined=options.pipelined_agreement,
             max_batch=spec.max_batch_per_worker,
         )
+        _settle_before_checkpoints(checkpointer, [sender, metric_sender], lambda: agreement.group)
         emulator = None
         if spec.emulation is not None and options.emulate:
             emulator = Emulator(spec.emulation[rank])
@@ -305,6 +308,32 @@ def _senders(
             max_buffer=options.telemetry_max_buffer,
         )
     return sender, metric_sender
+
+
+def _settle_before_checkpoints(
+    checkpointer: Checkpointer | None,
+    senders: list[BatchSender[Any] | None],
+    group: Callable[[], dist.ProcessGroup | None],
+) -> None:
+    """Before each checkpoint, every sender delivers what it holds (bounded, and not at all
+    while its posts fail), and the ranks in the loop (``group``: the agreement's, of the active
+    ranks) wait for one another, so the leader writes only once every rank's records of the
+    iterations the checkpoint holds are delivered: ``Checkpointer.settle``."""
+    if checkpointer is None:
+        return
+
+    def settle() -> None:
+        for sender in senders:
+            if sender is None:
+                continue
+            try:
+                sender.settle()
+            except Exception as exc:  # best effort: never into the training loop
+                log.warning("%s not settled before a checkpoint: %r", sender.what, exc)
+        if dist.is_initialized() and dist.get_world_size(group()) > 1:
+            dist.all_reduce(torch.zeros(1), group=group())  # a CPU tensor: gloo in any group
+
+    checkpointer.settle = settle
 
 
 def make_checkpointer(spec: JobSpec, directory: str | None) -> Checkpointer | None:

@@ -39,9 +39,9 @@ its replicas diverged), which the control plane does not retry; 5 when its agent
 job's plan and posts this rank's telemetry and metrics, nothing else, and dies with the job.
 
 ``EVENFLOW_TELEMETRY_RELAY`` (optional) is the launching agent's telemetry relay
-(``agent.relay``), e.g. ``http://127.0.0.1:PORT``: telemetry is posted there, with the same
-credential, and the agent posts its host's ranks in one batch per job. Without it telemetry
-goes to ``EVENFLOW_SERVER`` like everything else.
+(``agent.relay``), e.g. ``http://127.0.0.1:PORT``: telemetry and metrics are posted there,
+with the same credential; the agent keeps them on its disk and posts its host's ranks in one
+batch per job. Without it they go to ``EVENFLOW_SERVER`` like everything else.
 """
 
 from __future__ import annotations

@@ -484,12 +484,30 @@ def _lose(session: Session, host: Host, now: datetime) -> None:
         # only a live attempt with a rank here loses it (a restarting job's old attempt
         # may still hold devices here: they just go offline; a rank that left the job
         # for good is no loss)
+        here = (
+            sorted(
+                w.rank for w in job.workers if w.host_id == host.id and w.rank not in job.departed
+            )
+            if job is not None
+            else []
+        )
         if (
             job is not None
-            and any(w.host_id == host.id and w.rank not in job.departed for w in job.workers)
+            and here
             and JobStatus(job.status) in (JobStatus.STARTING, JobStatus.RUNNING)
         ):
-            jobs.fail_or_restart(session, job, f"host '{host.name}' was lost", now)
+            jobs.fail_or_restart(session, job, lost_reason(host, here, job.id, now), now)
+
+
+def lost_reason(host: Host, ranks: list[int], job_id: int, now: datetime) -> str:
+    """Why a job lost ranks with a host: its agent's heartbeats stopped (the host is down, cut
+    off, or its agent did not come back in time)."""
+    silent = (now - host.last_heartbeat).total_seconds()
+    which = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+    return (
+        f"host '{host.name}' was lost (no heartbeat from its agent for {silent:.0f} s while "
+        f"{which} of job {job_id} ran there)"
+    )
 
 
 def release_silent(session: Session, now: datetime, after_s: float) -> list[Device]:

@@ -22,7 +22,7 @@ from datetime import datetime
 from sqlalchemy import Connection, bindparam, case, exists, func, select, text, update
 from sqlalchemy.orm import Session, selectinload
 
-from contract.agent import WORKER_EXIT_FATAL, WorkerReport
+from contract.agent import WORKER_EXIT_AGENT_GONE, WORKER_EXIT_FATAL, WorkerReport
 from contract.api import RestartOut
 from contract.enums import (
     JOB_TRANSITIONS,
@@ -621,8 +621,13 @@ def _release_ended_rank(session: Session, worker: Worker, now: datetime) -> None
 
 
 def failure_reason(report: WorkerReport) -> str:
-    """One line on why a rank failed: the signal that killed it (its log's last line would
-    be whatever it was doing), else its error's last line (a traceback's exception)."""
+    """One line on why a rank failed, in words a person reads: its agent's end (the agent
+    that came back says so, ``WORKER_EXIT_AGENT_GONE``), the signal that killed it (its log's
+    last line would be whatever it was doing), else its error's last line (a traceback's
+    exception)."""
+    if report.exit_code == WORKER_EXIT_AGENT_GONE and report.signal is None:
+        said = (report.error or "").strip().splitlines()[-1:]
+        return " ".join(said) or f"rank {report.rank}'s agent died while it ran"
     if report.signal is not None:
         return f"rank {report.rank} killed by {report.signal}"
     code = report.exit_code

@@ -1,10 +1,12 @@
 """The agent's telemetry relay against the real app: workers post to the relay over a real
 socket (as ``agent.runtime.remote`` does), the relay posts to the app in-process, and the
-agent's loop is driven with the scripted launcher of ``test_agent_loop``."""
+agent's loop is driven with the scripted launcher of ``test_agent_loop``. The relay keeps what
+it acknowledges in a spool on disk: a relay started over a dead one's spool posts it."""
 
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,7 +23,16 @@ from agent.launcher import ProcessExit
 from agent.relay import RELAY_ENV, TelemetryRelay
 from agent.runtime.remote import RemoteControlPlane
 from agent.runtime.telemetry import TelemetryClosed
-from contract.agent import Heartbeat, HeartbeatAck, TelemetryAck, TelemetryBatch
+from agent.spool import HEADER, Spool
+from contract.agent import (
+    Heartbeat,
+    HeartbeatAck,
+    MetricBatch,
+    MetricPoint,
+    TelemetryAck,
+    TelemetryBatch,
+    WorkerReport,
+)
 from contract.base import MAX_TELEMETRY_RECORDS
 from contract.enums import JobStatus, Role, WorkerState
 from contract.spec import JobSpec
@@ -79,7 +90,9 @@ def relayed(
     agent.register()
 
     def make_relay(**kw: Any) -> TelemetryRelay:
-        agent.relay = TelemetryRelay(post, **{"flush_s": 3600.0, **kw})
+        kw = {"flush_s": 3600.0, "post_metrics": client.post_metrics, **kw}
+        kw.setdefault("spool", Spool(tmp_path / "spool" / "host-a"))
+        agent.relay = TelemetryRelay(post, **kw)
         agent.relay.start()
         return agent.relay
 
@@ -263,17 +276,126 @@ def test_rows_posted_while_the_server_is_down_get_there_once_it_is_back(
     until(lambda: _stored(api, job_id) == 10)
 
 
-def test_a_full_buffer_drops_its_oldest_rows(
+def test_a_full_job_buffer_refuses_a_batch_rather_than_drop_acknowledged_rows(
     api: Api, relayed: tuple[Agent, ScriptedLauncher, CountingPost, Any]
 ) -> None:
     agent, launcher, _post, make_relay = relayed
     relay = make_relay(max_rows=6)
     job_id = _running_job(api, agent, launcher)
-    _worker(launcher, job_id, 0).post_telemetry(_batch(0, range(10)))
-    assert relay.pending(job_id) == 6 and relay.rows_dropped == 4
+    worker = _worker(launcher, job_id, 0)
+    worker.post_telemetry(_batch(0, range(4)))
+    with pytest.raises(httpx.HTTPStatusError) as refused:  # the sender keeps it and retries
+        worker.post_telemetry(_batch(0, range(4, 8)))
+    assert refused.value.response.status_code == 503
+    assert refused.value.response.headers["Retry-After"] == "2"
+    assert relay.pending(job_id) == 4 and relay.rows_dropped == 0
+    assert relay.flush_all()
+    worker.post_telemetry(_batch(0, range(4, 8)))  # room again
     assert relay.flush_all()
     r = api.client.get(f"/api/v1/jobs/{job_id}/telemetry", headers=api.headers()).json()
-    assert sorted(row["iteration"] for row in r["items"]) == [4, 5, 6, 7, 8, 9]
+    assert sorted(row["iteration"] for row in r["items"]) == list(range(8))
+
+
+def _die(relay: TelemetryRelay) -> None:
+    """What ``kill -9`` leaves of a relay: its endpoint gone, nothing flushed, the spool's
+    files as they are."""
+    with relay._cond:
+        relay._closing = True
+        relay._cond.notify_all()
+    assert relay._server is not None
+    relay._server.shutdown()
+    relay._server.server_close()
+    assert relay.spool is not None
+    relay.spool.close()
+
+
+def _points(api: Api, job_id: int) -> dict[tuple[str, int], list[int]]:
+    r = api.client.get(f"/api/v1/jobs/{job_id}/metrics", headers=api.headers())
+    assert r.status_code == 200, r.text
+    return {(s["name"], s["rank"]): s["iteration"] for s in r.json()["series"]}
+
+
+def _metric_batch(rank: int, iterations: range) -> MetricBatch:
+    return MetricBatch(
+        points=[MetricPoint(rank=rank, iteration=i, name="acc", value=0.5) for i in iterations]
+    )
+
+
+def test_what_a_dead_relay_acknowledged_is_posted_by_the_next_before_anything_else(
+    api: Api, relayed: tuple[Agent, ScriptedLauncher, CountingPost, Any], tmp_path: Path
+) -> None:
+    agent, launcher, post, make_relay = relayed
+    relay = make_relay()
+    job_id = _running_job(api, agent, launcher)
+    for rank in (0, 3):
+        worker = _worker(launcher, job_id, rank)
+        assert worker.post_telemetry(_batch(rank, range(5))).accepted == 5
+        assert worker.post_metrics(_metric_batch(rank, range(5))).accepted == 5
+    _die(relay)
+    assert _stored(api, job_id) == 0 and _points(api, job_id) == {}
+    post.posts.clear()
+    again = make_relay()  # over the same spool, as a restarted agent's
+    assert again.recovered == 20
+    assert post.posts == [(job_id, 10, False)]  # in start(), before serving a worker; then
+    # the metric points, in their own post (CountingPost counts the telemetry posts)
+    assert _stored(api, job_id) == 10
+    assert _points(api, job_id) == {("acc", 0): [0, 1, 2, 3, 4], ("acc", 3): [0, 1, 2, 3, 4]}
+    assert again.pending() == 0 and list((tmp_path / "spool" / "host-a").iterdir()) == []
+
+
+def test_a_torn_tail_of_the_spool_is_dropped_and_the_rest_posted(
+    api: Api, relayed: tuple[Agent, ScriptedLauncher, CountingPost, Any], tmp_path: Path
+) -> None:
+    agent, launcher, _post, make_relay = relayed
+    relay = make_relay()
+    job_id = _running_job(api, agent, launcher)
+    _worker(launcher, job_id, 1).post_telemetry(_batch(1, range(6)))
+    _die(relay)
+    (segment,) = (tmp_path / "spool" / "host-a").iterdir()
+    with segment.open("ab") as f:
+        f.write(b"EFS1\x00\x00\x01")  # the agent died in the middle of a header
+    again = make_relay()
+    assert again.spool is not None and again.spool.torn == 1
+    assert _stored(api, job_id) == 6 and again.pending() == 0
+
+
+def test_a_full_spool_answers_503_and_the_worker_keeps_its_rows(
+    api: Api, relayed: tuple[Agent, ScriptedLauncher, CountingPost, Any], tmp_path: Path
+) -> None:
+    agent, launcher, _post, make_relay = relayed
+    first, four = (HEADER.size + len(_batch(2, range(n)).wire_json()) for n in (2, 4))
+    relay = make_relay(spool=Spool(tmp_path / "small", max_bytes=first + four))
+    job_id = _running_job(api, agent, launcher)
+    worker = _worker(launcher, job_id, 2)
+    worker.post_telemetry(_batch(2, range(2)))
+    with pytest.raises(httpx.HTTPStatusError) as refused:
+        worker.post_telemetry(_batch(2, range(2, 12)))
+    assert refused.value.response.status_code == 503
+    assert "bound" in refused.value.response.json()["detail"]
+    assert relay.pending(job_id) == 2 and relay.refused == 1
+    assert relay.flush_all()  # the server took them: the spool has room again
+    worker.post_telemetry(_batch(2, range(2, 6)))
+    assert relay.flush_all() and _stored(api, job_id) == 6
+
+
+def test_a_spool_of_a_job_that_ended_meanwhile_is_dropped_with_a_log_line(
+    api: Api,
+    relayed: tuple[Agent, ScriptedLauncher, CountingPost, Any],
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, "evenflow.agent.relay")
+    agent, launcher, _post, make_relay = relayed
+    relay = make_relay()
+    job_id = _running_job(api, agent, launcher)
+    _worker(launcher, job_id, 4).post_telemetry(_batch(4, range(3)))
+    _die(relay)
+    r = api.client.post(f"/api/v1/jobs/{job_id}/cancel", headers=api.headers())
+    assert r.status_code in (200, 202), r.text
+    again = make_relay()
+    assert again.pending() == 0 and again.rows_dropped == 3
+    assert list((tmp_path / "spool" / "host-a").iterdir()) == []  # never grows for it
+    assert f"job {job_id} takes no more" in caplog.text
 
 
 def test_an_ended_jobs_rows_are_dropped_and_its_workers_told(
@@ -321,3 +443,52 @@ def test_a_real_job_posts_through_its_agents_relay(tmp_path: Path) -> None:
     assert stored == 4 * iterations  # every rank's every row, flushed before its end
     assert all(r["telemetry"]["delivered"] == iterations for r in results)
     assert server_posts >= 1 and 2 * server_posts <= worker_posts, (server_posts, worker_posts)
+
+
+def test_a_host_that_never_comes_back_loses_only_what_its_relay_took_since_its_last_post(
+    api: Api, relayed: tuple[Agent, ScriptedLauncher, CountingPost, Any], tmp_path: Path
+) -> None:
+    """The bound for a host whose disk is gone with it: the server lacks exactly what the relay
+    acknowledged since its last post (at most one flush interval of rows), nothing older."""
+    agent, launcher, _post, make_relay = relayed
+    relay = make_relay()
+    job_id = _running_job(api, agent, launcher)
+    worker = _worker(launcher, job_id, 6)
+    worker.post_telemetry(_batch(6, range(10)))
+    assert relay.flush_all()  # the flusher's post
+    worker.post_telemetry(_batch(6, range(10, 13)))
+    _die(relay)  # and the host's disk with it: the spool is never read again
+    r = api.client.get(f"/api/v1/jobs/{job_id}/telemetry", headers=api.headers()).json()
+    assert sorted(row["iteration"] for row in r["items"]) == list(range(10))
+    spool = Spool(tmp_path / "spool" / "host-a")
+    assert [(key, len(payload) > 0) for key, payload in spool.recover(lambda k, p: 3)] == [
+        ((job_id, "telemetry"), True)
+    ]  # what was lost is what the spool held: the rows since the last post
+
+
+def test_a_rank_reported_without_a_process_waits_for_its_jobs_rows_too(
+    api: Api, relayed: tuple[Agent, ScriptedLauncher, CountingPost, Any]
+) -> None:
+    """A rank the agent reports without having run it (its predecessor did: a restarted
+    agent's report) is held back like an ended rank while its job's spooled rows cannot go."""
+    agent, launcher, post, make_relay = relayed
+    make_relay()
+    job_id = _running_job(api, agent, launcher)
+    seen: list[tuple[list[tuple[int, WorkerState]], int]] = []
+    heartbeat = agent.client.heartbeat
+
+    def watched(host_id: int, hb: Heartbeat) -> HeartbeatAck:
+        seen.append(([(w.rank, w.state) for w in hb.workers], _stored(api, job_id)))
+        return heartbeat(host_id, hb)
+
+    agent.client.heartbeat = watched  # type: ignore[method-assign]
+    _worker(launcher, job_id, 5).post_telemetry(_batch(5, range(10)))
+    agent.pending.append(
+        WorkerReport(job_id=job_id, rank=5, state=WorkerState.FAILED, error="gone", exit_code=5)
+    )
+    post.down = True
+    agent.tick()
+    assert seen[-1] == ([], 0) and len(agent.pending) == 1
+    post.down = False
+    agent.tick()
+    assert seen[-1] == ([(5, WorkerState.FAILED)], 10) and agent.pending == []

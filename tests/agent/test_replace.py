@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -16,10 +17,13 @@ from agent.client import ApiClient, ApiError
 from agent.daemon import Agent, discover_devices
 from agent.launcher import process_start_time
 from contract.enums import Role
+from tests.agent.test_agent_loop import ScriptedLauncher
 from tests.harness import Api
 
 
-def _agent(api: Api, token: str, tmp_path: Path, *, replace: bool = False) -> Agent:
+def _agent(
+    api: Api, token: str, tmp_path: Path, *, replace: bool = False, launcher: Any = None
+) -> Agent:
     return Agent(
         ApiClient(api.client, token),
         name="host-a",
@@ -29,6 +33,7 @@ def _agent(api: Api, token: str, tmp_path: Path, *, replace: bool = False) -> Ag
         token=token,
         workdir=tmp_path,
         replace=replace,
+        launcher=launcher,
     )
 
 
@@ -92,3 +97,31 @@ def test_an_agent_started_again_after_its_predecessor_died_takes_the_host_back(
     ack = again.tick()
     assert ack is not None and ack.status.value == "active"
     assert _agent(api, token, tmp_path / "elsewhere").instance != first.instance
+
+
+def test_the_ranks_of_an_agent_that_died_restart_their_job_saying_so(
+    api: Api, tmp_path: Path
+) -> None:
+    """The agent that comes back finds its predecessor's ranks still wanted (their credentials
+    died with it): the job's restart names the agent's death, not a missing credential."""
+    token = api.token(Role.AGENT, host="host-a")
+    first = _agent(api, token, tmp_path, launcher=ScriptedLauncher())
+    first.register()
+    job = api.submit(workers=1, max_restarts=1)
+    first.tick()  # launches rank 0
+    first.tick()  # reports it running
+    stand_in = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    _pose_as_predecessor(tmp_path, stand_in)
+    stand_in.kill()  # the recorded agent process dies (kill -9)
+    stand_in.wait()
+    again = _agent(api, token, tmp_path, launcher=ScriptedLauncher())
+    assert again.predecessor == "died"
+    again.register()
+    again.tick()  # rank 0 is wanted, without a credential: reported failed at the next tick
+    again.tick()
+    out = api.client.get(f"/api/v1/jobs/{job['id']}", headers=api.headers()).json()
+    assert out["restarts"] == 1
+    assert out["restart_history"][0]["reason"] == (
+        f"host host-a's agent restarted (it died while rank 0 of job {job['id']} ran) "
+        "(no checkpoint: from iteration 0)"
+    )

@@ -4,10 +4,11 @@ every reason. Checkpoints are reported by a rank's own credential and listed."""
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from contract.agent import WORKER_EXIT_FATAL, WorkerReport
+from contract.agent import WORKER_EXIT_AGENT_GONE, WORKER_EXIT_FATAL, WorkerReport
 from contract.enums import Role, WorkerState
 from server.context import context_of
 from server.models import Job
@@ -121,6 +122,11 @@ def test_a_rank_killed_by_a_signal_says_so() -> None:
     assert jobs.failure_reason(signalled) == "rank 2 killed by SIGTERM"
     report = report.model_copy(update={"exit_code": 1, "error": "Traceback\nValueError: x"})
     assert jobs.failure_reason(report) == "rank 2 failed: ValueError: x"
+    said = "host h1's agent restarted (it died while rank 2 of job 1 ran)"
+    gone = report.model_copy(update={"exit_code": WORKER_EXIT_AGENT_GONE, "error": said})
+    assert jobs.failure_reason(gone) == said
+    unsaid = gone.model_copy(update={"error": None})
+    assert jobs.failure_reason(unsaid) == "rank 2's agent died while it ran"
 
 
 def test_an_old_attempts_live_rank_keeps_its_device_until_reported_gone(api: Api) -> None:
@@ -215,7 +221,11 @@ def test_a_lost_host_restarts_the_job_on_fewer_devices_when_the_spec_allows(api:
     _heartbeat(api, a)  # host-a's agent runs nothing of the old attempt (any more)
     out = api.client.get(f"/api/v1/jobs/{job['id']}", headers=api.headers()).json()
     assert out["status"] == "starting" and out["attempt"] == 1
-    assert out["restart_history"][0]["reason"].startswith("host 'host-b' was lost")
+    assert re.match(
+        rf"host 'host-b' was lost \(no heartbeat from its agent for 1[12]\d s while rank \d "
+        rf"of job {job['id']} ran there\)",
+        out["restart_history"][0]["reason"],
+    ), out["restart_history"][0]["reason"]
     assert [w["host_id"] for w in out["workers"]] == [a["id"]]  # one rank, where it can run
     plan = api.client.get(f"/api/v1/jobs/{job['id']}/plan", headers=api.headers()).json()
     assert plan["batch_sizes"] == [64]  # the global batch never changes

@@ -345,3 +345,12 @@ def test_every_sample_once_per_epoch_across_a_resume_on_another_worker_count(
     for counter in used.values():
         assert sorted(counter) == list(range(n))
         assert set(counter.values()) == {1}
+
+
+def test_every_rank_settles_its_reports_when_a_checkpoint_is_due(tmp_path: Path) -> None:
+    """``due`` runs ``settle`` (the senders' delivery) before the checkpoint is written, and
+    only then."""
+    settled: list[int] = []
+    cp = Checkpointer(CheckpointStore(str(tmp_path)), every=3, settle=lambda: settled.append(1))
+    assert [cp.due(i) for i in range(7)] == [False, False, False, True, False, False, True]
+    assert len(settled) == 2

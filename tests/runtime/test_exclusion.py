@@ -9,18 +9,21 @@ the job ending with rank 2 still excluded. Bad plans on the way are refused ever
 from __future__ import annotations
 
 import statistics
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
+from agent.runtime.checkpoint import Checkpointer, CheckpointStore
 from agent.runtime.context import EvenflowContext
 from agent.runtime.emulation import Emulator
 from agent.runtime.membership import ExclusionOptions
 from agent.runtime.plan_sync import PlanAgreement, RuntimePlan
 from agent.runtime.resync import resync
 from agent.runtime.sampler import GlobalBatchSampler
+from agent.runtime.trainer import _settle_before_checkpoints
 from contract.agent import TelemetryRecord
 from contract.spec import EmulatedWorker, JobSpec, Slowdown
 
@@ -102,7 +105,11 @@ class Script:
 
 
 def _scripted_worker(
-    rank: int, world: int, transport: str, sync: str = "coalesced"
+    rank: int,
+    world: int,
+    transport: str,
+    checkpoints: str | None = None,
+    sync: str = "coalesced",
 ) -> dict[str, object]:
     script = Script()
     options, piggyback, _ = TRANSPORTS[transport]
@@ -115,6 +122,10 @@ def _scripted_worker(
         **options,
     )
     records: list[TelemetryRecord] = []
+    checkpointer = None
+    if checkpoints is not None:  # every iteration, settled as the trainer does
+        checkpointer = Checkpointer(CheckpointStore(checkpoints, keep=ITERATIONS), every=1)
+        _settle_before_checkpoints(checkpointer, [], lambda: agreement.group)
     ctx = EvenflowContext(
         _spec(world, ITERATIONS),
         agreement,
@@ -123,6 +134,7 @@ def _scripted_worker(
         submit=records.append,
         piggyback=piggyback,
         exclusion=ExclusionOptions(probe_every=1, poll_s=0.001),
+        checkpointer=checkpointer,
         gradient_sync=sync,
     )
     script.ctx = ctx
@@ -188,7 +200,7 @@ def _resync_worker(rank: int, world: int) -> list[object]:
 def _all(rank: int, world: int) -> tuple[dict[str, object], object]:
     runs = {t: _scripted_worker(rank, world, t) for t in TRANSPORTS}
     # DDP's buckets summed over the subgroups, the plan agreement riding its statistics
-    runs["overlap"] = _scripted_worker(rank, world, "channel", "overlap")
+    runs["overlap"] = _scripted_worker(rank, world, "channel", sync="overlap")
     return runs, _resync_worker(rank, world)
 
 
@@ -223,6 +235,25 @@ def test_exclusion_and_readmission_keep_every_invariant() -> None:
     rank0, rank1, rank2 = (r[1] for r in results)
     assert rank0[1] == rank2[1] and rank0[2] == rank2[2] and rank2[2]
     assert rank1[1] != rank2[1]  # apply=False: joined the collectives, changed nothing
+
+
+def _checkpointed(rank: int, world: int, directory: str) -> dict[str, object]:
+    return _scripted_worker(rank, world, "channel", directory)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(90)
+def test_checkpoints_settle_among_the_active_ranks_through_every_membership_change(
+    tmp_path: Path,
+) -> None:
+    """Before each checkpoint the ranks in the loop wait for one another (the leader writes
+    once every rank's reports are delivered): a checkpoint at every iteration, through
+    exclusions, a new leader and readmissions, never waits on an excluded rank and changes
+    nothing the run computes."""
+    results = run_ranks(_checkpointed, 3, str(tmp_path), timeout=80)
+    _check_scripted_run(results, _single_process(), *_shift(TRANSPORTS["channel"][2]))
+    written = CheckpointStore(str(tmp_path), keep=ITERATIONS).iterations()
+    assert written == list(range(1, ITERATIONS + 1))
 
 
 def _check_scripted_run(

@@ -206,3 +206,22 @@ def test_jump_watch_resets_when_the_batch_size_changes() -> None:
     assert w.observe(16, 20.0)
     assert not w.observe(32, 20.0)  # another plan: another level, nothing to compare with yet
     assert not w.observe(0, 0.0)  # no samples, no compute
+
+
+def test_settle_waits_for_what_was_submitted_and_never_for_a_server_that_is_down() -> None:
+    """Before a checkpoint the loop settles its reports: everything submitted so far is
+    delivered when it returns True; a failing post makes it give up at once, not block."""
+    poster = Poster()
+    sender = TelemetrySender(poster, flush_records=10_000, flush_interval_s=3600.0)
+    for i in range(5):
+        sender.submit(record(i))
+    assert sender.settle(timeout_s=30.0)
+    assert [i for b in poster.batches for i in b] == [0, 1, 2, 3, 4]
+    assert sender.settle(timeout_s=30.0)  # nothing left: at once
+    poster.down = True
+    sender.submit(record(5))
+    assert not sender.settle(timeout_s=30.0)  # the post failed: training goes on
+    assert not sender.settle(timeout_s=30.0)  # backing off: not even a wait
+    poster.down = False
+    sender.close(deadline_s=5.0)
+    assert [i for b in poster.batches for i in b][-1] == 5
