@@ -14,6 +14,11 @@ stack of linear layers (global batch 32).
 It also checks exactness: each way's final parameters against a single process replaying the
 same global batches (max relative difference).
 
+Then memory: a 12-block model (4.2M parameters) trained a few iterations with AdamW under
+``engine: ddp`` and ``engine: fsdp`` on 2 and 4 ranks; on each rank, the bytes of the
+parameters, gradients and optimizer state it holds (local shards under fsdp), and fsdp's share of
+ddp's (the target: at most 1/world + 10%).
+
 Prints one JSON object. On a shared 2-core machine absolute times move from day to day; read the
 ratios, which are measured in one run.
 """
@@ -26,7 +31,7 @@ import multiprocessing as mp
 import statistics
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -134,6 +139,103 @@ def _rank(rank: int, world: int, port: int, iterations: int, rounds: int, out: A
     out.put((rank, result))
 
 
+class _Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.ff = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.ff(x))
+
+
+class _Layered(nn.Module):
+    def __init__(self, width: int = 592, depth: int = 12) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(_Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        out: torch.Tensor = self.head(x)
+        return out
+
+
+def _held_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes of the parameters, gradients and optimizer state this rank holds."""
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        to_local = getattr(t, "to_local", None)
+        return t if to_local is None else cast(torch.Tensor, to_local())
+
+    def size(t: torch.Tensor) -> int:
+        return local(t).numel() * t.element_size()
+
+    params = list(model.parameters())
+    state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    return {
+        "parameters": sum(size(p) for p in params),
+        "gradients": sum(size(p.grad) for p in params if p.grad is not None),
+        "optimizer": sum(size(t) for t in state if t.dim() > 0),
+    }
+
+
+def _memory_rank(rank: int, world: int, port: int, out: Any) -> None:
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False)
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=300)
+    )
+    held = {}
+    for engine in ("ddp", "fsdp"):
+        spec = JobSpec.model_validate(
+            {
+                "name": "memory",
+                "workload": {"entrypoint": "bench:memory", "seed": 3},
+                "global_batch": 8 * world,
+                "iterations": 3,
+                "workers": world,
+                "engine": engine,
+            }
+        )
+        plan = RuntimePlan(1, _shares(8 * world, world))
+        agreement = PlanAgreement(plan, rank=rank, world_size=world, global_batch=8 * world)
+        ctx = EvenflowContext(spec, agreement, rank=rank, world_size=world)
+        layered = _Layered()
+        opt = torch.optim.AdamW(layered.parameters(), lr=1e-3)
+        model, _ = ctx.prepare(layered, opt)
+        g = torch.Generator().manual_seed(1)
+        data = (torch.randn(64 * world, 592, generator=g), torch.randn(64 * world, 1, generator=g))
+        for xb, yb in ctx.batches(data):
+            ctx.backward(nn.functional.mse_loss(model(xb), yb, reduction="sum"))
+            if ctx.sync_gradients:
+                opt.step()  # gradients kept (not zeroed) so they are counted
+        held[engine] = _held_bytes(model, opt)
+    dist.destroy_process_group()
+    out.put((rank, held))
+
+
+def _memory(world: int) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False)
+    out = ctx.Queue()
+    procs = [
+        ctx.Process(target=_memory_rank, args=(r, world, store.port, out)) for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    held = dict(out.get(timeout=1800) for _ in procs)
+    for p in procs:
+        p.join()
+    worst = max(sum(h["fsdp"].values()) / sum(h["ddp"].values()) for h in held.values())
+    return {
+        "bytes_per_rank": {r: h for r, h in sorted(held.items())},
+        "fsdp_over_ddp_worst_rank": round(worst, 4),
+        "target": round(1 / world * 1.1, 4),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--world", type=int, default=2)
@@ -173,6 +275,7 @@ def main() -> None:
             "overlap_over_coalesced": round(medians["overlap"] / medians["coalesced"], 3),
             "max_rel_diff_vs_single_process": {s: float(f"{v:.2e}") for s, v in exact.items()},
         }
+    report["memory"] = {f"world_{w}": _memory(w) for w in (2, 4)}
     print(json.dumps(report, indent=2))
 
 
