@@ -103,8 +103,6 @@ class OverlapSync(SlotChannel):
         )
         # (a lambda: DDP checks a hook's annotations, which postponed evaluation makes strings)
         self.ddp.register_comm_hook(self, lambda state, bucket: state._hook(bucket))
-        self._armed: dict[str, Any] | None = None
-        self._on_launch: Callable[[], None] | None = None
         self._stats_work: Any = None
         self.buckets = 0
         """Buckets all-reduced in the last backward."""
@@ -218,17 +216,17 @@ class OverlapSync(SlotChannel):
         read: bool = True,
         on_launch: Callable[[], None] | None = None,
     ) -> None:
-        """What the coming backward's statistics carry; ``on_launch`` runs as its first bucket
-        is handed to DDP (an emulated device pads its compute there)."""
-        self._armed = {
-            "loss_sum": loss_sum,
-            "count": count,
-            "stop": stop,
-            "withdraw": withdraw,
-            "checksum": checksum,
-            "read": read,
-        }
-        self._on_launch = on_launch
+        """As :meth:`SlotChannel.arm`; ``on_launch`` runs as the coming backward hands its
+        first bucket to DDP (an emulated device pads its compute there)."""
+        super().arm(
+            loss_sum,
+            count,
+            stop=stop,
+            withdraw=withdraw,
+            checksum=checksum,
+            read=read,
+            on_launch=on_launch,
+        )
         self._launched = False
 
     def backward_empty(self) -> None:
@@ -250,25 +248,14 @@ class OverlapSync(SlotChannel):
         self._armed = None
         if self._stats_work is not None:
             self._stats_work.wait()
-        read = armed["read"] or self._cpu_carrier or armed["checksum"] is not None
-        stats = None
-        if read:
-            stats = (
-                self._stats if armed["checksum"] is not None else self._stats[: self._head]
-            ).tolist()
-        scale: float | torch.Tensor
-        if stats is not None:
-            scale = 1.0 / stats[0] if stats[0] > 0 else 0.0
-        else:
-            total = self._stats[:1]
-            scale = torch.where(total > 0, 1.0 / total, torch.zeros_like(total))
+        stats = self._read(armed["read"], armed["checksum"] is not None)
+        scale = self._scale(stats)
         grads = [p.grad for p in self._params if p.grad is not None]
         if isinstance(scale, torch.Tensor):
-            torch._foreach_mul_(grads, scale.to(self._slots.dtype).float())
-            self._loss_slot.mul_(scale)
+            torch._foreach_mul_(grads, scale.float())
         else:
             torch._foreach_mul_(grads, scale)
-            self._loss_slot.mul_(scale)
+        self._loss_slot.mul_(scale)
         return self._take(stats)
 
     def reduce(

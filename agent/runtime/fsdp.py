@@ -32,8 +32,7 @@ What sharding asks of the rest of the runtime:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -153,8 +152,6 @@ class ShardedSync(SlotChannel):
         self._slots = torch.zeros(n, device=device, dtype=torch.float64 if cheap else torch.float32)
         self._bind_slots(self._slots)
         self._group: dist.ProcessGroup | None = None
-        self._armed: dict[str, Any] | None = None
-        self._on_launch: Callable[[], None] | None = None
         self.last_method = "sharded"
 
     @property
@@ -187,33 +184,8 @@ class ShardedSync(SlotChannel):
     def expect(self, sync: bool) -> None:
         """(Every pass reduce-scatters; the shards accumulate.)"""
 
-    def arm(
-        self,
-        loss_sum: torch.Tensor | None,
-        count: float | torch.Tensor = 0.0,
-        *,
-        stop: bool = False,
-        withdraw: bool = False,
-        checksum: Checksum | None = None,
-        read: bool = True,
-        on_launch: Callable[[], None] | None = None,
-    ) -> None:
-        self._armed = {
-            "loss_sum": loss_sum,
-            "count": count,
-            "stop": stop,
-            "withdraw": withdraw,
-            "read": read,
-        }
-        self._on_launch = on_launch
-
     def backward_empty(self) -> None:
         """(An empty pass still back-propagates through the model: see ``ctx.backward``.)"""
-
-    def launch(self) -> None:
-        on_launch, self._on_launch = self._on_launch, None
-        if on_launch is not None:
-            on_launch()
 
     def collect(self) -> Reduced:
         """The statistics' all-reduce; the summed shards divided by the global count."""
@@ -223,14 +195,10 @@ class ShardedSync(SlotChannel):
         self._fill(armed["loss_sum"], armed["count"], armed["stop"], armed["withdraw"], None)
         if dist.is_initialized():
             dist.all_reduce(self._slots, op=dist.ReduceOp.SUM)
-        read = armed["read"] or self._cpu_carrier
-        stats = self._stats[: self._head].tolist() if read else None
-        scale: float | torch.Tensor
-        if stats is not None:
-            scale = 1.0 / stats[0] if stats[0] > 0 else 0.0
-        else:
-            total = self._stats[:1]
-            scale = torch.where(total > 0, 1.0 / total, torch.zeros_like(total)).float()
+        stats = self._read(armed["read"], False)
+        scale = self._scale(stats)
+        if isinstance(scale, torch.Tensor):
+            scale = scale.float()
         with torch.no_grad():
             for p in self._params:
                 if p.grad is not None:

@@ -125,6 +125,9 @@ class SlotChannel:
         self._received: list[int] | None = None
         self._flag_out = False
         self._flag_seen = False
+        self._armed: dict[str, Any] | None = None
+        """What :meth:`arm` set up for the iteration's reduction (None: nothing armed)."""
+        self._on_launch: Callable[[], None] | None = None
         return 1 + self._head + 2 * world_size
 
     def _bind_slots(self, slots: torch.Tensor) -> None:
@@ -133,6 +136,51 @@ class SlotChannel:
         self._stats = slots[1:]
         """count, stop, withdraw, [flag], control..., then the checksums: read back in one
         copy."""
+
+    def arm(
+        self,
+        loss_sum: torch.Tensor | None,
+        count: float | torch.Tensor = 0.0,
+        *,
+        stop: bool = False,
+        withdraw: bool = False,
+        checksum: Checksum | None = None,
+        read: bool = True,
+        on_launch: Callable[[], None] | None = None,
+    ) -> None:
+        """What the iteration's reduction carries (see :meth:`GradientSync.reduce`);
+        ``on_launch`` runs just before the gradients leave this rank."""
+        self._armed = {
+            "loss_sum": loss_sum,
+            "count": count,
+            "stop": stop,
+            "withdraw": withdraw,
+            "checksum": checksum,
+            "read": read,
+        }
+        self._on_launch = on_launch
+
+    def launch(self) -> None:
+        """The last pass's backward is done: run ``on_launch`` (an emulated device pads its
+        compute there)."""
+        on_launch, self._on_launch = self._on_launch, None
+        if on_launch is not None:
+            on_launch()
+
+    def _read(self, read: bool, checksums: bool) -> list[float] | None:
+        """The summed statistics, read back when asked, always from the CPU, and with the
+        checksum slots when they were sent; None otherwise (a GPU not waited for)."""
+        if not (read or self._cpu_carrier or checksums):
+            return None
+        return (self._stats if checksums else self._stats[: self._head]).tolist()
+
+    def _scale(self, stats: list[float] | None) -> float | torch.Tensor:
+        """1 / the summed count (0 when nothing was counted), from the statistics read back,
+        or on the device without waiting for it."""
+        if stats is not None:
+            return 1.0 / stats[0] if stats[0] > 0 else 0.0
+        total = self._stats[:1]
+        return torch.where(total > 0, 1.0 / total, torch.zeros_like(total))
 
     # --------------------------------------------------------------- control and flag
 
@@ -300,8 +348,6 @@ class GradientSync(SlotChannel):
             carrier = len(self._buckets) - 1
         flat = self._buckets[carrier].flat
         self._bind_slots(flat[flat.numel() - tail :])
-        self._armed: dict[str, Any] | None = None
-        self._on_launch: Callable[[], None] | None = None
         self._cpu_carrier = flat.device.type == "cpu"  # (16-bit models: read, no control)
 
     @property
@@ -363,17 +409,8 @@ class GradientSync(SlotChannel):
         self._fill(loss_sum, count, stop, withdraw, checksum)
         for b in self._buckets:
             self._sum(b.flat)
-        read = read or self._cpu_carrier or checksum is not None
-        stats = None
-        if read:  # the checksum slots only on the iterations that send them
-            stats = (self._stats if checksum is not None else self._stats[: self._head]).tolist()
-        if global_count is not None:
-            scale: float | torch.Tensor = 1.0 / global_count
-        elif stats is not None:
-            scale = 1.0 / stats[0] if stats[0] > 0 else 0.0
-        else:
-            total = self._stats[:1]
-            scale = torch.where(total > 0, 1.0 / total, torch.zeros_like(total))
+        stats = self._read(read, checksum is not None)  # the checksum slots only when sent
+        scale = 1.0 / global_count if global_count is not None else self._scale(stats)
         for b in self._buckets:
             if isinstance(scale, torch.Tensor):
                 b.scaled.mul_(scale.to(b.flat.device, b.flat.dtype))
@@ -407,37 +444,8 @@ class GradientSync(SlotChannel):
     def expect(self, sync: bool) -> None:
         """(Passes accumulate into the buffers; nothing to set before a forward.)"""
 
-    def arm(
-        self,
-        loss_sum: torch.Tensor | None,
-        count: float | torch.Tensor = 0.0,
-        *,
-        stop: bool = False,
-        withdraw: bool = False,
-        checksum: Checksum | None = None,
-        read: bool = True,
-        on_launch: Callable[[], None] | None = None,
-    ) -> None:
-        """What the iteration's reduction carries; ``on_launch`` runs at :meth:`launch`."""
-        self._armed = {
-            "loss_sum": loss_sum,
-            "count": count,
-            "stop": stop,
-            "withdraw": withdraw,
-            "checksum": checksum,
-            "read": read,
-        }
-        self._on_launch = on_launch
-
     def backward_empty(self) -> None:
         """(A pass without samples adds nothing to the buffers.)"""
-
-    def launch(self) -> None:
-        """The last pass's backward is done: run ``on_launch`` (an emulated device pads its
-        compute there); the sum itself happens in :meth:`collect`."""
-        on_launch, self._on_launch = self._on_launch, None
-        if on_launch is not None:
-            on_launch()
 
     def collect(self) -> Reduced:
         """Sum what :meth:`arm` set up (see :meth:`reduce`)."""
