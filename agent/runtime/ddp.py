@@ -34,7 +34,7 @@ checkpoint with the memory cap learnt from the failure.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -106,6 +106,8 @@ class OverlapSync(SlotChannel):
         self._stats_work: Any = None
         self.buckets = 0
         """Buckets all-reduced in the last backward."""
+        self._launched = False
+        """The armed reduction's statistics left with the first bucket (until collected)."""
         self._warm_up()
 
     # -------------------------------------------------------------------------- DDP's hook
@@ -205,30 +207,6 @@ class OverlapSync(SlotChannel):
         with samples) or accumulates locally (``no_sync``)."""
         self.ddp.require_backward_grad_sync = sync
 
-    def arm(
-        self,
-        loss_sum: torch.Tensor | None,
-        count: float | torch.Tensor = 0.0,
-        *,
-        stop: bool = False,
-        withdraw: bool = False,
-        checksum: Checksum | None = None,
-        read: bool = True,
-        on_launch: Callable[[], None] | None = None,
-    ) -> None:
-        """As :meth:`SlotChannel.arm`; ``on_launch`` runs as the coming backward hands its
-        first bucket to DDP (an emulated device pads its compute there)."""
-        super().arm(
-            loss_sum,
-            count,
-            stop=stop,
-            withdraw=withdraw,
-            checksum=checksum,
-            read=read,
-            on_launch=on_launch,
-        )
-        self._launched = False
-
     def backward_empty(self) -> None:
         """The iteration's last pass had no samples: take part in every bucket's all-reduce."""
         self._zero_backward()
@@ -245,7 +223,7 @@ class OverlapSync(SlotChannel):
                 "ctx.prepare() returned (the DistributedDataParallel wrapper), not with the "
                 "module it wraps"
             )
-        self._armed = None
+        self._armed, self._launched = None, False
         if self._stats_work is not None:
             self._stats_work.wait()
         stats = self._read(armed["read"], armed["checksum"] is not None)

@@ -23,7 +23,7 @@ from agent.runtime.sampler import GlobalBatchSampler
 from contract.spec import JobSpec
 
 from .spawn import run_ranks
-from .test_loop import VOCAB, Tokens, pad, token_loss
+from .test_loop import VOCAB, Script, Tokens, pad, token_loss
 
 B, LR, CLIP = 16, 0.02, 0.5
 
@@ -67,16 +67,6 @@ def _spec(world: int, iterations: int, engine: str = "fsdp") -> JobSpec:
     )
 
 
-class _Script:
-    def __init__(self, script: list[tuple[int, RuntimePlan]]) -> None:
-        self.script, self.ctx = script, None
-
-    def __call__(self) -> RuntimePlan | None:
-        assert self.ctx is not None
-        due = [p for at, p in self.script if self.ctx.iteration >= at]
-        return due[-1] if due else None
-
-
 def _plans(world: int) -> list[tuple[int, RuntimePlan]]:
     """Unequal shares, a change, a rank with nothing, then a cap on rank 0 (every rank then
     runs as many passes as rank 0 needs)."""
@@ -101,7 +91,7 @@ def _context(
     checkpointer: Checkpointer | None = None,
     engine: str = "fsdp",
 ) -> EvenflowContext:
-    proposer = _Script(script)
+    proposer = Script(script)
     first = RuntimePlan(1, tuple(B // world + (r < B % world) for r in range(world)), B)
     agreement = PlanAgreement(
         first, rank=rank, world_size=world, global_batch=B, propose=proposer, pipelined=False
@@ -113,7 +103,7 @@ def _context(
         world_size=world,
         checkpointer=checkpointer,
     )
-    proposer.ctx = ctx  # type: ignore[assignment]
+    proposer.ctx = ctx
     return ctx
 
 
