@@ -75,7 +75,7 @@ from agent.runtime.probes import ProbeLoss
 from agent.runtime.readmission import Readmission
 from agent.runtime.sampler import GlobalBatchSampler, Sampler, StreamSampler
 from agent.runtime.stats import MAX_LOSSES, ContextStats
-from agent.runtime.telemetry import JumpWatch
+from agent.runtime.telemetry import JumpWatch, TelemetryClosed
 from agent.runtime.timing import IterationTimer
 from contract.agent import MetricPoint, TelemetryRecord
 from contract.spec import JobSpec
@@ -620,7 +620,8 @@ class EvenflowContext(IterationSteps, Readmission):
                 yield from self._iteration(it)
             self._end()
         except GeneratorExit:  # the user's loop left (a break, or an error in its body)
-            self._left_loop()
+            with contextlib.suppress(TelemetryClosed):  # the job ended: nothing to finish
+                self._left_loop()
             raise
         except BaseException:  # failed: excluded ranks stop too
             self.membership.abort(self.iteration, self.agreement.current)
@@ -628,7 +629,8 @@ class EvenflowContext(IterationSteps, Readmission):
         finally:
             self._in_loop = False
             self.agreement.close()
-            self._emit(self.timer.drain())
+            with contextlib.suppress(TelemetryClosed):  # the job ended: nowhere to send
+                self._emit(self.timer.drain())
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """The optimizer's step pre-hook: inside the loop, only on synchronised gradients."""

@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
+from torch.utils.data import DataLoader
 
 from agent.runtime.remote import RemoteControlPlane
 from agent.runtime.telemetry import TelemetryClosed, TelemetrySender
@@ -86,6 +87,27 @@ def test_telemetry_after_the_job_ended_closes_the_sender(api: Api) -> None:
     stats = sender.close(deadline_s=1)
     assert stats.delivered == 0 and stats.posts == 0
     assert stats.submitted == stats.delivered + stats.dropped + stats.pending
+
+
+def test_a_loop_left_because_the_job_ended_closes_without_a_second_error() -> None:
+    """The user's body meets the job's end (a metric's report raised); closing the loop then completes
+    the iteration, whose record the closed sender refuses too: that refusal is not raised out of
+    the generator's close (Python would print it as an ignored exception with a traceback)."""
+    from tests.runtime.test_loop import TinyLM, Tokens, context, pad, token_loss
+
+    def ended(_: object) -> None:
+        raise TelemetryClosed("job 1 has ended (cancelled)")
+
+    ctx = context(0, 1, [], iterations=3, submit=ended, submit_metric=ended)
+    model, _ = ctx.prepare(TinyLM())
+    batches = ctx.batches(DataLoader(Tokens(), collate_fn=pad))
+    batch = next(batches)
+    with pytest.raises(TelemetryClosed):  # the update is made, then the loss's report refused
+        ctx.step(token_loss(model, batch)[0])
+    assert ctx.sync_gradients
+    with pytest.raises(TelemetryClosed):
+        ctx.log("acc", 1.0)
+    batches.close()  # what the garbage collector does with the abandoned loop: must not raise
 
 
 @pytest.mark.distributed
