@@ -13,10 +13,12 @@ setup: $(STAMP)
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-# Reinstall only when the project's metadata changes; torch first so a CPU machine never pulls CUDA wheels.
+# Reinstall only when the project's metadata changes; torch first so a CPU machine never pulls CUDA
+# wheels, then held at that version (Lightning, transformers and Accelerate would otherwise move it).
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q $(TORCH_SPEC)
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/python -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > $(VENV)/constraints.txt
+	$(BIN)/pip install -q -c $(VENV)/constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
 # The dashboard's JS tooling (eslint), pinned by package-lock.json; the pages themselves need no build.
