@@ -160,6 +160,11 @@ class PolicySpec(Request):
     memory_headroom: float = Field(default=0.1, ge=0, le=0.9, allow_inf_nan=False)
     """Fraction of each device's memory plans leave unused when they derive a worker's memory
     cap (the most samples one pass may hold) from its fitted memory model."""
+    exclude: bool = True
+    """Whether a straggler answer may take a rank out of the gradient all-reduce for a while
+    (when that pays for its cost); false: it re-plans the batch shares instead. Training
+    frameworks that count their own steps (``evenflow.integrations``) need false; a sharded
+    (``fsdp``) job never excludes."""
 
 
 class CheckpointSpec(Request):

@@ -503,7 +503,7 @@ def _mitigate(
         sync_ms=sync_ms,
     )
     config = ladder_config(session, job, sync_ms, watch)
-    if spec.engine == "fsdp":  # every rank holds a shard: re-plan, never take one out
+    if spec.engine == "fsdp" or not spec.policy.exclude:  # (a shard on every rank) re-plan
         config = replace(config, may_exclude=False)
     decision, watch.ladder = decide(situation, watch.ladder, config)
     watch.rested = None

@@ -43,6 +43,7 @@ class Cluster:
         prefetch: bool = False,
         epoch: int | None = None,
         per_sample: list[float] = PER_SAMPLE,
+        exclude: bool = True,
     ) -> None:
         self.api, self.slow, self.sync_ms = api, slow, sync_ms
         self.per_sample = per_sample
@@ -57,7 +58,12 @@ class Cluster:
         self.slow_all_reduce = slow_all_reduce
         """A slowed rank slows the all-reduce of its group by its factor (else it does not)."""
         self.host = api.register("sim", devices=4)
-        spec_policy = {"name": policy, "explore_iterations": 5, "rebalance_every": 10}
+        spec_policy = {
+            "name": policy,
+            "explore_iterations": 5,
+            "rebalance_every": 10,
+            "exclude": exclude,
+        }
         self.job = int(
             api.submit(workers=4, global_batch=B, iterations=100_000, policy=spec_policy)["id"]
         )  # type: ignore[call-overload]
@@ -252,6 +258,16 @@ def test_a_10x_straggler_leaves_the_all_reduce_and_comes_back(api: Api) -> None:
     assert final["excluded"] == [] and final["batch_sizes"][1] > 0
     event = next(e for e in c.events() if e["rank"] == 1)
     assert "exclude" in event["action"] and event["end_iteration"] is not None
+
+
+def test_a_job_that_may_not_exclude_re_plans_around_its_10x_straggler(api: Api) -> None:
+    # The situation above, where leaving pays; the spec says no rank leaves: it is re-planned.
+    c = Cluster(api, "adaptive", slow={1: (60, 140, 10.0)}, sync_ms=40.0, exclude=False)
+    c.run(140)
+    assert all(p["excluded"] == [] for p in c.plans())
+    shares = [p["batch_sizes"][1] for p in c.plans()]
+    assert 0 < min(shares) < max(shares) / 5, shares  # its share cut, not to nothing
+    assert any(e["rank"] == 1 for e in c.events())
 
 
 def test_a_10x_straggler_stays_in_the_group_when_the_all_reduce_does_not_slow(api: Api) -> None:
