@@ -127,6 +127,7 @@ class ApiClient:
         *,
         limit: int | None,
         offset: int = 0,
+        method: str = "GET",
     ) -> Page[T]:
         """One page of a list endpoint (``limit`` items from ``offset``), or with ``limit``
         None every item from ``offset`` on, read page by page (``total`` is the server's count
@@ -137,7 +138,7 @@ class ApiClient:
         while True:
             want = MAX_PAGE if limit is None else limit - len(items)
             query.update(limit=min(want, MAX_PAGE), offset=offset + len(items))
-            page: Page[T] = model.model_validate(self._call("GET", path, params=query).json())
+            page: Page[T] = model.model_validate(self._call(method, path, params=query).json())
             items += page.items
             done = limit is not None and len(items) >= limit
             if done or not page.items or offset + len(items) >= page.total:
@@ -245,6 +246,13 @@ class ApiClient:
         """Every rank's end (one rank's, with ``rank``)."""
         params = {} if rank is None else {"rank": rank}
         return self._page(f"/jobs/{job_id}/logs", RankLogOut, params, limit=None)
+
+    def follow_logs(self, job_id: int, rank: int | None = None) -> Page[RankLogOut]:
+        """``logs``, with the running ranks' live tails uploaded for the next 30 s."""
+        params = {} if rank is None else {"rank": rank}
+        return self._page(
+            f"/jobs/{job_id}/logs/follow", RankLogOut, params, limit=None, method="POST"
+        )
 
     # -- plans
     def plan(

@@ -68,6 +68,7 @@ import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
@@ -162,8 +163,13 @@ class WorkerProcess:
     signal: str | None = None
     error: str | None = None
     log_tail: str | None = None
+    log_end: int | None = None
     reported: WorkerState | None = None
     stop_requested: bool = False
+    follow_until: datetime | None = None
+    """Someone follows the job's logs until then (``Assignment.follow_log_until``)."""
+    log_sent: int = 0
+    """The size of the log when its tail was last uploaded live."""
 
     @property
     def key(self) -> tuple[int, int, int]:
@@ -171,6 +177,25 @@ class WorkerProcess:
 
     def ended(self, end: ProcessExit) -> None:
         self.exit_code, self.signal = end.code, end.signal_name
+
+    def live_log(self, now: datetime) -> WorkerReport | None:
+        """A running rank's report with its log's tail, when its logs are followed and the log
+        has grown since the tail last went; else None."""
+        if self.follow_until is None or self.follow_until <= now:
+            return None
+        if self.state is not WorkerState.RUNNING or self.reported is not WorkerState.RUNNING:
+            return None
+        try:
+            size = self.log_path.stat().st_size
+        except OSError:
+            return None
+        if size == self.log_sent:
+            return None
+        tail, end = _log_tail_at(self.log_path)
+        if tail is None:
+            return None
+        self.log_sent = size
+        return self.report().model_copy(update={"log_tail": tail, "log_end": end})
 
     def report(self) -> WorkerReport:
         return WorkerReport(
@@ -182,6 +207,7 @@ class WorkerProcess:
             error=self.error,
             attempt=self.assignment.attempt,
             log_tail=self.log_tail,
+            log_end=self.log_end if self.log_tail else None,
         )
 
 
@@ -312,7 +338,9 @@ class Agent:
             if p.state != p.reported and p.assignment.job_id not in held
         ]
         pending = [r for r in self.pending if r.job_id not in held]
-        reports = [p.report() for p in sent] + pending
+        now = datetime.now(UTC)
+        live = [r for p in self.procs.values() if (r := p.live_log(now)) is not None]
+        reports = [p.report() for p in sent] + pending + live
         try:
             ack = self.client.heartbeat(
                 self.host_id, Heartbeat(workers=reports, instance=self.instance)
@@ -410,6 +438,8 @@ class Agent:
                 self._stop(old)
         for key, a in wanted.items():
             proc = self.procs.get(key)
+            if proc is not None:
+                proc.follow_until = a.follow_log_until
             if a.desired == "run" and proc is None and key not in self.done:
                 if a.worker_token is None:
                     self._refuse(a)
@@ -549,7 +579,7 @@ class Agent:
             if end is None:
                 continue
             proc.ended(end)
-            proc.log_tail = _log_tail(proc.log_path)  # succeeded too: what it printed
+            proc.log_tail, proc.log_end = _log_tail_at(proc.log_path)  # succeeded too
             if proc.stop_requested or end.code == WORKER_EXIT_JOB_ENDED:
                 proc.state = WorkerState.STOPPED
             elif end.code == 0:
@@ -671,13 +701,21 @@ def run_agent(
 
 def _log_tail(path: Path) -> str | None:
     """The last lines of a rank's log, at most ``LOG_TAIL_CHARS`` (whole lines where it can)."""
+    return _log_tail_at(path)[0]
+
+
+def _log_tail_at(path: Path) -> tuple[str | None, int]:
+    """``_log_tail``, and where it ends in the log (bytes)."""
     try:
         with path.open("rb") as f:
             f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - LOG_TAIL_CHARS))
-            text = f.read().decode(errors="replace").replace("\x00", "")
+            start = max(0, f.tell() - LOG_TAIL_CHARS)
+            f.seek(start)
+            raw = f.read()
+            end = f.tell()
     except OSError:
-        return None
-    if len(text) >= LOG_TAIL_CHARS and "\n" in text:
-        text = text.split("\n", 1)[1]  # drop the partial first line
-    return text[-LOG_TAIL_CHARS:] or None
+        return None, 0
+    if start > 0 and b"\n" in raw:
+        raw = raw.split(b"\n", 1)[1]  # drop the partial first line
+    text = raw.decode(errors="replace").replace("\x00", "")
+    return text[-LOG_TAIL_CHARS:] or None, end

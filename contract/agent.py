@@ -96,7 +96,11 @@ class WorkerReport(Request):
     earlier attempt's processes are ignored."""
     log_tail: Text | None = Field(default=None, max_length=LOG_TAIL_CHARS)
     """The last lines of the rank's log (at most ``LOG_TAIL_CHARS``), sent with a rank that
-    ended, succeeded or not: what it printed before it ended."""
+    ended, succeeded or not: what it printed before it ended; and, while the job's logs are
+    followed (``Assignment.follow_log_until``), with a running rank as its log grows."""
+    log_end: int | None = Field(default=None, ge=0, le=2**62)
+    """Where ``log_tail`` ends in the log, in bytes from its start: what a follower uses to
+    print only the lines that are new since the tail it saw before."""
 
 
 class Heartbeat(Request):
@@ -129,6 +133,9 @@ class Assignment(Response):
     """Which start of the job this is: 0, then one more for each restart after a failure. A
     rank of a new attempt is a new process (fresh credential and rendezvous), even where the
     same rank of an earlier attempt ran on this host."""
+    follow_log_until: datetime | None = None
+    """Someone follows the job's logs until then: the agent uploads the rank's live log tail
+    with its heartbeats (``WorkerReport.log_tail`` of a running rank) while its log grows."""
 
 
 class RendezvousIn(Request):

@@ -118,8 +118,11 @@ class RankLogOut(Response):
     error: str | None = None
     """Root-cause traceback (its error file), or the log's last lines without one."""
     log_tail: str | None = None
-    """The last lines of its log (bounded), uploaded when it failed or was stopped; None while
-    it runs or once it succeeded."""
+    """The last lines of its log (bounded), uploaded when it ended; while it runs, only while
+    its job's logs are followed (``POST .../logs/follow``)."""
+    log_end: int | None = None
+    """Where ``log_tail`` ends in the log, in bytes: of two tails of a growing log, the later
+    one's last ``log_end`` difference bytes are the new lines."""
 
 
 class DepartureOut(Response):

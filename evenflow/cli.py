@@ -349,22 +349,27 @@ def _download(client: ApiClient, a: Any, dest: Path) -> str:
 
 
 def cmd_jobs_logs(args: argparse.Namespace) -> None:
-    """Each rank's root cause and log tail; with ``--follow``, wait for ranks that are still
-    running and print theirs as they end, until the job does."""
+    """Each rank's root cause and log tail; with ``--follow``, the running ranks' logs as they
+    grow (``rank N | line``), and each rank's end as it comes, until the job ends."""
     client = _client(args)
     shown: set[int] = set()
+    streamed: dict[int, int] = {}
+    """Per running rank, where in its log (bytes) the lines printed so far end."""
     while True:
         job = client.job(args.id)
-        ranks = client.logs(args.id, args.rank).items
+        live = args.follow and not job.status.terminal
+        ranks = (client.follow_logs if live else client.logs)(args.id, args.rank).items
+        if args.follow:
+            _print_live(ranks, shown, streamed, as_json=args.json)
         ended = [r for r in ranks if r.rank not in shown and r.state.value not in _LIVE_STATES]
         if args.json:
             print(json.dumps(_jsonable(ended), indent=2))
         else:
             for r in ended:
-                _print_rank_log(r)
+                _print_rank_log(r, streamed.get(r.rank))
         shown.update(r.rank for r in ended)
         if not args.follow or job.status.terminal or len(shown) == len(ranks):
-            if not args.json and not shown:
+            if not args.json and not shown and not streamed:
                 console.print(f"job {args.id} ({job.status.value}): no rank has ended yet")
             return
         time.sleep(args.interval)
@@ -373,10 +378,41 @@ def cmd_jobs_logs(args: argparse.Namespace) -> None:
 _LIVE_STATES = {"assigned", "launching", "running"}
 
 
-def _print_rank_log(r: Any) -> None:
+def _print_live(ranks: list[Any], shown: set[int], streamed: dict[int, int], as_json: bool) -> None:
+    """The lines running ranks printed since the last look."""
+    for r in ranks:
+        if r.rank in shown or r.state.value not in _LIVE_STATES or not r.log_tail:
+            continue
+        new = new_log_text(r.log_tail, r.log_end, streamed.get(r.rank))
+        streamed[r.rank] = r.log_end or 0
+        if not new:
+            continue
+        if as_json:
+            print(json.dumps({"rank": r.rank, "state": r.state.value, "log": new}))
+            continue
+        for line in new.rstrip("\n").split("\n"):
+            console.print(Text(f"rank {r.rank} | ", style="dim") + Text(line), highlight=False)
+
+
+def new_log_text(tail: str, end: int | None, seen: int | None) -> str:
+    """What a log's latest ``tail`` (ending ``end`` bytes into the log) holds beyond the first
+    ``seen`` bytes, already printed: all of it when nothing was, or when more was printed since
+    than a tail holds (the lines between are not shown), or the log started again."""
+    if seen is None or end is None or end < seen:
+        return tail
+    data = tail.encode()
+    new = end - seen
+    return tail if new >= len(data) else data[len(data) - new :].decode(errors="replace")
+
+
+def _print_rank_log(r: Any, streamed: int | None = None) -> None:
     exit_text = "" if r.exit_code is None else f", exit {r.exit_code}"
     console.print(Text.assemble((f"rank {r.rank}", "bold"), f" ({r.state.value}{exit_text})"))
     body = r.log_tail or r.error
+    if streamed is not None and r.log_tail:  # its live lines were printed: what came after
+        body = new_log_text(r.log_tail, r.log_end, streamed)
+        if not body:
+            return
     if not body:
         console.print("  (no log uploaded)")
         return
@@ -893,7 +929,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("id", type=int)
     p.add_argument("--rank", type=int, default=None)
-    p.add_argument("--follow", action="store_true", help="wait for running ranks to end")
+    p.add_argument(
+        "--follow",
+        action="store_true",
+        help="print running ranks' logs as they grow, and each rank's end, until the job ends",
+    )
     p.add_argument("--interval", type=float, default=2.0, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_jobs_logs)
     p = jobs.add_parser("cancel", parents=[client])

@@ -16,7 +16,7 @@ process: API workers and the controller alike):
 - the host's row (status, agent instance, name; its address is every job's rank 0 address, so
   a changed address invalidates every host), its devices' (index, kind),
 - its ranks' rows (job, rank, state, device, host, worker credential),
-- their jobs' rows (status, attempt, rendezvous port, spec) and the number and places of their
+- their jobs' rows (status, attempt, rendezvous port, spec, logs followed until) and the number and places of their
   ranks (a rank added or removed changes the world size every host of the job is told).
 
 A flush that changes any of these notes the hosts concerned (a job's hosts: one query for the
@@ -69,7 +69,7 @@ _RELEVANT: dict[type, frozenset[str]] = {
     Host: frozenset({"status", "agent_instance", "name", "address"}),
     Device: frozenset({"index", "kind", "host_id"}),
     Worker: frozenset({"job_id", "rank", "state", "device_id", "host_id", "token_hash"}),
-    Job: frozenset({"status", "attempt", "master_port", "spec"}),
+    Job: frozenset({"status", "attempt", "master_port", "spec", "logs_followed_until"}),
 }
 """The columns a heartbeat's answer reads (``server.services.hosts.heartbeat``); a change to any
 other (telemetry marks, pending reasons, last heartbeats) leaves every answer as it was. What a

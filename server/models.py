@@ -232,6 +232,10 @@ class Job(Base):
     job, not only in the controller's memory, so that a controller that takes over does not
     take a job settled after warm-up (``static``, ``adaptive``) for one still exploring."""
 
+    logs_followed_until: Mapped[datetime | None] = mapped_column(UTCDateTime, default=None)
+    """Until when someone follows the job's logs (``jobs logs --follow``): till then its agents
+    upload the live log tails of its running ranks with their heartbeats."""
+
     context: Mapped[str | None] = mapped_column(String(64), default=None, index=True)
     """The code archive the job runs (``spec.workload.context``), kept beside the spec so an
     agent's right to read an archive is one indexed lookup."""
@@ -280,6 +284,8 @@ class Worker(Base):
     exit_code: Mapped[int | None] = mapped_column(Integer, default=None)
     error: Mapped[str | None] = mapped_column(Text, default=None)
     log_tail: Mapped[str | None] = mapped_column(Text, default=None)
+    log_end: Mapped[int | None] = mapped_column(BigInteger, default=None)
+    """Where ``log_tail`` ends in the rank's log, in bytes."""
     """The last lines of the rank's log, uploaded by its agent when it failed or was stopped."""
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     token_hash: Mapped[str | None] = mapped_column(String(64), unique=True, default=None)

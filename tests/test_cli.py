@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -13,13 +14,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from agent.client import ApiClient, make_http
-from contract.agent import DeviceInfo, Heartbeat, HostRegister, WorkerReport
+from agent.daemon import _log_tail_at
+from contract.agent import LOG_TAIL_CHARS, DeviceInfo, Heartbeat, HostRegister, WorkerReport
 from contract.api import HostOut, JobOut, TokenCreate
 from contract.base import PROTOCOL_VERSION
 from contract.enums import DeviceKind, Role, WorkerState
-from evenflow.cli import main
+from evenflow.cli import main, new_log_text
 from server.app import create_app
 from tests.harness import ADMIN_TOKEN, LiveServer, make_settings, serving, wait_placed
 
@@ -418,6 +422,99 @@ def test_jobs_logs_prints_each_ranks_tail(
     assert "rank 1" in out and "rank 0" not in out
     assert main(["jobs", "logs", str(job.id), "--rank", "9"]) == 1
     assert "no rank 9" in capsys.readouterr().err
+
+
+def test_jobs_logs_follow_prints_running_ranks_lines_once_as_they_come(
+    env: LiveServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    agent_token = (
+        ApiClient(make_http(env.url, env.admin_token))
+        .create_token(TokenCreate(name="agent-follow-host", role=Role.AGENT, host="follow-host"))
+        .token
+    )
+    agent = ApiClient(make_http(env.url, agent_token))
+    host = _cpu_host(agent, "follow-host")
+    admin = ApiClient(make_http(env.url, env.admin_token))
+    job = admin.submit(
+        {"name": "chatty", "workload": {"builtin": "mlp"}, "global_batch": 8, "workers": 2}
+        | {"iterations": 5}
+    )
+    assert _placed(admin, job.id).status.value == "starting"
+
+    def beat(*reports: WorkerReport) -> list[object]:
+        return [
+            a.follow_log_until
+            for a in agent.heartbeat(host.id, Heartbeat(workers=list(reports))).assignments
+        ]
+
+    def report(rank: int, state: WorkerState, log: str | None = None) -> WorkerReport:
+        end = None if log is None else len(log.encode())
+        return WorkerReport(job_id=job.id, rank=rank, state=state, log_tail=log, log_end=end)
+
+    running = WorkerState.RUNNING
+    assert beat(report(0, running), report(1, running)) == [None, None]  # nobody follows
+    follower = threading.Thread(
+        target=main, args=(["jobs", "logs", str(job.id), "--follow", "--interval", "0.05"],)
+    )
+    follower.start()
+    deadline = time.monotonic() + 10
+    while None in beat():  # the follow reaches the agent with its heartbeat's answer
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    log = "step 1\n"
+    beat(report(0, running, log))
+    time.sleep(0.3)
+    log += "step 2 [bold]\n"
+    beat(report(0, running, log))
+    time.sleep(0.3)
+    beat(report(0, WorkerState.SUCCEEDED, log + "done\n"), report(1, WorkerState.SUCCEEDED, "r1\n"))
+    follower.join(timeout=20)
+    assert not follower.is_alive()
+    out = capsys.readouterr().out
+    assert out.count("step 1") == 1 and out.count("step 2 [bold]") == 1, out
+    assert "rank 0 | step 1" in out and "rank 0 | step 2 [bold]" in out
+    end = out.index("rank 0 (succeeded")
+    assert out.index("step 2") < end < out.index("done") and "r1" in out
+    assert admin.job(job.id).status.value == "succeeded"
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.lists(
+                st.text(st.characters(codec="utf-8", exclude_characters="\n\x00"), max_size=60)
+            ),
+            st.integers(1, 60),
+        ),
+        min_size=1,
+        max_size=10,
+    )
+)
+def test_a_followers_new_lines_join_up_to_the_whole_log(
+    rounds: list[tuple[list[str], int]],
+) -> None:
+    """However a log grows between two looks (by less than a tail holds), the new text of each
+    tail, joined, is the log from the first tail on: no line lost, none twice."""
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "rank-0.log"
+        path.write_bytes(b"")
+        whole, printed, seen = b"", "", None
+        for lines, repeat in rounds:
+            chunk = "".join(f"{line}\n" for line in lines).encode() * repeat
+            assume(len(chunk) < LOG_TAIL_CHARS - 512)
+            whole += chunk
+            with path.open("ab") as f:
+                f.write(chunk)
+            tail, end = _log_tail_at(path)
+            assert end == len(whole)
+            if tail is None:
+                continue
+            if seen is None:  # what the first tail left out
+                printed = whole[: end - len(tail.encode())].decode()
+            printed += new_log_text(tail, end, seen)
+            seen = end
+        assert printed == whole.decode()
 
 
 def test_submit_with_a_context_ships_the_directory_once(

@@ -17,10 +17,17 @@ from datetime import datetime, timedelta
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
-from sqlalchemy import Row, bindparam, exists, func, or_, select
+from sqlalchemy import Row, bindparam, exists, func, or_, select, update
 from sqlalchemy.orm import Session, joinedload, selectinload
 
-from contract.agent import WORKER_ORPHAN_EXIT_S, Assignment, Heartbeat, HeartbeatAck, HostRegister
+from contract.agent import (
+    WORKER_ORPHAN_EXIT_S,
+    Assignment,
+    Heartbeat,
+    HeartbeatAck,
+    HostRegister,
+    WorkerReport,
+)
 from contract.base import PROTOCOL_VERSION
 from contract.enums import DeviceKind, DeviceStatus, HostStatus, JobStatus, Role, WorkerState
 from server.db import ReadChanged
@@ -219,6 +226,9 @@ def heartbeat(
         known = placed.get((report.job_id, report.rank))
         if known is not None and known.attempt != report.attempt:
             continue  # an earlier attempt's
+        if known is not None and report.log_tail and known.state == report.state == _RUNNING:
+            _live_log_tail(session, known.worker_id, report)  # its logs are followed
+            continue
         if known is not None and known.state == report.state:
             # Nothing new, the common case, with no query. A report carried before may still
             # move its job on: one whose reports committed and whose jobs' advance then
@@ -286,6 +296,7 @@ _JOB_SHAPES = select(
     Job.attempt,
     Job.master_port,
     Job.spec,
+    Job.logs_followed_until,
     select(func.count(Worker.id))
     .where(Worker.job_id == Job.id)
     .scalar_subquery()
@@ -296,6 +307,15 @@ _JOB_SHAPES = select(
     .scalar_subquery()
     .label("rank0_address"),
 ).where(Job.id.in_(bindparam("job_ids", expanding=True)))
+
+
+_RUNNING = WorkerState.RUNNING.value
+
+
+def _live_log_tail(session: Session, worker_id: int, report: WorkerReport) -> None:
+    """A running rank's log tail, uploaded while its job's logs are followed."""
+    values = {"log_tail": report.log_tail, "log_end": report.log_end}
+    session.execute(update(Worker).where(Worker.id == worker_id).values(**values))
 
 
 def _placed_here(session: Session, host: Host, reported: set[int]) -> dict[tuple[int, int], Placed]:
@@ -357,14 +377,15 @@ def assignments(
                 spec=job.spec,
                 worker_token=token,
                 attempt=job.attempt,
+                follow_log_until=None if status.terminal else job.logs_followed_until,
             )
         )
     return out
 
 
 def _job_shapes(session: Session, job_ids: set[int]) -> dict[int, Row[Any]]:
-    """What an assignment says of each job: status, attempt, rendezvous port, spec, world size
-    and the address of its rank 0's host (None while it has none), in one read."""
+    """What an assignment says of each job: status, attempt, rendezvous port, spec, until when
+    its logs are followed, world size and the address of its rank 0's host (None while it has none), in one read."""
     rows = session.execute(_JOB_SHAPES, {"job_ids": sorted(job_ids)}).all()
     return {row.id: row for row in rows}
 

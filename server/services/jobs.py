@@ -17,7 +17,7 @@ import signal
 import time
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from sqlalchemy import Connection, bindparam, case, exists, func, select, text, update
 from sqlalchemy.orm import Session, selectinload
@@ -122,6 +122,24 @@ def logs(session: Session, job_id: int, rank: int | None) -> list[Worker]:
     if not found:
         raise NotFound(f"job {job_id} has no rank {rank}", field="rank")
     return found
+
+
+FOLLOW_S = 30.0
+"""How long one ``follow_logs`` keeps a job's live logs coming: a follower asks again sooner."""
+
+
+def follow_logs(session: Session, job_id: int, rank: int | None, now: datetime) -> list[Worker]:
+    """``logs``, and the job's agents told to upload its running ranks' live log tails for the
+    next ``FOLLOW_S`` (written at most once per half of it: several followers, or one polling
+    every second, cost one write a quarter-minute)."""
+    job = get(session, job_id)
+    until = job.logs_followed_until
+    if not JobStatus(job.status).terminal and (
+        until is None or until < now + timedelta(seconds=FOLLOW_S / 2)
+    ):
+        job.logs_followed_until = now + timedelta(seconds=FOLLOW_S)
+        session.flush()
+    return logs(session, job_id, rank)
 
 
 def transition(job: Job, to: JobStatus) -> None:
@@ -496,7 +514,7 @@ def _move_worker(worker: Worker, host: Host, report: WorkerReport, now: datetime
     if report.error:
         worker.error = report.error
     if report.log_tail:
-        worker.log_tail = report.log_tail
+        worker.log_tail, worker.log_end = report.log_tail, report.log_end
     return True
 
 

@@ -137,6 +137,38 @@ def test_failed_rank_fails_the_job_with_its_traceback(agent: tuple[Agent, ApiCli
     assert "RuntimeError: boom" in log.log_tail
 
 
+def test_a_followed_running_ranks_log_reaches_the_server_as_it_grows(
+    agent: tuple[Agent, ApiClient],
+) -> None:
+    """Nothing of a running rank's log is uploaded until someone follows the job's logs; then
+    its tail comes with the agent's heartbeats, and keeps growing, while the rank runs."""
+    _, admin = agent
+    job = admin.submit(
+        _spec(workload={"entrypoint": "tests.agent.chatty_workload:main"}, emulation=None)
+    )
+    _wait(lambda: all(w.state is WorkerState.RUNNING for w in admin.logs(job.id).items))
+    time.sleep(1.0)  # a few heartbeats while the ranks print, nobody following
+    assert all(r.log_tail is None for r in admin.logs(job.id).items)
+
+    def said(after: int) -> dict[int, int] | None:
+        ranks = admin.follow_logs(job.id).items
+        assert all(r.state is WorkerState.RUNNING for r in ranks)
+        last = {r.rank: _last_said(r.log_tail) for r in ranks}
+        return last if all(n is not None and n > after for n in last.values()) else None
+
+    first = _wait(lambda: said(-1), timeout=30)
+    later = _wait(lambda: said(max(first.values()) + 5), timeout=30)
+    assert admin.job(job.id).status is JobStatus.RUNNING
+    assert all(later[r] > first[r] for r in (0, 1))
+    admin.cancel(job.id)
+    _wait(lambda: admin.job(job.id).status.terminal)
+
+
+def _last_said(tail: str | None) -> int | None:
+    lines = [line for line in (tail or "").splitlines() if " says " in line]
+    return int(lines[-1].rsplit(" ", 1)[1]) if lines else None
+
+
 def test_a_log_tail_is_the_end_of_the_log_in_whole_lines(tmp_path: Path) -> None:
     log = tmp_path / "rank-0.log"
     log.write_text("".join(f"line {i}\n" for i in range(20_000)))

@@ -58,8 +58,25 @@ def get_logs(
     rank: int | None = Query(None, ge=0, le=10_000),
 ) -> Page[RankLogOut]:
     """Each rank's (or one rank's) root cause and the last lines of its log, uploaded by its
-    agent when it failed or was stopped; by rank."""
+    agent when it ended (and, while the logs are followed, as a running rank's log grows);
+    by rank."""
     ranks, total = paging.slice(jobs.logs(session, job_id, rank))
+    return Page(items=[RankLogOut.model_validate(w) for w in ranks], total=total)
+
+
+@router.post("/{job_id}/logs/follow")
+def follow_logs(
+    session: SessionDep,
+    _: JobReader,
+    now: Now,
+    job_id: PathId,
+    paging: PagingDep,
+    rank: int | None = Query(None, ge=0, le=10_000),
+) -> Page[RankLogOut]:
+    """``GET .../logs``, and the job's running ranks' live log tails uploaded by their agents
+    for the next 30 s (call it again within that to keep them coming): what ``jobs logs
+    --follow`` polls. Changes nothing of the job but that."""
+    ranks, total = paging.slice(jobs.follow_logs(session, job_id, rank, now))
     return Page(items=[RankLogOut.model_validate(w) for w in ranks], total=total)
 
 
