@@ -23,7 +23,8 @@ from contract.agent import LOG_TAIL_CHARS, DeviceInfo, Heartbeat, HostRegister, 
 from contract.api import HostOut, JobOut, TokenCreate
 from contract.base import PROTOCOL_VERSION
 from contract.enums import DeviceKind, Role, WorkerState
-from evenflow.cli import main, new_log_text
+from evenflow.cli import main
+from evenflow.cli.jobs import new_log_text
 from server.app import create_app
 from tests.harness import ADMIN_TOKEN, LiveServer, make_settings, serving, wait_placed
 

@@ -7,7 +7,7 @@ hosts a job's start or end sends one from each of its hosts within a heartbeat p
 a second under the fleet bench's churn, and the API process answered about 20 a second within
 the heartbeat target (bench/fleet.py). Each cost a slot, a hop to a worker thread, a
 transaction, and a second transaction to advance its jobs once its reports had committed
-(``jobs.ready_to_advance``): begin, commit and that second transaction were a third of a
+(``rank_reports.ready_to_advance``): begin, commit and that second transaction were a third of a
 database heartbeat's CPU, and the 32 hosts of a 256-rank job each ran the second transaction
 for the same job (bench/request_cost.py, py-spy).
 
@@ -23,7 +23,7 @@ reports is done. A group that fails as a whole (a refusal of one of its heartbea
 have written before it was refused; the database aborting it to break a deadlock) is worked out
 again one heartbeat at a time, so each gets its own answer and one cannot fail the rest. A
 heartbeat reporting a failure is always worked out alone: it takes its jobs' report locks
-during its own transaction (``jobs.apply_worker_reports``), and two groups taking them in
+during its own transaction (``rank_reports.apply_worker_reports``), and two groups taking them in
 different orders would deadlock.
 
 An answer is kept in memory (``HostAnswers.put``) only if no heartbeat after it in its group
@@ -49,7 +49,7 @@ from sqlalchemy.orm import Session
 from server.db import run_retrying
 from server.handoff import answer
 from server.host_answers import EVERY_HOST, own_changes
-from server.services import hosts, jobs
+from server.services import hosts, rank_reports
 
 if TYPE_CHECKING:
     from server.context import AppContext
@@ -251,14 +251,14 @@ def _alone(context: AppContext, beat: Beat) -> Worked | Exception:
 
 def _advance(context: AppContext, pending: Mapping[int, int], now: datetime) -> None:
     """The jobs (id: attempt) that reports committed before this may have moved on, advanced
-    (``jobs.ready_to_advance``, ``jobs.advance_jobs``)."""
+    (``rank_reports.ready_to_advance``, ``rank_reports.advance_jobs``)."""
     waited: list[float] = []
     began = time.perf_counter()
 
     def once() -> None:
         with context.transaction(write=True) as session:
-            jobs.advance_jobs(session, jobs.ready_to_advance(session, pending), now)
-            waited[:] = [session.info.get(jobs.REPORT_LOCK_WAIT, -1.0)]
+            rank_reports.advance_jobs(session, rank_reports.ready_to_advance(session, pending), now)
+            waited[:] = [session.info.get(rank_reports.REPORT_LOCK_WAIT, -1.0)]
 
     run_retrying(once, TRANSACTION_ATTEMPTS, "jobs advanced by heartbeats")
     context.metrics.heartbeat_phases.labels("advance").observe(time.perf_counter() - began)

@@ -20,7 +20,7 @@ from contract.agent import ArtifactReport
 from contract.api import ArtifactOut
 from server.errors import Invalid, NotFound
 from server.models import Artifact, Blob, Host, Worker
-from server.services import blobs, jobs
+from server.services import blobs, jobs, rank_reports
 from server.services.paging import Paging, page
 from server.services.tokens import Principal
 
@@ -38,7 +38,7 @@ def report(
     """Record a file a rank left (its own credential, its host's agent, or an admin); a second
     report of the same name by the same rank replaces the first."""
     job = jobs.get(session, job_id)
-    jobs.check_may_write_ranks(session, principal, job_id, [body.rank], "report artifacts")
+    rank_reports.check_may_write_ranks(session, principal, job_id, [body.rank], "report artifacts")
     row = session.scalar(
         select(Artifact).where(
             Artifact.job_id == job_id, Artifact.rank == body.rank, Artifact.name == body.name
@@ -67,7 +67,7 @@ def check_may_store(
     """Before an upload: the rank's own credential (or its agent, an admin), and room for it
     within the job's limit (413 naming it)."""
     row = get(session, job_id, artifact_id)
-    jobs.check_may_write_ranks(session, principal, job_id, [row.rank], "upload artifacts")
+    rank_reports.check_may_write_ranks(session, principal, job_id, [row.rank], "upload artifacts")
     if row.host is None:
         raise Invalid(
             f"artifact {artifact_id} is on shared storage ({row.url}): it is read there",

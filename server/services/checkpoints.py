@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 
 from contract.agent import CheckpointReport
 from server.models import Checkpoint
-from server.services import jobs
+from server.services import jobs, rank_reports
 from server.services.paging import Paging, page
 from server.services.tokens import Principal
 
@@ -24,7 +24,9 @@ def report(
 ) -> Checkpoint:
     """Record a checkpoint: a rank's own credential (or its host's agent, or an admin)."""
     job = jobs.get(session, job_id)
-    jobs.check_may_write_ranks(session, principal, job_id, [body.rank], "report checkpoints")
+    rank_reports.check_may_write_ranks(
+        session, principal, job_id, [body.rank], "report checkpoints"
+    )
     row = Checkpoint(
         job_id=job.id,
         attempt=job.attempt,

@@ -1,7 +1,7 @@
 """Hosts and their devices: registration, heartbeats, and marking silent hosts lost.
 
 A device is never shown free while a worker may still run on it. When a job ends, the device of
-each rank its agent has not yet reported ended stays busy (``jobs.may_still_run``), until that
+each rank its agent has not yet reported ended stays busy (``releases.may_still_run``), until that
 agent reports the rank ended (it stops the process first), or the host has been silent for
 ``after_s + WORKER_ORPHAN_EXIT_S`` (``release_silent``): lost, and long enough that a dead
 agent's workers have certainly exited by their own check (``agent.runtime.parent``). A lost
@@ -33,7 +33,7 @@ from contract.enums import DeviceKind, DeviceStatus, HostStatus, JobStatus, Role
 from server.db import ReadChanged
 from server.errors import Conflict, Forbidden, NotFound, ProtocolMismatch
 from server.models import Device, Host, Job, Worker
-from server.services import jobs, scheduler, tokens
+from server.services import jobs, rank_reports, releases, scheduler, tokens
 from server.services.audit import record
 from server.services.paging import Paging, page
 from server.services.tokens import Principal
@@ -153,7 +153,7 @@ def _back_online(session: Session, dev: Device) -> None:
     of an ended job whose rank the host's agent has not reported ended: ``release_silent`` may
     have let go of it while the host was lost, as its agent was taken for dead), else free."""
     if dev.job_id is None:
-        dev.job_id = jobs.job_still_running_on(session, dev.id)
+        dev.job_id = releases.job_still_running_on(session, dev.id)
     dev.status = DeviceStatus.BUSY if dev.job_id else DeviceStatus.FREE
 
 
@@ -182,12 +182,12 @@ class Answered(NamedTuple):
     and nothing else changed, gets this same answer and changes nothing: a report repeated
     changes nothing once applied (an agent resends a heartbeat whose answer it lost), and one
     left out changes nothing either, unless it is what kept a device held
-    (``jobs.release_replaced``). So an agent that reports a change once and then no more (it
+    (``releases.release_replaced``). So an agent that reports a change once and then no more (it
     reports a rank's new state until a heartbeat has carried it) is answered from memory on
     the heartbeat after (``server.host_answers``)."""
     to_advance: Mapping[int, int] = MappingProxyType({})
     """The jobs (id: attempt) its reports may have moved on, to advance once it has committed
-    (``jobs.ready_to_advance``, ``jobs.advance_jobs``)."""
+    (``rank_reports.ready_to_advance``, ``rank_reports.advance_jobs``)."""
 
 
 def heartbeat(
@@ -234,11 +234,11 @@ def heartbeat(
             # move its job on: one whose reports committed and whose jobs' advance then
             # failed (the database went away, the process died) was not answered, and the
             # agent sends the same reports again; they advance the jobs then.
-            if jobs.may_move(JobStatus(known.job_status), report.state):
+            if rank_reports.may_move(JobStatus(known.job_status), report.state):
                 again[known.job_id] = known.attempt
             continue
         changes.append(report)
-    applied = jobs.apply_worker_reports(session, host, changes, now)
+    applied = rank_reports.apply_worker_reports(session, host, changes, now)
     if applied.moved is None:  # a failure may have restarted a job: its ranks may be gone
         session.flush()
         placed = _placed_here(session, host, reported)
@@ -246,13 +246,13 @@ def heartbeat(
         for key, state in applied.moved.items():
             placed[key] = placed[key]._replace(state=state)
     on_devices = {(p.device_id, p.job_id) for p in placed.values()}
-    held = jobs.release_replaced(session, host, hb.workers, now, placed=on_devices)
+    held = releases.release_replaced(session, host, hb.workers, now, placed=on_devices)
     ack = HeartbeatAck(
         host_id=host.id,
         status=HostStatus(host.status),
         assignments=assignments(session, host, placed),
     )
-    # The jobs are advanced by the caller once this commits (``jobs.ready_to_advance``).
+    # The jobs are advanced by the caller once this commits (``rank_reports.ready_to_advance``).
     # Advancing changes nothing the answer says: a job that starts running is ``run`` either
     # way, and one that succeeds has none of its ranks live here.
     return Answered(ack, fewer_alike=not held, to_advance=again | applied.to_advance)
@@ -555,7 +555,7 @@ def release_silent(session: Session, now: datetime, after_s: float) -> list[Devi
         )
     )
     for dev in held:
-        jobs.release(dev)
+        releases.release(dev)
     if held:
         session.flush()
         scheduler.request_placement(session)

@@ -22,7 +22,7 @@ from contract.dashboard import MetricSeries, MetricsOut
 from contract.enums import JobStatus
 from server.errors import Conflict, Invalid, NotFound
 from server.models import Job, JobMetric, Worker
-from server.services.jobs import check_may_write_ranks
+from server.services.rank_reports import check_may_write_ranks
 from server.services.tokens import Principal
 
 M = JobMetric

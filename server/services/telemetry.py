@@ -19,8 +19,8 @@ from server.errors import Conflict, EvenflowError, Invalid, NotFound
 from server.locks import TELEMETRY_ORDER_LOCK_KEY
 from server.models import Host, IterationTelemetry, Job, Worker
 from server.pg_arrays import Kind, packed
-from server.services.jobs import check_may_write_ranks
 from server.services.paging import Paging, page
+from server.services.rank_reports import check_may_write_ranks
 from server.services.tokens import Principal
 
 

@@ -14,7 +14,7 @@ from sqlalchemy import select
 from contract.enums import DeviceStatus
 from server.db import transaction
 from server.models import Device
-from server.services import hosts, jobs
+from server.services import hosts, releases
 from tests.harness import Api
 
 STATES = ["running", "succeeded", "failed", "stopped"]
@@ -33,7 +33,9 @@ def _free_while_held(api: Api) -> list[tuple[int, int | None]]:
     with transaction(sessions) as s:
         free = s.scalars(select(Device).where(Device.status == DeviceStatus.FREE.value))
         return [
-            (d.id, held) for d in free if (held := jobs.job_still_running_on(s, d.id)) is not None
+            (d.id, held)
+            for d in free
+            if (held := releases.job_still_running_on(s, d.id)) is not None
         ]
 
 

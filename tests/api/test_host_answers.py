@@ -28,7 +28,7 @@ from server.app import _flush_liveness, _write_liveness, create_app
 from server.context import AppContext, context_of
 from server.db import transaction
 from server.models import Device, Host, Job, Worker
-from server.services import hosts, jobs
+from server.services import hosts, rank_reports
 from server.services.tokens import Principal
 from tests.harness import ADMIN_TOKEN, ROOT, Api, driven, make_settings, statements
 
@@ -763,7 +763,7 @@ def test_metrics_time_a_heartbeats_wait_for_its_jobs_report_lock(pg_url: str) ->
         assert "report_lock" not in _phases(api)
         lock = text("SELECT pg_advisory_xact_lock(:cls, :job_id)")
         with _context(api).engine.connect() as holder:
-            holder.execute(lock, {"cls": jobs.REPORTS_LOCK_CLASS, "job_id": int(job["id"])})
+            holder.execute(lock, {"cls": rank_reports.REPORTS_LOCK_CLASS, "job_id": int(job["id"])})
             beat = threading.Thread(target=lambda: _beat(api, host, report))
             beat.start()
             time.sleep(0.6)  # (its own way to the lock takes some of that)

@@ -1,4 +1,4 @@
-"""A heartbeat's rank reports are applied together (``jobs.apply_worker_reports``): a job
+"""A heartbeat's rank reports are applied together (``rank_reports.apply_worker_reports``): a job
 starting on a host costs a fixed number of statements, and batching changes no outcome."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from server.app import create_app
 from server.context import context_of
 from server.db import session_factory, transaction
 from server.models import Device, Host, Job, Worker
-from server.services import jobs
+from server.services import jobs, rank_reports
 from tests.harness import Api, driven, make_settings, statements
 
 
@@ -227,16 +227,18 @@ def test_hosts_reporting_a_jobs_last_ranks_at_once_start_it_in_any_order(pg_url:
                     reports = [
                         WorkerReport.model_validate(r) for r in _reports(answers[k], "running")
                     ]
-                    pending[k] = jobs.apply_worker_reports(session, host, reports, now).to_advance
+                    pending[k] = rank_reports.apply_worker_reports(
+                        session, host, reports, now
+                    ).to_advance
                     session.flush()
                 elif step == "commit":
                     open_.pop(k).commit()
                     committed.add(k)
                 else:
                     with transaction(sessions) as session:
-                        ready = jobs.ready_to_advance(session, pending[k])
-                        jobs.advance_jobs(session, ready, now)
-                        if jobs.REPORT_LOCK_WAIT in session.info:
+                        ready = rank_reports.ready_to_advance(session, pending[k])
+                        rank_reports.advance_jobs(session, ready, now)
+                        if rank_reports.REPORT_LOCK_WAIT in session.info:
                             locked.append(k)
                     if len(committed) < 3:
                         assert ready == {}, "ready before every rank was committed"
@@ -308,7 +310,7 @@ def test_reports_whose_jobs_advance_failed_advance_them_when_sent_again(
     job_id = int(api.submit(workers=1)["id"])
     answer = _beat(api, host, [])
     _beat(api, host, _reports(answer, "launching"))
-    looked = jobs.ready_to_advance
+    looked = rank_reports.ready_to_advance
 
     def gone(*_: Any) -> dict[int, int]:
         raise sa_exc.OperationalError("SELECT", {}, Exception("server closed the connection"))

@@ -12,7 +12,7 @@ from contract.agent import WORKER_EXIT_AGENT_GONE, WORKER_EXIT_FATAL, WorkerRepo
 from contract.enums import Role, WorkerState
 from server.context import context_of
 from server.models import Job
-from server.services import control_loop, hosts, jobs
+from server.services import control_loop, hosts, rank_reports
 from server.services.rebalancer import Tracker
 from tests.harness import Api
 
@@ -117,16 +117,16 @@ def test_a_rank_killed_by_a_signal_says_so() -> None:
     report = WorkerReport(
         job_id=1, rank=2, state=WorkerState.FAILED, exit_code=-9, error="INFO plan v3 in force"
     )
-    assert jobs.failure_reason(report) == "rank 2 killed by SIGKILL"
+    assert rank_reports.failure_reason(report) == "rank 2 killed by SIGKILL"
     signalled = report.model_copy(update={"exit_code": None, "signal": "SIGTERM"})
-    assert jobs.failure_reason(signalled) == "rank 2 killed by SIGTERM"
+    assert rank_reports.failure_reason(signalled) == "rank 2 killed by SIGTERM"
     report = report.model_copy(update={"exit_code": 1, "error": "Traceback\nValueError: x"})
-    assert jobs.failure_reason(report) == "rank 2 failed: ValueError: x"
+    assert rank_reports.failure_reason(report) == "rank 2 failed: ValueError: x"
     said = "host h1's agent restarted (it died while rank 2 of job 1 ran)"
     gone = report.model_copy(update={"exit_code": WORKER_EXIT_AGENT_GONE, "error": said})
-    assert jobs.failure_reason(gone) == said
+    assert rank_reports.failure_reason(gone) == said
     unsaid = gone.model_copy(update={"error": None})
-    assert jobs.failure_reason(unsaid) == "rank 2's agent died while it ran"
+    assert rank_reports.failure_reason(unsaid) == "rank 2's agent died while it ran"
 
 
 def test_an_old_attempts_live_rank_keeps_its_device_until_reported_gone(api: Api) -> None:
