@@ -135,7 +135,7 @@ class EvenflowAccelerator(Accelerator):  # type: ignore[misc]
         kwargs.pop("gradient_accumulation_steps", None)
         super().__init__(**kwargs)
         self.ctx = ctx
-        self._train_loader: ShareLoader | None = None
+        self._train_loader: Any = None
         self._prepared_model: nn.Module | None = None
         self._schedulers = 0
 
@@ -267,6 +267,10 @@ class EvenflowAccelerator(Accelerator):  # type: ignore[misc]
         else:
             total = loss * n if n > 0 else loss.nan_to_num(0.0) * 0.0
         return ctx.backward(total, count=n)
+
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        return False  # no loss scaling (bf16 or fp32): every step is taken
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
         """Clip the all-reduced gradients (call it under ``if accelerator.sync_gradients:``);
