@@ -157,6 +157,8 @@ class EvenflowTrainer(Trainer):
         self.ctx = ctx
         args.max_steps = total
         args.average_tokens_across_devices = False  # the context normalises over every rank
+        if ctx.spec.engine == "fsdp":  # the optimizer's state stays sharded: the job's checkpoints
+            args.save_only_model = True
         args.__class__ = _rank_view(type(args), ctx)
         self._hooked = False
         self._logged: tuple[int, set[str]] = (-1, set())
@@ -244,14 +246,18 @@ class EvenflowTrainer(Trainer):
         batch: dict[str, Any] = dict(inputs)
         local_sum, local_count, value = 0.0, 0.0, None
         while True:
-            prepared = self._prepare_inputs(batch)
-            n = self._target_count(prepared)
-            with self.compute_loss_context_manager():
-                loss: Any = self.compute_loss(model, prepared, num_items_in_batch=n.clamp(min=1))
-            summed = torch.where(n > 0, loss * n, torch.zeros_like(loss))
-            value = self.ctx.backward(summed, count=n)
-            local_sum += float(summed.detach())
-            local_count += float(n)
+            # a pass that runs out of device memory is redone by ctx.batches in smaller passes
+            with self.ctx.recoverable():
+                prepared = self._prepare_inputs(batch)
+                n = self._target_count(prepared)
+                with self.compute_loss_context_manager():
+                    loss: Any = self.compute_loss(
+                        model, prepared, num_items_in_batch=n.clamp(min=1)
+                    )
+                summed = torch.where(n > 0, loss * n, torch.zeros_like(loss))
+                value = self.ctx.backward(summed, count=n)
+                local_sum += float(summed.detach())
+                local_count += float(n)
             if isinstance(inputs, _Step):
                 inputs.flops += float(super().floating_point_ops(batch))
             if self.ctx.sync_gradients or not isinstance(inputs, _Step):
@@ -263,6 +269,22 @@ class EvenflowTrainer(Trainer):
 
     def floating_point_ops(self, inputs: Any) -> int:
         return int(getattr(inputs, "flops", 0))
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Under ``engine: fsdp`` every rank gathers the whole model (a collective), rank 0
+        writes it; otherwise the Trainer's own (rank 0 writes)."""
+        if self.ctx.spec.engine != "fsdp":
+            return super().save_model(output_dir, _internal_call)  # type: ignore[no-any-return]
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        full = get_model_state_dict(
+            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        if self.args.should_save:
+            self._save(output_dir or self.args.output_dir, state_dict=full)
 
     # ------------------------------------------------------------------------------ logs
 

@@ -67,13 +67,27 @@ def one_process(args: dict[str, Any], out: Path) -> torch.nn.Module:
     return model
 
 
+PASSES = [  # rank 0 holds 12 samples a pass: its share comes as several passes
+    {"per_sample_ms": 1.5, "memory_mb": 12, "memory_per_sample_mb": 1.0},
+    {"per_sample_ms": 4.5},
+]
+VARIANTS = {
+    "ddp": {},
+    "overlap": {"gradient_sync": "overlap"},
+    "fsdp": {"engine": "fsdp"},
+    "passes": {"emulation": PASSES},
+}
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("variant", list(VARIANTS))
 def test_the_trainer_example_equals_one_process_and_logs_metrics(
-    cluster: LocalCluster, tmp_path: Path
+    cluster: LocalCluster, tmp_path: Path, variant: str
 ) -> None:
     args = {**ARGS, "hf_dir": str(tmp_path / "hf")}
-    state = run(cluster, "examples.hf_causal_lm:train", args, tmp_path / "final.pt", **NO_EXCLUSION)
+    extra = {**NO_EXCLUSION, **VARIANTS[variant]}
+    state = run(cluster, "examples.hf_causal_lm:train", args, tmp_path / "final.pt", **extra)
     assert_same(state, one_process(ARGS, tmp_path / "reference"))
     job = max(j.id for j in cluster.client.jobs().items if j.name == "hf_causal_lm")
     names = set(cluster.client.metrics(job).names)
