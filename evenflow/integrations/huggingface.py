@@ -274,14 +274,15 @@ class EvenflowTrainer(Trainer):
         """Under ``engine: fsdp`` every rank gathers the whole model (a collective), rank 0
         writes it; otherwise the Trainer's own (rank 0 writes)."""
         if self.ctx.spec.engine != "fsdp":
-            return super().save_model(output_dir, _internal_call)  # type: ignore[no-any-return]
+            return super().save_model(output_dir, _internal_call)
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
         )
 
+        model: Any = self.model
         full = get_model_state_dict(
-            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
         if self.args.should_save:
             self._save(output_dir or self.args.output_dir, state_dict=full)
