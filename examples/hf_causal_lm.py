@@ -71,6 +71,7 @@ def arguments(args: dict[str, Any], output_dir: str, **more: Any) -> TrainingArg
         logging_steps=int(args.get("logging_steps", 5)),
         save_steps=int(args.get("save_steps", 500)),
         bf16=bool(args.get("bf16", False)),
+        use_cpu=not torch.cuda.is_available(),  # (the Trainer's own rule for bf16 on a CPU)
         dataloader_num_workers=int(args.get("workers", 0)),
         report_to="none",
         disable_tqdm=True,

@@ -133,8 +133,8 @@ class EvenflowAccelerator(Accelerator):  # type: ignore[misc]
         check_spec(ctx, "Accelerate")
         _refuse(kwargs)
         kwargs.pop("gradient_accumulation_steps", None)
+        self.ctx = ctx  # first: Accelerator's own __init__ reads the properties below
         super().__init__(**kwargs)
-        self.ctx = ctx
         self._train_loader: Any = None
         self._prepared_model: nn.Module | None = None
         self._schedulers = 0

@@ -52,9 +52,11 @@ def one_process(args: dict[str, Any]) -> torch.nn.Module:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("engine", ["ddp", "fsdp"])
+@pytest.mark.parametrize(
+    "engine", [{"engine": "ddp"}, {"gradient_sync": "overlap"}, {"engine": "fsdp"}], ids=str
+)
 def test_the_accelerate_example_equals_one_process(
-    cluster: LocalCluster, tmp_path: Path, engine: str
+    cluster: LocalCluster, tmp_path: Path, engine: dict[str, str]
 ) -> None:
     args = {"sequences": 400, "dropout": 0.0, "workers": 1, "seed": 2}
     state = run(
@@ -62,7 +64,7 @@ def test_the_accelerate_example_equals_one_process(
         "examples.accelerate_text:train",
         args,
         tmp_path / "final.pt",
-        engine=engine,
+        **engine,
         **NO_EXCLUSION,
     )
     assert_same(state, one_process(args))

@@ -49,7 +49,7 @@ class InOrder(Dataset[torch.Tensor]):
         return self.items[i]
 
 
-def one_process(args: dict[str, Any], out: Path) -> torch.nn.Module:
+def one_process(args: dict[str, Any], out: Path) -> Any:
     """A plain Trainer in this process on the same global batches (its own num_items_in_batch
     makes the loss the mean over the batch's real target tokens)."""
     model = hf_causal_lm.model_of(args)
@@ -59,7 +59,6 @@ def one_process(args: dict[str, Any], out: Path) -> torch.nn.Module:
         per_device_train_batch_size=B,
         max_steps=ITERATIONS,
         train_sampling_strategy="sequential",
-        use_cpu=True,
     )
     Trainer(
         model=model, args=targs, train_dataset=InOrder(args), data_collator=hf_causal_lm.collate
@@ -132,7 +131,7 @@ def stand_in(**spec: Any) -> Any:
 def test_arguments_that_fight_the_plan_are_refused(
     tmp_path: Path, more: dict[str, Any], says: str
 ) -> None:
-    targs = hf_causal_lm.arguments({}, str(tmp_path), use_cpu=True, **more)
+    targs = hf_causal_lm.arguments({}, str(tmp_path), **more)
     with pytest.raises(IntegrationError, match=says):
         EvenflowTrainer(
             stand_in(),
@@ -156,7 +155,7 @@ def test_a_job_that_may_exclude_ranks_is_refused(tmp_path: Path) -> None:
         EvenflowTrainer(
             stand_in(policy={"exclude": True}),
             model=hf_causal_lm.model_of({}),
-            args=hf_causal_lm.arguments({}, str(tmp_path), use_cpu=True),
+            args=hf_causal_lm.arguments({}, str(tmp_path)),
         )
 
 
@@ -173,3 +172,38 @@ def test_the_example_has_a_job_spec_that_forbids_exclusion() -> None:
     spec = JobSpec.model_validate(yaml.safe_load(path.read_text()))
     assert spec.workload.entrypoint == "examples.hf_causal_lm:train"
     assert spec.policy.exclude is False
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_a_restarted_trainer_job_resumes_from_its_checkpoint_and_still_matches(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """Each rank fails at step 6 of its first attempt; the restart resumes at the job's
+    checkpoint of iteration 4 (model, optimizer, data position, the Trainer's step and
+    scheduler) and ends with the single-process model all the same."""
+    args = {
+        **ARGS,
+        "hf_dir": str(tmp_path / "hf"),
+        "marker": str(tmp_path / "crashed"),
+        "crash_at": 6,
+    }
+    extra = {**NO_EXCLUSION, "checkpoint": {"every_iterations": 4}, "max_restarts": 1}
+    state = run(cluster, "tests.integrations.hf_crash:train", args, tmp_path / "final.pt", **extra)
+    job = cluster.client.job(max(j.id for j in cluster.client.jobs().items))
+    assert job.restarts == 1
+    (restart,) = job.restart_history
+    assert restart.resumed_from == 4
+    assert_same(state, one_process(ARGS, tmp_path / "reference"))
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_bf16_trains_on_cpu_under_autocast(cluster: LocalCluster, tmp_path: Path) -> None:
+    """bf16=True runs (CPU autocast): the model comes out near the fp32 one but not equal to it,
+    so the forward really ran in bf16."""
+    args = {**ARGS, "hf_dir": str(tmp_path / "hf"), "bf16": True}
+    state = run(cluster, "examples.hf_causal_lm:train", args, tmp_path / "final.pt", **NO_EXCLUSION)
+    fp32 = one_process(ARGS, tmp_path / "reference").state_dict()
+    diffs = [(state[k] - p).abs().max().item() for k, p in fp32.items()]
+    assert 1e-4 < max(diffs) < 5e-2, max(diffs)
