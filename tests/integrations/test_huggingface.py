@@ -71,10 +71,9 @@ PASSES = [  # rank 0 holds 12 samples a pass: its share comes as several passes
     {"per_sample_ms": 4.5},
 ]
 VARIANTS = {
-    "ddp": {},
+    "ddp-with-passes": {"emulation": PASSES},
     "overlap": {"gradient_sync": "overlap"},
     "fsdp": {"engine": "fsdp"},
-    "passes": {"emulation": PASSES},
 }
 
 
