@@ -24,8 +24,10 @@ PLAIN_ACCELERATOR = (
     "and shard the data its own way (a rank with a 0-sample share would hang the all-reduce). "
     "Use `from evenflow.integrations.accelerate import EvenflowAccelerator` and "
     "`accelerator = EvenflowAccelerator(ctx)` instead of `Accelerator()`: its prepare() gives "
-    "each rank its share from the plan and reduces gradients once, exactly "
-    "(docs/guide/huggingface.md)"
+    "each rank its share from the plan and reduces gradients once, exactly. A Hugging Face "
+    "Trainer (which prepares through Accelerate): use `from evenflow.integrations.huggingface "
+    "import EvenflowTrainer` and `EvenflowTrainer(ctx, model=..., args=...)` in place of "
+    "`Trainer(...)` (docs/guide/huggingface.md)"
 )
 
 

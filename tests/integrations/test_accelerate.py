@@ -72,11 +72,21 @@ def test_the_accelerate_example_equals_one_process(
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-def test_a_plain_accelerator_in_a_job_is_refused_at_prepare(cluster: LocalCluster) -> None:
+@pytest.mark.parametrize(
+    ("function", "says"),
+    [
+        ("plain_accelerate:train", "EvenflowAccelerator(ctx)"),
+        ("plain_trainer:train", "EvenflowTrainer(ctx"),
+    ],
+)
+def test_a_plain_accelerator_in_a_job_is_refused_at_prepare(
+    cluster: LocalCluster, function: str, says: str
+) -> None:
+    """Accelerate imported by the entrypoint's module (by transformers' Trainer, too)."""
     spec = JobSpec.model_validate(
         {
             "name": "plain-accelerator",
-            "workload": {"entrypoint": "tests.integrations.plain_accelerate:train"},
+            "workload": {"entrypoint": f"tests.integrations.{function}"},
             "global_batch": B,
             "iterations": 5,
             "workers": 2,
@@ -86,7 +96,7 @@ def test_a_plain_accelerator_in_a_job_is_refused_at_prepare(cluster: LocalCluste
     done = cluster.wait(cluster.submit(spec).id, timeout_s=120)
     assert done.status.value == "failed"
     assert PLAIN_ACCELERATOR[:60] in (done.error or "")
-    assert "EvenflowAccelerator(ctx)" in (done.error or "")
+    assert says in (done.error or "")
 
 
 def stand_in(**spec: Any) -> Any:
