@@ -148,3 +148,34 @@ def test_each_example_has_a_job_spec_that_forbids_exclusion() -> None:
         spec = JobSpec.model_validate(yaml.safe_load(path.read_text()))
         assert spec.workload.entrypoint == f"examples.{name}:train"
         assert spec.policy.exclude is False
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_an_evaluation_loader_is_split_over_the_ranks_and_reduced(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """A second DataLoader in prepare: every item on exactly one rank; reduce and gather
+    combine over the ranks."""
+    import json
+
+    out = tmp_path / "eval.json"
+    spec = JobSpec.model_validate(
+        {
+            "name": "accelerate-eval",
+            "workload": {
+                "entrypoint": "tests.integrations.accelerate_eval:train",
+                "args": {"out": str(out)},
+            },
+            "global_batch": B,
+            "iterations": 4,
+            "workers": 2,
+            "max_restarts": 0,
+            **NO_EXCLUSION,
+        }
+    )
+    done = cluster.wait(cluster.submit(spec).id, timeout_s=120)
+    assert done.status.value == "succeeded", done.error
+    seen = json.loads(out.read_text())
+    assert seen["counts"] == [37.0, float(sum(range(37)))]
+    assert seen["ranks"] == [0.0, 1.0]
