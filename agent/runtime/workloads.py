@@ -84,6 +84,7 @@ import torch
 from torch import nn
 
 from agent.runtime.errors import EntrypointError
+from agent.runtime.guards import guard_frameworks
 from contract.spec import WorkloadSpec
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -182,4 +183,5 @@ def load_entrypoint(ref: str) -> Callable[..., Any]:
         raise EntrypointError(f"entrypoint {ref!r}: module has no attribute {attr!r}") from None
     if not callable(fn):
         raise EntrypointError(f"entrypoint {ref!r} is not callable")
+    guard_frameworks()  # a plain Accelerator the module imported: refused at its prepare()
     return fn
