@@ -49,4 +49,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 1
     return 0
-
