@@ -62,12 +62,24 @@ def make_http(server: str, token: str | None, *, timeout: float = 10.0) -> httpx
     return httpx.Client(base_url=server.rstrip("/"), headers=headers, timeout=timeout)
 
 
-def long_poll_timeout(client: httpx.Client, wait_s: float) -> httpx.Timeout:
+Timeouts = tuple[float | None, float | None, float | None, float | None]
+"""A request's own (connect, read, write, pool) timeouts. A tuple, not an ``httpx.Timeout``,
+and no ``timeout=`` at all for the client's own: the same calls then also work through a test's
+Starlette ``TestClient``, which is built on ``httpx2`` (whose ``Timeout`` and "client default"
+sentinel are its own) once that is installed."""
+
+
+def long_poll_timeout(client: httpx.Client, wait_s: float) -> Timeouts:
     """The client's timeouts with the read timeout extended by ``wait_s``: a long-poll's
     server may hold the request that long before it starts answering."""
     t = client.timeout
     read = None if t.read is None else t.read + wait_s
-    return httpx.Timeout(connect=t.connect, read=read, write=t.write, pool=t.pool)
+    return (t.connect, read, t.write, t.pool)
+
+
+def timeout_arg(timeout: Timeouts | None) -> dict[str, Any]:
+    """``timeout=`` for a request: none for the client's own."""
+    return {} if timeout is None else {"timeout": timeout}
 
 
 def _not_ours(resp: httpx.Response) -> str:
@@ -102,7 +114,7 @@ class ApiClient:
         json: Any = None,
         params: dict[str, Any] | None = None,
         ok: tuple[int, ...] = (200, 201),
-        timeout: Any = httpx.USE_CLIENT_DEFAULT,
+        timeout: Timeouts | None = None,
         content: Any = None,
         headers: dict[str, str] | None = None,
     ) -> httpx.Response:
@@ -112,8 +124,8 @@ class ApiClient:
             json=json,
             params=params,
             headers={**self._headers, **(headers or {})},
-            timeout=timeout,
             content=content,
+            **timeout_arg(timeout),
         )
         if resp.status_code not in ok:
             raise _error(resp)
@@ -186,7 +198,7 @@ class ApiClient:
                 "Content-Type": "application/octet-stream",
                 "Content-Length": str(archive.stat().st_size),
             },
-            timeout=httpx.Timeout(self.http.timeout.connect, read=300.0, write=300.0, pool=30.0),
+            timeout=(self.http.timeout.connect, 300.0, 300.0, 30.0),
         )
         return ContextOut.model_validate(resp.json())
 
@@ -215,7 +227,7 @@ class ApiClient:
             "GET",
             API + path,
             headers=self._headers,
-            timeout=httpx.Timeout(self.http.timeout.connect, read=300.0, write=30.0, pool=30.0),
+            timeout=(self.http.timeout.connect, 300.0, 30.0, 30.0),
         ) as resp:
             if resp.status_code != 200:
                 resp.read()
@@ -262,7 +274,7 @@ class ApiClient:
         long-poll: the answer comes as soon as a newer plan exists, or None after ``wait_s``
         (at most 30; the read timeout is extended by it)."""
         params: dict[str, Any] | None = None
-        timeout: Any = httpx.USE_CLIENT_DEFAULT
+        timeout: Timeouts | None = None
         if known_version is not None:
             params = {"known_version": known_version}
             if wait_s > 0:

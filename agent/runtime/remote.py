@@ -35,11 +35,10 @@ job has ended.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import httpx
 
-from agent.client import long_poll_timeout
+from agent.client import Timeouts, long_poll_timeout, timeout_arg
 from agent.runtime.checkpoint import Saved
 from agent.runtime.telemetry import TelemetryClosed
 from contract.agent import (
@@ -93,13 +92,15 @@ class RemoteControlPlane:
         if self._etag is not None:
             headers["If-None-Match"] = self._etag
         params: dict[str, int | float] = {}
-        timeout: Any = httpx.USE_CLIENT_DEFAULT
+        timeout: Timeouts | None = None
         if self._version is not None:
             params["known_version"] = self._version
             if self.plan_wait_s > 0:
                 params["wait_s"] = self.plan_wait_s
                 timeout = long_poll_timeout(self._client, self.plan_wait_s)
-        response = self._client.get(self.plan_url, params=params, headers=headers, timeout=timeout)
+        response = self._client.get(
+            self.plan_url, params=params, headers=headers, **timeout_arg(timeout)
+        )
         if response.status_code == httpx.codes.NOT_MODIFIED:
             return None
         response.raise_for_status()
@@ -185,7 +186,7 @@ class RemoteControlPlane:
                 "Content-Type": "application/octet-stream",
                 "Content-Length": str(size),
             },
-            timeout=httpx.Timeout(30.0, read=600.0, write=600.0, pool=30.0),
+            timeout=(30.0, 600.0, 600.0, 30.0),
         )
         if response.status_code == httpx.codes.REQUEST_ENTITY_TOO_LARGE:
             raise RuntimeError(f"not kept by the control plane: {_detail(response)}")
