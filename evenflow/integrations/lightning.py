@@ -53,7 +53,7 @@ import math
 import re
 from collections.abc import Callable, Iterator, Mapping
 from importlib.metadata import version as installed_version
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -85,7 +85,11 @@ def check_version(found: str | None = None) -> None:
 check_version()
 
 import lightning.pytorch as L  # noqa: E402  (after the version check: it names the range)
-from lightning.fabric.plugins.environments import ClusterEnvironment  # noqa: E402
+import lightning.pytorch.utilities.rank_zero as pl_rank_zero  # noqa: E402
+import lightning_utilities.core.rank_zero as utils_rank_zero  # noqa: E402
+from lightning.fabric.plugins.environments.cluster_environment import (  # noqa: E402
+    ClusterEnvironment,
+)
 from lightning.fabric.utilities.distributed import _all_gather_ddp_if_available  # noqa: E402
 from lightning.pytorch.loggers import Logger  # noqa: E402
 from lightning.pytorch.plugins.precision import (  # noqa: E402
@@ -96,10 +100,6 @@ from lightning.pytorch.plugins.precision import (  # noqa: E402
 )
 from lightning.pytorch.strategies import ParallelStrategy  # noqa: E402
 from lightning.pytorch.trainer.states import TrainerFn  # noqa: E402
-from lightning.pytorch.utilities.rank_zero import rank_zero_only  # noqa: E402
-from lightning_utilities.core.rank_zero import (  # noqa: E402
-    rank_zero_only as utils_rank_zero_only,
-)
 
 __all__ = ["SUPPORTED", "EvenflowLogger", "EvenflowStrategy", "check_version", "trainer"]
 
@@ -364,7 +364,8 @@ class EvenflowStrategy(ParallelStrategy):
         self.model.to(self.root_device)
 
     def setup_environment(self) -> None:
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.ctx.rank
+        for module in (pl_rank_zero, utils_rank_zero):  # Lightning's rank-0-only helpers
+            setattr(module.rank_zero_only, "rank", self.ctx.rank)  # noqa: B010
         super().setup_environment()
 
     def _group(self, tensor: torch.Tensor | None = None) -> Any:
@@ -432,7 +433,7 @@ class EvenflowStrategy(ParallelStrategy):
         self.model = model
         self._prepared = True
         self.ctx.on_checkpoint("lightning", self._state.save, self._keep_for_resume)
-        trainer.callbacks.append(self._state)
+        cast(Any, trainer).callbacks.append(self._state)
 
     def _keep_for_resume(self, state: dict[str, Any]) -> None:
         self._resume = state
@@ -578,12 +579,13 @@ def _check_trainer(trainer: L.Trainer, ctx: EvenflowContext) -> None:
             "by Evenflow): set global_batch to what you accumulated over and remove "
             "accumulate_grad_batches"
         )
-    if trainer.limit_train_batches not in (1, 1.0) or trainer.overfit_batches:
+    loose = cast(Any, trainer)
+    if trainer.limit_train_batches not in (1, 1.0) or loose.overfit_batches:
         raise IntegrationError(
             "limit_train_batches and overfit_batches are not supported: the job's length is its "
             "spec's iterations or epochs"
         )
-    if trainer.reload_dataloaders_every_n_epochs:
+    if loose.reload_dataloaders_every_n_epochs:
         raise IntegrationError(
             "reload_dataloaders_every_n_epochs is not supported: Evenflow's loop runs the whole "
             "job on one train DataLoader (each epoch is a new seeded permutation of it)"

@@ -15,18 +15,24 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from agent.runtime.checkpoint import Checkpointer, CheckpointStore
+from agent.runtime.context import EvenflowContext
+from agent.runtime.plan_sync import PlanAgreement, RuntimePlan
 from agent.runtime.sampler import GlobalBatchSampler
+from contract.agent import MetricPoint
 from contract.spec import JobSpec
+from evenflow.integrations import lightning as ef
 from evenflow.local_cluster import LocalCluster
 from examples import lightning_text
 from examples.text import pad_collate
 
 B, ITERATIONS, SEED = 32, 12, 5
 EMULATION = [{"per_sample_ms": 1.5}, {"per_sample_ms": 4.5}]  # rank 0 three times as fast
-ARGS = {"sequences": 400, "dropout": 0.0, "workers": 1, "seed": 2, "clip": 0.5}
+ARGS: dict[str, Any] = {"sequences": 400, "dropout": 0.0, "workers": 1, "seed": 2, "clip": 0.5}
 
+# Lightning's advice (num_workers, log intervals) and its torch deprecations, in this process.
 pytestmark = pytest.mark.filterwarnings(
-    "ignore::UserWarning:lightning.*", "ignore::DeprecationWarning"
+    "ignore::UserWarning", "ignore::DeprecationWarning", "ignore::FutureWarning"
 )
 
 
@@ -82,7 +88,7 @@ class _GlobalBatches(torch.utils.data.Sampler[list[int]]):
             yield [int(i) for i in idx]
 
 
-def one_process(args: dict[str, Any], precision: str = "32-true") -> torch.nn.Module:
+def one_process(args: dict[str, Any], precision: Any = "32-true") -> torch.nn.Module:
     """Plain Lightning in this process, fed the job's global batches."""
     model, data = lightning_text.parts(args)
     data.setup("fit")
@@ -147,3 +153,209 @@ def one_cycle_lrs(lr: float) -> list[float]:
         opt.step()
         sched.step()
     return out
+
+
+# ------------------------------------------------------------------ in one process (world 1)
+
+
+def local_context(
+    args: dict[str, Any],
+    *,
+    checkpoints: Path | None = None,
+    every: int = 4,
+    points: list[MetricPoint] | None = None,
+    **extra: Any,
+) -> EvenflowContext:
+    """A real single-rank context (no process group): the integration's logic, in seconds."""
+    spec = JobSpec.model_validate(
+        {
+            "name": "lightning-local",
+            "workload": {"entrypoint": "examples.lightning_text:train", "seed": SEED, "args": args},
+            "global_batch": B,
+            "iterations": ITERATIONS,
+            "workers": 1,
+            "policy": {"exclude": False},
+            **extra,
+        }
+    )
+    agreement = PlanAgreement(
+        RuntimePlan(1, (B,)), rank=0, world_size=1, global_batch=B, pipelined=False
+    )
+    checkpointer = None
+    if checkpoints is not None:
+        checkpointer = Checkpointer(CheckpointStore(str(checkpoints)), every)
+    return EvenflowContext(
+        spec,
+        agreement,
+        rank=0,
+        world_size=1,
+        checkpointer=checkpointer,
+        submit_metric=None if points is None else points.append,
+    )
+
+
+def fit(ctx: EvenflowContext, args: dict[str, Any], **kwargs: Any) -> L.LightningModule:
+    model, data = lightning_text.parts(args)
+    t = ef.trainer(
+        ctx,
+        gradient_clip_val=float(args["clip"]),
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
+        **kwargs,
+    )
+    t.fit(model, datamodule=data)
+    assert t.global_step == ITERATIONS
+    return model
+
+
+class _Crash(Exception):
+    pass
+
+
+class CrashAt(L.Callback):
+    def __init__(self, ctx: EvenflowContext, iteration: int) -> None:
+        self.ctx, self.iteration = ctx, iteration
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        if self.ctx.iteration == self.iteration:
+            raise _Crash
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("every", [4, 5])
+def test_a_restarted_job_resumes_lightnings_state(tmp_path: Path, every: int) -> None:
+    """100 sequences: 4 iterations an epoch, so 12 iterations are 3 of Lightning's epochs, and
+    the checkpoint the job resumes from is at an epoch's end (every 4) or inside one (every 5).
+    Loops, schedule and optimizer resume: the model equals one uninterrupted Lightning run."""
+    args = {**ARGS, "sequences": 100}
+    crash_at = 2 * every
+    ctx = local_context(args, checkpoints=tmp_path, every=every)
+    with pytest.raises(_Crash):
+        fit(ctx, args, callbacks=[CrashAt(ctx, crash_at)])
+    assert ctx.checkpointer is not None and max(ctx.checkpointer.store.iterations()) == crash_at
+    ctx = local_context(args, checkpoints=tmp_path, every=every)
+    model = fit(ctx, args)
+    assert ctx.stats.resumed_from == crash_at
+    assert ctx.ended
+    assert_same(model.state_dict(), one_process(args), rtol=1e-6)
+
+
+@pytest.mark.timeout(60)
+def test_logged_names_become_job_metric_names() -> None:
+    assert [ef.metric_name(k) for k in ("loss", "train/loss", "val acc", "_x")] == [
+        "lightning.loss",
+        "train.loss",
+        "val_acc",
+        "m_x",
+    ]
+    points: list[MetricPoint] = []
+    args = {**ARGS, "sequences": 100}
+    fit(local_context(args, points=points), args)
+    lr = [p for p in points if p.name == "lr"]
+    assert [p.iteration for p in lr] == list(range(ITERATIONS))
+    assert [p.value for p in lr] == pytest.approx(one_cycle_lrs(3e-3), rel=1e-6)
+    assert {"train.loss", "epoch"} <= {p.name for p in points}
+
+
+@pytest.mark.timeout(60)
+def test_bf16_mixed_precision_trains_on_cpu() -> None:
+    """bf16 autocast on CPU: the same run as one Lightning process (one rank: the same batches
+    and shapes), to bf16's precision (Evenflow back-propagates the mean times its count, which
+    bf16 rounds differently: about 1e-3 after 12 AdamW steps)."""
+    args = {**ARGS, "sequences": 100}
+    model = fit(local_context(args), args, precision="bf16-mixed")
+    reference = one_process(args, precision="bf16-mixed")
+    for name, p in reference.state_dict().items():
+        assert torch.allclose(model.state_dict()[name], p, rtol=1e-2, atol=3e-3), name
+    start = lightning_text.parts(args)[0].state_dict()
+    assert not torch.allclose(
+        start["model.positions"], p := reference.state_dict()["model.positions"]
+    )
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("found", ["2.4.3", "2.7.0", "3.0.0", "1.9.5"])
+def test_a_lightning_outside_the_supported_range_is_refused(found: str) -> None:
+    with pytest.raises(RuntimeError, match=r"supports lightning >=2\.5,<2\.7.*has lightning"):
+        ef.check_version(found)
+    ef.check_version("2.5.0")
+    ef.check_version("2.6.6")
+
+
+def test_the_extra_and_the_check_name_the_same_range() -> None:
+    text = (Path(__file__).parents[2] / "pyproject.toml").read_text()
+    assert f'"lightning{ef.SUPPORTED}"' in text
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"accumulate_grad_batches": 4}, r"global_batch \(32\).*instead"),
+        ({"strategy": "deepspeed_stage_2"}, r"engine: fsdp"),
+        ({"strategy": "fsdp"}, r"engine: fsdp"),
+        ({"devices": 4}, r"ask for 4 processes, but this job runs on 1 workers"),
+        ({"num_nodes": 2, "devices": 2}, r"ask for 4 processes"),
+        ({"accelerator": "gpu"}, r"this rank's device is cpu"),
+        ({"max_steps": 300}, r"the job's length is its spec's iterations: 12"),
+        ({"max_epochs": 3}, r"the job's length is its spec's iterations"),
+        ({"sync_batchnorm": True}, r"sync_batchnorm is not supported"),
+    ],
+)
+def test_a_launch_that_conflicts_with_the_plan_is_refused(
+    kwargs: dict[str, Any], match: str
+) -> None:
+    with pytest.raises(ef.IntegrationError, match=match):
+        ef.trainer(local_context(ARGS), **kwargs)
+
+
+def test_a_plain_ddp_launch_that_agrees_with_the_job_is_taken() -> None:
+    t = ef.trainer(local_context(ARGS), strategy="ddp", devices=1, max_steps=ITERATIONS)
+    assert isinstance(t.strategy, ef.EvenflowStrategy)
+    assert t.max_steps == ITERATIONS
+
+
+def test_a_job_that_may_exclude_ranks_is_refused() -> None:
+    ctx = local_context(ARGS, policy={"exclude": True})
+    with pytest.raises(ef.IntegrationError, match=r"policy: \{exclude: false\}"):
+        ef.trainer(ctx)
+    with pytest.raises(ef.IntegrationError, match=r"policy: \{exclude: false\}"):
+        ef.EvenflowStrategy(ctx)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"accumulate_grad_batches": 2}, r"accumulate_grad_batches=2"),
+        ({"max_steps": 5}, r"disagree with the job spec's iterations: 12"),
+        ({"limit_train_batches": 0.5}, r"limit_train_batches"),
+        ({"reload_dataloaders_every_n_epochs": 1}, r"reload_dataloaders_every_n_epochs"),
+    ],
+)
+def test_the_strategy_on_a_trainer_of_ones_own_refuses_what_conflicts(
+    kwargs: dict[str, Any], match: str
+) -> None:
+    """``L.Trainer(strategy=EvenflowStrategy(ctx), ...)`` directly: refused at fit's start."""
+    ctx = local_context(ARGS)
+    t = L.Trainer(strategy=ef.EvenflowStrategy(ctx), **{"max_steps": ITERATIONS, **kwargs})
+    model, data = lightning_text.parts(ARGS)
+    with pytest.raises(ef.IntegrationError, match=match):
+        t.fit(model, datamodule=data)
+
+
+class _Manual(lightning_text.LitCausalLM):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+
+@pytest.mark.timeout(60)
+def test_manual_optimization_is_refused() -> None:
+    t = ef.trainer(local_context(ARGS))
+    with pytest.raises(ef.IntegrationError, match="manual optimization"):
+        t.fit(_Manual(), datamodule=lightning_text.parts(ARGS)[1])
