@@ -359,3 +359,16 @@ def test_manual_optimization_is_refused() -> None:
     t = ef.trainer(local_context(ARGS))
     with pytest.raises(ef.IntegrationError, match="manual optimization"):
         t.fit(_Manual(), datamodule=lightning_text.parts(ARGS)[1])
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("engine", [{"gradient_sync": "overlap"}, {"engine": "fsdp"}])
+def test_the_lightning_example_under_each_engine(
+    cluster: LocalCluster, tmp_path: Path, engine: dict[str, str]
+) -> None:
+    """DDP's bucketed all-reduce during backward (Lightning's forward through the wrapper
+    ``ctx.prepare`` returns), and FSDP2 sharding the module's transformer layers."""
+    args = {**ARGS, "out": str(tmp_path / "final.pt")}
+    _, state = run(cluster, args, **engine)
+    assert_same(state, one_process(args))
