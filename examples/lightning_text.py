@@ -41,6 +41,8 @@ class LitCausalLM(L.LightningModule):
         return self.model(ids, mask)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> Any:
+        if len(batch["input_ids"]) == 0:  # a worker given no samples this step (Evenflow)
+            return self._nothing()
         loss, tokens = token_loss(self, batch)
         if self.hparams["per"] == "sequence":  # a mean over the batch's sequences
             mean = loss / max(len(batch["input_ids"]), 1)
@@ -50,6 +52,13 @@ class LitCausalLM(L.LightningModule):
         self.log("train/loss", mean.detach(), on_step=True)
         self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True)
         return {"loss": mean, "count": tokens}
+
+    def _nothing(self) -> Any:
+        """An empty share's step: it takes part (a forward through every layer, as a sharded
+        model's collectives need) and adds nothing (its loss is 0, over 0 samples)."""
+        one = pad_collate([torch.ones(2, dtype=torch.long)])
+        loss, _ = token_loss(self, {k: v.to(self.device) for k, v in one.items()})
+        return {"loss": loss * 0, "count": 0}
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         loss, tokens = token_loss(self, batch)

@@ -273,18 +273,14 @@ class _TrainBatches:
             if batch is self._END:  # the job ended (its length, or ctx.stop())
                 self._on_end()
                 return
-            self._check_passes()
             yield batch
             if (self.ctx.iteration + 1) % self.per_epoch == 0:
                 return  # the epoch's last iteration (Lightning asks no further)
 
-    def _check_passes(self) -> None:
-        if len(self.ctx._passes) > 1:
-            raise IntegrationError(
-                f"this rank's share ({sum(self.ctx._passes)} samples) is above its memory cap, so "
-                f"it comes as {len(self.ctx._passes)} passes; the Lightning integration runs one "
-                "pass per step: give the job a smaller global_batch or workers with more memory"
-            )
+    def next_pass(self) -> Any:
+        """The iteration's next pass (its share is above the memory cap: several batches)."""
+        assert self._gen is not None
+        return next(self._gen)
 
     def finish(self) -> None:
         """After the fit loop: close the job's loop (its last iteration's record and checkpoint,
@@ -341,6 +337,7 @@ class EvenflowStrategy(ParallelStrategy):
         self._in_train_setup = False
         self._prepared = False
         self._count: Any = None
+        self._step_args: tuple[tuple[Any, ...], dict[str, Any]] = ((), {})
         self._state = _LightningState(ctx)
         self._resume: dict[str, Any] | None = None
         self._trainer: L.Trainer | None = None
@@ -500,28 +497,42 @@ class EvenflowStrategy(ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         out = super().training_step(*args, **kwargs)
         self._count = out.get("count") if isinstance(out, Mapping) else None
+        self._step_args = args[1:], kwargs
         return out
 
     def backward(
         self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any
     ) -> torch.Tensor:
-        """``ctx.backward`` of the step's loss weighted by what it is a mean over."""
+        """``ctx.backward`` of the step's loss weighted by what it is a mean over; when this
+        rank's share comes as several passes (its memory cap), the training step and backward
+        of each further pass, before Lightning goes on to clip and step."""
         module = self.lightning_module
         assert module is not None
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        self._backward_pass(closure_loss)
+        ctx = self.ctx
+        while ctx._pass < len(ctx._passes):
+            assert self._train is not None
+            batch = self.batch_to_device(self._train.next_pass())
+            rest, named = self._step_args
+            out = self.training_step(batch, *rest, **named)
+            loss = out["loss"] if isinstance(out, Mapping) else out
+            self._backward_pass(self.precision_plugin.pre_backward(loss, module))
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    def _backward_pass(self, loss: torch.Tensor) -> None:
         ctx = self.ctx
         n = ctx._passes[ctx._pass]
         count, self._count = self._count, None
         if count is None:
             count = n
         if n == 0:  # an empty share: its mean is NaN, its sum 0
-            ctx.backward(torch.nan_to_num(closure_loss) * 0, count=0)
+            ctx.backward(torch.nan_to_num(loss) * 0, count=0)
         else:
-            ctx.backward(closure_loss * count, count=count)
-        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
-        self.post_backward(closure_loss)
-        return closure_loss
+            ctx.backward(loss * count, count=count)
 
     def optimizer_step(
         self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any
@@ -531,8 +542,9 @@ class EvenflowStrategy(ParallelStrategy):
         step (Evenflow's optimizer hook refuses a step on unsynchronised gradients)."""
         model = model or self.lightning_module
         result = closure()
-        if not self.ctx.sync_gradients:
-            raise RuntimeError("the iteration's gradients were not all-reduced before the step")
+        if not self.ctx.sync_gradients:  # a rank left the job's loop: no update, the job ends
+            assert self.ctx._stopping, "the gradients were not all-reduced before the step"
+            return result
         self.precision_plugin._after_closure(model, optimizer)
         optimizer.step(**kwargs)
         return result

@@ -25,6 +25,8 @@ from evenflow.integrations import lightning as ef
 from evenflow.local_cluster import LocalCluster
 from examples import lightning_text
 from examples.text import pad_collate
+from tests.runtime.spawn import run_ranks
+from tests.runtime.test_loop import Script
 
 B, ITERATIONS, SEED = 32, 12, 5
 EMULATION = [{"per_sample_ms": 1.5}, {"per_sample_ms": 4.5}]  # rank 0 three times as fast
@@ -372,3 +374,56 @@ def test_the_lightning_example_under_each_engine(
     args = {**ARGS, "out": str(tmp_path / "final.pt")}
     _, state = run(cluster, args, **engine)
     assert_same(state, one_process(args))
+
+
+# ------------------------------------------------ two ranks under scripted plans (spawned)
+
+# (iteration from which the leader proposes it, plan): unequal shares, rank 1 given nothing for
+# a while (an empty batch: its training step still runs), then rank 0 capped at 5 samples a pass
+# (its share of 18 comes as 4 passes in one Lightning step).
+SCRIPT = [
+    (2, RuntimePlan(2, (22, 10), B)),
+    (5, RuntimePlan(3, (32, 0), B)),
+    (8, RuntimePlan(4, (18, 14), B, memory_caps=(5, 0))),
+]
+
+
+def _scripted_rank(rank: int, world: int, args: dict[str, Any], sync: str) -> dict[str, Any]:
+    proposer = Script(SCRIPT)
+    agreement = PlanAgreement(
+        RuntimePlan(1, (16, 16), B),
+        rank=rank,
+        world_size=world,
+        global_batch=B,
+        propose=proposer,
+        pipelined=False,
+    )
+    spec = JobSpec.model_validate(
+        {
+            "name": "lightning-scripted",
+            "workload": {"entrypoint": "examples.lightning_text:train", "seed": SEED},
+            "global_batch": B,
+            "iterations": ITERATIONS,
+            "workers": world,
+            "policy": {"exclude": False},
+        }
+    )
+    ctx = EvenflowContext(spec, agreement, rank=rank, world_size=world, gradient_sync=sync)
+    proposer.ctx = ctx
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = fit(ctx, args)
+    state = {k: v.tolist() for k, v in model.state_dict().items()}  # (tensors die with the rank)
+    return {"state": state, "history": ctx.agreement.history}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("sync", ["coalesced", "overlap"])
+def test_empty_shares_and_passes_train_exactly(sync: str) -> None:
+    args = {**ARGS, "sequences": 100}
+    runs = run_ranks(_scripted_rank, 2, args, sync, timeout=150)
+    assert [v for _, v in runs[0]["history"]] == [1, 2, 3, 4]
+    reference = one_process(args)
+    for run_ in runs:
+        assert_same({k: torch.tensor(v) for k, v in run_["state"].items()}, reference)
