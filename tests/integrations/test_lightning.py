@@ -427,3 +427,32 @@ def test_empty_shares_and_passes_train_exactly(sync: str) -> None:
     reference = one_process(args)
     for run_ in runs:
         assert_same({k: torch.tensor(v) for k, v in run_["state"].items()}, reference)
+
+
+class StopAt(L.Callback):
+    """Stops the fit after ``iteration``'s step: Lightning's way or Evenflow's."""
+
+    def __init__(self, ctx: EvenflowContext, iteration: int, how: str) -> None:
+        self.ctx, self.iteration, self.how = ctx, iteration, how
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if self.ctx.iteration == self.iteration:
+            if self.how == "lightning":
+                trainer.should_stop = True
+            else:
+                self.ctx.stop()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["lightning", "evenflow"])
+def test_stopping_early_ends_the_jobs_loop(how: str) -> None:
+    args = {**ARGS, "sequences": 100}
+    ctx = local_context(args)
+    model, data = lightning_text.parts(args)
+    t = ef.trainer(ctx, limit_val_batches=0, callbacks=[StopAt(ctx, 5, how)])
+    t.fit(model, datamodule=data)
+    # Lightning stops after iteration 5's step; ctx.stop()'s request travels in iteration 6's
+    # all-reduce, which ends the loop after that one
+    steps = 6 if how == "lightning" else 7
+    assert t.global_step == ctx.stats.iterations == ctx.stats.stopped_at == steps
+    assert ctx.ended
