@@ -145,3 +145,32 @@ def train(ctx: Any) -> None:
     fit.fit(model, datamodule=data)
     if args.get("out") or ctx.checkpointer is not None:
         ctx.save_final(str(args["out"]) if args.get("out") else None)
+
+
+def own_loop(ctx: Any) -> None:
+    """The same training through Evenflow's own loop (``ctx.batches``/``ctx.backward``), no
+    Lightning: the baseline of ``bench/lightning_overhead.py``."""
+    args = ctx.args
+    lit, data = parts(args)
+    data.setup("fit")
+    loader = data.train_dataloader()
+    model = lit.model
+    lr = float(args.get("lr", 3e-3))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    total = ctx.total_iterations(loader)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=total)
+    model, opt = ctx.prepare(model, opt)
+    ctx.register_state("sched", sched)
+    for batch in ctx.batches(loader):
+        if len(batch["input_ids"]) == 0:  # a worker given no samples: a forward, times 0
+            one = pad_collate([torch.ones(2, dtype=torch.long)])
+            loss, tokens = token_loss(model, one)
+            loss, tokens = loss * 0, 0
+        else:
+            loss, tokens = token_loss(model, batch)
+        ctx.backward(loss, count=tokens)
+        if ctx.sync_gradients:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), float(args.get("clip", 1.0)))
+            opt.step()
+            sched.step()
+            opt.zero_grad()
