@@ -28,7 +28,7 @@ from evenflow.experiment import measure
 from evenflow.local_cluster import LocalCluster
 
 GLOBAL_BATCH = 128
-PER_SAMPLE_MS = (2.0, 2.0, 4.0, 8.0)  # speeds 4:4:2:1
+PER_SAMPLE_MS = (4.0, 4.0, 8.0, 16.0)  # speeds 4:4:2:1
 INTERCEPT_MS = 5.0
 ARGS = {"sequences": 4096, "workers": 1, "dropout": 0.0, "seed": 0}
 ENTRYPOINTS = {

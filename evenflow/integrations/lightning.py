@@ -28,7 +28,9 @@ What the strategy does, in Lightning's own call order (``training_step`` -> ``ze
   exact too (plain Lightning ignores the extra key: the module stays valid without Evenflow).
 - **Step**: the optimizer steps once per Evenflow iteration, after the all-reduce; Lightning's
   clipping (``gradient_clip_val``) runs on the all-reduced gradients. ``global_step`` and
-  ``max_steps`` count iterations.
+  ``max_steps`` count iterations. A share above the rank's memory cap comes as several passes:
+  the strategy runs the training step and backward of each inside the one Lightning step. A
+  rank given 0 samples runs the step on an empty batch (0 rows), like the others.
 - **Metrics**: :class:`EvenflowLogger` forwards ``self.log`` values (from rank 0, as Lightning's
   loggers do) to ``ctx.log``; ``loss`` (the name Evenflow keeps for the exact global loss)
   arrives as ``lightning.loss``, ``/`` in names as ``.``.
@@ -52,6 +54,7 @@ import logging
 import math
 import re
 from collections.abc import Callable, Iterator, Mapping
+from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as installed_version
 from typing import Any, cast
 
@@ -72,7 +75,14 @@ log = logging.getLogger("evenflow.integrations.lightning")
 def check_version(found: str | None = None) -> None:
     """Refuse a Lightning outside :data:`SUPPORTED` (``found``: the version to judge, by default
     the installed one), naming the range."""
-    found = found or installed_version("lightning")
+    if found is None:
+        try:
+            found = installed_version("lightning")
+        except PackageNotFoundError:
+            raise RuntimeError(
+                f"evenflow.integrations.lightning needs lightning{SUPPORTED} (the 'lightning' "
+                "package, `import lightning.pytorch as L`; pyproject's 'integrations' extra)"
+            ) from None
     parts = re.match(r"(\d+)\.(\d+)", found)
     if parts is None or not _LOWEST <= (int(parts[1]), int(parts[2])) < _BEYOND:
         raise RuntimeError(
@@ -451,6 +461,13 @@ class EvenflowStrategy(ParallelStrategy):
                 self._start(trainer)
 
         fit_loop.setup_data = setup_data  # type: ignore[method-assign]
+        # Lightning broadcasts a "received SIGTERM" flag from rank 0 at every step, over the
+        # whole world: a collective per step that Evenflow does not need (a rank's end is the
+        # agent's and the control plane's to handle) and that cost 10% of a balanced job's
+        # throughput on CPU ranks (bench/lightning_overhead.py).
+        epoch_loop = fit_loop.epoch_loop
+        if hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
+            epoch_loop._broadcast_sigterm_tensor = lambda: None  # type: ignore[method-assign]
 
     def process_dataloader(self, dataloader: object) -> object:
         if not self._in_train_setup:

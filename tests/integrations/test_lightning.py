@@ -456,3 +456,12 @@ def test_stopping_early_ends_the_jobs_loop(how: str) -> None:
     steps = 6 if how == "lightning" else 7
     assert t.global_step == ctx.stats.iterations == ctx.stats.stopped_at == steps
     assert ctx.ended
+
+
+def test_the_example_has_a_job_spec_naming_it() -> None:
+    import yaml
+
+    path = Path(__file__).parents[2] / "examples" / "lightning_text.yaml"
+    spec = JobSpec.model_validate(yaml.safe_load(path.read_text()))
+    assert spec.workload.entrypoint == "examples.lightning_text:train"
+    assert spec.policy.exclude is False
