@@ -20,7 +20,7 @@ from agent.runtime.context import EvenflowContext
 from agent.runtime.plan_sync import PlanAgreement, RuntimePlan
 from agent.runtime.sampler import GlobalBatchSampler
 from contract.agent import MetricPoint
-from contract.spec import JobSpec
+from contract.spec import CheckpointSpec, JobSpec
 from evenflow.integrations import lightning as ef
 from evenflow.local_cluster import LocalCluster
 from examples import lightning_text
@@ -465,3 +465,37 @@ def test_the_example_has_a_job_spec_naming_it() -> None:
     spec = JobSpec.model_validate(yaml.safe_load(path.read_text()))
     assert spec.workload.entrypoint == "examples.lightning_text:train"
     assert spec.policy.exclude is False
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_a_job_restarted_after_a_crash_resumes_lightning_exactly(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """Rank 1 is killed in iteration 9; the control plane restarts the job, which resumes from
+    the checkpoint after iteration 8 (Evenflow's, with Lightning's state in it: 100 sequences,
+    so 4 iterations an epoch, the resume at an epoch's end) and ends with the model of one
+    uninterrupted Lightning process."""
+    args = {
+        **ARGS,
+        "sequences": 100,
+        "crash_at": 9,
+        "marker": str(tmp_path / "died"),
+        "out": str(tmp_path / "final.pt"),
+    }
+    spec = job_spec(args).model_copy(
+        update={
+            "workload": job_spec(args).workload.model_copy(
+                update={"entrypoint": "tests.integrations.lightning_workload:train_dying_once"}
+            ),
+            "checkpoint": CheckpointSpec(every_iterations=4, path=str(tmp_path / "ckpt")),
+            "max_restarts": 2,
+        }
+    )
+    job = cluster.submit(spec)
+    done = cluster.wait(job.id, timeout_s=240)
+    assert done.status.value == "succeeded", done.error
+    assert done.restarts == 1
+    assert done.restart_history[0].resumed_from == 8
+    state = torch.load(args["out"], weights_only=True)
+    assert_same(state, one_process(args))
