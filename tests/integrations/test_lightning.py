@@ -126,24 +126,22 @@ def assert_same(state: dict[str, Any], model: torch.nn.Module, rtol: float = 1e-
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("per", ["token", "sequence"])
 def test_the_lightning_example_equals_one_lightning_process(
-    cluster: LocalCluster, tmp_path: Path, per: str
+    cluster: LocalCluster, tmp_path: Path
 ) -> None:
-    """Clipping and a per-step OneCycle schedule on; per-token (the loss a mean over tokens with
-    their count) and per-sequence (a plain mean) losses."""
-    args = {**ARGS, "per": per, "out": str(tmp_path / "final.pt")}
+    """Clipping and a per-step OneCycle schedule on, a per-token loss (a mean over tokens with
+    their count); and ``self.log`` values arrive as the job's metrics, at their iterations."""
+    args = {**ARGS, "out": str(tmp_path / "final.pt")}
     job, state = run(cluster, args)
     assert_same(state, one_process(args))
-    if per == "token":  # self.log values arrive as the job's metrics, at their iterations
-        metrics = cluster.client.metrics(job)
-        assert {"loss", "train.loss", "lr", "epoch"} <= set(metrics.names), metrics.names
-        series = {(s.name, s.rank): s for s in metrics.series}
-        assert ("lr", 1) not in series  # from rank 0, as Lightning's loggers
-        lr = series[("lr", 0)]
-        assert lr.iteration == list(range(ITERATIONS))
-        assert lr.value == pytest.approx(one_cycle_lrs(float(args.get("lr", 3e-3))), rel=1e-6)
-        assert len(series[("train.loss", 0)].value) == ITERATIONS
+    metrics = cluster.client.metrics(job)
+    assert {"loss", "train.loss", "lr", "epoch"} <= set(metrics.names), metrics.names
+    series = {(s.name, s.rank): s for s in metrics.series}
+    assert ("lr", 1) not in series  # from rank 0, as Lightning's loggers
+    lr = series[("lr", 0)]
+    assert lr.iteration == list(range(ITERATIONS))
+    assert lr.value == pytest.approx(one_cycle_lrs(3e-3), rel=1e-6)
+    assert len(series[("train.loss", 0)].value) == ITERATIONS
 
 
 def one_cycle_lrs(lr: float) -> list[float]:
@@ -365,13 +363,16 @@ def test_manual_optimization_is_refused() -> None:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("engine", [{"gradient_sync": "overlap"}, {"engine": "fsdp"}])
+@pytest.mark.parametrize(
+    ("engine", "per"), [({"gradient_sync": "overlap"}, "sequence"), ({"engine": "fsdp"}, "token")]
+)
 def test_the_lightning_example_under_each_engine(
-    cluster: LocalCluster, tmp_path: Path, engine: dict[str, str]
+    cluster: LocalCluster, tmp_path: Path, engine: dict[str, str], per: str
 ) -> None:
     """DDP's bucketed all-reduce during backward (Lightning's forward through the wrapper
-    ``ctx.prepare`` returns), and FSDP2 sharding the module's transformer layers."""
-    args = {**ARGS, "out": str(tmp_path / "final.pt")}
+    ``ctx.prepare`` returns), with the loss a plain mean over the batch's sequences; and FSDP2
+    sharding the module's transformer layers."""
+    args = {**ARGS, "per": per, "out": str(tmp_path / "final.pt")}
     _, state = run(cluster, args, **engine)
     assert_same(state, one_process(args))
 
