@@ -196,16 +196,16 @@ def local_context(
 
 def fit(ctx: EvenflowContext, args: dict[str, Any], **kwargs: Any) -> L.LightningModule:
     model, data = lightning_text.parts(args)
-    t = ef.trainer(
-        ctx,
-        gradient_clip_val=float(args["clip"]),
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        log_every_n_steps=1,
+    settings = {
+        "gradient_clip_val": float(args["clip"]),
+        "num_sanity_val_steps": 0,
+        "limit_val_batches": 0,
+        "enable_checkpointing": False,
+        "enable_model_summary": False,
+        "log_every_n_steps": 1,
         **kwargs,
-    )
+    }
+    t = ef.trainer(ctx, **settings)
     t.fit(model, datamodule=data)
     assert t.global_step == ITERATIONS
     return model
@@ -389,7 +389,9 @@ SCRIPT = [
 ]
 
 
-def _scripted_rank(rank: int, world: int, args: dict[str, Any], sync: str) -> dict[str, Any]:
+def _scripted_rank(
+    rank: int, world: int, args: dict[str, Any], sync: str, root: str
+) -> dict[str, Any]:
     proposer = Script(SCRIPT)
     agreement = PlanAgreement(
         RuntimePlan(1, (16, 16), B),
@@ -413,21 +415,33 @@ def _scripted_rank(rank: int, world: int, args: dict[str, Any], sync: str) -> di
     proposer.ctx = ctx
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = fit(ctx, args)
+        # validation every epoch (4 iterations) with sync_dist logging, and Lightning's own
+        # ModelCheckpoint: the strategy's reduce, broadcast and barrier over the two ranks
+        model = fit(
+            ctx,
+            args,
+            limit_val_batches=1.0,
+            enable_checkpointing=True,
+            default_root_dir=root,
+        )
     state = {k: v.tolist() for k, v in model.state_dict().items()}  # (tensors die with the rank)
-    return {"state": state, "history": ctx.agreement.history}
+    val = model.trainer.callback_metrics["val_loss"].item()
+    return {"state": state, "history": ctx.agreement.history, "val_loss": val}
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("sync", ["coalesced", "overlap"])
-def test_empty_shares_and_passes_train_exactly(sync: str) -> None:
-    args = {**ARGS, "sequences": 100}
-    runs = run_ranks(_scripted_rank, 2, args, sync, timeout=150)
+def test_empty_shares_and_passes_train_exactly(sync: str, tmp_path: Path) -> None:
+    args = {**ARGS, "sequences": 100, "validation": 64}
+    runs = run_ranks(_scripted_rank, 2, args, sync, str(tmp_path), timeout=150)
     assert [v for _, v in runs[0]["history"]] == [1, 2, 3, 4]
     reference = one_process(args)
     for run_ in runs:
         assert_same({k: torch.tensor(v) for k, v in run_["state"].items()}, reference)
+    assert runs[0]["val_loss"] == runs[1]["val_loss"]  # (sync_dist: reduced over both ranks)
+    saved = sorted(p.name for p in tmp_path.rglob("*.ckpt"))  # rank 0 wrote Lightning's own
+    assert saved == ["epoch=2-step=12.ckpt"], saved
 
 
 class StopAt(L.Callback):
