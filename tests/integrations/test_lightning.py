@@ -13,6 +13,7 @@ from typing import Any
 import lightning.pytorch as L
 import pytest
 import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.utils.data import DataLoader
 
 from agent.runtime.checkpoint import Checkpointer, CheckpointStore
@@ -514,3 +515,13 @@ def test_a_job_restarted_after_a_crash_resumes_lightning_exactly(
     assert done.restart_history[0].resumed_from == 8
     state = torch.load(args["out"], weights_only=True)
     assert_same(state, one_process(args))
+
+
+@pytest.mark.timeout(60)
+def test_fp16_with_a_gradient_scaler_is_refused_at_fit() -> None:
+    """(A GPU's 16-mixed; on CPUs Lightning makes none. Several optimizers need manual
+    optimization in Lightning 2, refused above.)"""
+    scaler = torch.amp.GradScaler("cpu")
+    t = ef.trainer(local_context(ARGS), plugins=[MixedPrecision("16-mixed", "cpu", scaler)])
+    with pytest.raises(ef.IntegrationError, match=r"use precision='bf16-mixed'"):
+        t.fit(*lightning_text.parts(ARGS))
