@@ -159,6 +159,18 @@ def one_cycle_lrs(lr: float) -> list[float]:
 # ------------------------------------------------------------------ in one process (world 1)
 
 
+_OUT: list[Path] = []
+"""The running test's directory: a local context's output_dir (Lightning writes its own
+checkpoints there), never the working directory."""
+
+
+@pytest.fixture(autouse=True)
+def _output_dir(tmp_path: Path) -> Iterator[None]:
+    _OUT.append(tmp_path / "out")
+    yield
+    _OUT.pop()
+
+
 def local_context(
     args: dict[str, Any],
     *,
@@ -192,6 +204,7 @@ def local_context(
         world_size=1,
         checkpointer=checkpointer,
         submit_metric=None if points is None else points.append,
+        output_dir=str(_OUT[-1]),
     )
 
 
