@@ -69,6 +69,10 @@ class TinyCausalLM(nn.Module):
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         n = ids.shape[1]
+        if ids.shape[0] == 0:  # a rank's empty share: attention cannot take 0 rows, so every
+            # layer runs on one blank row (a sharded job's collectives need each layer), cut off
+            blank = ids.new_full((1, max(n, 1)), PAD)
+            return self(blank, torch.ones_like(blank, dtype=torch.bool))[:0, :n]
         h = self.tokens(ids) + self.positions[:, :n]
         causal = torch.ones(n, n, dtype=torch.bool, device=ids.device).triu(1)  # True: hidden
         h = self.blocks(h, mask=causal, src_key_padding_mask=~mask, is_causal=True)

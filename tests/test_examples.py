@@ -179,3 +179,14 @@ def test_each_example_has_a_job_spec_naming_it(name: str) -> None:
     path = Path(__file__).parents[1] / "examples" / f"{name}.yaml"
     spec = JobSpec.model_validate(yaml.safe_load(path.read_text()))
     assert spec.workload.entrypoint == f"examples.{name}:train"
+
+
+def test_the_text_model_takes_a_ranks_empty_share() -> None:
+    """A rank whose share is 0 samples runs the body on an empty batch: the loss is 0, comes
+    from the model (a sharded job back-propagates it through every layer) and moves nothing."""
+    model = text.TinyCausalLM(vocab=64, width=32, layers=2, longest=32, dropout=0.0)
+    loss, tokens = text.token_loss(model, text.pad_collate([]))
+    assert loss.item() == 0.0 and int(tokens) == 0 and loss.requires_grad
+    loss.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.count_nonzero(g) == 0 for g in grads)
