@@ -64,6 +64,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from agent.runtime.context import EvenflowContext, dataset_size
 from agent.runtime.sampler import GlobalBatchSampler
+from evenflow.integrations._common import IntegrationError, check_spec
 
 SUPPORTED = ">=2.5,<2.7"
 """The Lightning versions this integration works with (pyproject's ``integrations`` extra)."""
@@ -111,7 +112,14 @@ from lightning.pytorch.plugins.precision import (  # noqa: E402
 from lightning.pytorch.strategies import ParallelStrategy  # noqa: E402
 from lightning.pytorch.trainer.states import TrainerFn  # noqa: E402
 
-__all__ = ["SUPPORTED", "EvenflowLogger", "EvenflowStrategy", "check_version", "trainer"]
+__all__ = [
+    "SUPPORTED",
+    "EvenflowLogger",
+    "EvenflowStrategy",
+    "IntegrationError",
+    "check_version",
+    "trainer",
+]
 
 DATA_PARALLEL = {"auto", "ddp", "ddp_spawn", "ddp_fork", "ddp_notebook"}
 """Strategy names the helper takes as "data parallel": Evenflow is that, with its own shares."""
@@ -120,19 +128,9 @@ LOSS_NAME = "lightning.loss"
 """What a ``self.log("loss", ...)`` is charted as (``loss`` is the job's exact global loss)."""
 
 
-class IntegrationError(ValueError):
-    """A Trainer, module or job set up in a way Evenflow cannot train exactly."""
-
-
 def check_context(ctx: EvenflowContext) -> None:
     """The job's spec must let Lightning count its own steps."""
-    if ctx.spec.policy.exclude:
-        raise IntegrationError(
-            "Lightning counts its own steps, but this job's policy may take a slow rank out of "
-            "the all-reduce for a while (its loop would skip iterations): add "
-            "`policy: {exclude: false}` to the job spec (a straggler is then re-planned, not "
-            "excluded)"
-        )
+    check_spec(ctx, "Lightning")
 
 
 # ----------------------------------------------------------------------------- the environment
