@@ -189,9 +189,7 @@ class ShardedSync(SlotChannel):
 
     def collect(self) -> Reduced:
         """The statistics' all-reduce; the summed shards divided by the global count."""
-        armed, self._armed = self._armed, None
-        if armed is None:
-            raise RuntimeError("collect() without arm()")
+        armed = self._disarm()
         self._fill(armed["loss_sum"], armed["count"], armed["stop"], armed["withdraw"], None)
         if dist.is_initialized():
             dist.all_reduce(self._slots, op=dist.ReduceOp.SUM)

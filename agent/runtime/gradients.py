@@ -160,6 +160,13 @@ class SlotChannel:
         }
         self._on_launch = on_launch
 
+    def _disarm(self) -> dict[str, Any]:
+        """What :meth:`arm` set up, taken once (for :meth:`collect`)."""
+        armed, self._armed = self._armed, None
+        if armed is None:
+            raise RuntimeError("collect() without arm()")
+        return armed
+
     def launch(self) -> None:
         """The last pass's backward is done: run ``on_launch`` (an emulated device pads its
         compute there)."""
@@ -449,9 +456,7 @@ class GradientSync(SlotChannel):
 
     def collect(self) -> Reduced:
         """Sum what :meth:`arm` set up (see :meth:`reduce`)."""
-        armed, self._armed = self._armed, None
-        if armed is None:
-            raise RuntimeError("collect() without arm()")
+        armed = self._disarm()
         loss_sum = armed.pop("loss_sum")
         return self.reduce(loss_sum, **armed)
 
