@@ -24,7 +24,7 @@ from server.app import create_app
 from server.context import context_of
 from server.db import session_factory, transaction
 from server.models import Device, Host, Job, Worker
-from server.services import jobs, rank_reports
+from server.services import rank_reports
 from tests.harness import Api, driven, make_settings, statements
 
 
@@ -315,7 +315,7 @@ def test_reports_whose_jobs_advance_failed_advance_them_when_sent_again(
     def gone(*_: Any) -> dict[int, int]:
         raise sa_exc.OperationalError("SELECT", {}, Exception("server closed the connection"))
 
-    monkeypatch.setattr(jobs, "ready_to_advance", gone)
+    monkeypatch.setattr(rank_reports, "ready_to_advance", gone)
     running = _reports(answer, "running")
     r = api.client.post(
         f"/api/v1/hosts/{host['id']}/heartbeat",
@@ -327,7 +327,7 @@ def test_reports_whose_jobs_advance_failed_advance_them_when_sent_again(
         job = session.get(Job, job_id)
         assert job is not None and job.status == "starting"
         assert {w.state for w in job.workers} == {"running"}  # the reports committed
-    monkeypatch.setattr(jobs, "ready_to_advance", looked)
+    monkeypatch.setattr(rank_reports, "ready_to_advance", looked)
     _beat(api, host, running)
     status = api.client.get(f"/api/v1/jobs/{job_id}", headers=api.headers()).json()["status"]
     assert status == "running"
