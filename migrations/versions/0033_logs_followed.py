@@ -22,16 +22,15 @@ depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
-    with op.batch_alter_table("jobs") as batch:
-        batch.add_column(
-            sa.Column("logs_followed_until", sa.DateTime(timezone=True), nullable=True)
-        )
-    with op.batch_alter_table("workers") as batch:
-        batch.add_column(sa.Column("log_end", sa.BigInteger(), nullable=True))
+    op.add_column(
+        "jobs", sa.Column("logs_followed_until", sa.DateTime(timezone=True), nullable=True)
+    )
+    op.add_column("workers", sa.Column("log_end", sa.BigInteger(), nullable=True))
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("workers") as batch:
-        batch.drop_column("log_end")
-    with op.batch_alter_table("jobs") as batch:
-        batch.drop_column("logs_followed_until")
+    # Not in a batch: on SQLite a batch copies the table and drops the old one, and dropping
+    # ``jobs`` or ``workers`` deletes the rows that hang off them (their keys cascade). SQLite
+    # drops a plain column in place (3.35 and later).
+    op.drop_column("workers", "log_end")
+    op.drop_column("jobs", "logs_followed_until")
