@@ -1201,7 +1201,7 @@ def slow_between(
 
 
 def share_from_memory(before: dict[str, float], after: dict[str, float]) -> float | None:
-    """The share of the window's heartbeats answered from memory (``server.host_answers``)."""
+    """The share of the window's heartbeats answered from memory (``server.scale.host_answers``)."""
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after if ":" not in k}
     total = sum(delta.values())
     return round(delta.get("memory", 0.0) / total, 3) if total else None
@@ -1226,7 +1226,7 @@ def group_sizes(
     answers1: dict[str, float],
 ) -> dict[str, float]:
     """The window's groups of heartbeats worked out in the database together
-    (``server.api.heartbeats``): how many, their mean size, the share of them that had one
+    (``server.scale.heartbeat_groups``): how many, their mean size, the share of them that had one
     heartbeat alone, and the bucket bound 99% of them were within."""
     at_most = {le: n - before.get(("", le), 0.0) for (_, le), n in after.items()}
     groups = at_most.get(float("inf"), 0.0)

@@ -12,7 +12,7 @@ PostgreSQL's CPU time is metered:
   At the fleet's churn (jobs of 30 to 150 s) these are the heartbeats that go to the database;
 - then, with the jobs running, one kind at a time, ``--requests`` requests at a concurrency of
   8: a steady heartbeat (8 ranks running, nothing to change: answered from memory,
-  ``server.host_answers``), a telemetry post of one rank's 2 s of iterations (4 rows), a host's
+  ``server.scale.host_answers``), a telemetry post of one rank's 2 s of iterations (4 rows), a host's
   post (8 ranks x 4 rows), and a plan poll that finds the plan unchanged (``wait_s=0``).
 
 Reported: CPU ms per request or rank (API process, controller, PostgreSQL), heartbeats per
@@ -45,7 +45,7 @@ PHASES = ("start", "end")
 """Of a job's life, what ``cycles`` meters."""
 CPU_KINDS = ("api", "controller", "postgres")
 GROUPS = "evenflow_heartbeat_group_heartbeats"
-"""The server's histogram of heartbeats worked out together (``server.api.heartbeats``)."""
+"""The server's histogram of heartbeats worked out together (``server.scale.heartbeat_groups``)."""
 
 
 async def placed(fleet: Fleet) -> list[Any]:
@@ -81,7 +81,7 @@ async def ended(fleet: Fleet, jobs: list[Any]) -> None:
 async def cycles(srv: Server, fleet: Fleet, db: str, n: int) -> dict[str, Any]:
     """``n`` cycles of the jobs' start and end: CPU per rank of each (API, controller,
     PostgreSQL), and heartbeats per rank, with those the database answered and how many of
-    those it worked out together on average (``server.api.heartbeats``)."""
+    those it worked out together on average (``server.scale.heartbeat_groups``)."""
     counted = (*CPU_KINDS, "heartbeats", "to_database", "groups")
     spent = {p: dict.fromkeys(counted, 0.0) for p in PHASES}
     ranks = 0

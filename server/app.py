@@ -27,7 +27,7 @@ from contract.problems import explain
 from server.api import statuses
 from server.api.bodies import component_schemas
 from server.api.gate import DATABASE_DOWN, Gate, database_unavailable, error_response
-from server.api.heartbeats import HeartbeatGroups
+from server.scale.heartbeat_groups import HeartbeatGroups
 from server.api.routes import (
     artifact_content,
     artifacts,
@@ -48,19 +48,19 @@ from server.api.routes import (
 )
 from server.api.routes.ui import MAX_LOGIN_BODY, mount_dashboard
 from server.api.slots import DbSlots
-from server.cache import Caches
+from server.scale.cache import Caches
 from server.config import Settings
 from server.context import AppContext
 from server.controller import CONTROLLER_THREAD, Controller
 from server.db import make_engine, migrate, session_factory, transaction
 from server.errors import EvenflowError
-from server.host_answers import LIVENESS_FLUSH_S, HostAnswers, Liveness, track
+from server.scale.host_answers import LIVENESS_FLUSH_S, HostAnswers, Liveness, track
 from server.live import StreamSlots
 from server.locks import WriterLock, bootstrap_lock, writer_lock_for
 from server.metrics import Metrics, MetricsMiddleware, measure_loop_lag
 from server.notify import PlanWaiters, open_bus, subscribe
 from server.services import tokens as token_service
-from server.telemetry_writer import TelemetryWriter
+from server.scale.telemetry_writer import TelemetryWriter
 from server.throttle import FailureLimit
 
 log = logging.getLogger("evenflow.server")

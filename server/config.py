@@ -57,7 +57,7 @@ class Settings(BaseSettings):
 
     heartbeat_answer_ttl_s: float = Field(default=600.0, ge=0)
     """A heartbeat that repeats the host's last one is answered from memory while nothing its
-    answer depends on has changed, and for at most this long (``server.host_answers``): a
+    answer depends on has changed, and for at most this long (``server.scale.host_answers``): a
     backstop should a change be missed anyway (a publisher that failed to notify and died
     before it could say so, ``server.notify.LOST``; a bug). Every expiry costs a heartbeat worked
     out in the database: at 60 s, a third of those at fleet scale (bench/fleet.py, 1,250 hosts:
@@ -137,7 +137,7 @@ class Settings(BaseSettings):
 
     heartbeat_group_size: int = Field(default=32, ge=1, le=1024)
     """Heartbeats worked out in the database together at most, in one transaction
-    (``server.api.heartbeats``): those that queued while the groups before them ran. 1: each
+    (``server.scale.heartbeat_groups``): those that queued while the groups before them ran. 1: each
     heartbeat in a transaction of its own."""
 
     heartbeat_groups: int = Field(default=4, ge=1, le=32)

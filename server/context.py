@@ -15,15 +15,15 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.applications import Starlette
 
-from server.api.heartbeats import HeartbeatGroups
+from server.scale.heartbeat_groups import HeartbeatGroups
 from server.api.slots import DbSlots
-from server.cache import Caches
+from server.scale.cache import Caches
 from server.config import Settings
-from server.host_answers import HostAnswers, Liveness
+from server.scale.host_answers import HostAnswers, Liveness
 from server.live import StreamSlots, TelemetryNotifier
 from server.metrics import Metrics
 from server.notify import PLACEMENT, Bus, PlanWaiters
-from server.telemetry_writer import TelemetryWriter
+from server.scale.telemetry_writer import TelemetryWriter
 from server.throttle import FailureLimit
 
 
@@ -43,7 +43,7 @@ class AppContext:
     plan_bus: Bus
     """Plans committed here, announced to the other server processes, and theirs to us."""
     host_answers: HostAnswers
-    """Steady heartbeats' answers, per host (``server.host_answers``)."""
+    """Steady heartbeats' answers, per host (``server.scale.host_answers``)."""
     liveness: Liveness
     """Heartbeats answered from memory, their liveness to be written in a batch."""
     host_bus: Bus
@@ -51,7 +51,7 @@ class AppContext:
     wake_bus: Bus
     """Jobs whose telemetry is urgent, announced to a controller process."""
     token_bus: Bus
-    """Credentials a commit changed (``server.cache.CredentialChange``), for every process."""
+    """Credentials a commit changed (``server.scale.cache.CredentialChange``), for every process."""
     wake_controller: Callable[[int], None]
     """Runs the controller's next round for a job now (urgent telemetry)."""
     auth_failures: FailureLimit
@@ -59,7 +59,7 @@ class AppContext:
     telemetry_writer: TelemetryWriter
     """Telemetry posts, stored in groups (one transaction for the posts that arrive together)."""
     heartbeat_groups: HeartbeatGroups = field(init=False)
-    """Heartbeats worked out in the database, in groups (``server.api.heartbeats``); set once
+    """Heartbeats worked out in the database, in groups (``server.scale.heartbeat_groups``); set once
     the rest is built."""
     db_slots: DbSlots = field(default_factory=lambda: DbSlots(16))
     """Requests doing database work at once in this process (``create_app`` sets the bound,

@@ -32,10 +32,10 @@ from sqlalchemy import Engine, update
 from sqlalchemy import select as select_rows
 from sqlalchemy.orm import Session, sessionmaker
 
-from server.cache import Caches
+from server.scale.cache import Caches
 from server.config import Settings
 from server.db import checkpoint, make_engine, run_retrying, session_factory, transaction
-from server.host_answers import track
+from server.scale.host_answers import track
 from server.locks import ControllerLock, writer_lock_for
 from server.models import ControllerFence
 from server.notify import PLACEMENT, Bus, PgNotifyBus, open_bus

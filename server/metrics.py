@@ -150,7 +150,7 @@ class Metrics:
         )
         self.telemetry_group_posts = Histogram(
             "evenflow_telemetry_group_posts",
-            "Telemetry posts stored together in one transaction (server.telemetry_writer)",
+            "Telemetry posts stored together in one transaction (server.scale.telemetry_writer)",
             registry=self.registry,
             buckets=(1, 2, 4, 8, 16, 32, 64, 128),
         )
@@ -174,7 +174,7 @@ class Metrics:
         self.heartbeat_group = Histogram(
             "evenflow_heartbeat_group_heartbeats",
             "Heartbeats worked out in the database together, in one transaction "
-            "(server.api.heartbeats)",
+            "(server.scale.heartbeat_groups)",
             registry=self.registry,
             buckets=(1, 2, 4, 8, 16, 32, 64, 128),
         )
@@ -194,7 +194,7 @@ class Metrics:
         self.liveness_flush = Histogram(
             "evenflow_liveness_flush_seconds",
             "Each write of the hosts' heartbeat times noted in memory (one a second while any "
-            "are noted; server.host_answers.Liveness), its connection's checkout included",
+            "are noted; server.scale.host_answers.Liveness), its connection's checkout included",
             registry=self.registry,
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
         )

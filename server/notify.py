@@ -2,7 +2,7 @@
 
 A plan is committed by the controller (``server.controller``, usually a process of its own), by
 an operator's override or by a job start (any API process). Whoever commits it calls
-:meth:`PlanBus.publish` from the session's ``after_commit`` hook (``server.cache.Caches``), and
+:meth:`PlanBus.publish` from the session's ``after_commit`` hook (``server.scale.cache.Caches``), and
 every other process on the same database reads the job ids from its own socket, clears its
 plan cache entries and wakes its long-polls (``GET /jobs/{id}/plan?known_version=&wait_s=``).
 
@@ -15,7 +15,7 @@ listener (its queue full; on PostgreSQL, the publishing connection down) sends i
 :data:`LOST` first when it next can, and a listener that lost its ``LISTEN`` knows it did; either
 way the listener's ``on_lost`` treats everything as changed (every cached answer dropped, every
 long-poll woken to re-read). So what a cache keeps from the buses' ids need not expire for fear
-of a lost notification (``server.host_answers``); a long-poll still re-reads every ``RECHECK_S``.
+of a lost notification (``server.scale.host_answers``); a long-poll still re-reads every ``RECHECK_S``.
 
 On PostgreSQL the same ids travel by ``LISTEN``/``NOTIFY`` instead (:class:`PgNotifyBus`), so
 any number of ``evenflow server`` instances on different machines share one database: a plan
@@ -124,7 +124,7 @@ class PlanWaiters:
 def bus_dir(database_url: str, channel: str = "") -> Path | None:
     """The bus directory of a database, or None for an in-memory SQLite database. ``channel``
     names another bus on the same database: ``"hosts"`` carries the ids of hosts whose heartbeat
-    answer changed (``server.host_answers``); ``"wake"`` carries job ids the other way, from the
+    answer changed (``server.scale.host_answers``); ``"wake"`` carries job ids the other way, from the
     API processes to the controller (urgent telemetry: run a round now)."""
     url = make_url(database_url)
     if url.get_backend_name() == "sqlite":
@@ -301,7 +301,7 @@ class PgNotifyBus:
     every listener, the sender's own connection included: a notification from this bus's
     publishing connection is skipped), since the publisher has acted on it already: a
     heartbeat's own commit, echoed back, dropped the answer that heartbeat had just kept
-    (``server.host_answers``)."""
+    (``server.scale.host_answers``)."""
 
     def __init__(self, conninfo: str, channel: str = "") -> None:
         self.conninfo = conninfo

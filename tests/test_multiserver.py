@@ -79,7 +79,7 @@ def test_notify_reaches_a_listener_of_another_connection(db_url: str) -> None:
 @POSTGRES_ONLY
 def test_a_bus_does_not_hear_what_it_published_itself(db_url: str) -> None:
     """As the socket bus skips its own socket: the publisher acted on its ids already (an echo
-    dropped the heartbeat answer its own commit had just kept, ``server.host_answers``)."""
+    dropped the heartbeat answer its own commit had just kept, ``server.scale.host_answers``)."""
     one, other = open_bus(db_url, "hosts"), open_bus(db_url, "hosts")
     heard_by_one, heard_by_other = Inbox(), Inbox()
     try:

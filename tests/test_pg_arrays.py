@@ -1,4 +1,4 @@
-"""``server.pg_arrays``: numpy-packed binary arrays are exactly what psycopg would send, and
+"""``server.scale.pg_arrays``: numpy-packed binary arrays are exactly what psycopg would send, and
 PostgreSQL reads them back as the values given."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from psycopg.adapt import PyFormat, Transformer
 
-from server.pg_arrays import Kind, packed
+from server.scale.pg_arrays import Kind, packed
 from tests.harness import IN_CI, PG_ADMIN_URL
 
 pytestmark = pytest.mark.postgres

@@ -65,7 +65,7 @@ async def _principal(
 ) -> Principal:
     """The caller, as ``server.api.gate`` found it before the body was read (every API route
     passes the gate). Outside the gate, the same check here: a Bearer token, else the session
-    cookie, from the token cache (``server.cache``) or one batched read on its own thread."""
+    cookie, from the token cache (``server.scale.cache``) or one batched read on its own thread."""
     found = request.scope.get("state", {}).get(PRINCIPAL_STATE)
     if isinstance(found, Principal):
         return found

@@ -23,7 +23,7 @@ A pure ASGI middleware (``Gate``), so nothing is parsed for a caller who may not
    (FastAPI's own ``max_body_size`` answers a declared length in plain text, not
    ``ErrorOut``, so the limit lives here.)
 5. **Steady heartbeats.** A host's heartbeat whose body repeats, byte for byte, that of the
-   heartbeat whose answer is kept in memory (``server.host_answers``), with the same
+   heartbeat whose answer is kept in memory (``server.scale.host_answers``), with the same
    credential, gets that answer here (``HostAnswers.get_raw``): no routing, dependencies or
    parsing, which were two thirds of such a heartbeat's CPU. Any other heartbeat goes on to
    its route with the body read here (``RAW_BODY_STATE``).

@@ -7,7 +7,7 @@ job submitted from the CLI or the dashboard, and the status polls after it, wait
 them: 10 to 30 s a request at p50, and 18 to 49 s from a 64-worker job's submission to its
 placement, with the devices free; with this, 1 to 2.5 s and 2 to 6.5 s (bench/fleet.py).
 Heartbeats are the fleet's background: a host counts as alive from its heartbeat's arrival,
-however long the answer takes (``server.host_answers.Liveness``).
+however long the answer takes (``server.scale.host_answers.Liveness``).
 So requests that ask ``first`` (every route but the heartbeat's database work) are handed a
 freed slot before any heartbeat waiting; among each kind, the first come is the first served.
 """

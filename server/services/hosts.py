@@ -184,7 +184,7 @@ class Answered(NamedTuple):
     left out changes nothing either, unless it is what kept a device held
     (``releases.release_replaced``). So an agent that reports a change once and then no more (it
     reports a rank's new state until a heartbeat has carried it) is answered from memory on
-    the heartbeat after (``server.host_answers``)."""
+    the heartbeat after (``server.scale.host_answers``)."""
     to_advance: Mapping[int, int] = MappingProxyType({})
     """The jobs (id: attempt) its reports may have moved on, to advance once it has committed
     (``rank_reports.ready_to_advance``, ``rank_reports.advance_jobs``)."""
@@ -198,7 +198,7 @@ def heartbeat(
     A steady heartbeat (nothing changed) reads plain rows, not entities, and costs three
     statements whatever the host's history or the size of its jobs: the host with its devices,
     its ranks and their jobs. It writes nothing: the host's time goes out with the caller's
-    liveness batch (``server.host_answers.Liveness``), as a heartbeat answered from memory's
+    liveness batch (``server.scale.host_answers.Liveness``), as a heartbeat answered from memory's
     does; only a host coming back (lost before) has its time written here, with its status, so
     that the reaper never finds it active with the time it was lost at. Written here, the time
     held the host's row to the commit, and the batch skipped it meanwhile."""

@@ -25,7 +25,7 @@ from contract.enums import (
     JobStatus,
 )
 from contract.spec import JobSpec
-from server.cache import mark_tokens_changed
+from server.scale.cache import mark_tokens_changed
 from server.errors import Conflict, Invalid, NotFound
 from server.models import (
     Checkpoint,

@@ -8,7 +8,7 @@ from sqlalchemy import bindparam, select
 from sqlalchemy.orm import Session
 
 from contract.enums import PlanSource
-from server.cache import mark_plan_changed
+from server.scale.cache import mark_plan_changed
 from server.errors import Invalid, NotFound
 from server.models import Job, Plan
 from server.services.paging import Paging, page

@@ -18,7 +18,7 @@ from contract.enums import JobStatus, Role
 from server.errors import Conflict, EvenflowError, Invalid, NotFound
 from server.locks import TELEMETRY_ORDER_LOCK_KEY
 from server.models import Host, IterationTelemetry, Job, Worker
-from server.pg_arrays import Kind, packed
+from server.scale.pg_arrays import Kind, packed
 from server.services.paging import Paging, page
 from server.services.rank_reports import check_may_write_ranks
 from server.services.tokens import Principal
@@ -51,7 +51,7 @@ def ingest_many(conn: Connection, posts: Sequence[Post]) -> list[Outcome]:
     """Store the posts that may be stored, in one transaction (the caller's), and say for each
     what became of it. Rows already stored for (job, rank, iteration), or earlier in the group,
     are skipped, so a retried batch never duplicates; each post is judged exactly as it would be
-    alone (``server.telemetry_writer.TelemetryWriter`` groups the posts that arrive together).
+    alone (``server.scale.telemetry_writer.TelemetryWriter`` groups the posts that arrive together).
 
     The hot write path (bench/ingest.py), so it works on a Core connection, not an ORM session,
     and its statements do not grow with the posts: one read of the jobs' states and sizes, one
@@ -252,7 +252,7 @@ _PG_ID_ORDER = f"SELECT pg_advisory_xact_lock({TELEMETRY_ORDER_LOCK_KEY})"
 """Taken by every telemetry insert and held to its commit, so that rows commit in the order of
 their ids whichever process or server writes them. PostgreSQL hands out ids as a statement
 inserts, before its commit: two API processes (``--workers``) or two servers, each with its
-writer, commit groups of up to ``server.telemetry_writer.MAX_GROUP_ROWS`` rows in either order, and a reader by id
+writer, commit groups of up to ``server.scale.telemetry_writer.MAX_GROUP_ROWS`` rows in either order, and a reader by id
 (the controller's ``NewRows``) that saw the later group first moved its mark past the earlier
 one's ids, by more than its re-read margin (``REREAD_IDS``): those rows were never read. Held
 from the insert to the commit only (the group's reads come before it): one insert at a time

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from contract.enums import Role
-from server.cache import DROPS_KEPT, CredentialChange, TTLCache
+from server.scale.cache import DROPS_KEPT, CredentialChange, TTLCache
 from server.services.tokens import Principal
 
 

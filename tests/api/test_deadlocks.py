@@ -18,8 +18,8 @@ from sqlalchemy.orm import Session
 
 from contract.agent import HeartbeatAck
 from contract.enums import HostStatus
-from server.api import heartbeats
-from server.api.heartbeats import Beat, HeartbeatGroups, Worked
+from server.scale import heartbeat_groups as heartbeats
+from server.scale.heartbeat_groups import Beat, HeartbeatGroups, Worked
 from server.context import AppContext, context_of
 from server.db import retryable
 from server.models import Worker

@@ -1,5 +1,5 @@
 """Heartbeats that queue while a group runs are worked out together, in one transaction, each
-with its own answer or refusal (``server.api.heartbeats``)."""
+with its own answer or refusal (``server.scale.heartbeat_groups``)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 from contract.agent import Heartbeat, HeartbeatAck, WorkerReport
 from contract.enums import HostStatus, JobStatus, WorkerState
 from server.api.gate import authenticate
-from server.api.heartbeats import Beat, HeartbeatGroups, Worked
+from server.scale.heartbeat_groups import Beat, HeartbeatGroups, Worked
 from server.context import AppContext, context_of
 from server.errors import Conflict
 from server.models import Host, Job

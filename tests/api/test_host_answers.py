@@ -1,4 +1,4 @@
-"""Steady heartbeats answered from memory (``server.host_answers``): never a stale answer."""
+"""Steady heartbeats answered from memory (``server.scale.host_answers``): never a stale answer."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Telemetry posts stored in groups (``server.telemetry_writer``, ``telemetry.ingest_many``):
+"""Telemetry posts stored in groups (``server.scale.telemetry_writer``, ``telemetry.ingest_many``):
 each post of a group is answered and stored exactly as it would be alone, one after another."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from server.errors import EvenflowError, NotFound
 from server.services import telemetry
 from server.services.telemetry import Outcome, Post
 from server.services.tokens import Principal
-from server.telemetry_writer import TelemetryWriter
+from server.scale.telemetry_writer import TelemetryWriter
 from tests.harness import Api, statements
 
 ADMIN = Principal(0, "admin", Role.ADMIN)

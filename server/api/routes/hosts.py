@@ -19,7 +19,7 @@ from server.api.deps import (
     Viewer,
 )
 from server.api.gate import RAW_BODY_STATE
-from server.api.heartbeats import Beat
+from server.scale.heartbeat_groups import Beat
 from server.api.statuses import declare
 from server.services import hosts
 
@@ -59,7 +59,7 @@ async def heartbeat(
     answers = context.host_answers
     raw = request.scope.get("state", {}).get(RAW_BODY_STATE)  # a repeat is answered there
     body = answers.get(host_id, req, principal, raw)
-    if body is not None:  # steady: the same report, nothing changed (``server.host_answers``)
+    if body is not None:  # steady: the same report, nothing changed (``server.scale.host_answers``)
         context.liveness.seen(host_id, now)
         context.metrics.heartbeat_answers.labels("memory").inc()
         return Response(body, media_type="application/json")

@@ -1,7 +1,7 @@
 """Group commit for the heartbeats the database works out: those that queue while a group runs
 go together, in one transaction.
 
-A steady heartbeat is answered from memory (``server.host_answers``); the rest (a rank reported
+A steady heartbeat is answered from memory (``server.scale.host_answers``); the rest (a rank reported
 launching, running or ended, a new launch credential) are worked out in the database. At 1,250
 hosts a job's start or end sends one from each of its hosts within a heartbeat period, 30 to 45
 a second under the fleet bench's churn, and the API process answered about 20 a second within
@@ -48,7 +48,7 @@ from sqlalchemy.orm import Session
 
 from server.db import run_retrying
 from server.handoff import answer
-from server.host_answers import EVERY_HOST, own_changes
+from server.scale.host_answers import EVERY_HOST, own_changes
 from server.services import hosts, rank_reports
 
 if TYPE_CHECKING:

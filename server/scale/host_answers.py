@@ -189,7 +189,7 @@ def changed_so_far(session: Session) -> frozenset[int]:
 def own_changes(session: Session, work: Callable[[Session], T]) -> tuple[T, frozenset[int]]:
     """``work(session)``, flushed, and the hosts (:data:`EVERY_HOST` for all) whose answers its
     own changes concern, apart from those of work done before it in the same transaction (a
-    group of heartbeats, ``server.api.heartbeats``): what the transaction's commit will
+    group of heartbeats, ``server.scale.heartbeat_groups``): what the transaction's commit will
     invalidate on its account. The session still holds them all, for that commit."""
     earlier = session.info.pop(_CHANGED, set())
     try:
