@@ -22,12 +22,11 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from contract.agent import TelemetryBatch
+from contract.agent import Heartbeat, TelemetryBatch
 from contract.problems import explain
-from server.api import statuses
+from server.api import raw, statuses
 from server.api.bodies import component_schemas
 from server.api.gate import DATABASE_DOWN, Gate, database_unavailable, error_response
-from server.scale.heartbeat_groups import HeartbeatGroups
 from server.api.routes import (
     artifact_content,
     artifacts,
@@ -48,19 +47,21 @@ from server.api.routes import (
 )
 from server.api.routes.ui import MAX_LOGIN_BODY, mount_dashboard
 from server.api.slots import DbSlots
-from server.scale.cache import Caches
 from server.config import Settings
 from server.context import AppContext
 from server.controller import CONTROLLER_THREAD, Controller
 from server.db import make_engine, migrate, session_factory, transaction
 from server.errors import EvenflowError
-from server.scale.host_answers import LIVENESS_FLUSH_S, HostAnswers, Liveness, track
 from server.live import StreamSlots
 from server.locks import WriterLock, bootstrap_lock, writer_lock_for
 from server.metrics import Metrics, MetricsMiddleware, measure_loop_lag
 from server.notify import PlanWaiters, open_bus, subscribe
-from server.services import tokens as token_service
+from server.scale import agent_paths
+from server.scale.cache import Caches
+from server.scale.heartbeat_groups import HeartbeatGroups
+from server.scale.host_answers import LIVENESS_FLUSH_S, HostAnswers, Liveness, track
 from server.scale.telemetry_writer import TelemetryWriter
+from server.services import tokens as token_service
 from server.throttle import FailureLimit
 
 log = logging.getLogger("evenflow.server")
@@ -166,6 +167,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.include_router(module.router, prefix=API_PREFIX)
     # The dashboard: chart data, the live stream, and the web UI (pages, login, static files).
     mount_dashboard(app, api_prefix=API_PREFIX)
+    raw.first(app.router.routes)  # the fleet's heartbeats and telemetry matched first
     metrics = context.metrics
 
     @app.get("/metrics", include_in_schema=False)
@@ -235,6 +237,7 @@ def _build_context(settings: Settings) -> AppContext:
         at_once=min(settings.heartbeat_groups, context.db_slots.value),
         max_size=settings.heartbeat_group_size,
     )
+    context.paths = agent_paths(context)
     return context
 
 
@@ -359,7 +362,7 @@ def _openapi(app: FastAPI) -> Callable[[], dict[str, Any]]:
             )
             for name in ("HTTPValidationError", "ValidationError"):
                 text["components"]["schemas"].pop(name, None)
-            text["components"]["schemas"].update(component_schemas(TelemetryBatch))
+            text["components"]["schemas"].update(component_schemas(TelemetryBatch, Heartbeat))
             app.openapi_schema = text
         return app.openapi_schema
 

@@ -135,10 +135,16 @@ class Settings(BaseSettings):
     others wait without holding a worker thread or a connection. At most 32: it must stay
     below the worker threads (40) and the pool's connections (``3 * db_pool_size``)."""
 
+    fast_paths: bool = True
+    """Answer heartbeats and telemetry posts by the fleet's fast paths (``server.scale``:
+    steady heartbeats from memory, group commits, the writer thread). Off, each is worked out
+    and committed on its own (the plain path, their specification): for a small cluster, or to
+    rule the fast paths out of a problem."""
+
     heartbeat_group_size: int = Field(default=32, ge=1, le=1024)
     """Heartbeats worked out in the database together at most, in one transaction
-    (``server.scale.heartbeat_groups``): those that queued while the groups before them ran. 1: each
-    heartbeat in a transaction of its own."""
+    (``server.scale.heartbeat_groups``): those that queued while the groups before them ran.
+    1: each heartbeat in a transaction of its own."""
 
     heartbeat_groups: int = Field(default=4, ge=1, le=32)
     """Groups of heartbeats worked out at once per API process, each in a database slot (at

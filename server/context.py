@@ -15,14 +15,15 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.applications import Starlette
 
-from server.scale.heartbeat_groups import HeartbeatGroups
 from server.api.slots import DbSlots
-from server.scale.cache import Caches
 from server.config import Settings
-from server.scale.host_answers import HostAnswers, Liveness
 from server.live import StreamSlots, TelemetryNotifier
 from server.metrics import Metrics
 from server.notify import PLACEMENT, Bus, PlanWaiters
+from server.scale import AgentPaths
+from server.scale.cache import Caches
+from server.scale.heartbeat_groups import HeartbeatGroups
+from server.scale.host_answers import HostAnswers, Liveness
 from server.scale.telemetry_writer import TelemetryWriter
 from server.throttle import FailureLimit
 
@@ -58,6 +59,9 @@ class AppContext:
     """Bad credentials per client address (the API's gate and ``/login``)."""
     telemetry_writer: TelemetryWriter
     """Telemetry posts, stored in groups (one transaction for the posts that arrive together)."""
+    paths: AgentPaths = field(init=False)
+    """What answers heartbeats and telemetry posts (``server.scale``: the fast paths or the
+    plain one, as ``Settings.fast_paths`` says); set once the rest is built."""
     heartbeat_groups: HeartbeatGroups = field(init=False)
     """Heartbeats worked out in the database, in groups (``server.scale.heartbeat_groups``); set once
     the rest is built."""

@@ -32,13 +32,13 @@ from sqlalchemy import Engine, update
 from sqlalchemy import select as select_rows
 from sqlalchemy.orm import Session, sessionmaker
 
-from server.scale.cache import Caches
 from server.config import Settings
 from server.db import checkpoint, make_engine, run_retrying, session_factory, transaction
-from server.scale.host_answers import track
 from server.locks import ControllerLock, writer_lock_for
 from server.models import ControllerFence
 from server.notify import PLACEMENT, Bus, PgNotifyBus, open_bus
+from server.scale.cache import Caches
+from server.scale.host_answers import track
 from server.serve import settle_heap
 from server.services import control_loop, retention, scheduler
 from server.services import hosts as host_service

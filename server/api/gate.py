@@ -1,6 +1,8 @@
 """The gate: what every HTTP request passes before the app reads a byte of its body.
 
-A pure ASGI middleware (``Gate``), so nothing is parsed for a caller who may not call:
+A pure ASGI middleware (``Gate``), so nothing is parsed for a caller who may not call. It
+answers nothing itself but refusals: what a request asks for is its route's (the fleet's
+heartbeats and telemetry posts too, ``server.api.raw``).
 
 1. **Cross-site writes.** An unsafe request (POST, PUT, PATCH, DELETE) that a browser could
    send on its own (it carries the session cookie, or it is ``/login`` or ``/logout``) must
@@ -22,16 +24,6 @@ A pure ASGI middleware (``Gate``), so nothing is parsed for a caller who may not
    counted as the app reads it and refused (413) at the limit, not after it is all read.
    (FastAPI's own ``max_body_size`` answers a declared length in plain text, not
    ``ErrorOut``, so the limit lives here.)
-5. **Steady heartbeats.** A host's heartbeat whose body repeats, byte for byte, that of the
-   heartbeat whose answer is kept in memory (``server.scale.host_answers``), with the same
-   credential, gets that answer here (``HostAnswers.get_raw``): no routing, dependencies or
-   parsing, which were two thirds of such a heartbeat's CPU. Any other heartbeat goes on to
-   its route with the body read here (``RAW_BODY_STATE``).
-6. **Telemetry posts.** A post whose body parses as a ``TelemetryBatch`` is stored and answered
-   here (``server.api.ingest``, as the route would): routing, dependencies and the endpoint's
-   wrapping were over half of a post's CPU on the event loop, and a full fleet makes hundreds a
-   second. A body that does not parse goes on to the route, which answers its 422.
-
 Refusals carry the one ``ErrorOut`` body. A request the database cannot serve (it is down,
 refusing connections, or its pool is exhausted) gets 503 with ``Retry-After``
 (:func:`database_unavailable`), here and in the app, never a 500: agents and the telemetry relay
@@ -43,23 +35,19 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Mapping, Sequence
-from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import urlsplit
 
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
 from sqlalchemy import exc as sa_exc
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.requests import cookie_parser
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from contract.agent import TelemetryBatch
-from contract.base import MAX_ID, ErrorOut
-from server.api import ingest
+from contract.base import ErrorOut
 from server.context import AppContext
-from server.errors import EvenflowError, Unauthorized
+from server.errors import Unauthorized
 from server.services import tokens
 from server.services.tokens import Principal
 
@@ -68,8 +56,6 @@ SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 SESSION_PATHS = frozenset({"/login", "/logout"})
 PRINCIPAL_STATE = "principal"
 """Where the gate leaves the caller's ``Principal`` in ``scope["state"]``."""
-RAW_BODY_STATE = "raw_body"
-"""Where the gate leaves a heartbeat's body it read (and did not answer) in ``scope["state"]``."""
 
 
 log = logging.getLogger("evenflow.gate")
@@ -129,19 +115,13 @@ class Gate:
         settings = context.settings
         self.allowed_origins = frozenset(_origin(o) for o in settings.allowed_origins)
         self.failures = context.auth_failures
-        self.heartbeat_path = re.compile(
-            re.escape(self.api_prefix) + r"hosts/([1-9]\d{0,17})/heartbeat"
-        )
-        self.telemetry_path = re.compile(
-            re.escape(self.api_prefix) + r"jobs/([1-9]\d{0,9})/telemetry"
-        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        # The gate's own reads of the database are the credential's and a telemetry post's
-        # (below); what it passes on, the app's handlers answer (503 for the same errors).
+        # The gate's own read of the database is the credential's; what it passes on, the
+        # app's handlers answer (503 for the same errors).
         try:
             refusal = await self._refusal(scope)
         except DATABASE_DOWN as exc:
@@ -149,15 +129,6 @@ class Gate:
         if refusal is not None:
             await refusal(scope, receive, send)
             return
-        if scope["method"] == "POST":
-            heartbeat = self.heartbeat_path.fullmatch(scope["path"])
-            if heartbeat:
-                await self._heartbeat(scope, receive, send, int(heartbeat[1]))
-                return
-            posted = self.telemetry_path.fullmatch(scope["path"])
-            if posted and int(posted[1]) <= MAX_ID:  # else the route's 422 for the path
-                await self._telemetry(scope, receive, send, int(posted[1]))
-                return
         limit = self._limit(scope["path"])
         seen = 0
 
@@ -180,97 +151,6 @@ class Gate:
             if pattern.fullmatch(path):
                 return limit
         return self.max_body
-
-    async def _body(self, scope: Scope, receive: Receive, send: Send) -> bytes | None:
-        """A small request's whole body, up to the path's limit; None once it is answered
-        (413) or its client has left."""
-        limit = self._limit(scope["path"])
-        chunks: list[bytes] = []
-        size, more = 0, True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return None  # the client left: nothing to answer
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                refusal = error_response(413, f"request body over {limit} bytes")
-                await refusal(scope, receive, send)
-                return None
-            chunks.append(chunk)
-            more = message.get("more_body", False)
-        return b"".join(chunks)
-
-    async def _heartbeat(self, scope: Scope, receive: Receive, send: Send, host_id: int) -> None:
-        """Answer a steady heartbeat from memory, or pass it on with its body (item 5 of the
-        module docstring)."""
-        raw = await self._body(scope, receive, send)
-        if raw is None:
-            return
-        state = scope["state"]
-        principal = state[PRINCIPAL_STATE]
-        liveness = self.context.liveness
-        alive = liveness.arrived(host_id, principal.token_id, datetime.now(UTC))
-        try:
-            await self._answer_heartbeat(scope, receive, send, host_id, raw)
-        finally:
-            if alive:
-                liveness.answered(host_id, datetime.now(UTC))
-
-    async def _answer_heartbeat(
-        self, scope: Scope, receive: Receive, send: Send, host_id: int, raw: bytes
-    ) -> None:
-        state = scope["state"]
-        body = self.context.host_answers.get_raw(host_id, raw, state[PRINCIPAL_STATE])
-        if body is not None:
-            self.context.metrics.heartbeat_answers.labels("memory").inc()
-            headers = [
-                (b"content-type", b"application/json"),
-                (b"content-length", b"%d" % len(body)),
-            ]
-            await send({"type": "http.response.start", "status": 200, "headers": headers})
-            await send({"type": "http.response.body", "body": body})
-            return
-        state[RAW_BODY_STATE] = raw
-        await self._pass_on(scope, receive, send, raw)
-
-    async def _pass_on(self, scope: Scope, receive: Receive, send: Send, raw: bytes) -> None:
-        """The request to the app, its body (read here) given again."""
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if replayed:
-                return await receive()  # after the body: a disconnect, if one comes
-            replayed = True
-            return {"type": "http.request", "body": raw, "more_body": False}
-
-        await self.app(scope, replay, send)
-
-    async def _telemetry(self, scope: Scope, receive: Receive, send: Send, job_id: int) -> None:
-        """Store and answer a telemetry post (item 6 of the module docstring)."""
-        raw = await self._body(scope, receive, send)
-        if raw is None:
-            return
-        try:
-            batch = TelemetryBatch.model_validate_json(raw or b"null")
-        except ValidationError:  # the route answers it, in the app's words for a bad body
-            await self._pass_on(scope, receive, send, raw)
-            return
-        try:
-            ack = await ingest.store(self.context, job_id, batch, scope["state"][PRINCIPAL_STATE])
-        except EvenflowError as refused:
-            await error_response(refused.status_code, refused.message, refused.field)(
-                scope, receive, send
-            )
-            return
-        except DATABASE_DOWN as exc:
-            await database_unavailable(exc)(scope, receive, send)
-            return
-        body = ack.model_dump_json().encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
 
     async def _refusal(self, scope: Scope) -> JSONResponse | None:
         headers = Headers(scope=scope)

@@ -1,11 +1,6 @@
-"""Storing one telemetry post: shared by the gate's fast path and the route.
-
-``POST /api/v1/jobs/{id}/telemetry`` is most of a fleet's requests after steady heartbeats
-(one per host and job every 2 s). The gate (``server.api.gate``) answers a well-formed one
-itself, without routing, dependencies and the endpoint's wrapping, and passes any other (a body
-that does not parse) to the route, which answers in the same words as for every other request.
-Both store it here.
-"""
+"""Storing one telemetry post (``POST /api/v1/jobs/{id}/telemetry``, a raw route): who may
+post, the store (``AppContext.paths``: grouped by the writer thread, or alone), and what a
+stored post sets off."""
 
 from __future__ import annotations
 
@@ -24,10 +19,7 @@ async def store(
     else admin); raises ``EvenflowError`` for a refusal."""
     if principal.role not in (Role.AGENT, Role.WORKER):
         principal.require(Role.ADMIN)
-    # Stored with the other posts that arrive together, in one transaction (no database slot
-    # or worker thread of this request's own: the writer's thread does the work).
-    post = telemetry.Post(job_id, batch, principal)
-    accepted, duplicates = await context.telemetry_writer.store(post)
+    accepted, duplicates = await context.paths.telemetry(telemetry.Post(job_id, batch, principal))
     # wake the job's live dashboard streams
     telemetry_stored(context.telemetry_notifier, job_id, accepted)
     if batch.urgent:

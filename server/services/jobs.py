@@ -25,7 +25,6 @@ from contract.enums import (
     JobStatus,
 )
 from contract.spec import JobSpec
-from server.scale.cache import mark_tokens_changed
 from server.errors import Conflict, Invalid, NotFound
 from server.models import (
     Checkpoint,
@@ -35,6 +34,7 @@ from server.models import (
     Job,
     Worker,
 )
+from server.scale.cache import mark_tokens_changed
 from server.services import contexts, events, scheduler
 from server.services.audit import record
 from server.services.releases import may_still_run, release, release_ended_job

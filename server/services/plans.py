@@ -8,9 +8,9 @@ from sqlalchemy import bindparam, select
 from sqlalchemy.orm import Session
 
 from contract.enums import PlanSource
-from server.scale.cache import mark_plan_changed
 from server.errors import Invalid, NotFound
 from server.models import Job, Plan
+from server.scale.cache import mark_plan_changed
 from server.services.paging import Paging, page
 
 

@@ -17,9 +17,9 @@ from sqlalchemy.orm import Session, object_session, sessionmaker
 
 from contract.api import TokenCreate
 from contract.enums import JobStatus, Role
-from server.scale.cache import mark_tokens_changed
 from server.errors import Conflict, Forbidden, NotFound, Unauthorized
 from server.models import ApiToken, Job, Worker, utcnow
+from server.scale.cache import mark_tokens_changed
 from server.services.audit import record
 from server.services.paging import Paging, page
 

@@ -18,11 +18,11 @@ from sqlalchemy.orm import Session
 
 from contract.agent import HeartbeatAck
 from contract.enums import HostStatus
-from server.scale import heartbeat_groups as heartbeats
-from server.scale.heartbeat_groups import Beat, HeartbeatGroups, Worked
 from server.context import AppContext, context_of
 from server.db import retryable
 from server.models import Worker
+from server.scale import heartbeat_groups as heartbeats
+from server.scale.heartbeat_groups import Beat, HeartbeatGroups, Worked
 from server.services.hosts import Answered
 from tests.harness import Api
 

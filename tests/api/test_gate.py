@@ -332,9 +332,11 @@ def _columns(ranks: list[int], iteration: int = 1, **extra: Any) -> dict[str, An
     }
 
 
-def test_a_well_formed_telemetry_post_is_answered_by_the_gate_a_bad_body_by_the_route(
+def test_a_telemetry_post_has_one_entry_point_which_stores_it_or_answers_its_bad_body(
     sqlite_api: Api, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The raw route (``server.api.raw``) answers every telemetry post: a well-formed one
+    stored, a body that does not parse answered 422 in the app's words and never stored."""
     from server.api.routes import telemetry as route
 
     api = sqlite_api
@@ -355,16 +357,17 @@ def test_a_well_formed_telemetry_post_is_answered_by_the_gate_a_bad_body_by_the_
     assert r.json() == {"accepted": 2, "duplicates": 0}
     assert r.headers["content-type"] == "application/json"
     assert r.headers["server-timing"].startswith("app;dur=")
-    assert routed == []  # stored without the route
+    assert routed == [job]  # stored by the route
     rows = api.client.get(f"{url}?limit=10", headers=api.headers()).json()
     assert rows["total"] == 2
-    # A body that does not parse is the route's: the app's 422, naming the field.
+    # A body that does not parse: the app's 422, naming the field.
     r = api.client.post(url, json=_columns([0, 1], batch_size=[16]), headers=agent)
     assert r.status_code == 422
     assert r.json()["field"] == "columns"
     assert "columns.batch_size has 1 values" in r.json()["detail"]
     r = api.client.post(url, content=b"{not json", headers=agent)
     assert r.status_code == 422 and r.json()["field"] == "body"
+    assert routed == [job]
     metrics = api.client.get("/metrics").text
     route_name = 'route="/api/v1/jobs/{job_id}/telemetry"'
     assert f'evenflow_http_requests_total{{method="POST",{route_name},status="200"}} 1.0' in metrics
@@ -372,7 +375,7 @@ def test_a_well_formed_telemetry_post_is_answered_by_the_gate_a_bad_body_by_the_
     assert "evenflow_telemetry_records_total 2.0" in metrics
 
 
-def test_the_gate_refuses_a_telemetry_post_as_the_route_would(sqlite_api: Api) -> None:
+def test_a_telemetry_post_is_refused_as_any_request_is(sqlite_api: Api) -> None:
     api = sqlite_api
     host = api.register("h", devices=2)
     other = api.register("other", devices=2)

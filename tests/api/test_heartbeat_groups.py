@@ -16,10 +16,10 @@ from sqlalchemy.orm import Session
 from contract.agent import Heartbeat, HeartbeatAck, WorkerReport
 from contract.enums import HostStatus, JobStatus, WorkerState
 from server.api.gate import authenticate
-from server.scale.heartbeat_groups import Beat, HeartbeatGroups, Worked
 from server.context import AppContext, context_of
 from server.errors import Conflict
 from server.models import Host, Job
+from server.scale.heartbeat_groups import Beat, HeartbeatGroups, Worked
 from server.services import hosts
 from server.services.hosts import Answered
 from tests.harness import Api

@@ -93,34 +93,43 @@ def _direct(function: types.FunctionType) -> tuple[frozenset[int], tuple[types.F
                 if isinstance(target, ast.Attribute) and target.attr == "status_code":
                     codes.add(int(node.value.value))
         if isinstance(node, ast.Name | ast.Attribute):
-            found = _named(node, function, scope)
-            if found is not None and found is not function:
-                named.append(found)
+            named += [f for f in _named(node, function, scope) if f is not function]
     return frozenset(codes), tuple(named)
 
 
 def _named(
     node: ast.Name | ast.Attribute, function: types.FunctionType, scope: dict[str, Any]
-) -> types.FunctionType | None:
-    """The ``server`` function a name or attribute in ``function`` stands for, if any."""
+) -> list[types.FunctionType]:
+    """The ``server`` functions a name or attribute in ``function`` stands for: the one it
+    names, or a method of every implementation of the interface it names."""
     found = _function_of(_resolve(node, scope))
-    if found is None and isinstance(node, ast.Attribute):
-        found = _function_of(_method(node, function, scope))
-    return found
+    if found is not None:
+        return [found]
+    if not isinstance(node, ast.Attribute):
+        return []
+    return [f for m in _methods(node, function, scope) if (f := _function_of(m)) is not None]
 
 
-def _method(node: ast.Attribute, function: types.FunctionType, scope: dict[str, Any]) -> object:
-    """A method ``function`` names on an object whose class is known without running it:
+def _methods(
+    node: ast.Attribute, function: types.FunctionType, scope: dict[str, Any]
+) -> list[object]:
+    """The methods ``function`` names on an object whose class is known without running it:
     ``self.x`` in a method of a module-level class, and ``context.part.x`` where ``context`` is
     a parameter annotated with a class whose ``part`` is annotated with a class (the app
-    context's parts, such as its telemetry writer)."""
+    context's parts, such as its telemetry writer); for a part annotated with an interface (a
+    ``Protocol``, such as ``AgentPaths``), the method of each class that implements it."""
     owner: object = None
     if isinstance(node.value, ast.Name) and node.value.id == "self":
         owner = scope.get(function.__qualname__.split(".")[0])
     elif isinstance(node.value, ast.Attribute) and isinstance(node.value.value, ast.Name):
         holder = _hints(function).get(node.value.value.id)
         owner = _hints(holder).get(node.value.attr) if isinstance(holder, type) else None
-    return getattr(owner, node.attr, None) if isinstance(owner, type) else None
+    if not isinstance(owner, type):
+        return []
+    owners = [owner]
+    if getattr(owner, "_is_protocol", False):
+        owners += owner.__subclasses__()
+    return [getattr(o, node.attr, None) for o in owners]
 
 
 def _hints(obj: object) -> dict[str, Any]:

@@ -18,10 +18,10 @@ from contract.agent import TelemetryBatch, TelemetryRecord
 from contract.enums import Role
 from server.context import context_of
 from server.errors import EvenflowError, NotFound
+from server.scale.telemetry_writer import TelemetryWriter
 from server.services import telemetry
 from server.services.telemetry import Outcome, Post
 from server.services.tokens import Principal
-from server.scale.telemetry_writer import TelemetryWriter
 from tests.harness import Api, statements
 
 ADMIN = Principal(0, "admin", Role.ADMIN)

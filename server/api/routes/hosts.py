@@ -6,8 +6,7 @@ from fastapi import APIRouter, Request, Response
 
 from contract.agent import Heartbeat, HeartbeatAck, HostRegister
 from contract.api import HostOut, Page
-from contract.enums import HostStatus, WorkerState
-from server.api.bodies import JSONRoute
+from server.api.bodies import JSONRoute, documented_body
 from server.api.deps import (
     Authenticated,
     Context,
@@ -18,8 +17,7 @@ from server.api.deps import (
     SettingsDep,
     Viewer,
 )
-from server.api.gate import RAW_BODY_STATE
-from server.scale.heartbeat_groups import Beat
+from server.api.raw import json_bytes, raw_post
 from server.api.statuses import declare
 from server.services import hosts
 
@@ -46,53 +44,18 @@ def register(
     return HostOut.model_validate(host)
 
 
-@router.post("/{host_id}/heartbeat", response_model=HeartbeatAck, responses=declare(409))
+@raw_post(
+    router,
+    "/{host_id}/heartbeat",
+    response_model=HeartbeatAck,
+    openapi_extra=documented_body(Heartbeat),
+    responses=declare(409),
+)
 async def heartbeat(
-    req: Heartbeat,
-    context: Context,
-    principal: Authenticated,
-    now: Now,
-    host_id: PathId,
-    request: Request,
+    request: Request, context: Context, principal: Authenticated, host_id: PathId
 ) -> Response:
     """Report liveness and worker states; the answer lists the ranks this host must run or stop."""
-    answers = context.host_answers
-    raw = request.scope.get("state", {}).get(RAW_BODY_STATE)  # a repeat is answered there
-    body = answers.get(host_id, req, principal, raw)
-    if body is not None:  # steady: the same report, nothing changed (``server.scale.host_answers``)
-        context.liveness.seen(host_id, now)
-        context.metrics.heartbeat_answers.labels("memory").inc()
-        return Response(body, media_type="application/json")
-    context.metrics.heartbeat_answers.labels("database").inc()
-    context.metrics.heartbeat_misses.labels(answers.why_missed(host_id, req, principal)).inc()
-    generation = answers.generation(host_id)
-    worked = await context.heartbeat_groups.work_out(
-        Beat(
-            host_id,
-            lambda session: hosts.heartbeat(session, host_id, req, principal, now),
-            now,
-            alone=any(r.state is WorkerState.FAILED for r in req.workers),
-        )
-    )
-    ack, fewer_alike, _ = worked.answered
-    context.liveness.seen(host_id, now)  # written with the next batch, as from memory
-    context.liveness.owned(host_id, principal.token_id)  # its next heartbeats noted on arrival
-    body = ack.model_dump_json().encode()
-    own = worked.own  # None: a heartbeat after it in its group changed its host
-    if any(a.worker_token for a in ack.assignments):
-        answers.launched(host_id)  # never repeated: each credential retires the last
-    elif own is not None and ack.status is HostStatus.ACTIVE:
-        answers.put(
-            host_id,
-            req,
-            principal,
-            body,
-            generation,
-            raw=raw,
-            own=own,
-            fewer_alike=fewer_alike,
-        )
-    return Response(body, media_type="application/json")
+    return json_bytes(await context.paths.heartbeat(host_id, await request.body(), principal))
 
 
 @router.get("")

@@ -2,35 +2,37 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Query, Request, Response
 
 from contract.agent import TelemetryAck, TelemetryBatch
 from contract.api import Page, TelemetryOut
 from server.api import bodies
 from server.api.deps import Authenticated, Context, PagingDep, PathId, SessionDep, Viewer
 from server.api.ingest import store
+from server.api.raw import json_bytes, raw_post
 from server.api.statuses import declare
 from server.services import jobs, telemetry
 
 router = APIRouter(prefix="/jobs", tags=["telemetry"], route_class=bodies.JSONRoute)
 
 
-@router.post(
+@raw_post(
+    router,
     "/{job_id}/telemetry",
+    response_model=TelemetryAck,
     openapi_extra=bodies.documented_body(TelemetryBatch),
     responses=declare(409),
 )
 async def ingest(
     request: Request, context: Context, principal: Authenticated, job_id: PathId
-) -> TelemetryAck:
+) -> Response:
     """Store timings (an agent: ranks on its host; a worker credential: its own rank; else
     admin; 409 once the job has ended); rows already stored for (job, rank, iteration) are skipped, not duplicated.
     An `urgent` batch (a worker's iteration time jumped) makes the control loop look at the job
     at once rather than at its next round."""
-    # A well-formed post is answered by the gate (``server.api.ingest``); this route answers
-    # one whose body does not parse, and documents the operation.
     batch = bodies.parse(TelemetryBatch, await request.body())
-    return await store(context, job_id, batch, principal)
+    ack = await store(context, job_id, batch, principal)
+    return json_bytes(ack.model_dump_json().encode())
 
 
 @router.get("/{job_id}/telemetry")
