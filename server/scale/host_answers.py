@@ -436,7 +436,7 @@ class Liveness:
     worked out too (only a host coming back writes its time with its status). A time never
     moves back (one written meanwhile may be later).
 
-    A heartbeat is noted on arrival (``arrived``, in the gate), before it waits for anything,
+    A heartbeat is noted on arrival (``arrived``, by ``FastPaths.heartbeat``), before it waits for anything,
     when it comes with the credential that the host's last heartbeat answered by the database
     here came with (``owned``), and again at every flush until it is answered (``answered``):
     a host is alive while it talks to us or waits for our answer, however long its heartbeat
