@@ -167,7 +167,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.include_router(module.router, prefix=API_PREFIX)
     # The dashboard: chart data, the live stream, and the web UI (pages, login, static files).
     mount_dashboard(app, api_prefix=API_PREFIX)
-    raw.first(app.router.routes)  # the fleet's heartbeats and telemetry matched first
+    raw.mount(app, prefix=API_PREFIX, public=PUBLIC_PATHS)  # the fleet's two, matched first
     metrics = context.metrics
 
     @app.get("/metrics", include_in_schema=False)

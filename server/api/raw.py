@@ -1,30 +1,35 @@
 """Raw routes: endpoints that read their own request, for the two requests a fleet sends most.
 
 A host's heartbeat and a telemetry post are most of a fleet's requests (hundreds a second).
-FastAPI's handling of a route (solving its dependencies, parsing and validating a declared
-body, serialising a response model) was over half of such a request's CPU, so these two are
-:class:`RawRoute` s: matched and documented like any other operation (their path parameters,
-the body's schema through ``bodies.documented_body``, the response model), but the endpoint is
-called with the request, its validated path parameters, the app's context and the caller's
-principal (declared as ``Context`` and ``Authenticated``, as any route does, but handed over
-without solving dependencies); it reads the body itself and returns the response. Errors it raises reach the app's handlers as any route's do.
-What passes before them (origin checks, authentication, throttling, body limits) is the gate's
-(``server.api.gate``); the caller's principal is in ``scope["state"]``.
+FastAPI's handling of a route (its included routers' matching, solving the route's
+dependencies, parsing a declared body, serialising a response model) costs several times what
+answering a steady heartbeat does, so these two are :class:`RawRoute` s: documented like any
+other operation (their path parameters, the body's schema through ``bodies.documented_body``,
+the response model), but mounted at the head of the app's own routes (``mount``: one pattern
+tried before them) and called with the request, its validated path parameters, the app's
+context and the caller's principal (declared as ``Context`` and ``Authenticated``, as any route
+does, but handed over without solving dependencies); the endpoint reads the body itself and
+returns the response. Errors it raises reach the app's handlers as any route's do. What passes
+before them (origin checks, authentication, throttling, body limits) is the gate's
+(``server.api.gate``), which leaves the principal in ``scope["state"]``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
+from dataclasses import dataclass
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, FastAPI
 from fastapi.dependencies.utils import request_params_to_args
 from fastapi.exceptions import RequestValidationError
+from starlette import routing
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
-from starlette.routing import BaseRoute
 from starlette.types import Receive, Scope, Send
 
+from server.api import statuses
 from server.api.bodies import JSONRoute
 from server.api.gate import PRINCIPAL_STATE
 from server.context import context_of
@@ -32,16 +37,29 @@ from server.context import context_of
 RawEndpoint = Callable[..., Awaitable[Response]]
 
 
+@dataclass(frozen=True)
+class _Declared:
+    path: str
+    endpoint: RawEndpoint
+    options: dict[str, Any]
+
+
+_DECLARED: list[_Declared] = []
+"""The raw routes the route modules declare (``post``), mounted by every app built."""
+
+
 class RawRoute(JSONRoute):
-    """A route whose endpoint takes ``(request, context, principal, **path_params)`` and
+    """A POST route whose endpoint takes ``(request, context, principal, **path_params)`` and
     returns a ``Response``; nothing else of FastAPI's request handling runs (see the module
     docstring)."""
 
-    def __init__(self, path: str, endpoint: RawEndpoint, **kwargs: Any) -> None:
-        super().__init__(path, endpoint, **kwargs)
-        self.app = self._serve
+    def matches(self, scope: Scope) -> tuple[routing.Match, Scope]:
+        return routing.Route.matches(self, scope)
 
-    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        methods = self.methods or set()
+        if scope["method"] not in methods:
+            raise HTTPException(405, headers={"Allow": ", ".join(sorted(methods))})
         params, errors = request_params_to_args(self.dependant.path_params, scope["path_params"])
         if errors:
             raise RequestValidationError(errors)
@@ -57,23 +75,31 @@ class RawRoute(JSONRoute):
         await response(scope, receive, send)
 
 
-def raw_post(router: APIRouter, path: str, **kwargs: Any) -> Callable[[RawEndpoint], RawEndpoint]:
-    """``@router.post(path, **kwargs)`` for a :class:`RawRoute`."""
+def post(path: str, **options: Any) -> Callable[[RawEndpoint], RawEndpoint]:
+    """Declare a raw ``POST path`` (under the API prefix); ``options`` as ``APIRouter.post``'s."""
 
-    def add(endpoint: RawEndpoint) -> RawEndpoint:
-        router.add_api_route(
-            path, endpoint, methods=["POST"], route_class_override=RawRoute, **kwargs
-        )
+    def declare(endpoint: RawEndpoint) -> RawEndpoint:
+        _DECLARED.append(_Declared(path, endpoint, options))
         return endpoint
 
-    return add
+    return declare
 
 
-def first(routes: list[BaseRoute]) -> None:
-    """Put the raw routes at the head of an app's ``routes``, in place: a request is matched
-    against the routes in order, one pattern each, and these two are most of a fleet's
-    requests. (No other route answers a POST to their paths, so none is shadowed.)"""
-    routes.sort(key=lambda route: not isinstance(route, RawRoute))
+def mount(app: FastAPI, *, prefix: str, public: Collection[str]) -> None:
+    """The declared raw routes, under ``prefix``, at the head of ``app``'s routes (no other
+    route answers a POST to their paths, so none is shadowed), with the statuses their
+    dependencies imply documented (``server.api.statuses``)."""
+    staged = APIRouter(prefix=prefix, route_class=RawRoute)
+    for declared in _DECLARED:
+        staged.add_api_route(declared.path, declared.endpoint, methods=["POST"], **declared.options)
+    statuses.document(staged, api_prefix="", public=public)
+    # built again with those statuses: a route reads its responses' models when it is made
+    router = APIRouter(prefix=prefix, route_class=RawRoute)
+    for declared, route in zip(_DECLARED, staged.routes, strict=True):
+        assert isinstance(route, RawRoute)
+        options = {**declared.options, "responses": route.responses}
+        router.add_api_route(declared.path, declared.endpoint, methods=["POST"], **options)
+    app.router.routes[0:0] = router.routes
 
 
 def json_bytes(body: bytes) -> Response:

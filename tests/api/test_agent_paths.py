@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import func, select
 
+from contract.enums import Role
 from server.app import create_app
 from server.context import AppContext, context_of
 from server.db import transaction
@@ -88,7 +89,10 @@ class _Side:
 
     def __init__(self, api: Api) -> None:
         self.api = api
-        self.hosts = {name: api.register(name, devices=2) for name in HOSTS}
+        self.hosts = {  # tokens named alike on both sides: refusals name them
+            name: api.register(name, 2, api.token(Role.AGENT, host=name, name=f"agent-{name}"))
+            for name in HOSTS
+        }
         self.jobs: list[int] = []
         self.reports: dict[str, list[dict[str, Any]]] = {name: [] for name in HOSTS}
         self.iteration = 0

@@ -6,6 +6,7 @@ from fastapi import APIRouter, Request, Response
 
 from contract.agent import Heartbeat, HeartbeatAck, HostRegister
 from contract.api import HostOut, Page
+from server.api import raw
 from server.api.bodies import JSONRoute, documented_body
 from server.api.deps import (
     Authenticated,
@@ -17,7 +18,6 @@ from server.api.deps import (
     SettingsDep,
     Viewer,
 )
-from server.api.raw import json_bytes, raw_post
 from server.api.statuses import declare
 from server.services import hosts
 
@@ -44,9 +44,9 @@ def register(
     return HostOut.model_validate(host)
 
 
-@raw_post(
-    router,
-    "/{host_id}/heartbeat",
+@raw.post(
+    "/hosts/{host_id}/heartbeat",
+    tags=["hosts"],
     response_model=HeartbeatAck,
     openapi_extra=documented_body(Heartbeat),
     responses=declare(409),
@@ -55,7 +55,7 @@ async def heartbeat(
     request: Request, context: Context, principal: Authenticated, host_id: PathId
 ) -> Response:
     """Report liveness and worker states; the answer lists the ranks this host must run or stop."""
-    return json_bytes(await context.paths.heartbeat(host_id, await request.body(), principal))
+    return raw.json_bytes(await context.paths.heartbeat(host_id, await request.body(), principal))
 
 
 @router.get("")

@@ -6,19 +6,18 @@ from fastapi import APIRouter, Query, Request, Response
 
 from contract.agent import TelemetryAck, TelemetryBatch
 from contract.api import Page, TelemetryOut
-from server.api import bodies
+from server.api import bodies, raw
 from server.api.deps import Authenticated, Context, PagingDep, PathId, SessionDep, Viewer
 from server.api.ingest import store
-from server.api.raw import json_bytes, raw_post
 from server.api.statuses import declare
 from server.services import jobs, telemetry
 
 router = APIRouter(prefix="/jobs", tags=["telemetry"], route_class=bodies.JSONRoute)
 
 
-@raw_post(
-    router,
-    "/{job_id}/telemetry",
+@raw.post(
+    "/jobs/{job_id}/telemetry",
+    tags=["telemetry"],
     response_model=TelemetryAck,
     openapi_extra=bodies.documented_body(TelemetryBatch),
     responses=declare(409),
@@ -32,7 +31,7 @@ async def ingest(
     at once rather than at its next round."""
     batch = bodies.parse(TelemetryBatch, await request.body())
     ack = await store(context, job_id, batch, principal)
-    return json_bytes(ack.model_dump_json().encode())
+    return raw.json_bytes(ack.model_dump_json().encode())
 
 
 @router.get("/{job_id}/telemetry")
