@@ -441,7 +441,7 @@ class _Handler(BaseHTTPRequestHandler):
     relay: TelemetryRelay
     protocol_version = "HTTP/1.1"  # keep-alive: a worker's client reuses its connection
     disable_nagle_algorithm = True  # the head and the body are two writes: without it the body
-    # waited for the client's delayed ACK, 40 ms a post (bench/spool.py)
+    # waits for the client's delayed ACK
 
     def do_POST(self) -> None:
         match = _PATH.match(self.path.split("?", 1)[0])

@@ -220,8 +220,8 @@ TELEMETRY_FIELDS = tuple(TelemetryRecord.model_fields)
 
 class TelemetryColumns(Request):
     """Records as one array per field (entry i of every array is record i): the same bounds as
-    ``TelemetryRecord``, in half the bytes of the record objects and about a fifth of the server's
-    parsing (``bench/ingest.py``). The form the runtime posts."""
+    ``TelemetryRecord``, in half the bytes of the record objects and a fraction of the server's
+    parsing. The form the runtime posts."""
 
     rank: list[Annotated[int, Field(ge=0, lt=MAX_WORKERS)]] = Field(
         min_length=1, max_length=MAX_TELEMETRY_RECORDS

@@ -60,9 +60,10 @@ class Settings(BaseSettings):
     answer depends on has changed, and for at most this long (``server.scale.host_answers``): a
     backstop should a change be missed anyway (a publisher that failed to notify and died
     before it could say so, ``server.notify.LOST``; a bug). Every expiry costs a heartbeat worked
-    out in the database: at 60 s, a third of those at fleet scale (bench/fleet.py, 1,250 hosts:
-    12 a second of 35, by ``evenflow_heartbeat_database_reasons_total``); at 15 s one heartbeat
-    in seven. 0 works out every answer in the database."""
+    out in the database, so a short TTL adds to the database's load at fleet scale
+    (``evenflow_heartbeat_database_reasons_total`` counts them;
+    ``docs/decisions/0003-heartbeats-answered-from-memory.md`` has the figures). 0 works out
+    every answer in the database."""
 
     reaper_interval_s: float = Field(default=5.0, gt=0)
     """How often the server looks for lost hosts."""
@@ -85,8 +86,8 @@ class Settings(BaseSettings):
     (``server.serve.ControllerProcess``; the solver it runs for placement inherits it). Its
     rounds are background work that can wait a moment; the fleet's heartbeats and telemetry
     are answers that hosts wait on. On a control-plane machine whose cores are all busy, at the
-    same nice the rounds took their share from the API and PostgreSQL whenever a burst of job
-    starts and ends came, and every request waited for CPU. Its rounds are slower then, and
+    same nice the rounds take their share from the API and PostgreSQL whenever a burst of job
+    starts and ends comes, and every request waits for CPU. Its rounds are slower then, and
     detection can be too (``docs/decisions/0006-controller-process-niced.md`` has the
     figures). 0: the server's priority."""
 
@@ -125,10 +126,9 @@ class Settings(BaseSettings):
     """Connections kept open per process; up to twice as many more open under load, each
     opened for one use and closed after it. Keep it above ``db_concurrency`` by the API's own
     users of connections: the telemetry writer, the token checks' thread, liveness flushes and
-    the plan reads' thread (``cache.PLAN_REFRESH_AFTER_S``), four in all. At 16, as many as the
-    slots, with plan loads unbounded, the fleet bench's API opened and closed about 25
-    PostgreSQL connections a second, each a new backend process that warms its caches on its
-    first statements."""
+    the plan reads' thread (``cache.PLAN_REFRESH_AFTER_S``), four in all. With no more than the
+    slots, the overflow connections open and close all the time under load, each a new backend
+    process that warms its caches on its first statements."""
 
     db_concurrency: int = Field(default=16, ge=1, le=32)
     """Requests doing database work at once per API process (``AppContext.db_slots``); the
@@ -153,8 +153,8 @@ class Settings(BaseSettings):
     opentelemetry: bool = False
     """FastAPI's own OpenTelemetry spans, metrics and logs of each request, for a process whose
     OpenTelemetry SDK is configured (``opentelemetry-instrument``). Off, FastAPI does not even
-    ask: asking on every request whether a provider is set (three reads of the environment)
-    was 3% of the fleet bench's API process; Evenflow's own metrics are at ``/metrics``."""
+    ask: asking on every request whether a provider is set (three reads of the environment) is
+    a steady cost at a fleet's request rate; Evenflow's own metrics are at ``/metrics``."""
 
     allowed_origins: Annotated[tuple[str, ...], NoDecode] = ()
     """Origins besides the server's own (scheme, host and port as a request sees them) from

@@ -71,9 +71,8 @@ class AppContext:
     after it closes, across the worker-thread hops between, so the bound keeps the requests
     holding pool connections fewer than the worker threads they need to give them back (and
     SQLite's writers fewer than the threads they wait in): with more, every thread could sit
-    waiting for a connection held by requests that wait for a thread (bench/fleet.py found it
-    at 1,250 hosts). A freed slot goes to any other request before a heartbeat
-    (``server.api.slots``)."""
+    waiting for a connection held by requests that wait for a thread. A freed slot goes to any
+    other request before a heartbeat (``server.api.slots``)."""
     telemetry_notifier: TelemetryNotifier = field(default_factory=TelemetryNotifier)
     stream_slots: StreamSlots = field(default_factory=lambda: StreamSlots(8))
     """Live streams open per token in this process (``create_app`` sets the cap)."""

@@ -70,7 +70,7 @@ def run_retrying(work: Callable[[], T], attempts: int, what: str) -> T:
 WAL_AUTOCHECKPOINT_PAGES = 16_384
 """SQLite: a commit checkpoints the WAL itself only past this many pages (64 MiB). The
 controller checkpoints every round instead (``checkpoint``), in its own process, so the API's
-commits do not pay for it: a third of a telemetry batch's database time (bench/ingest.py)."""
+commits, telemetry batches above all, do not pay for it."""
 
 
 def make_engine(url: str, *, pool_size: int = 16, name: str = "evenflow") -> Engine:
@@ -78,8 +78,8 @@ def make_engine(url: str, *, pool_size: int = 16, name: str = "evenflow") -> Eng
 
     On PostgreSQL its connections say who they are (``application_name``: ``name``, unless the
     URL names one: an operator's own name stays), so ``pg_stat_activity`` tells the API's
-    backends from the controller's: what a database administrator looks at first, and how
-    ``bench/fleet.py`` shares PostgreSQL's CPU out."""
+    backends from the controller's: what a database administrator looks at first to see who
+    takes PostgreSQL's CPU."""
     if url.startswith("sqlite"):
         engine = create_engine(
             url,
@@ -115,9 +115,8 @@ def make_engine(url: str, *, pool_size: int = 16, name: str = "evenflow") -> Eng
 
 BINARY_RESULTS = "evenflow_binary_results"
 """An execution option: psycopg hands this statement's rows over in PostgreSQL's binary format
-(``driver_rows``). Parsing text is most of what fetching a row costs on both sides: for the
-controller's read of 10,000 new telemetry rows, 8.7 ms of the client's CPU in text and 5.4 in
-binary, and about 4.6 and 3.0 ms of the server's (it formats floats as text)."""
+(``driver_rows``). Parsing text is most of what fetching a row costs on both sides (the server
+formats floats as text, the client parses them), and binary costs less on both."""
 
 
 def _binary_results(
@@ -154,10 +153,9 @@ def driver_rows(
     """The rows of ``statement`` in the session's transaction as the DBAPI driver hands them
     out: plain tuples, values as the driver converts them (on SQLite a boolean is 0 or 1). For
     the controller's hottest read (a sweep's new telemetry rows, thousands a job), where
-    building a SQLAlchemy ``Row`` per row was a quarter of reading them
-    (``bench/controller_cost.py``). Executed as any statement is (compiled once, the engine's
-    events fired), only fetched from the cursor; on psycopg, in binary (``BINARY_RESULTS``:
-    the same Python values)."""
+    building a SQLAlchemy ``Row`` per row is a large share of reading them. Executed as any
+    statement is (compiled once, the engine's events fired), only fetched from the cursor; on
+    psycopg, in binary (``BINARY_RESULTS``: the same Python values)."""
     result = session.connection().execute(
         statement, dict(params), execution_options={BINARY_RESULTS: True}
     )

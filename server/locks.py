@@ -6,8 +6,8 @@ Two are needed once the control loop runs in a process of its own (``server.cont
   locked falls into SQLite's busy handler, which sleeps and retries with a growing back-off
   (up to 100 ms a sleep), so a short write can wait far longer than the write it waits for.
   Writers therefore queue on a lock instead: a ``threading.Lock`` inside a process and an
-  ``fcntl.flock`` on a file beside the database across processes (measured against
-  ``BEGIN IMMEDIATE`` with a busy timeout in ``bench/writer_lock.py``). PostgreSQL needs none.
+  ``fcntl.flock`` on a file beside the database across processes, which hands the database
+  on as soon as the writer before is done. PostgreSQL needs none.
 - :func:`bootstrap_lock`: one server at a time migrates and bootstraps a database, so replicas
   starting together (a Kubernetes Deployment) do not run Alembic concurrently.
 - :class:`ControllerLock`: exactly one control loop per database. On SQLite an exclusive

@@ -137,7 +137,7 @@ class Metrics:
             "HTTP request latency",
             ["route"],
             registry=self.registry,
-            # up to a minute: a busy fleet's slowest requests (bench/fleet.py) take seconds
+            # up to a minute: a busy fleet's slowest requests take seconds
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
         )
         self.telemetry_records = Counter(
@@ -248,8 +248,8 @@ class Metrics:
 
     def observe_request(self, method: str, path: str, status: int, seconds: float) -> None:
         """Count and time one request. The labelled series are kept rather than looked up
-        by their labels each time (``labels()`` joins and checks them: a third of what
-        metering a request cost)."""
+        by their labels each time (``labels()`` joins and checks them, a large share of what
+        metering a request costs)."""
         name = self.route_name(path)
         key = (method, name, status)
         counted = self._counted.get(key)

@@ -90,20 +90,20 @@ GC_YOUNG_OBJECTS = 20_000
 """Container objects allocated (net) between two collections of the youngest generation, for
 a server process (Python's default: 700). A request's objects that are still alive at two
 young collections are promoted to the oldest generation, and a full collection follows once
-those add up to a quarter of it. At 700, the fleet bench's API process (1,250 hosts: ~900
-requests a second, some of them waiting seconds for a database slot) promoted its in-flight
-requests so fast that it ran a full collection every 3 s, each holding the whole process
-(loop and every thread) for 0.1 to 1 s (``evenflow_gc_pause_seconds``). At 20,000 the young
-collections come ~30 times less often, so a request lives through two of them only if it
-lasts seconds; what they find is still small (most garbage goes by reference counting)."""
+those add up to a quarter of it. At 700, a busy API process (hundreds of requests a second,
+some of them waiting seconds for a database slot) promotes its in-flight requests so fast
+that full collections come every few seconds, each holding the whole process, loop and every
+thread (``evenflow_gc_pause_seconds`` shows them). At 20,000 the young collections come ~30
+times less often, so a request lives through two of them only if it lasts seconds; what they
+find is still small (most garbage goes by reference counting)."""
 
 
 def settle_heap() -> None:
     """Move everything built so far (modules, the app, its schemas) out of the garbage
-    collector's view (``gc.freeze``): a full collection then scans only what requests create.
-    Unfrozen, one took 90-110 ms on this machine, stalling every request in flight
-    (bench/ingest.py's plan polls); these objects live as long as the process anyway. And
-    collect the youngest generation every ``GC_YOUNG_OBJECTS`` allocations, not 700."""
+    collector's view (``gc.freeze``): a full collection then scans only what requests create,
+    and stalls the requests in flight for less; these objects live as long as the process
+    anyway. And collect the youngest generation every ``GC_YOUNG_OBJECTS`` allocations, not
+    700."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(GC_YOUNG_OBJECTS, *gc.get_threshold()[1:])
@@ -190,7 +190,7 @@ def serve(
         # telemetry; /metrics counts requests instead. --access-log turns them on.
         "access_log": access_log,
         # Agents heartbeat and post every few seconds; a connection outliving uvicorn's 5 s
-        # default is reused instead of racing its close (a fleet saw resets at 5 s).
+        # default is reused instead of racing its close and being reset.
         "timeout_keep_alive": 30,
         "timeout_graceful_shutdown": 3,
     }

@@ -101,8 +101,9 @@ OPS = {
 
 def resolve_gradient_sync(choice: str, device: torch.device, distributed: bool) -> str:
     """The synchroniser a ``ddp`` job uses: ``auto`` takes DDP's overlap on GPUs and the
-    coalesced all-reduce on CPUs, where it measured faster (``bench/engines.py``); without a
-    process group there is nothing to overlap."""
+    coalesced all-reduce on CPUs, where it is as fast or faster
+    (``docs/decisions/0010-ddp-behind-the-synchroniser.md``); without a process group there is
+    nothing to overlap."""
     if not distributed:
         return "coalesced"
     if choice == "auto":

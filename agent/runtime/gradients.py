@@ -33,9 +33,8 @@ How the buffers are summed (``exchange``): NCCL and large CPU buffers use ``all_
 small CPU buffer on gloo is summed by a **direct exchange** instead: one ``all_to_all_single`` in
 which every rank sends its whole buffer to every other, then each rank adds the k copies in rank
 order. Gloo's ring all-reduce takes 2(k-1) dependent network steps whatever the size, and for a
-small buffer those steps are all latency: on a 2-core machine with 4 ranks a 2,200-float
-all-reduce takes ~5-8 ms, the direct exchange ~1.5 ms (``bench/collectives.py``). It sends k
-times the data, so it is used only while ``numel * k <= DIRECT_MAX_ELEMENTS``. The sum is still
+small buffer those steps are all latency, so one exchange takes a fraction of its time. It sends
+k times the data, so it is used only while ``numel * k <= DIRECT_MAX_ELEMENTS``. The sum is still
 bitwise identical on every rank: each rank performs the same elementwise IEEE additions in the
 same order, so parameters never drift apart.
 
@@ -56,9 +55,8 @@ from torch import nn
 
 DIRECT_MAX_ELEMENTS = 1 << 18
 """Largest ``numel * group size`` summed by the direct exchange on gloo (1 MiB of float32 received
-per rank); beyond it the ring all-reduce moves less data and wins. ``bench/collectives.py`` on a
-2-core machine, 4 ranks: 2,200 elements 1.6 vs 5.7 ms, 65,536: 4.6 vs 6.8 ms, 131,072: 7.7 vs
-7.9 ms (even), 262,144: 16 vs 9.8 ms."""
+per rank): about where the two cost the same; beyond it the ring all-reduce, which moves less
+data, wins."""
 
 Exchange = Literal["auto", "all_reduce", "direct"]
 

@@ -45,10 +45,10 @@ one probe plus one poll interval late. (A store key rather than a posted ``irecv
 send left unmatched when the leader changes while a rank is out, and last-writer-wins is exactly
 "the newest iteration".)
 
-Cost (``bench/membership_cost.py``, 3 gloo ranks on one shared 2-core host): making a subgroup
-about 6 ms, once per distinct set of active ranks; switching to a known one 0.03 ms; a tick or
-notice, one store write (microseconds); re-synchronisation 4 ms for a 4k-parameter MLP, 10 ms at
-0.3 M and 50 ms at 3.2 M parameters with momentum (about 0.5 GB/s over loopback).
+Cost: making a subgroup takes milliseconds, once per distinct set of active ranks, and
+switching to a known one next to nothing; a tick or notice is one store write; re-synchronisation
+sends parameters and optimizer state from one rank, so it grows with the model. The straggler
+ladder prices both (``server.services.stragglers``).
 """
 
 from __future__ import annotations

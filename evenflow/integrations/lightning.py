@@ -461,8 +461,8 @@ class EvenflowStrategy(ParallelStrategy):
         fit_loop.setup_data = setup_data  # type: ignore[method-assign]
         # Lightning broadcasts a "received SIGTERM" flag from rank 0 at every step, over the
         # whole world: a collective per step that Evenflow does not need (a rank's end is the
-        # agent's and the control plane's to handle) and that cost 10% of a balanced job's
-        # throughput on CPU ranks (bench/lightning_overhead.py).
+        # agent's and the control plane's to handle) and that slows every step (the guide's
+        # Throughput section, docs/guide/lightning.md).
         epoch_loop = fit_loop.epoch_loop
         if hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
             epoch_loop._broadcast_sigterm_tensor = lambda: None  # type: ignore[method-assign]

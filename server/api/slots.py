@@ -1,15 +1,14 @@
 """The API process's database slots: a bound on the requests doing database work at once, that
 hands a freed slot to a person's request before the fleet's heartbeats.
 
-At 1,250 hosts the heartbeats a change sends to the database (a job's start or end on its
+In a large fleet the heartbeats a change sends to the database (a job's start or end on its
 hosts) queue for slots by the hundred, for seconds at a time. In one queue in arrival order, a
-job submitted from the CLI or the dashboard, and the status polls after it, waited behind all of
-them: 10 to 30 s a request at p50, and 18 to 49 s from a 64-worker job's submission to its
-placement, with the devices free; with this, 1 to 2.5 s and 2 to 6.5 s (bench/fleet.py).
-Heartbeats are the fleet's background: a host counts as alive from its heartbeat's arrival,
-however long the answer takes (``server.scale.host_answers.Liveness``).
-So requests that ask ``first`` (every route but the heartbeat's database work) are handed a
-freed slot before any heartbeat waiting; among each kind, the first come is the first served.
+job submitted from the CLI or the dashboard, and the status polls after it, would wait behind
+all of them (``docs/decisions/0005-heartbeat-groups.md`` has the figures). Heartbeats are the
+fleet's background: a host counts as alive from its heartbeat's arrival, however long the
+answer takes (``server.scale.host_answers.Liveness``). So requests that ask ``first`` (every
+route but the heartbeat's database work) are handed a freed slot before any heartbeat waiting;
+among each kind, the first come is the first served.
 """
 
 from __future__ import annotations

@@ -87,7 +87,7 @@ class ModelFit:
 
 def _wmedian(values: FloatArray, weights: FloatArray) -> float:
     # The arrays' own methods, not numpy's functions: a fit takes a few dozen weighted
-    # medians, and the functions' dispatch to them was a fifth of each (bench/fit_cost.py).
+    # medians of small arrays, where the functions' dispatch to the methods is a real share.
     order = values.argsort(kind="stable")
     cum = weights[order].cumsum()
     return float(values[order[cum.searchsorted(0.5 * cum[-1])]])

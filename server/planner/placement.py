@@ -20,8 +20,8 @@ It is solved in the cheapest way that proves the answer optimal:
 2. Otherwise (hosts partly taken, models mixed: the fleet's inventory once jobs come and go),
    ``by_hosts``: the program's structure makes it a knapsack over hosts (a placement is how
    many of each host's fastest devices it takes), solved exactly by dynamic programming in
-   milliseconds at 10,000 devices. CBC took seconds of a core per such job (``bench/
-   placement_pass.py``), up to its time limit.
+   milliseconds even at 10,000 devices, where CBC takes seconds of a core per job, up to its
+   time limit.
 3. CBC, warm-started from the greedy placement (``warmStart``), only where the dynamic
    program's table would pass ``DP_MAX_CELLS`` (thousands of workers on a large inventory).
 
@@ -146,8 +146,8 @@ def greedy(job: JobRequest, devices: Sequence[FreeDevice], penalty: float) -> li
 
 DP_MAX_CELLS = 20_000_000
 """``by_hosts`` runs while its table (a row of ``max_workers + 1`` per device it may take, host by
-host) stays under this many cells; a bigger job on a bigger inventory goes to CBC. The issue's
-fleet is well under it: 10,000 devices and 256 workers make 2.6 million."""
+host) stays under this many cells; a bigger job on a bigger inventory goes to CBC. A
+256-worker job on 10,000 devices makes 2.6 million."""
 
 
 def by_hosts(job: JobRequest, devices: Sequence[FreeDevice], penalty: float) -> list[FreeDevice]:

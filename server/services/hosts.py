@@ -274,8 +274,8 @@ class Placed(NamedTuple):
 
 _LIVE = (WorkerState.ASSIGNED.value, WorkerState.LAUNCHING.value, WorkerState.RUNNING.value)
 
-# A heartbeat's statements, built once: building a statement and its cache key each time cost
-# more than running it (bench: the shapes read took a sixth of a heartbeat's server time).
+# A heartbeat's statements, built once: building a statement and its cache key each time costs
+# more than running it.
 _PLACED_COLUMNS = (Worker.id, Worker.job_id, Worker.rank, Worker.state, Worker.device_id)
 _PLACED_LIVE = (
     select(*_PLACED_COLUMNS, Job.attempt, Job.status)
@@ -474,11 +474,10 @@ _DEVICES_OF = select(Device.id, Device.host_id).where(
 def _lockable(session: Session, silent: list[Host]) -> list[Host]:
     """The ``silent`` hosts all of whose devices this transaction could lock (PostgreSQL:
     ``FOR NO KEY UPDATE SKIP LOCKED``; SQLite has one writer, so all). Waiting for a device
-    another transaction holds deadlocked with the controller's placement pass at 1,250 hosts
-    (bench/fleet.py): the pass had taken a silent host's free devices (``scheduler._take``) and
-    was inserting its ranks there, whose reference to the host waited for the sweep's lock on
-    the host's row, while the sweep waited for the devices; PostgreSQL aborted the sweep, three
-    times running. A device held means the host is being placed on or written; the next sweep
+    another transaction holds could deadlock with the controller's placement pass: the pass
+    takes a silent host's free devices (``scheduler._take``) and inserts its ranks there, whose
+    reference to the host waits for the sweep's lock on the host's row, while the sweep would
+    wait for the devices. A device held means the host is being placed on or written; the next sweep
     sees it again."""
     params = {"host_ids": [h.id for h in silent]}
     locked = set(session.scalars(_LOCK_DEVICES, params))

@@ -89,8 +89,8 @@ def apply_worker_reports(
 
     The reports' ranks are read (with their jobs' status and attempt) in one statement and
     their state changes written together: a job starting on a host of 8 GPUs reports 8 ranks
-    at once, and a statement or two per report made the fleet's start a burst of thousands of
-    round trips.
+    at once, and a statement or two per report would make a fleet's start a burst of thousands
+    of round trips.
 
     A job that may now start running or succeed is left to the caller, to look at once this
     transaction has committed (``ready_to_advance``, then ``advance_jobs`` for those ready):
@@ -200,9 +200,8 @@ def ready_to_advance(session: Session, pending: Mapping[int, int]) -> dict[int, 
     commits last reads after every one of their commits, so it sees every rank as it was
     reported and finds the job ready; the ones before it read too early, find it not, and
     take no lock. (Read inside the reports' own transaction, each could miss the others'
-    uncommitted ranks and none would find it ready; so the count was made under the job's
-    lock, and a 256-rank job's 32 hosts queued on it, holding the API's database slots,
-    ``bench/fleet.py``.)"""
+    uncommitted ranks and none would find it ready; counting under the job's lock instead
+    would queue a large job's hosts on it, each holding one of the API's database slots.)"""
     if not pending:
         return {}
     ready = {}
@@ -299,9 +298,8 @@ def _moves(status: JobStatus, states: set[WorkerState]) -> JobStatus | None:
 
 
 def _rank_states(session: Session, job_id: int, departed: Collection[int]) -> set[WorkerState]:
-    """The states of the job's ranks still in it (not ``departed``), in one aggregate read: at
-    every rank's start and end, loading a 256-rank job's workers was most of a fleet's
-    heartbeat work."""
+    """The states of the job's ranks still in it (not ``departed``), in one aggregate read, not
+    the job's workers loaded as entities: it runs at every rank's start and end."""
     rows = session.execute(_RANK_STATES, {"job_id": job_id, "departed": sorted(departed)})
     return {WorkerState(state) for (state,) in rows}
 

@@ -9,7 +9,7 @@ not identified yet, ``rebalance_every`` after), the job is due for another decis
 decision, away from the initial split (made before anything was measured), comes sooner: after
 ``FIRST_LOOK`` iterations, or ``explore_iterations`` if fewer; one guess per worker is all the
 first exploration plan needs, and every iteration on the blind split costs up to the slowest
-worker's share of the imbalance (on ``bench/stragglers.py``'s workers, 1.7x the optimum).
+worker's share of the imbalance.
 Frozen jobs and the ``equal`` policy are never re-planned automatically.
 """
 
@@ -107,8 +107,7 @@ FIRST_READ_ITERATIONS = 300
 """A job's first read (a controller starting, or taking over from another) covers its last this
 many iterations: the fit window (``FIT_WINDOW``), the memory window (``memory.WINDOW``) and the
 straggler watch's replay (``stragglers.REPLAY``), not the raw history a retention window keeps
-(20,000 iterations a job, by default: a fleet's controller taking over read every job's whole
-raw history)."""
+(20,000 iterations a job, by default), so a takeover reads what it needs and no more."""
 
 
 Ints = npt.NDArray[np.int64]
@@ -117,10 +116,10 @@ Floats = npt.NDArray[np.float64]
 
 class NewColumns:
     """A sweep's new rows (``NewRows``) as columns, built once for the tracker, the fit window
-    and the straggler watch, which take them as arrays: row by row in Python, the three were
-    a fifth of a fleet controller's time at 1,250 hosts (``bench/fleet.py``), for work that is
-    the same for every row. The nullable columns (an out-of-memory report, a pass size, a peak)
-    are mostly empty, and are looked at row by row only where they are not."""
+    and the straggler watch, which take them as arrays: row by row in Python, the three would
+    spend much of the controller's time on work that is the same for every row. The nullable
+    columns (an out-of-memory report, a pass size, a peak) are mostly empty, and are looked at
+    row by row only where they are not."""
 
     __slots__ = ("batch", "compute", "iteration", "probe", "rank", "rows", "version")
 
@@ -134,7 +133,7 @@ class NewColumns:
         self.compute: Floats = self._column(7, np.float64)
 
     def _column(self, i: int, dtype: Any) -> Any:
-        # a column at a time from the rows, in C (zip(*rows) was twice as long)
+        # a column at a time from the rows, in C: faster than transposing them with zip(*rows)
         return np.fromiter(map(itemgetter(i), self.rows), dtype=dtype, count=len(self.rows))
 
     def __len__(self) -> int:
@@ -170,9 +169,9 @@ class NewColumns:
 @dataclass
 class NewRows:
     """A job's telemetry rows added since the last look, by id. The control loop reads them
-    once per sweep and hands them to the tracker, the fit window and the straggler watch, which
-    each read them on their own before (the same rows three times, a third of a fleet
-    controller's sweep). The first read is the job's last ``FIRST_READ_ITERATIONS``.
+    once per sweep and hands them to the tracker, the fit window and the straggler watch, so
+    the same rows are read once, not three times. The first read is the job's last
+    ``FIRST_READ_ITERATIONS``.
 
     On PostgreSQL the last ``REREAD_IDS`` ids are read again (``REREAD_IDS``), and a row read
     again is not handed out again (``seen``)."""
@@ -245,12 +244,12 @@ class Tracker:
     """(rank, iteration, pass size) of out-of-memory reports not handled yet."""
     plan: Plan | None = None
     """The plan in force, read when the job has a new one (plans never change once made): a
-    round needs its sizes and the ranks it keeps out of the all-reduce group, and read it
-    twice per sweep of a settled job before (``plans.current``: two queries)."""
+    round needs its sizes and the ranks it keeps out of the all-reduce group, not read again
+    (``plans.current``: two queries) every sweep."""
     world: int | None = None
     """The job's number of ranks, counted once: an attempt keeps its ranks (one that leaves
-    stays listed, ``departed``), and a restart starts a new tracker. Loading the workers to
-    count them was a tenth of a steady sweep (256 entities per round for a 256-rank job)."""
+    stays listed, ``departed``), and a restart starts a new tracker, so a steady sweep does not
+    load the workers to count them."""
 
     def absorb(
         self,
@@ -407,13 +406,12 @@ class FitWindow:
     """The observations of a job's recent window (``FIT_WINDOW`` iterations back from the
     newest reported), kept up to date from the rows the control loop reads each sweep
     (``NewRows``), for the rebalancer's decisions and the straggler watch's normal models.
-    Read whole for each decision and each refresh of the normal models, the window was the
-    controller's largest cost in the fleet bench; kept, each row is read and converted once.
+    Kept, not read whole for each decision and each refresh of the normal models, so each row
+    is read and converted once.
 
-    Kept as columns, in the order the rows came (``NewColumns``: an ``Observation`` per row was
-    a tenth of a fleet controller's time); per rank, in iteration order (a row that turns up
-    late, on PostgreSQL, takes its place after those of its iteration), as ``observed`` reads
-    them."""
+    Kept as columns, in the order the rows came (``NewColumns``, not an ``Observation`` per row,
+    which costs far more); per rank, in iteration order (a row that turns up late, on
+    PostgreSQL, takes its place after those of its iteration), as ``observed`` reads them."""
 
     newest: int | None = None
     """The newest iteration of any row taken (the window ends there)."""

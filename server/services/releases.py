@@ -46,10 +46,9 @@ _RELEASE_ENDED = (
     .execution_options(synchronize_session="fetch")
 )
 """``finish``'s release of an ended job's devices (``release``, for each device no rank of
-the job ``may_still_run`` on), in one statement: the job's last heartbeat loaded every rank
-and device of it as entities and wrote each device back, a seventh of the CPU of a fleet's
-heartbeats worked out in the database (bench/fleet.py, 256-rank jobs). ``fetch``: the session's
-devices (a heartbeat's host's) see what it wrote."""
+the job ``may_still_run`` on), in one statement, not every rank and device loaded as entities
+and each device written back, which would weigh on the heartbeat that ends a large job.
+``fetch``: the session's devices (a heartbeat's host's) see what it wrote."""
 
 
 def may_still_run(worker: Worker | None) -> bool:

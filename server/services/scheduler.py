@@ -77,10 +77,9 @@ def _profiles() -> tuple[GpuProfile, ...]:
 
 @dataclass(slots=True)
 class Free:
-    """A free device on a live host, as a placement pass reads it: a row, not an entity.
-    Loaded as entities, the free devices of a 10,000-device fleet were two thirds of a pass's
-    time (py-spy on the fleet bench's controller); the devices a job is given are written
-    with one statement (``_take``)."""
+    """A free device on a live host, as a placement pass reads it: a row, not an entity, since
+    loading a large fleet's free devices as entities would take most of a pass; the devices a
+    job is given are written with one statement (``_take``)."""
 
     id: int
     host_id: int
@@ -199,9 +198,8 @@ def _per_device(session: Session, job_ids: Collection[int], sums: Sums) -> dict[
 class SpeedHistory:
     """``measured_speeds``' sums per (job, rank), kept from one placement pass to the next and
     brought up to date from the telemetry rows added since (by id), instead of summed again from
-    every recent job's whole history each pass. That sum was a growing share of the database's
-    time in a fleet (``bench/fleet.py``: the busiest statement at 500 hosts, spilling to disk,
-    and it grows with the history kept: up to 20,000 iterations a rank for 200 jobs).
+    every recent job's whole history each pass: that sum grows with the history kept (up to
+    20,000 iterations a rank) and would be the busiest statement in a fleet's database.
 
     The first use sums the recent jobs' history once (raw rows and roll-ups); each later one
     adds the rows of ids past the last it read, for every job (new rows are few), and drops the
@@ -270,9 +268,8 @@ class Speeds:
 
 class Pool:
     """The free devices of one placement pass, and each device as the planner sees it
-    (``FreeDevice``), made once per workload in the pass and shared by every pending job of it.
-    Made again for each job, they were most of a pass: 200 pending jobs at 10,000 devices made
-    two million of them (``bench/placement_pass.py``)."""
+    (``FreeDevice``), made once per workload in the pass and shared by every pending job of it,
+    not made again for each job: that would cost pending jobs times devices every pass."""
 
     def __init__(
         self, session: Session, free: list[Free], history: SpeedHistory | None = None
@@ -405,7 +402,7 @@ def request_placement(session: Session) -> None:
 class Landscape:
     """Every device as ``explain`` needs it (id, the job holding it, whether it is free on a live
     host), read once, as plain rows: a placement round and a submission each read it once,
-    not once per pending job (at 10,000 devices that was 10,000 entities per job per round)."""
+    not once per pending job (every device, per job, per round)."""
 
     rows: tuple[tuple[int, int | None, bool], ...]
 
@@ -483,7 +480,7 @@ def _most_first(busy: dict[int, int]) -> tuple[tuple[int, int], ...]:
 
 REASON_HOLDERS = 3
 """The jobs holding the most of the wanted devices that a pending reason names (the rest are
-summed): at 10,000 devices a reason naming every busy job overflowed its column."""
+summed): on a large fleet a reason naming every busy job would overflow its column."""
 
 
 def explain(spec: JobSpec, landscape: Landscape, *, tried: bool) -> str:

@@ -38,8 +38,7 @@ def downsampled(
     # ``id + 0``: the id bound is a filter, not the index range, so a job's rows are read by
     # its iterations after the rolled-up ones (a roll-up deletes every row of its span). Until
     # vacuumed, the deleted rows stay in both indexes, and a read through the (job, id) index
-    # visited all of them and their heap pages (a finished 500,000-iteration job's chart
-    # right after its roll-up: bench/retention.py).
+    # would visit all of them and their heap pages.
     mine: tuple[ColumnElement[bool], ...] = (T.job_id == job.id, (T.id + 0) <= last_id)
     if rhi is not None:
         mine = (*mine, T.iteration > int(rhi))

@@ -416,13 +416,12 @@ def _all_reduce_times(
 
 
 GLOO_REGROUP_MS = 10.0
-"""Making a gloo subgroup: about 6 ms on a shared 2-core host (``bench/membership_cost.py``),
-switching to a known one 0.03 ms; with a margin."""
+"""Making a gloo subgroup, with a margin: a few milliseconds the first time a set of ranks
+meets, next to nothing when switching to a known one."""
 RESYNC_PER_ALL_REDUCE = 2.0
 """Re-synchronising a readmitted rank sends parameters and optimizer state (momentum: twice the
 parameters) from one rank: about twice the bytes a ring all-reduce of the gradients puts on each
-link, so about twice its time (``bench/membership_cost.py``: 4 ms at 4k parameters, 50 ms at
-3.2 M with momentum, against all-reduces of 2 to 25 ms)."""
+link, so about twice its time."""
 MIN_RESYNC_MS = 3.0
 
 
@@ -453,9 +452,8 @@ _JOB_DEVICE_KINDS = (
 
 def _on_gloo(session: Session, job: Job, watch: Watch | None) -> bool:
     """Whether every device of the job's workers is a CPU (none: not gloo). One query of the
-    devices' kinds alone, once per attempt with a ``watch``: a ``session.get`` per device was
-    a third of a 256-rank job's round, and loading the job's workers (their log tails too) to
-    list the devices a tenth of a settled fleet job's sweep (``bench/fleet.py``)."""
+    devices' kinds alone, once per attempt with a ``watch``: a ``session.get`` per device, or
+    the job's workers loaded (log tails too) to list them, would weigh on a large job's sweep."""
     if watch is not None and watch.gloo is not None:
         return watch.gloo
     kinds = [str(k) for k in session.scalars(_JOB_DEVICE_KINDS, {"job_id": job.id})]
@@ -578,7 +576,8 @@ def _ladder_rests(job: Job, watch: Watch, iteration: int) -> bool:
     no event is open, and neither the plan, the normal models nor the overrides changed since;
     asked again at least every ``REFRESH_EVERY`` iterations all the same (the all-reduce time
     and the baseline levels it also prices with drift slowly). Pricing every candidate plan of
-    a settled job every round was most of its round; detection still sees every iteration."""
+    a settled job every round would be most of its round; detection still sees every
+    iteration."""
     rested = watch.rested
     return (
         rested is not None
@@ -635,9 +634,8 @@ def detect(
     The first part of a job's watch in a sweep: it reads nothing a rebalance could change (the
     rows were posted under plans made before), so the control loop runs it before the
     rebalancer's decision, and an event is stored in the sweep that has the slow iterations
-    whatever else the sweep does (a straggler's urgent sweep of a young job made an exploring
-    plan, and the event waited for the sweep after: half a second at 1,250 hosts). None when
-    nothing new was fed."""
+    whatever else the sweep does (a young job's exploring plan included), not a sweep later.
+    None when nothing new was fed."""
     if watch.unsaved and id(watch) not in session.info.get(_WATCHES, {}):  # one rolled back
         _store(session, job, watch, list(watch.unsaved.values()))
     if progress.complete_through is None:

@@ -53,10 +53,10 @@ def ingest_many(conn: Connection, posts: Sequence[Post]) -> list[Outcome]:
     are skipped, so a retried batch never duplicates; each post is judged exactly as it would be
     alone (``server.scale.telemetry_writer.TelemetryWriter`` groups the posts that arrive together).
 
-    The hot write path (bench/ingest.py), so it works on a Core connection, not an ORM session,
-    and its statements do not grow with the posts: one read of the jobs' states and sizes, one
-    of the agents' ranks on their hosts, one bulk insert straight from the batches' per-field
-    arrays (``TelemetryBatch.arrays``; a columnar batch hands over the lists it was parsed into)."""
+    The hot write path, so it works on a Core connection, not an ORM session, and its
+    statements do not grow with the posts: one read of the jobs' states and sizes, one of the
+    agents' ranks on their hosts, one bulk insert straight from the batches' per-field arrays
+    (``TelemetryBatch.arrays``; a columnar batch hands over the lists it was parsed into)."""
     jobs = {
         job_id: (status, world)
         for job_id, status, world in conn.execute(
@@ -132,7 +132,7 @@ _ITERATIONS = 10**12 + 1
 
 def _repeats(job_ids: list[int], ranks: list[int], iterations: list[int]) -> bool:
     """Whether a (job, rank, iteration) comes twice: sorted by numpy, not a set of tuples in
-    Python (which was 3.4 ms of the writer's CPU in a group of 20,000 rows)."""
+    Python, which costs the writer far more CPU on a large group."""
     if len(job_ids) < 2:
         return False
     jobs = np.asarray(job_ids, dtype=np.int64)
@@ -208,9 +208,9 @@ _RANKS_ON_HOSTS = (
     )
 )
 
-# Bulk inserts, measured (bench/ingest.py): on PostgreSQL one INSERT ... SELECT FROM unnest()
-# of per-column arrays is ~3x faster than a multi-row VALUES insert; on SQLite a plain
-# executemany is fastest. Both skip existing keys.
+# Bulk inserts, each database's fastest: on PostgreSQL one INSERT ... SELECT FROM unnest() of
+# per-column arrays (faster than a multi-row VALUES insert), on SQLite a plain executemany. Both
+# skip existing keys.
 COLUMNS = TELEMETRY_FIELDS  # a row's values, after its job id
 _PG_TYPES: tuple[Kind, ...] = (  # of COLUMNS, in order
     "integer",
@@ -236,11 +236,10 @@ _PG_INSERT = (
     "SELECT count(*), CASE WHEN count(*) < %(rows)s "
     "THEN array_agg(ARRAY[job_id, rank, iteration]) END FROM stored"
 )
-"""The group's rows in one statement, from one array per column sent in binary (psycopg turns
-a list into text element by element in Python: three times the API process's CPU, and a tenth
-of its samples at 1,250 hosts; its binary lists, too, go element by element: ``packed`` builds
-them with numpy). It answers one row: how many rows were stored and, only when
-some were not (already stored), the keys of those that were."""
+"""The group's rows in one statement, from one array per column sent in binary, built by numpy
+(``packed``): psycopg encodes a list element by element in Python, text or binary alike, a
+cost the API process would pay on every row. It answers one row: how many rows were stored
+and, only when some were not (already stored), the keys of those that were."""
 _SQLITE_INSERT = (
     f"INSERT INTO iteration_telemetry (job_id, {', '.join(COLUMNS)}) "
     f"VALUES ({', '.join('?' * (len(COLUMNS) + 1))}) "
@@ -255,9 +254,8 @@ inserts, before its commit: two API processes (``--workers``) or two servers, ea
 writer, commit groups of up to ``server.scale.telemetry_writer.MAX_GROUP_ROWS`` rows in either order, and a reader by id
 (the controller's ``NewRows``) that saw the later group first moved its mark past the earlier
 one's ids, by more than its re-read margin (``REREAD_IDS``): those rows were never read. Held
-from the insert to the commit only (the group's reads come before it): one insert at a time
-across the database: one writer's pace (about 100k rows/s, ``bench/ingest.py``), five times
-the 1,250-host fleet's 20k."""
+from the insert to the commit only (the group's reads come before it), so the database takes
+one insert at a time, at one writer's pace, which is well above a fleet's telemetry rate."""
 
 
 def _insert_postgresql(conn: Connection, rows: _Rows) -> dict[int, int]:

@@ -127,9 +127,8 @@ _WORKER_QUERY = select(Worker.token_hash, Worker.id, Worker.job_id, Worker.rank,
 _TOKENS_BY_HASH = _TOKEN_QUERY.where(ApiToken.token_hash.in_(bindparam("hashes", expanding=True)))
 _WORKERS_BY_HASH = _WORKER_QUERY.where(Worker.token_hash.in_(bindparam("hashes", expanding=True)))
 """Built once, read as rows on a plain connection: the token cache refreshes every agent's
-token every few seconds (``cache.TOKEN_REFRESH_AFTER_S``; 1,250 hosts: 300 a second), and
-building the statements and entities each time was a tenth of the fleet bench's API process
-(py-spy ``--gil``)."""
+token every few seconds (``cache.TOKEN_REFRESH_AFTER_S``), so building statements and entities
+on each refresh would be a steady cost to the API process."""
 
 
 def authenticate_keys(

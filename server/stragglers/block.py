@@ -3,9 +3,9 @@
 Most samples of most ranks are quiet: the rank has no open event, its onset CUSUM is at zero,
 its reference is its fitted model, its baseline window is full, and the sample is no slower
 than its normal level plus the drift k (``z <= 0``). Such a sample only enters the baseline:
-the oldest log-ratio leaves, the new one comes in, and the CUSUM stays at zero. At fleet scale
-(``bench/fleet.py``) that path, a sample at a time in Python, was a quarter of the controller's
-time, and nine rows in ten come from jobs of 32 ranks or more.
+the oldest log-ratio leaves, the new one comes in, and the CUSUM stays at zero. Taken a sample
+at a time in Python, that path would be a large share of the controller's time at fleet scale,
+where most rows come from wide jobs.
 
 A ``QuietBlock`` keeps those ranks' baselines as arrays, ``(ranks, baseline_window)``: the
 window in time order as a ring, and the same values sorted, so a baseline is two middle columns

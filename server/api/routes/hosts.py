@@ -39,7 +39,7 @@ def register(
     host = hosts.register(session, req, principal, now, live_after_s=live_after_s)
     # Its heartbeats are noted on arrival from the first, not only once one has been answered
     # by the database: a fleet registering at once queues its first heartbeats for database
-    # slots, and 1,250 hosts so waiting were marked lost (bench/fleet.py).
+    # slots, and hosts left waiting there would be marked lost.
     context.liveness.owned(host.id, principal.token_id)
     return HostOut.model_validate(host)
 
