@@ -93,9 +93,9 @@ class Settings(BaseSettings):
 
     controller_cores: float = Field(default=0.0, ge=0)
     """How much of a core the controller's rounds may take, averaged over a round: a job's
-    sweep waits (``server.controller.CpuPace``) until the CPU the sweeps before it took is
+    sweep waits (``server.workqueue.CpuPace``) until the CPU the sweeps before it took is
     paid back at this rate. Urgent work is never held (a job poked for a straggler, or hot:
-    ``server.controller.HOT_S``); its CPU still counts. At fleet scale every job has new
+    ``server.workqueue.HOT_S``); its CPU still counts. At fleet scale every job has new
     telemetry every round and rounds run back to back, so the controller takes whatever the
     machine leaves it, and the more often it sweeps a job the more each row costs (measured in
     ``docs/decisions/0006-controller-process-niced.md``). For a small

@@ -22,8 +22,7 @@ import signal
 import socket
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import UTC, datetime
 from typing import Any
@@ -43,6 +42,7 @@ from server.serve import settle_heap
 from server.services import control_loop, retention, scheduler
 from server.services import hosts as host_service
 from server.services.audit import record
+from server.workqueue import CpuPace, RoundHooks, WorkQueue
 
 log = logging.getLogger("evenflow.controller")
 
@@ -52,22 +52,11 @@ STANDBY_POLL_S = 1.0
 ROLL_UP_BUDGET_S = 2.0
 """At most this long of roll-up work per retention pass, so rounds are not held up."""
 
-HOT_S = 20.0
-"""A job poked as urgent (a worker's iteration time jumped) stays *hot* this long, and one with
-an open straggler event while it is open: a hot job with new telemetry is swept again within
-``HOT_CHECK_S`` even in the middle of a round. The urgent batch is rarely all a detection needs:
-the iteration is judged once every rank has reported it, and the ranks on other hosts report it
-with their next regular batch, which at fleet scale would otherwise wait for the next round
-(seconds later: bench/fleet.py saw detection at 25 to 100 iterations against 2 alone)."""
-
 LOCK_CHECK_S = 5.0
 """How often a round under way uses the controller lock's connection (``ControllerLock.check``):
 a round may take seconds at fleet scale, a minute on a starved machine, and a lock lost
 meanwhile ended the turn only once the round had; an idle connection may also be ended by the
 database (``idle_session_timeout``) or a pooler, which frees the lock."""
-
-HOT_CHECK_S = 0.5
-"""How often a round looks for new telemetry of hot jobs (one query over the newest rows)."""
 
 PLACE_GAP_S = 1.0
 """Placement passes start once per this many seconds when asked for all the time, after a
@@ -100,18 +89,6 @@ WAKE_SLICE_S = 0.1
 REAP_ATTEMPTS = 3
 """The lost-host sweep's transaction is run again this many times at most when the database
 aborts it for another's sake (``db.retryable``)."""
-
-
-SWEEP_RETRY_FIRST_S = 1.0
-SWEEP_RETRY_MAX_S = 30.0
-"""A job whose sweeps keep failing is tried again after 1, 2, 4, ... s, at most this long: each
-try takes the job up afresh from the database (``Controller._sweep_job``), which for a long job
-is a read of its fit window and history, so one failing job is not that cost every round."""
-
-ROUND_GIVES_UP_AFTER = 3
-"""A round ends (logged as failed) once this many job sweeps in a row have failed: the
-database is likely away, and every job left would fail the same way. Fewer are logged and the
-round goes on with the other jobs (``Controller._sweep_round``)."""
 
 
 class FencedOut(RuntimeError):
@@ -190,28 +167,19 @@ class Controller:
         """Read a job's new telemetry before taking the writer lock; without one (PostgreSQL)
         the round's one transaction reads it, and a second read would double the cost."""
         self.state = control_loop.LoopState(min_decision_interval_s=1.0)
-        self._failing: dict[int, tuple[int, float]] = {}
-        """Jobs whose last sweep failed: (failures in a row, monotonic time of the next try)."""
         self.rounds = 0
         self._wake = threading.Event()
         self._sweep_now = False
         """The next round sweeps live jobs (its interval passed, or a poke asked for one)."""
-        self._urgent: set[int] = set()
-        """Jobs that sent urgent telemetry since a round last looked: swept before the others."""
-        self._urgent_lock = threading.Lock()
-        self._hot: dict[int, float] = {}
-        """Job -> until when it is hot (``HOT_S``) for having been poked."""
-        self._poked_at: dict[int, float] = {}
-        """Urgent job -> when it was first poked since a round last took it (``RoundStats``)."""
-        self._hot_seen: dict[int, int] = {}
-        """Hot job -> its newest telemetry row id when a round last looked."""
         self._place_wake = threading.Event()
         """A job was submitted or devices freed since placement last ran (``placements``)."""
         self.speed_history = scheduler.SpeedHistory()
         """Recent jobs' measured speeds, brought up to date by each placement pass."""
         self.round_stats = RoundStats(settings.controller_report_s)
-        self.pace = CpuPace(settings.controller_cores) if settings.controller_cores > 0 else None
-        """Paces the sweeps of jobs that are not urgent (``Settings.controller_cores``)."""
+        pace = CpuPace(settings.controller_cores) if settings.controller_cores > 0 else None
+        self.queue = WorkQueue(pace, wait=self._wait_for_poke)
+        """The order of a round's sweeps (urgent, hot, due), their back-off after a failure and
+        their pace (``Settings.controller_cores``)."""
         self.active_since: datetime | None = None
         """When this controller last took the controller lock: no host's silence before it
         counts (no server may have been there to hear it)."""
@@ -244,8 +212,8 @@ class Controller:
         thread may call it; the API processes reach a controller process over the wake bus.
 
         The poked jobs are swept first, and a job poked while a round is under way is swept
-        next: at fleet scale a round over every job with new data takes seconds, which a
-        straggler would otherwise wait out.
+        next (``WorkQueue.add_urgent``): a round over every job with new data may take seconds,
+        which a straggler would otherwise wait out.
 
         The id ``PLACEMENT`` asks for placement (a job was submitted, devices were added or
         freed): the placement thread places pending jobs now (``placements``); alone, it leaves
@@ -256,24 +224,9 @@ class Controller:
             ids.discard(PLACEMENT)
             if not ids:
                 return
-        now = time.monotonic()
-        until = now + HOT_S
-        with self._urgent_lock:
-            self._urgent |= ids
-            self._hot.update(dict.fromkeys(ids, until))
-            for job_id in ids:
-                self._poked_at.setdefault(job_id, now)
+        self.queue.add_urgent(ids)
         self._sweep_now = True
         self._wake.set()
-
-    def _take_urgent(self) -> list[int]:
-        now = time.monotonic()
-        with self._urgent_lock:
-            ids, self._urgent = sorted(self._urgent), set()
-            waits = [now - self._poked_at.pop(j) for j in ids if j in self._poked_at]
-        for wait in waits:
-            self.round_stats.add_urgent_wait(1000 * wait)
-        return ids
 
     def _pause(self, stop: threading.Event, seconds: float) -> bool:
         """Wait ``seconds`` or until poked; True when stopping. A wait that runs its course asks
@@ -317,8 +270,7 @@ class Controller:
         self.fence = Fence.take(self.sessions, self.write_lock)
         if self.turns:
             self.state = control_loop.LoopState(min_decision_interval_s=1.0)
-            self._failing.clear()
-            self._hot_seen.clear()
+            self.queue.new_turn()
         self.turns += 1
         self.active_since = datetime.now(UTC)
         url = self.engine.url.render_as_string()
@@ -377,8 +329,9 @@ class Controller:
     def sweep(self) -> None:
         """Re-plan running jobs on their cadence and watch for stragglers; each job in its own
         short transaction, so ingest is never held up for a whole round. The job's new telemetry
-        is read first, outside the writer lock (``control_loop.prefetch``). Jobs poked as
-        urgent go first, also those poked while the round is under way (``poke``)."""
+        is read first, outside the writer lock (``control_loop.prefetch``). The work queue
+        orders them: jobs poked as urgent first, also those poked while the round is under way
+        (``poke``), then hot jobs with new telemetry, then the due ones."""
         started, cpu = time.perf_counter(), time.thread_time()
         mark = self.state.telemetry_mark
         with transaction(self.sessions) as s:
@@ -391,57 +344,36 @@ class Controller:
             raise
 
     def _sweep_round(self, started: float, cpu: float, live: list[int], due: list[int]) -> None:
-        """``sweep``'s jobs, ``due`` and those poked meanwhile, one after another."""
-        live_ids, queue, swept = set(live), deque(due), set()
-        failed_in_a_row = 0
-        urgent: deque[int] = deque()
-        paced = 0.0
-        next_hot = next_live = time.monotonic() + HOT_CHECK_S
+        """``sweep``'s jobs, ``due`` and those poked meanwhile, one after another in the work
+        queue's order; the lock is checked every ``LOCK_CHECK_S`` meanwhile."""
         next_lock = time.monotonic() + LOCK_CHECK_S
-        while True:
+
+        def check_lock() -> None:
+            nonlocal next_lock
             if time.monotonic() >= next_lock:
                 self._check_lock()
                 next_lock = time.monotonic() + LOCK_CHECK_S
-            news: list[int] = []
-            if time.monotonic() >= next_hot:
-                news = self._hot_news(live_ids)
-                next_hot = time.monotonic() + HOT_CHECK_S
-            pokes = [*self._take_urgent(), *news]
-            if not live_ids.issuperset(pokes) and time.monotonic() >= next_live:
-                # a job that started during this round (at fleet scale rounds take seconds,
-                # and a straggler's slowdown may come within them): live now, swept now
-                with transaction(self.sessions) as s:
-                    live_ids.update(control_loop.live_jobs(s))
-                next_live = time.monotonic() + HOT_CHECK_S
-            for j in pokes:
-                if j in live_ids and j not in urgent:
-                    urgent.append(j)
-            if urgent:  # again if swept already: its ranks' urgent posts arrive one by one
-                job_id = urgent.popleft()
-            elif queue:
-                if queue[0] in swept:
-                    queue.popleft()
-                    continue
-                if self.pace is not None and (wait := self.pace.wait_s()) > 0:
-                    paced += self._wait_paced(wait)  # a poke ends it: urgent work goes first
-                    continue
-                job_id = queue.popleft()
-            else:
-                break
-            swept.add(job_id)
-            before = time.thread_time()
-            failed_in_a_row = self._sweep_one(job_id, failed_in_a_row)
-            if self.pace is not None:  # urgent or not, what it took is paid back
-                self.pace.spend(time.thread_time() - before)
-        self.state.forget(live_ids)
-        self._failing = {j: f for j, f in self._failing.items() if j in live_ids}
+
+        hooks = RoundHooks(
+            live_jobs=self._live_jobs,
+            newest_telemetry=self._newest_telemetry,
+            open_events=self._open_events,
+            before_each=check_lock,
+        )
+        self.queue.start_round(due, live)
+        while (job_id := self.queue.next(hooks)) is not None:
+            self._sweep_one(job_id)
+        tally = self.queue.end_round()
+        self.state.forget(tally.live)
         self.rounds += 1
+        for wait in tally.urgent_waits_s:
+            self.round_stats.add_urgent_wait(1000 * wait)
         self.round_stats.add(
             1000 * (time.perf_counter() - started),
             len(live),
-            len(swept),
+            tally.taken,
             time.thread_time() - cpu,
-            paced_s=paced,
+            paced_s=tally.paced_s,
         )
 
     def _check_lock(self) -> None:
@@ -454,55 +386,43 @@ class Controller:
         except Exception as exc:
             raise FencedOut(f"the controller lock's connection broke: {exc}") from exc
 
-    def _wait_paced(self, seconds: float) -> float:
-        """Wait for the pace, at most until the next look at hot jobs (``HOT_CHECK_S``), or
-        until a poke; returns how long it waited. The poke's wake-up is taken here: the round
-        under way takes up the poked jobs next (``_take_urgent``)."""
-        t0 = time.monotonic()
-        if self._wake.wait(min(seconds, HOT_CHECK_S)):
+    def _wait_for_poke(self, seconds: float) -> None:
+        """Wait up to ``seconds`` for the pace (``WorkQueue.next``), or until a poke, whose
+        wake-up is taken here: the round under way takes up the poked jobs next."""
+        if self._wake.wait(seconds):
             self._wake.clear()
-        return time.monotonic() - t0
 
-    def _hot_news(self, live: set[int]) -> list[int]:
-        """Hot jobs (``HOT_S``) with telemetry newer than when a round last looked."""
-        now = time.monotonic()
-        with self._urgent_lock:
-            self._hot = {j: until for j, until in self._hot.items() if until > now}
-            hot = set(self._hot)
-        hot |= {j for j, watch in self.state.watches.items() if watch.detector.any_open()}
-        hot &= live
-        self._hot_seen = {j: seen for j, seen in self._hot_seen.items() if j in hot}
-        if not hot:
-            return []
+    def _live_jobs(self) -> list[int]:
         with transaction(self.sessions) as s:
-            newest = control_loop.newest_telemetry(s, self.state, sorted(hot))
-        news = [j for j, top in newest.items() if top > self._hot_seen.get(j, 0)]
-        self._hot_seen.update(newest)
-        return sorted(news)
+            return control_loop.live_jobs(s)
 
-    def _sweep_one(self, job_id: int, failed_in_a_row: int) -> int:
-        """``_sweep_job`` within a round; returns how many sweeps in a row have failed. One
-        job's failing sweep (a deadlock, a bug its data brings out) is logged and the round goes
-        on: it ended the round, and the jobs queued after it were never swept while it kept
-        failing. ``ROUND_GIVES_UP_AFTER`` in a row end the round: the database is away."""
-        failures, next_try = self._failing.get(job_id, (0, 0.0))
-        if time.monotonic() < next_try:
-            return failed_in_a_row  # failed lately: tried again after its wait
+    def _newest_telemetry(self, job_ids: list[int]) -> dict[int, int]:
+        with transaction(self.sessions) as s:
+            return control_loop.newest_telemetry(s, self.state, job_ids)
+
+    def _open_events(self) -> list[int]:
+        """Jobs with an open straggler event: hot while it is open (``WorkQueue.hot``)."""
+        return [j for j, watch in self.state.watches.items() if watch.detector.any_open()]
+
+    def _sweep_one(self, job_id: int) -> None:
+        """``_sweep_job`` within a round, its outcome and CPU told to the work queue. One job's
+        failing sweep (a deadlock, a bug its data brings out) is logged and the round goes on
+        without it until its back-off is over; ``ROUND_GIVES_UP_AFTER`` in a row end the round
+        (the exception is raised): the database is away."""
+        before = time.thread_time()
         try:
             self._sweep_job(job_id)
         except FencedOut:
             raise  # not the job's fault: this controller's turn is over
         except Exception:
-            wait = min(SWEEP_RETRY_MAX_S, SWEEP_RETRY_FIRST_S * 2.0**failures)
-            self._failing[job_id] = (failures + 1, time.monotonic() + wait)
-            if failed_in_a_row + 1 >= ROUND_GIVES_UP_AFTER:
+            wait = self.queue.done(job_id, ok=False, cpu_s=time.thread_time() - before)
+            if self.queue.gave_up:
                 raise
             log.exception(
                 "sweep of job %d failed; the round goes on (next try in %g s)", job_id, wait
             )
-            return failed_in_a_row + 1
-        self._failing.pop(job_id, None)
-        return 0
+        else:
+            self.queue.done(job_id, ok=True, cpu_s=time.thread_time() - before)
 
     def _sweep_job(self, job_id: int) -> None:
         """Sweep one job in a transaction of its own. One that fails leaves nothing of the
@@ -574,21 +494,20 @@ class Controller:
     def roll_up_telemetry(self, budget_s: float = ROLL_UP_BUDGET_S) -> int:
         """Roll up telemetry older than each job's retention window, a chunk per short
         transaction, for at most ``budget_s`` (the next pass goes on where this one stopped),
-        and not while a job poked as urgent waits for its sweep (``poke``: a straggler's
-        detection waited out two seconds of roll-up at 1,250 hosts). Returns the raw rows
-        removed."""
+        and not while a job poked as urgent waits for its sweep (``WorkQueue.has_urgent``: a
+        straggler's detection waits for no roll-up). Returns the raw rows removed."""
         deadline = time.monotonic() + budget_s
         with transaction(self.sessions) as s:
             jobs = self.retention.candidates(s)
         removed = 0
         for job_id in jobs:
-            while time.monotonic() < deadline and not self._urgent:
+            while time.monotonic() < deadline and not self.queue.has_urgent():
                 with self._writing() as s:
                     moved = self.retention.roll_up(s, job_id)
                 removed += moved
                 if not moved:
                     break
-            if time.monotonic() >= deadline or self._urgent:
+            if time.monotonic() >= deadline or self.queue.has_urgent():
                 break
         if removed:
             log.info("rolled up %d telemetry rows", removed)
@@ -636,36 +555,6 @@ class Controller:
             action = "hosts.loss_paused" if sweep.paused else "hosts.loss_resumed"
             detail = {"silent": sweep.silent, "active": sweep.active}
             record(session, "system", action, "hosts", detail)
-
-
-class CpuPace:
-    """Paces work to ``cores`` of one core: work that took ``c`` seconds of CPU is paid back in
-    ``c / cores`` seconds, and the next may start once it is (``wait_s``). Time with nothing to
-    do earns credit for at most ``burst_s`` seconds of CPU, so a small cluster's rounds (a few
-    jobs, milliseconds each) never wait."""
-
-    def __init__(
-        self, cores: float, burst_s: float = 0.1, clock: Callable[[], float] = time.monotonic
-    ) -> None:
-        if cores <= 0:
-            raise ValueError("cores must be positive")
-        self.cores, self.burst_s, self.clock = cores, burst_s, clock
-        self._credit = burst_s
-        self._at = clock()
-
-    def _refill(self) -> None:
-        now = self.clock()
-        self._credit = min(self.burst_s, self._credit + self.cores * (now - self._at))
-        self._at = now
-
-    def wait_s(self) -> float:
-        """How long until the next piece of work may start."""
-        self._refill()
-        return 0.0 if self._credit >= 0 else -self._credit / self.cores
-
-    def spend(self, cpu_s: float) -> None:
-        self._refill()
-        self._credit -= cpu_s
 
 
 class PassBudget:

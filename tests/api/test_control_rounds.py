@@ -12,11 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from server import controller as controller_module
+from server import workqueue
 from server.context import context_of
-from server.controller import Controller, CpuPace
+from server.controller import Controller
 from server.db import transaction
 from server.notify import PLACEMENT
 from server.services import control_loop, scheduler
+from server.workqueue import CpuPace
 from tests.harness import Api, statements, until
 
 
@@ -147,14 +149,15 @@ def test_one_jobs_failing_sweep_does_not_stop_the_others(
         _post(api, job, range(0, 3))
     controller.sweep()
     assert sorted(swept) == sorted([jobs[1], jobs[3]]), "the failed ones wait before a new try"
-    controller._failing.clear()  # (their waits over)
+    for job in jobs:
+        controller.queue.forget(job)  # (their waits over)
     failing.update(jobs)
     swept.clear()
     for job in jobs:
         _post(api, job, range(3, 6))
     with pytest.raises(RuntimeError):
         controller.sweep()
-    assert len(swept) == controller_module.ROUND_GIVES_UP_AFTER
+    assert len(swept) == workqueue.ROUND_GIVES_UP_AFTER
 
 
 def test_placement_and_the_rounds_do_not_wait_for_each_other(
@@ -246,7 +249,7 @@ def test_a_hot_job_with_new_telemetry_is_swept_again_in_the_same_round(
     a round has it swept again before the round ends. Another job's new rows wait their turn."""
     jobs = _jobs_on_hosts(api, "abc")
     controller = _controller(api)
-    monkeypatch.setattr(controller_module, "HOT_CHECK_S", 0.0)
+    monkeypatch.setattr(workqueue, "HOT_CHECK_S", 0.0)
     order: list[int] = []
     posted = [0]
 
@@ -263,7 +266,7 @@ def test_a_hot_job_with_new_telemetry_is_swept_again_in_the_same_round(
     controller.sweep()
     assert order == [jobs[1], jobs[0], jobs[1], jobs[2]]
     order.clear()
-    monkeypatch.setattr(controller_module, "HOT_S", 0.0)
+    monkeypatch.setattr(workqueue, "HOT_S", 0.0)
     controller.poke([jobs[1]])  # hot no more: swept for the poke, its next rows wait their turn
     controller.sweep()
     assert order[:2] == [jobs[1], jobs[0]]
@@ -333,7 +336,7 @@ def test_a_job_that_starts_during_a_round_is_swept_when_poked_in_it(
     straggler whose slowdown comes early) is swept in this round, not left for the next."""
     jobs = _jobs_on_hosts(api, "ab")
     controller = _controller(api)
-    monkeypatch.setattr(controller_module, "HOT_CHECK_S", 0.0)
+    monkeypatch.setattr(workqueue, "HOT_CHECK_S", 0.0)
     order: list[int] = []
     late: list[int] = []
 
@@ -402,7 +405,7 @@ def test_a_paced_round_spaces_its_sweeps_yet_takes_an_urgent_job_at_once(
     jobs = _jobs_on_hosts(api, "abcd")
     controller = _controller(api)
     cores = 0.01
-    controller.pace = CpuPace(cores, burst_s=0.0)  # 10 ms of CPU: 1 s to pay back
+    controller.queue.pace = CpuPace(cores, burst_s=0.0)  # 10 ms of CPU: 1 s to pay back
     swept: list[tuple[int, float, float]] = []  # job, wall start, thread CPU taken
     poked: list[int] = []
 

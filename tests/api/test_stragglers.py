@@ -16,7 +16,7 @@ import pytest
 from sqlalchemy import select
 
 from contract.enums import PlanSource
-from server import controller as controller_module
+from server import workqueue
 from server.controller import Controller
 from server.db import transaction
 from server.models import Job
@@ -494,7 +494,7 @@ def test_a_static_plan_made_in_a_sweep_that_rolled_back_is_made_again(
 
     monkeypatch.setattr(control_loop, "record", record)
     monkeypatch.setattr(c, "sweep", controller.sweep)
-    monkeypatch.setattr(controller_module, "SWEEP_RETRY_FIRST_S", 0.0)  # tried again at once
+    monkeypatch.setattr(workqueue, "SWEEP_RETRY_FIRST_S", 0.0)  # tried again at once
     c.run(60)  # the failed sweep is logged; the rounds go on
     assert failed, "the sweep that settled the job failed"
     settled = [
