@@ -447,8 +447,7 @@ class Controller:
         devices) and every ``PLACE_EVERY_S``, passes paced by ``PassBudget``, until ``stop``
         or ``done``. A thread of its own: a pass may take seconds at fleet scale
         (an ILP per job, solved by CBC in a process of its own), during which the rounds go on
-        sweeping. In the rounds' thread it took 18% of the controller's time at 1,250 hosts,
-        waiting for CBC, and a submission waited for the job being swept to finish."""
+        sweeping, and a submission never waits for the job being swept."""
         budget = PassBudget(PLACE_GAP_S, PLACE_BURST)
         while not (stop.is_set() or done.is_set()):
             self._place_wake.wait(PLACE_EVERY_S)
@@ -581,8 +580,8 @@ class PassBudget:
 
 
 class RoundStats:
-    """Round times, summarised in the log every ``report_s`` seconds (operators and
-    ``bench/fleet.py`` read how a round grows with the number of live jobs), with the CPU the
+    """Round times, summarised in the log every ``report_s`` seconds (how a round grows with
+    the number of live jobs), with the CPU the
     rounds and the placement passes took meanwhile (each on its own thread, sharing the
     process's interpreter: what one takes, the other waits for)."""
 

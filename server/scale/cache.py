@@ -120,8 +120,8 @@ class TTLCache(Generic[K, V]):
         """Like :meth:`get_or_load`, but misses of different keys share one load: at most one
         ``load_many(keys)`` runs at a time, and the keys that miss meanwhile go together in
         the next. A fleet whose hosts each hold their own token would otherwise send one
-        database read per host through the thread pool every TTL (1,250 hosts heartbeating
-        every 2 s exhausted the connection pool). ``load_many`` answers each key with its
+        database read per host through the thread pool every TTL, enough to exhaust the
+        connection pool. ``load_many`` answers each key with its
         value or the exception its waiters get."""
         hit = self._data.get(key)
         now = self.clock()
@@ -209,8 +209,7 @@ class TTLCache(Generic[K, V]):
         an invalidation of ``key`` nor a drop that takes ``value`` came since. Drops of other
         values do not count: credentials change every few seconds on a busy cluster (jobs end,
         ranks get new ones), and a load that any of them voided stored nothing, so every
-        heartbeat of a fleet whose entries expired waited for a load that was never kept
-        (bench/fleet.py at 1,250 hosts: heartbeats stuck for a minute in this cache)."""
+        heartbeat of a fleet whose entries expired would wait for a load never kept."""
         with self._lock:
             if generation is not None and not self._current(key, value, generation):
                 return
@@ -333,9 +332,8 @@ heartbeating every 2 s never waits for its token's read."""
 PLAN_TTL_S = 5.0
 """How long a job's current plan is cached. Every commit of a plan drops it here and, over the
 plan bus, everywhere else; this bounds how late a lost notification is noticed. Waiting
-long-polls re-check the plan every second (``notify.RECHECK_S``), which at 1 s read each
-job's plan from the database every second (bench/fleet.py: a tenth of the API process's time
-at 200 jobs)."""
+long-polls re-check the plan every second (``notify.RECHECK_S``); a TTL as short would read
+each job's plan from the database every second."""
 
 
 PLAN_REFRESH_AFTER_S = 4.0

@@ -1,15 +1,12 @@
 """Group commit for the heartbeats the database works out: those that queue while a group runs
 go together, in one transaction.
 
-A steady heartbeat is answered from memory (``server.scale.host_answers``); the rest (a rank reported
-launching, running or ended, a new launch credential) are worked out in the database. At 1,250
-hosts a job's start or end sends one from each of its hosts within a heartbeat period, 30 to 45
-a second under the fleet bench's churn, and the API process answered about 20 a second within
-the heartbeat target (bench/fleet.py). Each cost a slot, a hop to a worker thread, a
-transaction, and a second transaction to advance its jobs once its reports had committed
-(``rank_reports.ready_to_advance``): begin, commit and that second transaction were a third of a
-database heartbeat's CPU, and the 32 hosts of a 256-rank job each ran the second transaction
-for the same job (bench/request_cost.py, py-spy).
+A steady heartbeat is answered from memory (``server.scale.host_answers``); the rest (a rank
+reported launching, running or ended, a new launch credential) are worked out in the database,
+in bursts when a job's hosts all report its start or end. Alone, each costs a slot, a hop to a
+worker thread, a transaction, and a second transaction to advance its jobs once its reports
+have committed (``rank_reports.ready_to_advance``), the same job's for each of its hosts
+(decision record 0005).
 
 Here at most ``at_once`` groups run at a time, each in one database slot and one worker-thread
 hop (:class:`HeartbeatGroups`). A group is every heartbeat waiting when a slot came, up to

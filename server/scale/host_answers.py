@@ -1,10 +1,9 @@
 """The steady heartbeat, answered from memory.
 
-Every host heartbeats every 2 s; at fleet scale (1,250 hosts) that is 625 requests a second,
-almost all of them *steady*: the agent reports what it reported last time and the answer is
-the one it got last time. Working that answer out costs three statements and a commit (with a
-fourth that wrote the host's time, about 2.3 ms of an API process's CPU,
-``bench/request_cost.py``), which alone needs more than the one core an API process has. So
+Every host heartbeats every 2 s, hundreds of requests a second for a fleet, almost all of them
+*steady*: the agent reports what it reported last time and the answer is the one it got last
+time. Working that answer out costs three statements and a commit (a fourth wrote the host's
+time), more than one API process's core can give a fleet (decision record 0003). So
 each API process keeps, per host, the last heartbeat it answered and its answer
 (:class:`HostAnswers`), and answers the same heartbeat again from memory while nothing the
 answer depends on has changed. Liveness, the one thing a steady heartbeat still
@@ -94,7 +93,7 @@ whose rank ends or moves in the same flush is concerned by that rank's own chang
 def _history(obj: Any, name: str) -> History:
     """A column's history in this flush, as ``inspect(obj).attrs[name].history`` says it,
     without that building a view of every attribute of the object at each call (a placement
-    pass's flush of hundreds of devices spent most of its hook there: bench/fleet.py)."""
+    pass flushes hundreds of devices)."""
     return get_history(obj, name, passive=PASSIVE_NO_INITIALIZE)
 
 
@@ -418,11 +417,9 @@ _ALIVE_IF_NEWER_PG = text(
 (autocommit), so it holds the rows for as long as the statement runs and no longer; and it
 never waits for a row another transaction holds (a host coming back, whose heartbeat writes its
 status and time at its commit; the reaper marking hosts lost): it skips it, says which rows it
-took, and the others go out with the next flush. Waiting, it held every row it had already
-written while it waited, so heartbeats of those hosts queued behind it, holding their database
-slots; at 1,250 hosts it waited up to 10 s at a time (``pg_stat_activity``:
-Lock/transactionid), no host's time was written meanwhile, and the reaper marked hundreds of
-heartbeating hosts lost.
+took, and the others go out with the next flush. Waiting, it would hold every row it had
+already written meanwhile, heartbeats of those hosts would queue behind it holding their
+database slots, and the reaper could mark heartbeating hosts lost.
 
 ``NO KEY UPDATE``, the lock its own update takes (the time is no key): ``FOR UPDATE`` also
 conflicts with the ``KEY SHARE`` lock that a row referencing the host takes to its commit (a
@@ -436,14 +433,13 @@ class Liveness:
     worked out too (only a host coming back writes its time with its status). A time never
     moves back (one written meanwhile may be later).
 
-    A heartbeat is noted on arrival (``arrived``, by ``FastPaths.heartbeat``), before it waits for anything,
-    when it comes with the credential that the host's last heartbeat answered by the database
+    A heartbeat is noted on arrival (``arrived``, by ``FastPaths.heartbeat``), before it waits
+    for anything, when it comes with the credential that the host's last heartbeat answered by the database
     here came with (``owned``), and again at every flush until it is answered (``answered``):
     a host is alive while it talks to us or waits for our answer, however long its heartbeat
     waits for a database slot. Noted only at its commit, a heartbeat that waited more than
-    about half of ``host_lost_after_s`` let its host be marked lost while it was heartbeating,
-    and the restarts that followed loaded the server further (bench/fleet.py at 1,250 hosts:
-    thousands of hosts lost in a minute)."""
+    about half of ``host_lost_after_s`` would let its host be marked lost while it was
+    heartbeating, and the restarts that followed would load the server further."""
 
     def __init__(self) -> None:
         self._seen: dict[int, datetime] = {}
@@ -480,8 +476,8 @@ class Liveness:
     def answered(self, host_id: int, now: datetime) -> None:
         """A heartbeat ``arrived`` noted has its answer (or failed) ``now``: its host was alive
         until then, so ``now`` goes out with the next flush: not only its time of arrival,
-        which may be seconds older than what a flush wrote while it waited (bench/fleet.py,
-        1,250 hosts: hosts marked lost right after such a heartbeat was answered)."""
+        which may be seconds older than what a flush wrote while it waited (its host would
+        look silent again right after its answer)."""
         with self._lock:
             left = self._waiting.pop(host_id, 1) - 1
             if left:

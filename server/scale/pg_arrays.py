@@ -1,9 +1,8 @@
 """Columns of numbers sent to PostgreSQL as binary arrays, packed by numpy.
 
 psycopg dumps a Python list as a binary array element by element in Python (its
-``ListBinaryDumper``): about 0.27 µs a value, 13 columns a telemetry row, so a tenth of the API
-process's samples at 1,250 hosts went to it (py-spy, ``bench/fleet.py`` with long-lived jobs).
-``packed`` builds the same bytes (``array_recv``'s format: a header, then each element's length
+``ListBinaryDumper``), 13 columns a telemetry row: a fleet's telemetry made that a large share
+of the API process's CPU (decision record 0004). ``packed`` builds the same bytes (``array_recv``'s format: a header, then each element's length
 and big-endian value, or -1 for a NULL) with numpy in one pass per column, 14 times faster and
 byte for byte what psycopg sends (``tests/test_pg_arrays.py``). The wrapped bytes carry the
 array's type, so ``CAST(%(x)b AS float8[])`` casts nothing.

@@ -1,9 +1,9 @@
 """Group commit for telemetry posts: the posts that arrive together share one transaction.
 
-A fleet's agents post their jobs' timings every 2 s, hundreds of posts a second at 1,250 hosts.
-Each post alone cost a hop to a worker thread, three statements and a commit (a WAL flush on
-PostgreSQL), which was most of what the API process and PostgreSQL spent on telemetry
-(bench/request_cost.py). Here one writer thread per server process takes every post that is
+A fleet's agents post their jobs' timings every 2 s, hundreds of posts a second. Each post
+alone costs a hop to a worker thread, three statements and a commit (a WAL flush on
+PostgreSQL), most of what the API process and PostgreSQL spend on telemetry (decision record
+0004). Here one writer thread per server process takes every post that is
 waiting when it is free, judges and stores them together (``telemetry.ingest_many``: one read of
 the jobs, one of the agents' ranks, one insert) and commits once. Nothing waits on purpose: a
 lone post is written at once, as before; under load the posts that queued while the last
@@ -41,9 +41,8 @@ MAX_GROUP_ROWS = 20_000
 """Rows one transaction takes at most (a post has at most 5,000); the rest wait for the next."""
 
 # Urgent posts (a worker's iteration time jumped: a straggler may have begun) go first: the
-# writer's next transaction is theirs alone, ahead of the posts queued before them. At 1,250
-# hosts a post waited 0.8 s at p50 for the groups ahead of it, which was most of a straggler's
-# detection delay at load (bench/fleet.py). One thread still writes every group, and every
+# writer's next transaction is theirs alone, ahead of the posts queued before them: at load,
+# the wait behind the groups ahead would be most of a straggler's detection delay. One thread still writes every group, and every
 # insert holds a lock to its commit on PostgreSQL (``telemetry._PG_ID_ORDER``), so rows are
 # committed in the order of their ids across processes; a host's relay posts a job's rows one
 # post at a time, so no rank's urgent rows overtake its own earlier ones.
