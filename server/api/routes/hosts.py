@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Request
 
 from contract.agent import Heartbeat, HeartbeatAck, HostRegister
 from contract.api import HostOut, Page
@@ -53,9 +53,9 @@ def register(
 )
 async def heartbeat(
     request: Request, context: Context, principal: Authenticated, host_id: PathId
-) -> Response:
+) -> bytes:
     """Report liveness and worker states; the answer lists the ranks this host must run or stop."""
-    return raw.json_bytes(await context.paths.heartbeat(host_id, await request.body(), principal))
+    return await context.paths.heartbeat(host_id, await request.body(), principal)
 
 
 @router.get("")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Query, Request, Response
+from fastapi import APIRouter, Query, Request
 
 from contract.agent import TelemetryAck, TelemetryBatch
 from contract.api import Page, TelemetryOut
@@ -24,14 +24,14 @@ router = APIRouter(prefix="/jobs", tags=["telemetry"], route_class=bodies.JSONRo
 )
 async def ingest(
     request: Request, context: Context, principal: Authenticated, job_id: PathId
-) -> Response:
+) -> bytes:
     """Store timings (an agent: ranks on its host; a worker credential: its own rank; else
     admin; 409 once the job has ended); rows already stored for (job, rank, iteration) are skipped, not duplicated.
     An `urgent` batch (a worker's iteration time jumped) makes the control loop look at the job
     at once rather than at its next round."""
     batch = bodies.parse(TelemetryBatch, await request.body())
     ack = await store(context, job_id, batch, principal)
-    return raw.json_bytes(ack.model_dump_json().encode())
+    return ack.model_dump_json().encode()
 
 
 @router.get("/{job_id}/telemetry")
