@@ -21,8 +21,9 @@ import httpx
 import uvicorn
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
-from sqlalchemy import Engine, event
+from sqlalchemy import Engine, event, select
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
 
 from contract.agent import TelemetryRecord
 from contract.base import PROTOCOL_VERSION
@@ -31,6 +32,7 @@ from server.config import Settings
 from server.context import context_of
 from server.controller import CONTROLLER_THREAD, PLACEMENT_THREAD
 from server.db import ReadChanged, transaction
+from server.models import Device, Job, Worker
 from server.services import scheduler
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -299,3 +301,21 @@ def job_with_plan(base: str) -> int:
         assert time.monotonic() < deadline, "the job never got its first plan"
         time.sleep(0.1)
     return job
+
+
+def placement_rows(s: Session) -> tuple[list[tuple[Any, ...]], ...]:
+    """What a heartbeat may change: ranks (state, device), jobs (status, attempt) and devices
+    (job, status), each by id."""
+    return (
+        [
+            tuple(r)
+            for r in s.execute(
+                select(Worker.id, Worker.state, Worker.device_id).order_by(Worker.id)
+            )
+        ],
+        [tuple(r) for r in s.execute(select(Job.id, Job.status, Job.attempt).order_by(Job.id))],
+        [
+            tuple(r)
+            for r in s.execute(select(Device.id, Device.job_id, Device.status).order_by(Device.id))
+        ],
+    )

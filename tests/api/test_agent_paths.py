@@ -19,11 +19,11 @@ from contract.enums import Role
 from server.app import create_app
 from server.context import AppContext, context_of
 from server.db import transaction
-from server.models import Device, Host, IterationTelemetry, Job, Worker
+from server.models import Host, IterationTelemetry
 from server.scale.fast import FastPaths
 from server.scale.plain import PlainPaths
 from server.services import hosts
-from tests.harness import Api, driven, make_settings
+from tests.harness import Api, driven, make_settings, placement_rows
 
 HOSTS = ("a", "b")
 OP = st.one_of(
@@ -179,29 +179,9 @@ class _Side:
 
 
 def _stored(api: Api) -> tuple[list[Any], ...]:
-    context = _context(api)
-    with context.sessions() as s:
-        return (
-            [
-                tuple(r)
-                for r in s.execute(
-                    select(Worker.id, Worker.state, Worker.device_id).order_by(Worker.id)
-                )
-            ],
-            [tuple(r) for r in s.execute(select(Job.id, Job.status, Job.attempt).order_by(Job.id))],
-            [
-                tuple(r)
-                for r in s.execute(
-                    select(Device.id, Device.job_id, Device.status).order_by(Device.id)
-                )
-            ],
-            [tuple(r) for r in s.execute(select(Host.id, Host.status).order_by(Host.id))],
-            [
-                tuple(r)
-                for r in s.execute(
-                    select(IterationTelemetry.job_id, func.count())
-                    .group_by(IterationTelemetry.job_id)
-                    .order_by(IterationTelemetry.job_id)
-                )
-            ],
-        )
+    """The ranks, jobs and devices, the hosts' states and each job's telemetry rows."""
+    with _context(api).sessions() as s:
+        hosts_ = [tuple(r) for r in s.execute(select(Host.id, Host.status).order_by(Host.id))]
+        rows = select(IterationTelemetry.job_id, func.count()).group_by(IterationTelemetry.job_id)
+        telemetry = [tuple(r) for r in s.execute(rows.order_by(IterationTelemetry.job_id))]
+        return (*placement_rows(s), hosts_, telemetry)

@@ -27,10 +27,10 @@ from server.api.slots import DbSlots
 from server.app import _flush_liveness, _write_liveness, create_app
 from server.context import AppContext, context_of
 from server.db import transaction
-from server.models import Device, Host, Job, Worker
+from server.models import Host, Worker
 from server.services import hosts, rank_reports
 from server.services.tokens import Principal
-from tests.harness import ADMIN_TOKEN, ROOT, Api, driven, make_settings, statements
+from tests.harness import ADMIN_TOKEN, ROOT, Api, driven, make_settings, placement_rows, statements
 
 
 def _context(api: Api) -> AppContext:
@@ -421,30 +421,15 @@ def _worked_out(
     hb = Heartbeat.model_validate({"workers": report})
     principal = Principal(token_id=0, name="test", role=Role.ADMIN)
     with context.write_lock, context.sessions() as s:
-        before = _state(s)
+        before = placement_rows(s)
         ack = hosts.heartbeat(s, host_id, hb, principal, datetime.now(UTC)).ack
         s.flush()
         if unchanged:
-            assert _state(s) == before, "answered from memory, but the database changes things"
+            assert placement_rows(s) == before, (
+                "answered from memory, but the database changes things"
+            )
         s.rollback()
     return ack.model_dump(mode="json")
-
-
-def _state(s: Any) -> tuple[list[Any], ...]:
-    """What a heartbeat may change: ranks, jobs, devices."""
-    return (
-        [
-            tuple(r)
-            for r in s.execute(
-                select(Worker.id, Worker.state, Worker.device_id).order_by(Worker.id)
-            )
-        ],
-        [tuple(r) for r in s.execute(select(Job.id, Job.status, Job.attempt).order_by(Job.id))],
-        [
-            tuple(r)
-            for r in s.execute(select(Device.id, Device.job_id, Device.status).order_by(Device.id))
-        ],
-    )
 
 
 def test_liveness_not_written_is_written_by_the_next_flush(api: Api) -> None:
