@@ -54,9 +54,15 @@ def run(
 
 
 def assert_same(state: dict[str, Any], model: nn.Module) -> None:
+    """Every tensor equal to one process's to 1e-5 relative, by its norm. Not element by
+    element: the ranks sum a gradient in another order than one process, and AdamW divides a
+    near-zero gradient's step by its own tiny scale, so a lone weight moves by up to a few 1e-6
+    depending on the shares the plans gave (a wrong weighting moves whole tensors by 1e-3 and
+    more)."""
     for name, p in model.state_dict().items():
-        diff = (state[name] - p).abs().max().item()
-        assert torch.allclose(state[name], p, rtol=1e-5, atol=1e-6), (name, diff)
+        a, b = state[name].double(), p.double()
+        gap = (a - b).norm().item()
+        assert gap <= 1e-5 * b.norm().item() + 1e-6, (name, gap, (a - b).abs().max().item())
 
 
 @pytest.mark.distributed
