@@ -21,6 +21,7 @@ import httpx
 import uvicorn
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
+from hypothesis import strategies as st
 from sqlalchemy import Engine, event, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -318,4 +319,29 @@ def placement_rows(s: Session) -> tuple[list[tuple[Any, ...]], ...]:
             tuple(r)
             for r in s.execute(select(Device.id, Device.job_id, Device.status).order_by(Device.id))
         ],
+    )
+
+
+FLEET_HOSTS = ("a", "b")
+HOST_EVENTS = (
+    st.tuples(st.just("submit"), st.integers(1, 4)),
+    st.tuples(st.just("cancel"), st.integers(0, 3)),
+    st.tuples(st.just("report"), st.sampled_from(["running", "succeeded", "failed"])),
+    st.tuples(st.just("fewer"), st.just(0)),
+    st.tuples(st.just("quiet"), st.just(0)),
+    st.tuples(st.just("lost"), st.just(0)),
+    st.tuples(st.just("beat"), st.just(0)),
+)
+"""What may happen between two hosts' heartbeats (jobs submitted and cancelled, a rank's report
+changed, fewer or no reports, the hosts taken for lost, one host beating), for the heartbeat
+oracles' property tests; each test adds its own."""
+
+
+def host_histories(*more: Any, max_size: int) -> Any:
+    """Lists of (event, argument, host) drawn from ``HOST_EVENTS`` and ``more``."""
+    event = st.one_of(*HOST_EVENTS, *more)
+    return st.lists(
+        st.tuples(event, st.sampled_from(FLEET_HOSTS)).map(lambda t: (*t[0], t[1])),
+        min_size=1,
+        max_size=max_size,
     )

@@ -23,22 +23,13 @@ from server.models import Host, IterationTelemetry
 from server.scale.fast import FastPaths
 from server.scale.plain import PlainPaths
 from server.services import hosts
-from tests.harness import Api, driven, make_settings, placement_rows
+from tests.harness import FLEET_HOSTS, Api, driven, host_histories, make_settings, placement_rows
 
-HOSTS = ("a", "b")
-OP = st.one_of(
-    st.tuples(st.just("submit"), st.integers(1, 4)),
-    st.tuples(st.just("cancel"), st.integers(0, 3)),
-    st.tuples(st.just("report"), st.sampled_from(["running", "succeeded", "failed"])),
-    st.tuples(st.just("fewer"), st.just(0)),
-    st.tuples(st.just("quiet"), st.just(0)),
-    st.tuples(st.just("lost"), st.just(0)),
-    st.tuples(st.just("beat"), st.just(0)),
+HOSTS = FLEET_HOSTS
+OPS = host_histories(
     st.tuples(st.just("telemetry"), st.integers(0, 3)),
     st.tuples(st.just("bad"), st.sampled_from([b"{not json", b'{"workers": 3}', b""])),
-)
-OPS = st.lists(
-    st.tuples(OP, st.sampled_from(HOSTS)).map(lambda t: (*t[0], t[1])), min_size=1, max_size=12
+    max_size=12,
 )
 """What happens, and (for reports, beats and posts) on which host's agent."""
 

@@ -30,7 +30,17 @@ from server.db import transaction
 from server.models import Host, Worker
 from server.services import hosts, rank_reports
 from server.services.tokens import Principal
-from tests.harness import ADMIN_TOKEN, ROOT, Api, driven, make_settings, placement_rows, statements
+from tests.harness import (
+    ADMIN_TOKEN,
+    FLEET_HOSTS,
+    ROOT,
+    Api,
+    driven,
+    host_histories,
+    make_settings,
+    placement_rows,
+    statements,
+)
 
 
 def _context(api: Api) -> AppContext:
@@ -349,19 +359,8 @@ def test_a_change_committed_by_another_process_reaches_the_agent(api: Api, db_ur
 
 # ------------------------------------------------------------------------- the invariant
 
-HOSTS = ("a", "b")
-OP = st.one_of(
-    st.tuples(st.just("submit"), st.integers(1, 4)),
-    st.tuples(st.just("cancel"), st.integers(0, 3)),
-    st.tuples(st.just("report"), st.sampled_from(["running", "succeeded", "failed"])),
-    st.tuples(st.just("fewer"), st.just(0)),
-    st.tuples(st.just("quiet"), st.just(0)),
-    st.tuples(st.just("lost"), st.just(0)),
-    st.tuples(st.just("beat"), st.just(0)),
-)
-OPS = st.lists(
-    st.tuples(OP, st.sampled_from(HOSTS)).map(lambda t: (*t[0], t[1])), min_size=1, max_size=14
-)
+HOSTS = FLEET_HOSTS
+OPS = host_histories(max_size=14)
 """What happens, and (for reports and beats) on which host's agent."""
 
 
